@@ -1,0 +1,305 @@
+"""The balancing protocol over a process group, and its inverse.
+
+Per batch, on every rank:
+
+0. preflight: an AllGather of ``[local batch size, schema digest, local error]`` so a malformed or
+   mismatched batch raises the same clear error on every rank before any sample moves;
+I+II. AllGather of each sample's UIH length and candidate count (one collective, padded to the
+   largest local batch);
+III. the same deterministic partition on every rank, then the AllToAll shuffle of whole samples.
+
+``unshuffle`` sends per-sample outputs (losses, predictions, or any batch) back to the ranks the
+samples were loaded on, in their original order. Samples never leave their global batch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from freescale_balance.autotune import AlphaAutoTuneConfig, AlphaAutoTuner
+from freescale_balance.cost_model import CostModel
+from freescale_balance.exchange import exchange_samples
+from freescale_balance.jagged import JaggedBatch, JaggedBatchError
+from freescale_balance.partition import (
+    Partition,
+    Policy,
+    partition,
+    source_ranks,
+    straggler_fraction,
+    vbs_weights,
+)
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated there); 2.11 only has the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class BalanceError(RuntimeError):
+    """Raised identically on every rank when some rank's input cannot be balanced."""
+
+
+@dataclass
+class BalancerConfig:
+    """Settings of ``Balancer``.
+
+    Attributes:
+        policy: partition policy, ``"none" | "fbs" | "vbs" | "kk"``.
+        length_feature: feature whose per-sample lengths are the UIH length (default: the first).
+        candidates_field: optional dense field with each sample's number of candidates, added to
+            its UIH length (the sequence the model attends over is history + candidates).
+        cost_model: per-sample cost for ``fbs``/``kk``.
+        autotune: ``vbs`` exponent tuning; ``alpha`` starts at ``autotune.initial_alpha``.
+        timeout: bound of every collective on the balancer's own group.
+    """
+
+    policy: Policy = "fbs"
+    length_feature: str | None = None
+    candidates_field: str | None = None
+    cost_model: CostModel = field(default_factory=CostModel)
+    autotune: AlphaAutoTuneConfig = field(default_factory=AlphaAutoTuneConfig)
+    timeout: timedelta = timedelta(seconds=120)
+
+
+@dataclass(frozen=True)
+class ShufflePlan:
+    """How one batch moved; everything ``unshuffle`` needs to send outputs back.
+
+    Attributes:
+        partition: destination rank of every sample of the global batch.
+        sequence_lengths: int64, UIH length + candidates of every sample of the global batch.
+        local_counts: int64 ``[world]``, local batch size each rank loaded.
+        send_order: local indices of this rank's loaded samples, grouped by destination.
+        send_counts: int64 ``[world]``, samples this rank sent to each rank.
+        recv_counts: int64 ``[world]``, samples this rank received from each rank.
+        costs: per-sample cost the partition balanced.
+    """
+
+    partition: Partition
+    sequence_lengths: torch.Tensor
+    local_counts: torch.Tensor
+    send_order: torch.Tensor
+    send_counts: torch.Tensor
+    recv_counts: torch.Tensor
+    costs: torch.Tensor
+
+    def straggler(self) -> float:
+        """Predicted straggler fraction of the balanced batch, under ``costs``."""
+        return straggler_fraction(self.partition.loads(self.costs))
+
+    def unbalanced_straggler(self) -> float:
+        """Predicted straggler fraction had every sample stayed where it was loaded."""
+        unbalanced = Partition(source_ranks(self.local_counts), self.partition.world_size)
+        return straggler_fraction(unbalanced.loads(self.costs))
+
+
+class BalanceFuture:
+    """An in-flight balancing step; ``wait()`` returns its result or raises its error."""
+
+    def __init__(self, future: concurrent.futures.Future, timeout: timedelta) -> None:
+        self._future = future
+        self._timeout = timeout
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: timedelta | None = None):
+        bound = (timeout or self._timeout).total_seconds()
+        try:
+            return self._future.result(timeout=bound)
+        except concurrent.futures.TimeoutError:
+            raise BalanceError(f"balancing step did not finish within {bound:.0f} s") from None
+
+
+class Balancer:
+    """Balances jagged batches across the ranks of a process group.
+
+    Args:
+        config: policy, cost model and timeouts.
+        group: process group whose ranks share the global batch. By default a dedicated Gloo group
+            over all ranks is created (collectively, so every rank must construct its Balancer
+            at the same point), so asynchronous balancing never interleaves with the caller's
+            own collectives on another group.
+
+    Example::
+
+        balancer = Balancer(BalancerConfig(policy="fbs", length_feature="item_ids"))
+        batch, plan = balancer.shuffle(local_batch)        # samples now on assigned ranks
+        losses = model(batch)                              # one loss per received sample
+        my_losses = balancer.unshuffle(losses, plan)       # back in local_batch's order
+    """
+
+    def __init__(
+        self, config: BalancerConfig | None = None, group: dist.ProcessGroup | None = None
+    ) -> None:
+        self.config = config or BalancerConfig()
+        if group is None:
+            group = dist.new_group(backend="gloo", timeout=self.config.timeout)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.tuner = AlphaAutoTuner(self.config.autotune)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="freescale-balance"
+        )
+
+    # -- collective helpers ------------------------------------------------------------------
+
+    def _all_gather(self, local: torch.Tensor) -> torch.Tensor:
+        gathered = torch.empty(self.world_size * local.numel(), dtype=local.dtype)
+        _all_gather_single(gathered, local.reshape(-1), group=self.group)
+        return gathered.reshape(self.world_size, *local.shape)
+
+    def _preflight(self, problem: str | None, digest: int, local_count: int) -> torch.Tensor:
+        """Agrees on sizes and schema, or raises the same ``BalanceError`` on every rank."""
+        header = self._all_gather(
+            torch.tensor([local_count, digest, problem is not None], dtype=torch.int64)
+        )
+        digests = header[:, 1]
+        if bool(header[:, 2].any()) or bool((digests != digests[0]).any()):
+            problems: list = [None] * self.world_size
+            dist.all_gather_object(problems, problem, group=self.group)
+            lines = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
+            if not lines:
+                lines = [
+                    f"rank {r} has a batch schema different from rank 0's"
+                    for r in range(self.world_size)
+                    if digests[r] != digests[0]
+                ]
+            raise BalanceError("cannot balance this batch:\n  " + "\n  ".join(lines))
+        return header[:, 0]
+
+    # -- stages --------------------------------------------------------------------------------
+
+    def _local_problem(self, batch: JaggedBatch) -> str | None:
+        try:
+            batch.validate()
+            self._sequence_lengths(batch)
+        except (JaggedBatchError, ValueError) as error:
+            return str(error)
+        return None
+
+    def _sequence_lengths(self, batch: JaggedBatch) -> torch.Tensor:
+        config = self.config
+        if not batch.features:
+            raise JaggedBatchError("balancing needs a jagged feature to take UIH lengths from")
+        name = config.length_feature or next(iter(batch.features))
+        if name not in batch.features:
+            raise JaggedBatchError(f"length feature {name!r} is not in the batch")
+        lengths = batch.features[name].lengths.to(torch.int64)
+        if config.candidates_field is not None:
+            candidates = batch.dense.get(config.candidates_field)
+            if candidates is None:
+                raise JaggedBatchError(f"candidates field {config.candidates_field!r} is missing")
+            if candidates.dtype.is_floating_point or candidates.dim() != 1:
+                raise JaggedBatchError(
+                    f"candidates field {config.candidates_field!r} must be a 1-D integer tensor"
+                )
+            if candidates.numel() and int(candidates.min()) < 0:
+                raise JaggedBatchError("candidate counts must be non-negative")
+            lengths = lengths + candidates.to(torch.int64)
+        return lengths
+
+    def _costs(self, lengths: torch.Tensor) -> torch.Tensor:
+        if self.config.policy == "vbs":
+            return vbs_weights(lengths, self.tuner.alpha)
+        return self.config.cost_model(lengths)
+
+    def plan(self, batch: JaggedBatch) -> ShufflePlan:
+        """Preflight, stages I+II and the partition: where every sample goes (no samples move)."""
+        problem = self._local_problem(batch)
+        local_counts = self._preflight(problem, batch.schema_digest(), batch.batch_size)
+        local = self._sequence_lengths(batch)
+        padded = torch.full((int(local_counts.max()),), -1, dtype=torch.int64)
+        padded[: local.numel()] = local
+        gathered = self._all_gather(padded)
+        valid = torch.arange(gathered.shape[1])[None, :] < local_counts[:, None]
+        lengths = gathered[valid]
+        costs = self._costs(lengths)
+        assignment = partition(
+            costs, self.world_size, self.config.policy, local_counts=local_counts
+        )
+        offset = int(local_counts[: self.rank].sum())
+        mine = assignment.ranks[offset : offset + batch.batch_size]
+        send_order = torch.argsort(mine, stable=True)
+        sources = source_ranks(local_counts)
+        return ShufflePlan(
+            partition=assignment,
+            sequence_lengths=lengths,
+            local_counts=local_counts,
+            send_order=send_order,
+            send_counts=torch.bincount(mine, minlength=self.world_size),
+            recv_counts=torch.bincount(
+                sources[assignment.ranks == self.rank], minlength=self.world_size
+            ),
+            costs=costs,
+        )
+
+    def shuffle(self, batch: JaggedBatch) -> tuple[JaggedBatch, ShufflePlan]:
+        """Moves each sample of the global batch to its assigned rank.
+
+        Returns:
+            The samples this rank computes (in global-batch order) and the plan to undo it.
+        """
+        plan = self.plan(batch)
+        moved = exchange_samples(
+            batch.select(plan.send_order), plan.send_counts, plan.recv_counts, self.group
+        )
+        return moved, plan
+
+    def unshuffle(
+        self, outputs: JaggedBatch | torch.Tensor, plan: ShufflePlan
+    ) -> JaggedBatch | torch.Tensor:
+        """Returns per-sample outputs to the rank each sample was loaded on, in loaded order.
+
+        Args:
+            outputs: one row (tensor) or one sample (batch) per sample this rank received.
+            plan: the plan ``shuffle`` returned for that batch.
+        """
+        batch = outputs if isinstance(outputs, JaggedBatch) else JaggedBatch(dense={"": outputs})
+        expected = int(plan.recv_counts.sum())
+        problem = None
+        try:
+            batch.validate()
+            if batch.batch_size != expected:
+                problem = f"outputs hold {batch.batch_size} samples; this rank received {expected}"
+        except JaggedBatchError as error:
+            problem = str(error)
+        self._preflight(problem, batch.schema_digest(), batch.batch_size)
+        returned = exchange_samples(batch, plan.recv_counts, plan.send_counts, self.group)
+        restored = returned.select(torch.argsort(plan.send_order))
+        return restored if isinstance(outputs, JaggedBatch) else restored.dense[""]
+
+    # -- asynchronous forms ----------------------------------------------------------------------
+
+    def shuffle_async(self, batch: JaggedBatch) -> BalanceFuture:
+        """``shuffle`` on the balancer's thread, so batch t+1 balances while batch t computes.
+
+        Steps run in submission order; ``wait()`` gives ``(batch, plan)``.
+        """
+        return BalanceFuture(self._executor.submit(self.shuffle, batch), self.config.timeout)
+
+    def unshuffle_async(
+        self, outputs: JaggedBatch | torch.Tensor, plan: ShufflePlan
+    ) -> BalanceFuture:
+        """``unshuffle`` on the balancer's thread, after every step submitted before it."""
+        return BalanceFuture(
+            self._executor.submit(self.unshuffle, outputs, plan), self.config.timeout
+        )
+
+    def report_step_time(self, plan: ShufflePlan, seconds: float) -> float:
+        """Collective: shares this rank's measured time of the step and tunes the VBS exponent.
+
+        Returns:
+            The exponent the next ``vbs`` plan uses.
+        """
+        times = self._all_gather(torch.tensor([seconds], dtype=torch.float64)).flatten()
+        groups = [plan.sequence_lengths[plan.partition.ranks == r] for r in range(self.world_size)]
+        return self.tuner.update(groups, times)
+
+    def close(self) -> None:
+        """Finishes pending steps and stops the balancer's thread."""
+        self._executor.shutdown(wait=True)

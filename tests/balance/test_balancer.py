@@ -1,0 +1,212 @@
+"""The balancing protocol across real local processes over Gloo: round trips and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from freescale_balance import (
+    BalanceError,
+    Balancer,
+    BalancerConfig,
+    JaggedBatch,
+    JaggedTensor,
+)
+
+POLICIES = ("none", "fbs", "vbs", "kk")
+
+
+def random_batch(rank: int, seed: int, size: int, max_length: int = 40) -> JaggedBatch:
+    """A deterministic batch for ``rank``: three features of different dtypes and shapes."""
+    generator = torch.Generator().manual_seed(seed * 1000 + rank)
+    lengths = torch.randint(0, max_length, (size,), generator=generator)
+    if size:
+        lengths[0] = 0  # an empty history
+    timestamps = torch.randint(0, 5, (size,), generator=generator, dtype=torch.int32)
+    embeds = torch.randint(0, 3, (size,), generator=generator)
+    return JaggedBatch(
+        features={
+            "item_ids": JaggedTensor(
+                torch.randint(0, 10**9, (int(lengths.sum()),), generator=generator), lengths
+            ),
+            "timestamps": JaggedTensor(
+                torch.rand(int(timestamps.sum()), generator=generator, dtype=torch.float64),
+                timestamps,
+            ),
+            "side": JaggedTensor(
+                torch.randn(int(embeds.sum()), 3, generator=generator).to(torch.bfloat16), embeds
+            ),
+        },
+        dense={
+            "label": torch.rand(size, generator=generator),
+            "num_candidates": torch.randint(0, 4, (size,), generator=generator),
+            "dense": torch.randn(size, 2, 2, generator=generator),
+            "flag": torch.rand(size, generator=generator) > 0.5,
+        },
+    )
+
+
+def _concat(batches: list[JaggedBatch]) -> JaggedBatch:
+    first = batches[0]
+    return JaggedBatch(
+        features={
+            name: JaggedTensor(
+                torch.cat([b.features[name].values for b in batches]),
+                torch.cat([b.features[name].lengths for b in batches]),
+            )
+            for name in first.features
+        },
+        dense={name: torch.cat([b.dense[name] for b in batches]) for name in first.dense},
+    )
+
+
+def round_trip(policy: str, seed: int, sizes: list[int]) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = BalancerConfig(
+        policy=policy, length_feature="item_ids", candidates_field="num_candidates"
+    )
+    balancer = Balancer(config)
+    local = random_batch(rank, seed, sizes[rank])
+    moved, plan = balancer.shuffle(local)
+
+    # Expected: the global batch (rebuilt from every rank's seed) restricted to this rank's share.
+    global_batch = _concat([random_batch(r, seed, sizes[r]) for r in range(world)])
+    assert moved.equal(global_batch.select(plan.partition.samples_of(rank)))
+
+    back = balancer.unshuffle(moved, plan)
+    assert back.equal(local)
+    # Per-sample outputs (one loss per received sample) come back in the loaded order.
+    losses = moved.dense["label"] * 2 + moved.features["item_ids"].lengths
+    assert torch.equal(
+        balancer.unshuffle(losses, plan),
+        local.dense["label"] * 2 + local.features["item_ids"].lengths,
+    )
+    balancer.close()
+    return {"received": moved.batch_size, "straggler": plan.straggler()}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_shuffle_then_unshuffle_is_exact(local_groups, world, policy):
+    group = local_groups.get(world)
+    sizes = [7, 0, 12, 5] if world == 4 else [9, 4]  # uneven, one rank loads nothing
+    for seed in range(3):
+        results = group.run(round_trip, policy, seed, sizes)
+        assert sum(r["received"] for r in results) == sum(sizes)
+
+
+def async_steps(steps: int) -> bool:
+    rank = dist.get_rank()
+    balancer = Balancer(BalancerConfig(policy="kk"))
+    synchronous = Balancer(BalancerConfig(policy="kk"))
+    batches = [random_batch(rank, 100 + s, 16) for s in range(steps)]
+    futures = [balancer.shuffle_async(b) for b in batches]  # all in flight at once
+    for batch, future in zip(batches, futures, strict=True):
+        moved, plan = future.wait()
+        expected, _ = synchronous.shuffle(batch)
+        assert moved.equal(expected)
+        assert balancer.unshuffle_async(moved, plan).wait().equal(batch)
+    balancer.close()
+    synchronous.close()
+    return True
+
+
+def test_async_shuffles_run_in_order_and_match_sync(local_groups):
+    assert local_groups.get(2).run(async_steps, 4) == [True, True]
+
+
+def tune_vbs() -> float:
+    rank = dist.get_rank()
+    balancer = Balancer(BalancerConfig(policy="vbs"))
+    start = balancer.tuner.alpha
+    for step in range(6):
+        _, plan = balancer.shuffle(random_batch(rank, step, 32, max_length=400))
+        mine = plan.sequence_lengths[plan.partition.ranks == rank].to(torch.float64)
+        seconds = float(mine.pow(2.0).sum()) * 1e-6 + 1e-3  # a quadratic "measured" time
+        balancer.report_step_time(plan, seconds)
+    assert balancer.tuner.alpha > start  # quadratic cost pulls alpha above its 1.5 start
+    return balancer.tuner.alpha
+
+
+def test_vbs_alpha_follows_reported_step_times(local_groups):
+    alphas = local_groups.get(2).run(tune_vbs)
+    assert alphas[0] == alphas[1]
+
+
+def _bad_batch(kind: str) -> JaggedBatch:
+    batch = random_batch(dist.get_rank(), 5, 6)
+    ids = batch.features["item_ids"]
+    if kind == "negative":
+        lengths = ids.lengths.clone()
+        lengths[1], lengths[2] = -1, lengths[2] + lengths[1] + 1
+        return JaggedBatch(
+            {**batch.features, "item_ids": JaggedTensor(ids.values, lengths)}, batch.dense
+        )
+    if kind == "float":
+        return JaggedBatch(
+            {**batch.features, "item_ids": JaggedTensor(ids.values, ids.lengths.float())},
+            batch.dense,
+        )
+    if kind == "mismatch":
+        return JaggedBatch(
+            {**batch.features, "item_ids": JaggedTensor(ids.values[:-1], ids.lengths)}, batch.dense
+        )
+    if kind == "dtype":
+        return JaggedBatch(
+            {**batch.features, "item_ids": JaggedTensor(ids.values.to(torch.int32), ids.lengths)},
+            batch.dense,
+        )
+    if kind == "features":
+        return JaggedBatch({k: v for k, v in batch.features.items() if k != "side"}, batch.dense)
+    raise AssertionError(kind)
+
+
+def bad_input_everywhere(kind: str, bad_rank: int) -> str:
+    balancer = Balancer(BalancerConfig(policy="fbs", length_feature="item_ids"))
+    rank = dist.get_rank()
+    batch = _bad_batch(kind) if rank == bad_rank else random_batch(rank, 5, 6)
+    try:
+        balancer.shuffle(batch)
+    except BalanceError as error:
+        message = str(error)
+    else:
+        raise AssertionError("bad input was accepted")
+    # The group is still usable afterwards: nothing was half sent.
+    moved, plan = balancer.shuffle(random_batch(rank, 6, 6))
+    assert balancer.unshuffle(moved, plan).equal(random_batch(rank, 6, 6))
+    balancer.close()
+    return message
+
+
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("negative", "rank 1: feature 'item_ids': length of sample 1 is negative"),
+        ("float", "rank 1: feature 'item_ids': lengths must be an integer tensor"),
+        ("mismatch", "rank 1: feature 'item_ids': lengths sum to"),
+        ("dtype", "rank 1 has a batch schema different"),
+        ("features", "rank 1 has a batch schema different"),
+    ],
+)
+def test_bad_input_raises_the_same_clear_error_on_every_rank(local_groups, kind, expected):
+    messages = local_groups.get(2).run(bad_input_everywhere, kind, 1)
+    assert messages[0] == messages[1]
+    assert expected in messages[0]
+
+
+def wrong_output_count() -> str:
+    balancer = Balancer(BalancerConfig(policy="kk"))
+    rank = dist.get_rank()
+    moved, plan = balancer.shuffle(random_batch(rank, 9, 8))
+    outputs = moved.dense["label"][:-1] if rank == 0 else moved.dense["label"]
+    with pytest.raises(BalanceError) as error:
+        balancer.unshuffle(outputs, plan)
+    balancer.close()
+    return str(error.value)
+
+
+def test_unshuffle_refuses_outputs_that_do_not_match_the_plan(local_groups):
+    messages = local_groups.get(2).run(wrong_output_count)
+    assert messages[0] == messages[1]
+    assert "rank 0: outputs hold" in messages[0]
