@@ -167,7 +167,7 @@ class LocalGroup:
                     try:
                         replies[rank] = ready.recv()
                     except EOFError:
-                        self._processes[rank].join(2)
+                        self._processes[rank].join(10)
                         code = self._processes[rank].exitcode
                         replies[rank] = ("died", f"process exited with code {code}")
                 elif by_sentinel[ready] not in replies:

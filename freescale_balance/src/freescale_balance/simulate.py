@@ -163,7 +163,7 @@ def plot(report: dict, path: Path) -> bool:
                 label=policy,
             )
         ax.set(xscale="log", yscale="log", title=f"{world_size} ranks", xlabel="max UIH")
-        ax.set_ylabel("straggler %")
+        ax.set_ylabel("straggler % (0 drawn at 0.001)")
         ax.grid(True, which="both", alpha=0.3)
     for ax in axes.flat[len(world_sizes) :]:
         ax.axis("off")
