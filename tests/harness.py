@@ -34,7 +34,20 @@ _SPAWN = multiprocessing.get_context("spawn")
 
 
 class RankFailure(AssertionError):
-    """Some rank raised, timed out or died; the message holds every rank's report."""
+    """Some rank raised, timed out or died; the message holds every rank's report.
+
+    Attributes:
+        results: rank -> return value, for the ranks that finished normally (a killed-peer test
+            checks what the survivors saw).
+        failures: rank -> (kind, detail) for the others; kind is "error", "timeout" or "died".
+    """
+
+    def __init__(
+        self, message: str, results: dict[int, Any], failures: dict[int, tuple[str, str]]
+    ) -> None:
+        super().__init__(message)
+        self.results = results
+        self.failures = failures
 
 
 @dataclass
@@ -150,6 +163,16 @@ class LocalGroup:
             conn.send((fn, args, kwargs))
         return self._collect(getattr(fn, "__qualname__", repr(fn)), timeout_s)
 
+    def _reply_of(self, rank: int) -> tuple[str, Any]:
+        """The reply of a rank whose pipe or process signalled: its message, or how it died."""
+        # A rank's last reply may still be queued when its process has already ended.
+        try:
+            return self._conns[rank].recv()
+        except EOFError:
+            process = self._processes[rank]
+            process.join(10)  # the pipe closes a moment before the exit code can be read
+            return ("died", f"process exited with code {process.exitcode}")
+
     def _collect(self, what: str, timeout_s: float) -> list[Any]:
         deadline = time.monotonic() + timeout_s
         replies: dict[int, tuple[str, Any]] = {}
@@ -162,31 +185,25 @@ class LocalGroup:
             pending = [c for c, r in by_conn.items() if r not in replies]
             sentinels = [s for s, r in by_sentinel.items() if r not in replies]
             for ready in multiprocessing.connection.wait(pending + sentinels, remaining):
-                if ready in by_conn:
-                    rank = by_conn[ready]
-                    try:
-                        replies[rank] = ready.recv()
-                    except EOFError:
-                        self._processes[rank].join(10)
-                        code = self._processes[rank].exitcode
-                        replies[rank] = ("died", f"process exited with code {code}")
-                elif by_sentinel[ready] not in replies:
-                    rank = by_sentinel[ready]
-                    # The process ended; a reply it sent just before exiting may still be queued.
-                    if self._conns[rank].poll():
-                        replies[rank] = self._conns[rank].recv()
-                    else:
-                        code = self._processes[rank].exitcode
-                        replies[rank] = ("died", f"process exited with code {code}")
+                rank = by_conn[ready] if ready in by_conn else by_sentinel[ready]
+                if rank not in replies:
+                    replies[rank] = self._reply_of(rank)
         if len(replies) == len(self._conns) and all(k == "ok" for k, _ in replies.values()):
             return [replies[rank][1] for rank in range(len(self._conns))]
-        reports = []
+        results, failures = {}, {}
         for rank in range(len(self._conns)):
             kind, detail = replies.get(rank, ("timeout", f"no answer within {timeout_s:.0f} s"))
-            if kind != "ok":
-                reports.append(f"--- rank {rank}: {kind} ---\n{detail}".rstrip())
+            if kind == "ok":
+                results[rank] = detail
+            else:
+                failures[rank] = (kind, detail)
         self.close()
-        raise RankFailure(f"{what} failed on {len(reports)} rank(s):\n" + "\n".join(reports))
+        reports = [
+            f"--- rank {r}: {kind} ---\n{detail}".rstrip() for r, (kind, detail) in failures.items()
+        ]
+        raise RankFailure(
+            f"{what} failed on {len(failures)} rank(s):\n" + "\n".join(reports), results, failures
+        )
 
     def close(self) -> None:
         """Stops every rank (politely, then by force) and releases the store's port."""

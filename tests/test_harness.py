@@ -46,6 +46,8 @@ def test_failures_name_the_rank_and_the_group_recovers():
             group.run(raise_on_rank, 1)
         with pytest.raises(RankFailure, match=r"rank 0: timeout"):
             group.run(sleep_on_rank, 0, 30.0, timeout_s=2.0)
-        with pytest.raises(RankFailure, match=r"rank 1: died[\s\S]*code 3"):
+        with pytest.raises(RankFailure, match=r"rank 1: died[\s\S]*code 3") as failure:
             group.run(exit_on_rank, 1)
+        assert failure.value.results == {0: None}
+        assert list(failure.value.failures) == [1]
         assert group.run(all_reduce_rank) == [3, 3]

@@ -210,3 +210,9 @@ def test_unshuffle_refuses_outputs_that_do_not_match_the_plan(local_groups):
     messages = local_groups.get(2).run(wrong_output_count)
     assert messages[0] == messages[1]
     assert "rank 0: outputs hold" in messages[0]
+
+
+def test_built_in_packing_matches_when_freescale_kernels_is_disabled(local_groups):
+    group = local_groups.get(2, env={"FREESCALE_BALANCE_KERNELS": "0"})
+    results = group.run(round_trip, "kk", 11, [9, 4])
+    assert sum(r["received"] for r in results) == 13

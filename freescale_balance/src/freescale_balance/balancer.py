@@ -72,7 +72,7 @@ class ShufflePlan:
         partition: destination rank of every sample of the global batch.
         sequence_lengths: int64, UIH length + candidates of every sample of the global batch.
         local_counts: int64 ``[world]``, local batch size each rank loaded.
-        send_order: local indices of this rank's loaded samples, grouped by destination.
+        destinations: int64, the rank each of this rank's loaded samples goes to.
         send_counts: int64 ``[world]``, samples this rank sent to each rank.
         recv_counts: int64 ``[world]``, samples this rank received from each rank.
         costs: per-sample cost the partition balanced.
@@ -81,7 +81,7 @@ class ShufflePlan:
     partition: Partition
     sequence_lengths: torch.Tensor
     local_counts: torch.Tensor
-    send_order: torch.Tensor
+    destinations: torch.Tensor
     send_counts: torch.Tensor
     recv_counts: torch.Tensor
     costs: torch.Tensor
@@ -224,13 +224,12 @@ class Balancer:
         )
         offset = int(local_counts[: self.rank].sum())
         mine = assignment.ranks[offset : offset + batch.batch_size]
-        send_order = torch.argsort(mine, stable=True)
         sources = source_ranks(local_counts)
         return ShufflePlan(
             partition=assignment,
             sequence_lengths=lengths,
             local_counts=local_counts,
-            send_order=send_order,
+            destinations=mine,
             send_counts=torch.bincount(mine, minlength=self.world_size),
             recv_counts=torch.bincount(
                 sources[assignment.ranks == self.rank], minlength=self.world_size
@@ -245,10 +244,7 @@ class Balancer:
             The samples this rank computes (in global-batch order) and the plan to undo it.
         """
         plan = self.plan(batch)
-        moved = exchange_samples(
-            batch.select(plan.send_order), plan.send_counts, plan.recv_counts, self.group
-        )
-        return moved, plan
+        return exchange_samples(batch, plan.destinations, plan.recv_counts, self.group), plan
 
     def unshuffle(
         self, outputs: JaggedBatch | torch.Tensor, plan: ShufflePlan
@@ -269,8 +265,10 @@ class Balancer:
         except JaggedBatchError as error:
             problem = str(error)
         self._preflight(problem, batch.schema_digest(), batch.batch_size)
-        returned = exchange_samples(batch, plan.recv_counts, plan.send_counts, self.group)
-        restored = returned.select(torch.argsort(plan.send_order))
+        sources = torch.repeat_interleave(torch.arange(self.world_size), plan.recv_counts)
+        restored = exchange_samples(
+            batch, sources, plan.send_counts, self.group, combine_ranks=plan.destinations
+        )
         return restored if isinstance(outputs, JaggedBatch) else restored.dense[""]
 
     # -- asynchronous forms ----------------------------------------------------------------------

@@ -1,0 +1,210 @@
+"""Triton jagged index select: the runs of chosen samples, in every key, in the chosen order.
+
+Forward: a plan kernel writes each output run's length and source row, a running sum gives the
+output offsets, and ``gather_segments`` copies. The output size is one host sync unless the
+caller passes ``output_size``.
+
+Backward is a deterministic index-add. A sample selected ``k`` times receives ``k`` gradient
+runs; instead of atomics (whose order, and so whose float rounding, changes run to run) every
+input row sums its own contributions in output order, read through the CSR inverse of
+``indices`` (a stable argsort). bf16/fp16 gradients accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from freescale_kernels._backend import interpreting
+from freescale_kernels.layout import Jagged, as_rows, exclusive_cumsum, keyed_lengths
+from freescale_kernels.ops.jagged_copy import (
+    find_tile_segments,
+    gather_segments,
+    tile_shape,
+)
+
+_BLOCK = 1024
+_INTERPRETER_BLOCK = 1 << 14
+
+
+@triton.jit
+def _select_plan_kernel(
+    in_lengths,
+    in_offsets,
+    indices,
+    out_lengths,
+    src_starts,
+    num_samples,
+    num_selected,
+    num_keys,
+    BLOCK: tl.constexpr,
+):
+    runs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = runs < num_keys * num_selected
+    key = runs // num_selected
+    picked = tl.load(indices + runs % num_selected, mask=mask, other=0).to(tl.int64)
+    src = key * num_samples + picked
+    tl.store(out_lengths + runs, tl.load(in_lengths + src, mask=mask), mask=mask)
+    tl.store(src_starts + runs, tl.load(in_offsets + src, mask=mask), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_runs"])
+def _index_add_kernel(
+    grad_out,
+    grad_in,
+    in_offsets,
+    out_offsets,
+    picks,
+    pick_offsets,
+    total_rows,
+    num_samples,
+    num_selected,
+    num_runs,
+    dim,
+    ACC_F64: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    first_row = tl.program_id(0).to(tl.int64) * BLOCK_R
+    last_row = tl.minimum(first_row + BLOCK_R, total_rows) - 1
+    rows = first_row + tl.arange(0, BLOCK_R)
+    row_mask = rows < total_rows
+    run = find_tile_segments(in_offsets, num_runs, rows, first_row, last_row, row_mask)
+    within = rows - tl.load(in_offsets + run, mask=row_mask, other=0).to(tl.int64)
+    key = run // num_samples
+    sample = run % num_samples
+    first = tl.load(pick_offsets + sample, mask=row_mask, other=0)
+    times = tl.load(pick_offsets + sample + 1, mask=row_mask, other=0) - first
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_mask = cols < dim
+    acc_type = tl.float64 if ACC_F64 else tl.float32
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_type)
+    most = tl.max(times, axis=0)
+    t = 0
+    while t < most:
+        live = row_mask & (t < times)
+        pick = tl.load(picks + first + t, mask=live, other=0)
+        src = tl.load(out_offsets + key * num_selected + pick, mask=live, other=0) + within
+        mask = live[:, None] & col_mask[None, :]
+        item = tl.load(grad_out + src[:, None] * dim + cols[None, :], mask=mask)
+        acc += tl.where(mask, item.to(acc_type), 0.0)
+        t += 1
+    mask = row_mask[:, None] & col_mask[None, :]
+    out = acc.to(grad_in.dtype.element_ty)
+    tl.store(grad_in + rows[:, None] * dim + cols[None, :], out, mask=mask)
+
+
+def _index_add(
+    grad_out: torch.Tensor,
+    in_offsets: torch.Tensor,
+    out_offsets: torch.Tensor,
+    indices: torch.Tensor,
+    num_samples: int,
+    total_rows: int,
+) -> torch.Tensor:
+    """``[total_rows, D]``: for each input row, the sum of the output rows copied from it."""
+    dim = grad_out.shape[1]
+    num_runs = in_offsets.numel() - 1
+    grad_in = torch.empty(total_rows, dim, dtype=grad_out.dtype, device=grad_out.device)
+    if total_rows == 0 or dim == 0:
+        return grad_in
+    picks = torch.argsort(indices, stable=True)
+    pick_offsets = exclusive_cumsum(torch.bincount(indices, minlength=num_samples))
+    block_r, block_d = tile_shape(dim, grad_out.element_size())
+    grid = (triton.cdiv(total_rows, block_r), triton.cdiv(dim, block_d))
+    _index_add_kernel[grid](
+        grad_out,
+        grad_in,
+        in_offsets,
+        out_offsets,
+        picks,
+        pick_offsets,
+        total_rows,
+        num_samples,
+        indices.numel(),
+        num_runs,
+        dim,
+        ACC_F64=grad_out.dtype == torch.float64,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+    )
+    return grad_in
+
+
+class JaggedIndexSelect(torch.autograd.Function):
+    """Copies the selected runs; the backward sums gradients of repeated picks in output order."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        values: torch.Tensor,
+        in_offsets: torch.Tensor,
+        out_offsets: torch.Tensor,
+        src_starts: torch.Tensor,
+        indices: torch.Tensor,
+        num_samples: int,
+        output_size: int,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(in_offsets, out_offsets, indices)
+        ctx.num_samples = num_samples
+        ctx.in_shape = values.shape
+        rows = as_rows(values)
+        out = gather_segments(rows, out_offsets, src_starts, output_size)
+        return out.reshape(output_size, *values.shape[1:])
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        in_offsets, out_offsets, indices = ctx.saved_tensors
+        rows = as_rows(grad)
+        grad_in = _index_add(
+            rows, in_offsets, out_offsets, indices, ctx.num_samples, ctx.in_shape[0]
+        )
+        return grad_in.reshape(ctx.in_shape), None, None, None, None, None, None
+
+
+def jagged_index_select(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    offsets: torch.Tensor | None = None,
+    output_size: int | None = None,
+) -> Jagged:
+    """Triton ``freescale_kernels.jagged_index_select`` (indices are not range-checked)."""
+    keyed = keyed_lengths(lengths)
+    num_keys, batch = keyed.shape
+    flat = keyed.reshape(-1)
+    in_offsets = exclusive_cumsum(flat) if offsets is None else offsets.reshape(-1).contiguous()
+    index = indices.reshape(-1).to(torch.int64).contiguous()
+    runs = num_keys * index.numel()
+    out_lengths = torch.empty(runs, dtype=flat.dtype, device=flat.device)
+    src_starts = torch.empty(runs, dtype=torch.int64, device=flat.device)
+    if runs:
+        block = _INTERPRETER_BLOCK if interpreting() else _BLOCK
+        _select_plan_kernel[(triton.cdiv(runs, block),)](
+            flat,
+            in_offsets,
+            index,
+            out_lengths,
+            src_starts,
+            batch,
+            index.numel(),
+            num_keys,
+            BLOCK=block,
+        )
+    out_offsets = exclusive_cumsum(out_lengths)
+    if output_size is None:
+        output_size = int(out_offsets[-1])
+    if values.requires_grad and torch.is_grad_enabled():
+        out = JaggedIndexSelect.apply(
+            values, in_offsets, out_offsets, src_starts, index, batch, output_size
+        )
+    else:
+        rows = as_rows(values)
+        out = gather_segments(rows, out_offsets, src_starts, output_size)
+        out = out.reshape(output_size, *values.shape[1:])
+    shaped = out_lengths.reshape(num_keys, index.numel()) if lengths.dim() == 2 else out_lengths
+    return Jagged(out, shaped)
