@@ -27,7 +27,11 @@ I64, I32 = "*i64", "*i32"
 
 
 def compile_kernel(
-    fn: Any, pointers: dict[str, str], ints: dict[str, int], constexprs: dict[str, Any]
+    fn: Any,
+    pointers: dict[str, str],
+    ints: dict[str, int],
+    constexprs: dict[str, Any],
+    num_warps: int = 4,
 ) -> str | None:
     """None if ``fn`` compiles with these arguments, else the error."""
     fixed = {p.name for p in fn.params if p.do_not_specialize}
@@ -43,7 +47,9 @@ def compile_kernel(
         else:
             signature[name] = "i64" if abs(ints[name]) >= 2**31 else "i32"
     try:
-        triton.compile(ASTSource(fn, signature, constants), target=TARGET)
+        triton.compile(
+            ASTSource(fn, signature, constants), target=TARGET, options={"num_warps": num_warps}
+        )
     except Exception as exc:
         return f"{fn.__name__} {ints} {constexprs}: {exc!r}"[:3000]
     return None
@@ -56,15 +62,51 @@ def _ints(*names: str) -> Iterator[dict[str, int]]:
 
 def cases() -> Iterator[tuple[Any, dict[str, str], dict[str, int], dict[str, Any]]]:
     copy_ints = ("num_segments", "total_rows", "dim")
-    for dtype, block_r, block_d in [(I64, 1024, 1), ("*bf16", 32, 128), ("*fp32", 4, 256)]:
-        for ints in _ints(*copy_ints):
-            pointers = dict(src=dtype, dst=dtype, out_offsets=I64, src_starts=I64)
-            yield (
-                jagged_copy._gather_segments_kernel,
-                pointers,
-                ints,
-                dict(BLOCK_R=block_r, BLOCK_D=block_d),
+    for dtype, block_r, block_d in [(I64, 1024, 1), ("*i16", 32, 128), ("*fp32", 4, 256)]:
+        for indirect, lanes in [(False, 0), (True, 0), (False, 128), (True, 128)]:
+            for ints in _ints(*copy_ints):
+                pointers = dict(
+                    src=dtype, dst=dtype, out_offsets=I64, src_starts=I64, src_index=I64
+                )
+                flags = dict(INDIRECT=indirect, LANES=lanes, BLOCK_R=block_r, BLOCK_D=block_d)
+                yield jagged_copy._gather_segments_kernel, pointers, ints, flags
+    fused_pointers = dict.fromkeys(
+        (
+            "sorted_ranks",
+            "order",
+            "counts",
+            "bounds",
+            "out_offsets",
+            "src_starts",
+            "in_offsets",
+            "positions",
+            "key_splits",
+            "rank_splits",
+            "sample_counts",
+        ),
+        I64,
+    )
+    # Every direction at the largest block (registers) and, for one, the smallest and int64 sums.
+    directions = [(1, 1, 1), (1, 0, 0), (0, 1, 0), (0, 0, 0)]
+    variants = [(d, I64, 4096, tl.int32, I64) for d in directions]
+    variants += [((1, 1, 1), I32, 1, tl.int32, "*u8"), ((1, 0, 0), I32, 64, tl.int64, I32)]
+    variants += [((1, 1, 1), I64, 1024, tl.int32, "*i16")]
+    for (has_order, to_rank_major, splits), lengths, block, offsets, ranks in variants:
+        for ints in _ints("num_keys", "num_samples", "world_size"):
+            if ints["num_keys"] > 2**31:
+                continue  # the fused planner only takes a few keys and samples
+            flags = dict(
+                HAS_ORDER=bool(has_order),
+                TO_RANK_MAJOR=bool(to_rank_major),
+                SPLITS=bool(splits),
+                SB=block,
+                RB=1024,
+                OFF=offsets,
             )
+            pointers = dict(fused_pointers, lengths=lengths, out_lengths=lengths)
+            pointers["sorted_ranks"] = ranks
+            warps = min(max(block // 256, 4), 16)
+            yield ranged._fused_plan_kernel, pointers, ints, flags, warps
     for ints in _ints("num_samples", "world_size"):
         yield ranged._rank_bounds_kernel, dict(sorted_ranks=I64, bounds=I64), ints, dict(BLOCK=1024)
     plan_pointers = dict(
@@ -92,6 +134,10 @@ def cases() -> Iterator[tuple[Any, dict[str, str], dict[str, int], dict[str, Any
             in_lengths=I32, in_offsets=I32, indices=I64, out_lengths=I32, src_starts=I64
         )
         yield index_select._select_plan_kernel, pointers, ints, dict(BLOCK=1024)
+        pointers = dict(pointers, out_offsets=I64)
+        for has_offsets in (False, True):
+            flags = dict(HAS_OFFSETS=has_offsets, BLOCK=1024)
+            yield index_select._fused_select_plan_kernel, pointers, ints, flags
     for dtype, f64 in [("*fp32", False), ("*bf16", False), ("*fp64", True)]:
         for ints in _ints("total_rows", "num_samples", "num_selected", "num_runs", "dim"):
             pointers = dict(
@@ -117,10 +163,13 @@ def cases() -> Iterator[tuple[Any, dict[str, str], dict[str, int], dict[str, Any
         yield dedup._unique_scatter_kernel, pointers, ints, dict(BLOCK=1024)
     for dtype, acc in [("*fp32", tl.float32), ("*bf16", tl.float32), ("*i64", tl.int64)]:
         for has_order in (True, False):
-            for ints in _ints("dim"):
-                pointers = dict(values=dtype, out=dtype, offsets=I64, order=I64)
-                flags = dict(HAS_ORDER=has_order, ACC=acc, BLOCK_R=16, BLOCK_D=128)
-                yield dedup._segment_sum_kernel, pointers, ints, flags
+            for segs, block_r in [(1, 32), (8, 4)]:
+                for ints in _ints("num_segments", "dim"):
+                    pointers = dict(values=dtype, out=dtype, offsets=I64, order=I64)
+                    flags = dict(
+                        HAS_ORDER=has_order, ACC=acc, SEGS=segs, BLOCK_R=block_r, BLOCK_D=128
+                    )
+                    yield dedup._segment_sum_kernel, pointers, ints, flags
 
 
 def main() -> int:

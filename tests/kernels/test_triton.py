@@ -208,3 +208,146 @@ def test_small_tiles(case: Case) -> None:
             rtol=1e-2,
             atol=1e-2,
         )
+
+
+PLANNER_CASES = [
+    Case("planner-basic", seed=40),
+    Case("planner-rows-int32", dim=4, dtype=torch.bfloat16, lengths_dtype=torch.int32, seed=41),
+    Case("planner-huge", huge_sample=5000, batch=7, world_size=5, seed=42),
+    Case("planner-empty", empty_fraction=0.9, world_size=9, seed=43),
+]
+
+
+def _run_all(case: Case) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+    """(Triton, reference) results of every movement on ``case``."""
+    values, lengths, ranks = make_input(case)
+    world, keys = case.world_size, case.num_keys
+    indices = torch.tensor([3, 1, 1, 0, 4, 2, 3], device=DEVICE) % case.batch
+    sent = fk.ranged_dispatch(values, lengths, ranks, world, backend="triton")
+    pairs = [
+        (sent, reference.ranged_dispatch(values, lengths, ranks, world)),
+        (
+            fk.jagged_index_select(values, lengths, indices, backend="triton"),
+            reference.jagged_index_select(values, lengths, indices),
+        ),
+        (
+            fk.ranged_combine(sent.values, sent.lengths, ranks, keys, backend="triton"),
+            reference.ranged_combine(sent.values, sent.lengths, ranks, keys),
+        ),
+    ]
+    for to_key_major in (True, False):
+        source_values, source_lengths = (
+            (sent.values, sent.lengths) if to_key_major else (values, lengths)
+        )
+        pairs.append(
+            (
+                fk.keyed_transpose(
+                    source_values,
+                    source_lengths,
+                    sent.sample_counts,
+                    keys,
+                    to_key_major=to_key_major,
+                    backend="triton",
+                ),
+                reference.keyed_transpose(
+                    source_values,
+                    source_lengths,
+                    sent.sample_counts,
+                    keys,
+                    to_key_major=to_key_major,
+                ),
+            )
+        )
+    return pairs
+
+
+@pytest.mark.parametrize("case", PLANNER_CASES, ids=str)
+def test_fused_planner_is_used(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    from freescale_kernels.ops import index_select, ranged
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the multi-launch planner ran")
+
+    monkeypatch.setattr(ranged, "_plan", forbidden)
+    monkeypatch.setattr(index_select, "_select_plan_kernel", forbidden)
+    for got, want in _run_all(case):
+        assert_same(got, want)
+
+
+@pytest.mark.parametrize("lanes", [0, 4, 128])
+@pytest.mark.parametrize("case", [*PLANNER_CASES[:2], SMALL_TILE_CASES[1]], ids=str)
+def test_copy_wide_search(case: Case, lanes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The copy's run search, binary (0) or with several probes per round (tiny tiles in the
+    # interpreter, so that tiles start and end inside runs and span many).
+    from freescale_kernels.ops import jagged_copy
+
+    monkeypatch.setattr(jagged_copy, "_SEARCH_LANES", lanes)
+    if DEVICE.type != "cuda":
+        monkeypatch.setattr(jagged_copy, "_INTERPRETER_TILE_ELEMENTS", 16)
+    for got, want in _run_all(case):
+        assert_same(got, want)
+
+
+@pytest.mark.parametrize("case", PLANNER_CASES, ids=str)
+def test_multi_launch_planner(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    from freescale_kernels.ops import index_select, ranged
+
+    monkeypatch.setattr(ranged, "_FUSED_MAX_SAMPLES", 0)
+    monkeypatch.setattr(index_select, "_FUSED_MAX_KEYS", 0)
+    for got, want in _run_all(case):
+        assert_same(got, want)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "dtype"), [(200, torch.uint8), (3000, torch.int16), (40000, torch.int32)]
+)
+def test_ranks_sort_narrow(world_size: int, dtype: torch.dtype) -> None:
+    from freescale_kernels.ops import ranged
+
+    gen = torch.Generator().manual_seed(world_size)
+    ranks = torch.randint(0, world_size, (300,), generator=gen).to(DEVICE)
+    sorted_ranks, order = ranged.sort_ranks(ranks, world_size)
+    want_sorted, want_order = torch.sort(ranks, stable=True)
+    assert sorted_ranks.dtype == dtype
+    assert torch.equal(order, want_order) and torch.equal(sorted_ranks.to(torch.int64), want_sorted)
+    case = Case("narrow", world_size=world_size, batch=60, seed=46)
+    values, lengths, ranks = make_input(case)
+    sent = fk.ranged_dispatch(values, lengths, ranks, world_size, backend="triton")
+    assert_same(sent, reference.ranged_dispatch(values, lengths, ranks, world_size))
+
+
+def test_fused_planner_int64_sums() -> None:
+    # Past 2**31 rows the fused planner sums in int64; the plan must not change.
+    from freescale_kernels.ops import ranged
+
+    values, lengths, ranks = make_input(Case("int64-sums", world_size=6, seed=44))
+    small = ranged.plan_dispatch(lengths, ranks, 6, values.shape[0])
+    large = ranged.plan_dispatch(lengths, ranks, 6, 2**31)
+    for a, b in zip(small[0], large[0], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(small[1:], large[1:], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "dim", "word"),
+    [
+        (torch.bfloat16, 128, torch.int64),
+        (torch.bfloat16, 6, torch.int32),
+        (torch.float16, 3, torch.float16),
+        (torch.int8, 2, torch.int16),
+        (torch.float32, 1, torch.float32),
+    ],
+)
+def test_rows_move_as_words(dtype: torch.dtype, dim: int, word: torch.dtype) -> None:
+    from freescale_kernels.ops.jagged_copy import as_words
+
+    rows = torch.zeros(5, dim, dtype=dtype, device=DEVICE)
+    assert as_words(rows).dtype == word
+    assert torch.equal(as_words(rows).view(dtype), rows)
+    case = Case("words", dim=dim, dtype=dtype if dtype != torch.int8 else torch.int64, seed=45)
+    values, lengths, ranks = make_input(case)
+    if dtype == torch.int8:
+        values = (values % 100).to(torch.int8)
+    sent = fk.ranged_dispatch(values, lengths, ranks, case.world_size, backend="triton")
+    assert_same(sent, reference.ranged_dispatch(values, lengths, ranks, case.world_size))

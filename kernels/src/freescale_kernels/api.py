@@ -135,7 +135,8 @@ def ranged_combine(
     Args:
         values: ``[sum(lengths), *item_shape]``, rank-major (rank, key, sample).
         lengths: ``[F * B]`` run lengths in the same order.
-        ranks: integer ``[B]``, the rank block each output sample is read from.
+        ranks: integer ``[B]``, the rank block each output sample is read from (process ranks:
+            the Triton backend sorts them as int32).
         num_keys: ``F``.
         backend: see the module docstring.
 

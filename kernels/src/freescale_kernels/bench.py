@@ -2,17 +2,31 @@
 
 For each operation, input case and world size, every provider is timed on the same inputs:
 ``triton`` (the kernels), ``reference`` (the best vectorized eager PyTorch) and, for the
-rank-dependent operations, ``naive`` (a per-rank Python loop, labelled as such everywhere). On
-CUDA, ``triton.testing.do_bench`` gives the median (L2 flushed between runs); on CPU, the median
-of wall-clock repeats. Achieved GB/s counts the bytes an ideal implementation must move (values
-read once and written once) and is compared with a device-to-device ``copy_`` measured in the
-same run. A provider that fails is recorded with its error and the run goes on; the JSON and the
-table are always written.
+rank-dependent operations on the base cases, ``naive`` (a per-rank Python loop, labelled as such
+everywhere). Times, all medians:
+
+* ``ms``: an eager call, as a training step issues it (``triton.testing.do_bench``, L2 flushed
+  between calls): GPU time, or the host's launch overhead when that is longer.
+* ``gpu_ms`` (CUDA only): the same call captured once in a CUDA graph and replayed (L2 flushed
+  between replays), i.e. the GPU time of its kernels with the host out of the way. Operations
+  that sync with the host (``unique_with_inverse``) cannot be captured and have none.
+* ``host_ms`` (CUDA only): wall time to enqueue one call without waiting for the GPU.
+* ``plan_gpu_ms`` / ``copy_gpu_ms`` (Triton, data-movement operations): the planning launches
+  (sorting ranks, running sums) and the copy kernel, each captured and replayed alone.
+
+On CPU ``ms`` is the median of wall-clock repeats. Achieved GB/s counts the bytes an ideal
+implementation must move (values read once and written once) and is compared with a
+device-to-device ``copy_`` measured in the same run. A provider that fails is recorded with its
+error and the run goes on; the JSON and the table are always written. ``profile=True`` adds a
+torch.profiler summary (kernels, their GPU time, launch gaps) of each Triton operation on the
+largest case.
 
 Inputs: ``local_batch`` samples of ``num_keys`` keys whose lengths are log-normal (median
 ``max_length / 8 / 4**key``, capped at ``max_length``, 5% empty), the same at every world size;
-each sample gets a uniform random destination rank. Two cases: ``ids`` (1-D int64 IDs) and
-``rows`` (``[N, embedding_dim]`` bf16 rows with lengths 16x shorter, like embedding AllToAlls).
+each sample gets a uniform random destination rank. Cases: ``ids`` (1-D int64 IDs) and ``rows``
+(``[N, embedding_dim]`` bf16 rows with lengths 16x shorter, like embedding AllToAlls), and the
+same with ``large_batch`` samples (``ids-large``, ``rows-large``; 4x the data at the defaults,
+138 and 276 MB of values) at ``large_world_sizes``, so that "large inputs" are well past the L2.
 """
 
 from __future__ import annotations
@@ -44,10 +58,23 @@ OPS = (
 )
 PROVIDERS = ("triton", "reference", "naive")
 NAIVE_OPS = ("ranged_dispatch", "ranged_combine", "keyed_transpose")
-CASES = ("ids", "rows")
-# Operations measured on one case only: dedup works on IDs, gradient sums on rows.
-ONLY_CASE = {"unique_with_inverse": "ids", "segment_sum": "rows"}
+# Operations that wait for the host (an output size): no CUDA-graph capture.
+HOST_SYNC_OPS = ("unique_with_inverse",)
+# Operations whose Triton version is a plan plus one copy: their time is also split in two.
+SPLIT_OPS = ("jagged_index_select", "ranged_dispatch", "ranged_combine", "keyed_transpose")
+CASES = ("ids", "rows", "ids-large", "rows-large")
+# Operations measured on one kind of case only: dedup works on IDs, gradient sums on rows.
+ONLY_KIND = {"unique_with_inverse": "ids", "segment_sum": "rows"}
 _ROWS_LENGTH_DIVISOR = 16
+
+
+def case_kind(case: str) -> str:
+    """``ids`` or ``rows``."""
+    return case.split("-")[0]
+
+
+def is_large(case: str) -> bool:
+    return case.endswith("-large")
 
 
 @dataclass(frozen=True)
@@ -56,6 +83,8 @@ class BenchConfig:
 
     world_sizes: tuple[int, ...] = (8, 32, 128, 512)
     local_batch: int = 1024
+    large_batch: int = 4096  # 0: no large cases
+    large_world_sizes: tuple[int, ...] = (8, 512)
     num_keys: int = 4
     max_length: int = 16384
     embedding_dim: int = 128
@@ -67,12 +96,16 @@ class BenchConfig:
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
     warmup_ms: int = 25
     rep_ms: int = 100
+    graphs: bool = True  # gpu_ms, host_ms and the plan / copy split, on CUDA
+    profile: bool = False
 
     @classmethod
     def quick(cls, **overrides: Any) -> BenchConfig:
         small = cls(
             world_sizes=(2, 8, 32),
             local_batch=64,
+            large_batch=128,
+            large_world_sizes=(32,),
             num_keys=2,
             max_length=256,
             embedding_dim=16,
@@ -96,13 +129,25 @@ class Inputs:
     segment_order: torch.Tensor
 
 
-def _lengths(config: BenchConfig, divisor: int, gen: torch.Generator) -> torch.Tensor:
+def batch_of(config: BenchConfig, case: str) -> int:
+    return config.large_batch if is_large(case) else config.local_batch
+
+
+def world_sizes_of(config: BenchConfig, case: str) -> tuple[int, ...]:
+    return config.large_world_sizes if is_large(case) else config.world_sizes
+
+
+def cases_of(config: BenchConfig) -> tuple[str, ...]:
+    return CASES if config.large_batch else CASES[:2]
+
+
+def _lengths(config: BenchConfig, batch: int, divisor: int, gen: torch.Generator) -> torch.Tensor:
     rows = []
     for key in range(config.num_keys):
         median = max(config.max_length / 8 / 4**key / divisor, 1.0)
-        sample = torch.empty(config.local_batch).log_normal_(math.log(median), 1.0, generator=gen)
+        sample = torch.empty(batch).log_normal_(math.log(median), 1.0, generator=gen)
         sample = sample.clamp(0, config.max_length // divisor).round()
-        sample[torch.rand(config.local_batch, generator=gen) < 0.05] = 0
+        sample[torch.rand(batch, generator=gen) < 0.05] = 0
         rows.append(sample)
     return torch.stack(rows).to(torch.int64)
 
@@ -111,11 +156,12 @@ def make_case(config: BenchConfig, case: str) -> tuple[torch.Tensor, torch.Tenso
     """(values, lengths ``[F, B]``) of ``case``, identical at every world size."""
     gen = torch.Generator().manual_seed(config.seed)
     device = torch.device(config.device)
-    if case == "ids":
-        lengths = _lengths(config, 1, gen)
+    batch = batch_of(config, case)
+    if case_kind(case) == "ids":
+        lengths = _lengths(config, batch, 1, gen)
         values = torch.randint(0, 2**40, (int(lengths.sum()),), generator=gen)
         return values.to(device), lengths.to(device)
-    lengths = _lengths(config, _ROWS_LENGTH_DIVISOR, gen)
+    lengths = _lengths(config, batch, _ROWS_LENGTH_DIVISOR, gen)
     rows = int(lengths.sum())
     values = torch.randn(rows, config.embedding_dim, device=device, dtype=torch.bfloat16)
     return values, lengths.to(device)
@@ -126,22 +172,24 @@ def make_inputs(
 ) -> Inputs:
     gen = torch.Generator().manual_seed(config.seed + world_size)
     device = values.device
-    ranks = torch.randint(0, world_size, (config.local_batch,), generator=gen).to(device)
+    batch = lengths.shape[1]
+    ranks = torch.randint(0, world_size, (batch,), generator=gen).to(device)
     sent = api.ranged_dispatch(values, lengths, ranks, world_size, backend="reference")
     # Embedding-style IDs with repeats: the first key's IDs folded onto a smaller vocabulary.
     key0 = values[: int(lengths[0].sum())] if values.dim() == 1 else values.new_zeros(0)
     ids = key0.to(torch.int64).remainder(max(key0.numel() // 4, 1))
-    segment_count = config.local_batch * config.segment_rows_per_sample
+    segment_count = batch * config.segment_rows_per_sample
     segment_ids = torch.randint(0, max(segment_count // 4, 1), (segment_count,), generator=gen)
     unique = api.unique_with_inverse(segment_ids, backend="reference")
-    rows = torch.randn(segment_count, config.embedding_dim, generator=gen)
+    rows_gen = torch.Generator(device=device).manual_seed(config.seed + world_size)
+    rows = torch.randn(segment_count, config.embedding_dim, generator=rows_gen, device=device)
     return Inputs(
         values,
         lengths,
         ranks,
         sent,
         ids,
-        rows.to(device),
+        rows,
         unique.offsets.to(device),
         unique.order.to(device),
     )
@@ -182,6 +230,83 @@ def _call(op: str, inputs: Inputs, provider: str) -> Callable[[], Any]:
         ),
     }
     return calls[op]
+
+
+def _split_calls(op: str, inputs: Inputs) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """(plan, copy) of the Triton ``op``: zero-argument calls of each half alone."""
+    from freescale_kernels.layout import as_rows
+    from freescale_kernels.ops import index_select, jagged_copy, ranged
+
+    x, sent = inputs, inputs.sent
+    keys, batch = x.lengths.shape
+    world = sent.rank_splits.numel()
+    rows = x.values.shape[0]
+    if op == "jagged_index_select":
+        index = sent.order
+
+        def plan() -> Any:
+            return index_select.plan_select(x.lengths.reshape(-1), keys, batch, index)
+
+        _, _, out_offsets, src_starts = plan()
+        values = as_rows(x.values)
+        return plan, lambda: jagged_copy.gather_segments(values, out_offsets, src_starts, rows)
+    if op == "ranged_dispatch":
+        source = x.values
+
+        def plan() -> Any:
+            return ranged.plan_dispatch(x.lengths, x.ranks, world, rows)
+
+        layout = plan()[0]
+    elif op == "ranged_combine":
+        source = sent.values
+
+        def plan() -> Any:
+            return ranged.plan_combine(sent.lengths, x.ranks, keys, rows)
+
+        layout = plan()
+    else:
+        source = sent.values
+
+        def plan() -> Any:
+            return ranged.plan_transpose(
+                sent.lengths, sent.sample_counts, keys, rows, to_key_major=True
+            )
+
+        layout = plan()[0]
+    return plan, lambda: ranged.move(source, layout)
+
+
+def _graph_ms(fn: Callable[[], Any], config: BenchConfig) -> float:
+    """Median GPU time of ``fn`` captured in a CUDA graph, L2 flushed before each replay."""
+    from triton.testing import do_bench
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiles and warms up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+        return float(
+            do_bench(graph.replay, warmup=config.warmup_ms, rep=config.rep_ms, return_mode="median")
+        )
+    finally:
+        del graph
+        torch.cuda.synchronize()
+
+
+def _host_ms(fn: Callable[[], Any], calls: int = 20) -> float:
+    """Wall time to enqueue one call of ``fn`` without waiting for the GPU."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1000
 
 
 def _bytes_moved(op: str, inputs: Inputs) -> int:
@@ -253,13 +378,13 @@ def run(config: BenchConfig) -> dict[str, Any]:
     except Exception as exc:  # a failed probe must not lose the kernel timings
         report["meta"]["copy_gbps"] = None
         report["meta"]["copy_error"] = _error(exc)
-    for case in CASES:
+    for case in cases_of(config):
         try:
             values, lengths = make_case(config, case)
         except Exception as exc:
             report["results"].append({"case": case, "error": _error(exc)})
             continue
-        for world_size in config.world_sizes:
+        for world_size in world_sizes_of(config, case):
             try:
                 inputs = make_inputs(config, values, lengths, world_size)
             except Exception as exc:
@@ -267,15 +392,68 @@ def run(config: BenchConfig) -> dict[str, Any]:
                 report["results"].append(row)
                 continue
             for op in config.ops:
-                if ONLY_CASE.get(op, case) != case:
+                if ONLY_KIND.get(op, case_kind(case)) != case_kind(case):
                     continue
                 report["results"].extend(
                     _measure(op, case, world_size, inputs, config, triton_skip)
                 )
+            if config.profile and device.type == "cuda" and not triton_skip:
+                largest = is_large(case) or not config.large_batch
+                if largest and world_size == world_sizes_of(config, case)[-1]:
+                    profiles = report.setdefault("profile", [])
+                    profiles.append(_profile(inputs, config, case, world_size))
             del inputs
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return report
+
+
+def _profile(
+    inputs: Inputs, config: BenchConfig, case: str, world_size: int, calls: int = 5
+) -> dict[str, Any]:
+    """Per Triton operation: its GPU kernels (count and time per call) and the launch gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out: dict[str, Any] = {"case": case, "world_size": world_size, "ops": {}}
+    for op in config.ops:
+        if ONLY_KIND.get(op, case_kind(case)) != case_kind(case):
+            continue
+        try:
+            fn = _call(op, inputs, "triton")
+            fn()
+            torch.cuda.synchronize()
+            spans = []
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    torch.cuda.synchronize()
+                    fn()
+                    torch.cuda.synchronize()
+            kernels: dict[str, list[float]] = {}
+            device_events = [
+                e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            ]
+            for event in device_events:
+                name = event.name[:80]
+                entry = kernels.setdefault(name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += event.time_range.elapsed_us()
+            busy = sum(total for _, total in kernels.values())
+            if device_events:
+                starts = sorted(e.time_range.start for e in device_events)
+                ends = sorted(e.time_range.end for e in device_events)
+                spans = [ends[-1] - starts[0]]
+            out["ops"][op] = {
+                "kernels": [
+                    {"name": name, "per_call": count / calls, "us_per_call": total / calls}
+                    for name, (count, total) in sorted(kernels.items(), key=lambda kv: -kv[1][1])
+                ],
+                "launches_per_call": sum(count for count, _ in kernels.values()) / calls,
+                "kernel_us_per_call": busy / calls,
+                "first_to_last_us_total": spans[0] if spans else None,
+            }
+        except Exception as exc:
+            out["ops"][op] = {"error": _error(exc)}
+    return out
 
 
 def _measure(
@@ -299,7 +477,7 @@ def _measure(
                 check = f"error: {_error(exc)}"
     rows = []
     for provider in config.providers:
-        if provider == "naive" and op not in NAIVE_OPS:
+        if provider == "naive" and (op not in NAIVE_OPS or is_large(case)):
             continue
         row: dict[str, Any] = {
             "op": op,
@@ -315,9 +493,13 @@ def _measure(
             rows.append(row)
             continue
         try:
-            ms = _time_ms(_call(op, inputs, provider), device, config)
+            fn = _call(op, inputs, provider)
+            ms = _time_ms(fn, device, config)
             row["ms"] = ms
             row["gbps"] = moved / (ms * 1e-3) / 1e9
+            graphs = config.graphs and provider != "naive" and op not in HOST_SYNC_OPS
+            if device.type == "cuda" and graphs:
+                row.update(_gpu_times(op, inputs, provider, fn, moved, config))
         except Exception as exc:
             row["error"] = _error(exc)
             if device.type == "cuda":
@@ -326,6 +508,32 @@ def _measure(
     if check is not None and rows:
         rows[0]["check"] = check
     return rows
+
+
+def _gpu_times(
+    op: str,
+    inputs: Inputs,
+    provider: str,
+    fn: Callable[[], Any],
+    moved: int,
+    config: BenchConfig,
+) -> dict[str, Any]:
+    """gpu_ms (graph replay), host_ms and, for split Triton operations, plan / copy GPU times."""
+    times: dict[str, Any] = {"host_ms": _host_ms(fn)}
+    try:
+        gpu = _graph_ms(fn, config)
+        times["gpu_ms"] = gpu
+        times["gpu_gbps"] = moved / (gpu * 1e-3) / 1e9
+    except Exception as exc:  # host syncs cannot be captured
+        times["gpu_error"] = _error(exc)
+    if provider == "triton" and op in SPLIT_OPS:
+        try:
+            plan, copy = _split_calls(op, inputs)
+            times["plan_gpu_ms"] = _graph_ms(plan, config)
+            times["copy_gpu_ms"] = _graph_ms(copy, config)
+        except Exception as exc:
+            times["split_error"] = _error(exc)
+    return times
 
 
 def _meta(config: BenchConfig) -> dict[str, Any]:
@@ -344,43 +552,82 @@ def _meta(config: BenchConfig) -> dict[str, Any]:
     if triton_available():
         import triton
 
+        from freescale_kernels.tune import current_tiles
+
         meta["triton"] = triton.__version__
+        meta["tiles"] = current_tiles()
     return meta
 
 
+def _fmt(value: float | None, spec: str) -> str:
+    return format(value, spec) if value is not None else "-"
+
+
 def format_table(report: dict[str, Any]) -> str:
-    """The results as a fixed-width table, with speedups of Triton over the others."""
+    """The results as a fixed-width table, with speedups of Triton over the others.
+
+    ``ms`` is an eager call, ``gpu`` its CUDA-graph replay (GPU time alone), ``plan+copy`` the
+    split of Triton's GPU time, ``host`` the wall time to enqueue one call; ``%copy`` compares
+    GB/s with the device ``copy_`` (eager / GPU time); ``x`` is the speedup of Triton (eager /
+    GPU time).
+    """
     copy_gbps = report["meta"].get("copy_gbps")
     head = (
-        f"{'op':<20} {'case':<5} {'W':>4} {'provider':<10} {'ms':>9} {'GB/s':>8} "
-        f"{'%copy':>6} {'vs triton':>9}  note"
+        f"{'op':<19} {'case':<10} {'W':>4} {'provider':<10} {'ms':>8} {'gpu':>8} "
+        f"{'plan+copy':>15} {'host':>7} {'%copy':>11} {'x':>13}  note"
     )
     lines = [head, "-" * len(head)]
-    triton_ms = {
-        (r["op"], r["case"], r["world_size"]): r["ms"]
+    best = {
+        (r["op"], r["case"], r["world_size"]): r
         for r in report["results"]
         if r.get("provider") == "triton" and r.get("ms")
     }
     for r in report["results"]:
         if "provider" not in r:
-            lines.append(f"{r.get('case', '?'):<26} W={r.get('world_size', '-')}: {r['error']}")
+            lines.append(f"{r.get('case', '?'):<30} W={r.get('world_size', '-')}: {r['error']}")
             continue
-        ms, gbps = r["ms"], r["gbps"]
-        base = triton_ms.get((r["op"], r["case"], r["world_size"]))
-        speed = f"{ms / base:8.1f}x" if ms and base and r["provider"] != "triton" else ""
-        share = f"{100 * gbps / copy_gbps:5.1f}%" if gbps and copy_gbps else ""
+        ms, gpu = r["ms"], r.get("gpu_ms")
+        base = best.get((r["op"], r["case"], r["world_size"]))
+        speed = ""
+        if ms and base and r["provider"] != "triton":
+            speed = f"{ms / base['ms']:.1f}x"
+            if gpu and base.get("gpu_ms"):
+                speed += f"/{gpu / base['gpu_ms']:.1f}x"
+        share = ""
+        if copy_gbps and r.get("gbps"):
+            share = f"{100 * r['gbps'] / copy_gbps:.0f}%"
+            if r.get("gpu_gbps"):
+                share += f"/{100 * r['gpu_gbps'] / copy_gbps:.0f}%"
+        split = ""
+        if r.get("plan_gpu_ms") is not None and r.get("copy_gpu_ms") is not None:
+            split = f"{r['plan_gpu_ms']:.3f}+{r['copy_gpu_ms']:.3f}"
         note = r.get("error") or r.get("skipped") or ""
+        if r.get("gpu_error"):
+            note = "no graph: " + r["gpu_error"].split(":")[0]
         if "check" in r:
             note = f"check {r['check']} {note}".strip()
         label = "naive-loop" if r["provider"] == "naive" else r["provider"]
-        ms_text = f"{ms:.4f}" if ms is not None else "-"
-        gbps_text = f"{gbps:.1f}" if gbps is not None else "-"
         lines.append(
-            f"{r['op']:<20} {r['case']:<5} {r['world_size']:>4} {label:<10} {ms_text:>9} "
-            f"{gbps_text:>8} {share:>6} {speed:>9}  {note}"
+            f"{r['op']:<19} {r['case']:<10} {r['world_size']:>4} {label:<10} "
+            f"{_fmt(ms, '.4f'):>8} {_fmt(gpu, '.4f'):>8} {split:>15} "
+            f"{_fmt(r.get('host_ms'), '.3f'):>7} {share:>11} {speed:>13}  {note}"
         )
     if copy_gbps:
         lines.append(f"device copy_ bandwidth (read + write): {copy_gbps:.1f} GB/s")
+    for profile in report.get("profile", []):
+        lines.append(
+            f"profile ({profile['case']}, W={profile['world_size']}), per call: "
+            "launches, kernel time, kernels"
+        )
+        for op, p in profile["ops"].items():
+            if "error" in p:
+                lines.append(f"  {op}: {p['error']}")
+                continue
+            top = ", ".join(f"{k['name'][:32]} {k['us_per_call']:.1f}us" for k in p["kernels"][:4])
+            lines.append(
+                f"  {op}: {p['launches_per_call']:.0f} launches, "
+                f"{p['kernel_us_per_call']:.1f} us in kernels: {top}"
+            )
     return "\n".join(lines)
 
 
@@ -395,13 +642,21 @@ def headline(report: dict[str, Any]) -> list[str]:
         at = {r["provider"]: r for r in mine if r["world_size"] == world}
         if "triton" not in at:
             continue
-        triton_ms = at["triton"]["ms"]
-        parts = [f"{op} {case} W={world}: triton {triton_ms:.4f} ms"]
+        fast = at["triton"]
+        parts = [f"{op} {case} W={world}: triton {fast['ms']:.4f} ms"]
+        if fast.get("gpu_ms"):
+            parts[0] += f" ({fast['gpu_ms']:.4f} ms GPU)"
         for provider, label in (("reference", "vectorized eager"), ("naive", "naive loop")):
             if provider in at:
-                parts.append(f"{at[provider]['ms'] / triton_ms:.1f}x over {label}")
+                text = f"{at[provider]['ms'] / fast['ms']:.1f}x over {label}"
+                if at[provider].get("gpu_ms") and fast.get("gpu_ms"):
+                    text += f" ({at[provider]['gpu_ms'] / fast['gpu_ms']:.1f}x GPU)"
+                parts.append(text)
         if copy_gbps:
-            parts.append(f"{100 * at['triton']['gbps'] / copy_gbps:.0f}% of copy bandwidth")
+            text = f"{100 * fast['gbps'] / copy_gbps:.0f}% of copy bandwidth"
+            if fast.get("gpu_gbps"):
+                text += f" ({100 * fast['gpu_gbps'] / copy_gbps:.0f}% GPU)"
+            parts.append(text)
         lines.append(", ".join(parts))
     return lines
 
@@ -422,24 +677,26 @@ def write_report(report: dict[str, Any], out: Path) -> list[Path]:
     rows = [r for r in report["results"] if "op" in r]
     for op in dict.fromkeys(r["op"] for r in rows):
         cases = list(dict.fromkeys(r["case"] for r in rows if r["op"] == op))
-        fig, axes = plt.subplots(1, len(cases), figsize=(6 * len(cases), 4.5), squeeze=False)
+        fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4.5), squeeze=False)
         for ax, case in zip(axes[0], cases, strict=True):
             for provider in dict.fromkeys(r["provider"] for r in rows):
-                points = [
-                    (r["world_size"], r["ms"])
+                label = "naive per-rank loop" if provider == "naive" else provider
+                mine = [
+                    r
                     for r in rows
-                    if r["op"] == op and r["case"] == case and r["provider"] == provider and r["ms"]
+                    if r["op"] == op and r["case"] == case and r["provider"] == provider
                 ]
-                if points:
-                    label = "naive per-rank loop" if provider == "naive" else provider
-                    ax.plot(*zip(*points, strict=True), marker="o", label=label)
+                for key, style, suffix in (("ms", "-", ""), ("gpu_ms", "--", " (GPU, graph)")):
+                    points = [(r["world_size"], r[key]) for r in mine if r.get(key)]
+                    if points:
+                        ax.plot(*zip(*points, strict=True), style, marker="o", label=label + suffix)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("world size")
             ax.set_ylabel("latency (ms, median)")
             ax.set_title(f"{op} — {case}")
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend()
+            ax.legend(fontsize=7)
         fig.suptitle(f"{report['meta']['device']} · torch {report['meta']['torch']}")
         # Fixed margins: tight_layout measures every tick label and costs seconds per figure.
         fig.subplots_adjust(left=0.08, right=0.98, bottom=0.12, top=0.84, wspace=0.25)

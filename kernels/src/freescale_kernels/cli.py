@@ -49,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--world-sizes", type=_int_list, help="comma-separated, e.g. 8,32,128,512")
     bench.add_argument("--local-batch", type=int, help="samples per rank")
+    bench.add_argument(
+        "--large-batch", type=int, help="samples per rank of the large cases (0: none)"
+    )
+    bench.add_argument(
+        "--large-world-sizes", type=_int_list, help="world sizes of the large cases, e.g. 8,512"
+    )
     bench.add_argument("--num-keys", type=int, help="keys (features) per sample")
     bench.add_argument("--max-length", type=int, help="longest run of a sample in a key")
     bench.add_argument("--embedding-dim", type=int, help="row width of the rows case")
@@ -59,6 +65,24 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     bench.add_argument("--rep-ms", type=int, help="timing budget per measurement")
     bench.add_argument("--seed", type=int)
+    bench.add_argument(
+        "--no-graphs",
+        dest="graphs",
+        action="store_false",
+        default=None,
+        help="skip the CUDA-graph GPU times, host times and plan / copy split",
+    )
+    bench.add_argument(
+        "--profile", action="store_true", default=None, help="torch.profiler summary per op"
+    )
+    bench.add_argument(
+        "--copy-tile",
+        type=_int_list,
+        help="override the copy tile: bytes,max_rows,warps (see ops/jagged_copy.py)",
+    )
+    bench.add_argument(
+        "--sum-tile", type=_int_list, help="override the segment-sum tile: elements,warps"
+    )
     bench.add_argument(
         "--out",
         type=Path,
@@ -79,6 +103,10 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         for name in (
             "world_sizes",
             "local_batch",
+            "large_batch",
+            "large_world_sizes",
+            "graphs",
+            "profile",
             "num_keys",
             "max_length",
             "embedding_dim",
@@ -104,6 +132,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("matplotlib is not installed: no plots (pip install 'freescale-kernels[plot]')")
         print("wrote " + ", ".join(str(p) for p in written))
         return 0
+    if args.copy_tile or args.sum_tile:
+        from freescale_kernels.tune import set_copy_tile, set_sum_tile
+
+        if args.copy_tile:
+            set_copy_tile(*args.copy_tile)
+        if args.sum_tile:
+            set_sum_tile(*args.sum_tile)
     report = run(_config(args))
     print("\n".join([format_table(report), *headline(report)]))
     written = write_report(report, args.out)

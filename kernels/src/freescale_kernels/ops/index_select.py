@@ -1,7 +1,10 @@
 """Triton jagged index select: the runs of chosen samples, in every key, in the chosen order.
 
-Forward: a plan kernel writes each output run's length and source row, a running sum gives the
-output offsets, and ``gather_segments`` copies. The output size is one host sync unless the
+Forward: a plan gives each output run its length, source row and output row, then
+``gather_segments`` copies. Up to ``_FUSED_MAX_KEYS`` keys the plan is ONE launch with one program
+per key (the input running sum of its key, then the output running sum of its picks; the rows of
+the keys before it are summed again by each program, ``O(F**2 * B)`` reads from L2 in all);
+beyond, a plan kernel between torch running sums. The output size is one host sync unless the
 caller passes ``output_size``.
 
 Backward is a deterministic index-add. A sample selected ``k`` times receives ``k`` gradient
@@ -21,11 +24,83 @@ from freescale_kernels.layout import Jagged, as_rows, exclusive_cumsum, keyed_le
 from freescale_kernels.ops.jagged_copy import (
     find_tile_segments,
     gather_segments,
+    int64_buffers,
     tile_shape,
 )
 
 _BLOCK = 1024
 _INTERPRETER_BLOCK = 1 << 14
+_FUSED_MAX_KEYS = 32
+
+
+# Counts stay runtime values even when 1 (see find_segment).
+@triton.jit(do_not_specialize=["num_samples", "num_selected", "num_keys"])
+def _fused_select_plan_kernel(
+    in_lengths,
+    in_offsets,
+    indices,
+    out_lengths,
+    out_offsets,
+    src_starts,
+    num_samples,
+    num_selected,
+    num_keys,
+    HAS_OFFSETS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    key = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK)
+    if not HAS_OFFSETS:
+        # This key's input running sum, after the rows of the keys before it.
+        before = tl.zeros([BLOCK], tl.int64)
+        limit = key * num_samples
+        at = 0
+        while at < limit:
+            at_lanes = at + lanes
+            before += tl.load(in_lengths + at_lanes, mask=at_lanes < limit, other=0).to(tl.int64)
+            at += BLOCK
+        carry = tl.sum(before, 0)
+        at = 0
+        while at < num_samples:
+            at_lanes = at + lanes
+            live = at_lanes < num_samples
+            size = tl.load(in_lengths + limit + at_lanes, mask=live, other=0).to(tl.int64)
+            tl.store(in_offsets + limit + at_lanes, carry + tl.cumsum(size, 0) - size, mask=live)
+            carry += tl.sum(size, 0)
+            at += BLOCK
+        tl.store(in_offsets + num_keys * num_samples, carry, mask=key == num_keys - 1)
+        # The picks below read offsets this program wrote: make them visible to all its lanes.
+        tl.debug_barrier()
+    # Output rows of the keys before this one: their picks' lengths.
+    before = tl.zeros([BLOCK], tl.int64)
+    at = 0
+    while at < num_selected:
+        at_lanes = at + lanes
+        live = at_lanes < num_selected
+        picked = tl.load(indices + at_lanes, mask=live, other=0).to(tl.int64)
+        k = 0
+        while k < key:
+            before += tl.load(in_lengths + k * num_samples + picked, mask=live, other=0).to(
+                tl.int64
+            )
+            k += 1
+        at += BLOCK
+    carry = tl.sum(before, 0)
+    at = 0
+    while at < num_selected:
+        at_lanes = at + lanes
+        live = at_lanes < num_selected
+        picked = tl.load(indices + at_lanes, mask=live, other=0).to(tl.int64)
+        source = key * num_samples + picked
+        size = tl.load(in_lengths + source, mask=live, other=0)
+        wide = size.to(tl.int64)
+        run = key * num_selected + at_lanes
+        tl.store(out_lengths + run, size, mask=live)
+        tl.store(src_starts + run, tl.load(in_offsets + source, mask=live, other=0), mask=live)
+        tl.store(out_offsets + run, carry + tl.cumsum(wide, 0) - wide, mask=live)
+        carry += tl.sum(wide, 0)
+        at += BLOCK
+    tl.store(out_offsets + num_keys * num_selected, carry, mask=key == num_keys - 1)
 
 
 @triton.jit
@@ -165,23 +240,40 @@ class JaggedIndexSelect(torch.autograd.Function):
         return grad_in.reshape(ctx.in_shape), None, None, None, None, None, None
 
 
-def jagged_index_select(
-    values: torch.Tensor,
-    lengths: torch.Tensor,
-    indices: torch.Tensor,
-    *,
+def plan_select(
+    flat: torch.Tensor,
+    num_keys: int,
+    batch: int,
+    index: torch.Tensor,
     offsets: torch.Tensor | None = None,
-    output_size: int | None = None,
-) -> Jagged:
-    """Triton ``freescale_kernels.jagged_index_select`` (indices are not range-checked)."""
-    keyed = keyed_lengths(lengths)
-    num_keys, batch = keyed.shape
-    flat = keyed.reshape(-1)
-    in_offsets = exclusive_cumsum(flat) if offsets is None else offsets.reshape(-1).contiguous()
-    index = indices.reshape(-1).to(torch.int64).contiguous()
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(in_offsets, out_lengths, out_offsets, src_starts) of a select of int64 ``index``."""
+    device = flat.device
     runs = num_keys * index.numel()
-    out_lengths = torch.empty(runs, dtype=flat.dtype, device=flat.device)
-    src_starts = torch.empty(runs, dtype=torch.int64, device=flat.device)
+    out_lengths = torch.empty(runs, dtype=flat.dtype, device=device)
+    if 0 < num_keys <= _FUSED_MAX_KEYS:
+        size = [runs + 1, runs]
+        if offsets is None:
+            size.append(flat.numel() + 1)
+        buffers = int64_buffers(device, *size)
+        out_offsets, src_starts = buffers[:2]
+        in_offsets = buffers[2] if offsets is None else offsets.reshape(-1).contiguous()
+        _fused_select_plan_kernel[(num_keys,)](
+            flat,
+            in_offsets,
+            index,
+            out_lengths,
+            out_offsets,
+            src_starts,
+            batch,
+            index.numel(),
+            num_keys,
+            HAS_OFFSETS=offsets is not None,
+            BLOCK=_INTERPRETER_BLOCK if interpreting() else _BLOCK,
+        )
+        return in_offsets, out_lengths, out_offsets, src_starts
+    in_offsets = exclusive_cumsum(flat) if offsets is None else offsets.reshape(-1).contiguous()
+    src_starts = torch.empty(runs, dtype=torch.int64, device=device)
     if runs:
         block = _INTERPRETER_BLOCK if interpreting() else _BLOCK
         _select_plan_kernel[(triton.cdiv(runs, block),)](
@@ -195,7 +287,25 @@ def jagged_index_select(
             num_keys,
             BLOCK=block,
         )
-    out_offsets = exclusive_cumsum(out_lengths)
+    return in_offsets, out_lengths, exclusive_cumsum(out_lengths), src_starts
+
+
+def jagged_index_select(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    offsets: torch.Tensor | None = None,
+    output_size: int | None = None,
+) -> Jagged:
+    """Triton ``freescale_kernels.jagged_index_select`` (indices are not range-checked)."""
+    keyed = keyed_lengths(lengths)
+    num_keys, batch = keyed.shape
+    flat = keyed.reshape(-1)
+    index = indices.reshape(-1).to(torch.int64).contiguous()
+    in_offsets, out_lengths, out_offsets, src_starts = plan_select(
+        flat, num_keys, batch, index, offsets
+    )
     if output_size is None:
         output_size = int(out_offsets[-1])
     if values.requires_grad and torch.is_grad_enabled():

@@ -2,9 +2,13 @@
 
 Output row ``o`` belongs to output run ``i`` with ``out_offsets[i] <= o < out_offsets[i + 1]``
 and reads row ``src_starts[i] + (o - out_offsets[i])`` of the source. Programs own fixed tiles of
-output rows and find each row's run by binary search, so the grid depends only on the rows moved:
-no host sync for the longest run, the same work per program whatever the run lengths (one huge
-sample included), and nothing proportional to the number of ranks.
+output rows; a program finds the runs of its first and last row with a wide search over all runs
+(``find_segment_wide``), then each row's run among those by binary search, so the grid depends
+only on the rows moved: no host sync for the longest run, the same work per program whatever the
+run lengths (one huge sample included), and nothing proportional to the number of ranks.
+
+Rows are moved as the widest machine words their byte width allows (a bf16 ``[N, 128]`` row is
+32 int64 words), which is bit-exact for every dtype and gives each lane fewer, wider accesses.
 
 Also here: the search helpers the other kernels share, and ``SegmentPermute``, the autograd
 function of every operation that moves each input run to exactly one output run (dispatch,
@@ -20,15 +24,26 @@ import triton.language as tl
 from freescale_kernels._backend import interpreting
 from freescale_kernels.layout import as_rows
 
-# Tile sizes: without a GPU at hand these follow ptxas (sm_90, 4 warps) on the compiled kernel,
-# not a timing. The per-row search state dominates registers: 1024 rows per program use 56
-# registers, 2048 use 106 and 4096 use 202, which would cap occupancy. So at most 1024 rows, and
-# about 8 KiB of items per program, which keeps 64 bytes in flight per thread for 8-byte items.
-# The interpreter runs programs one after another in Python, so it gets few, large tiles.
-_MAX_BLOCK_R = 1024
+# Tile shape of the copy: about ``_TILE_BYTES`` of words per program, at most ``_MAX_BLOCK_R``
+# rows (the per-row search state is what costs registers: ptxas on sm_90 gives 60 registers at
+# 1024 rows and 4 warps, 106 at 2048), ``_NUM_WARPS`` warps, and ``_SEARCH_LANES`` probes per
+# round of the search for the tile's first and last run (0: binary search).
+# Measured on one H200 with ``python -m freescale_kernels.tune`` (copy kernel alone, dispatch
+# plan at W=512; GB/s read + write against copy_ at 4226-4250 GB/s; benchmarks/results/kernels/):
+#   binary search, 16 KiB / 2048 rows / 4 warps: ids 41%, rows 64%, ids-large 50%, rows-large 84%
+#     (8 KiB / 1024 rows, the first version: 40 / 62 / 52 / 76%; 32-64 KiB tiles and 8-16 warps
+#     were slower everywhere, e.g. ids-large 34-44%)
+#   128-lane search, 8 KiB / 1024 rows / 4 warps: ids 55%, rows 74%, ids-large 68%, rows-large 90%
+#     (16 KiB / 2048 rows: 50 / 75 / 64 / 90%; larger tiles slower again)
+# The wide search is the gain: a program's two binary searches over 16K runs are 14 dependent
+# loads each, at the long L2 latencies the copy's own traffic causes, before any row moves.
 _TILE_BYTES = 8192
-_INTERPRETER_TILE_ELEMENTS = 1 << 16
+_MAX_BLOCK_R = 1024
+_NUM_WARPS = 4
+_SEARCH_LANES = 128
 _MAX_BLOCK_D = 256
+# The interpreter runs programs one after another in Python, so it gets few, large tiles.
+_INTERPRETER_TILE_ELEMENTS = 1 << 16
 
 
 def tile_shape(dim: int, item_bytes: int) -> tuple[int, int]:
@@ -38,6 +53,34 @@ def tile_shape(dim: int, item_bytes: int) -> tuple[int, int]:
         return max(_INTERPRETER_TILE_ELEMENTS // block_d, 1), block_d
     block_r = min(max(_TILE_BYTES // (item_bytes * block_d), 1), _MAX_BLOCK_R)
     return triton.next_power_of_2(block_r), block_d
+
+
+def as_words(rows: torch.Tensor) -> torch.Tensor:
+    """``[N, D]`` rows reinterpreted as the widest integer words (8, 4 or 2 bytes) that tile
+    each row and fit its alignment; the same tensor when no wider word fits."""
+    size = rows.element_size()
+    row_bytes = rows.shape[1] * size
+    if rows.dim() != 2 or rows.stride(1) != 1 or rows.shape[1] == 0:
+        return rows
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        word = dtype.itemsize
+        if word <= size:
+            break
+        if row_bytes % word or rows.data_ptr() % word or (rows.stride(0) * size) % word:
+            continue
+        try:
+            return rows.view(dtype)
+        except RuntimeError:  # a layout view() refuses: keep the items
+            continue
+    return rows
+
+
+def int64_buffers(device: torch.device, *sizes: int) -> list[torch.Tensor]:
+    """Int64 tensors of ``sizes`` from one allocation, each starting 16-byte aligned."""
+    padded = [size + (size & 1) for size in sizes]
+    parts = torch.empty(sum(padded), dtype=torch.int64, device=device).split(padded)
+    pieces = zip(parts, sizes, padded, strict=True)
+    return [part if size == pad else part[:size] for part, size, pad in pieces]
 
 
 @triton.jit
@@ -74,6 +117,28 @@ def find_tile_segments(offsets, num_segments, rows, first, last, mask):
 
 
 @triton.jit
+def find_segment_wide(offsets, num_segments, target, LANES: tl.constexpr):
+    """``find_segment`` of one scalar target over all runs, ``LANES`` probes at a time.
+
+    Each round loads ``LANES`` evenly spaced offsets at once and keeps the stretch between the
+    last one not past the target and the next, so 16K runs take two dependent loads instead of
+    a binary search's fourteen; that chain is what every copy program waits on before its rows
+    move, at L2 latencies that the copy's own traffic makes long.
+    """
+    lanes = tl.arange(0, LANES).to(tl.int64)
+    lo = tl.full([], 0, tl.int64)
+    width = tl.full([], num_segments, tl.int64)  # candidates lo .. lo + width - 1
+    while width > 1:
+        step = (width + LANES - 1) // LANES
+        live = lanes * step < width
+        probe = tl.load(offsets + lo + lanes * step, mask=live, other=0).to(tl.int64)
+        below = tl.sum((live & (probe <= target)).to(tl.int64), axis=0)  # >= 1: offsets[lo] <= t
+        lo += (below - 1) * step
+        width = tl.minimum(step, width - (below - 1) * step)
+    return lo
+
+
+@triton.jit
 def lower_bound(sorted_values, n, targets, mask):
     """First index ``i`` in ``[0, n]`` with ``sorted_values[i] >= target``."""
     lo = tl.zeros_like(targets)
@@ -96,9 +161,12 @@ def _gather_segments_kernel(
     dst,
     out_offsets,
     src_starts,
+    src_index,
     num_segments,
     total_rows,
     dim,
+    INDIRECT: tl.constexpr,
+    LANES: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -106,8 +174,18 @@ def _gather_segments_kernel(
     last = tl.minimum(first + BLOCK_R, total_rows) - 1
     rows = first + tl.arange(0, BLOCK_R)
     row_mask = rows < total_rows
-    segment = find_tile_segments(out_offsets, num_segments, rows, first, last, row_mask)
+    if LANES > 1:
+        seg_first = find_segment_wide(out_offsets, num_segments, first, LANES)
+        seg_last = find_segment_wide(out_offsets, num_segments, last, LANES)
+        width = seg_last + 1 - seg_first
+        segment = find_segment(out_offsets, seg_first, seg_last + 1, width, rows, row_mask)
+    else:
+        segment = find_tile_segments(out_offsets, num_segments, rows, first, last, row_mask)
     run_start = tl.load(out_offsets + segment, mask=row_mask, other=0).to(tl.int64)
+    if INDIRECT:
+        # The backward of a permutation: run ``segment`` starts where ``src_index[segment]``'s
+        # run starts in the source layout; saves materialising ``src_starts[src_index]``.
+        segment = tl.load(src_index + segment, mask=row_mask, other=0)
     src_rows = tl.load(src_starts + segment, mask=row_mask, other=0).to(tl.int64)
     src_rows += rows - run_start
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -118,36 +196,48 @@ def _gather_segments_kernel(
 
 
 def gather_segments(
-    rows: torch.Tensor, out_offsets: torch.Tensor, src_starts: torch.Tensor, total_rows: int
+    rows: torch.Tensor,
+    out_offsets: torch.Tensor,
+    src_starts: torch.Tensor,
+    total_rows: int,
+    src_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Copies the runs described by ``out_offsets`` / ``src_starts`` out of ``[N, D]`` ``rows``.
 
     Args:
         rows: contiguous ``[N, D]`` source.
         out_offsets: ``[S + 1]`` output run offsets (``out_offsets[S] == total_rows``).
-        src_starts: ``[S]`` first source row of each output run.
+        src_starts: first source row of each output run, or with ``src_index`` of each source
+            run (then output run ``i`` starts at source row ``src_starts[src_index[i]]``).
         total_rows: rows of the result, known to the caller without a device sync.
+        src_index: optional ``[S]`` indirection into ``src_starts``.
 
     Returns:
         ``[total_rows, D]`` in ``rows.dtype``.
     """
-    dim = rows.shape[1]
-    out = torch.empty(total_rows, dim, dtype=rows.dtype, device=rows.device)
-    if total_rows == 0 or dim == 0:
+    out = torch.empty(total_rows, rows.shape[1], dtype=rows.dtype, device=rows.device)
+    if total_rows == 0 or rows.shape[1] == 0:
         return out
-    num_segments = src_starts.numel()
-    block_r, block_d = tile_shape(dim, rows.element_size())
+    words = as_words(rows)
+    out_words = out.view(words.dtype)
+    dim = words.shape[1]
+    num_segments = out_offsets.numel() - 1
+    block_r, block_d = tile_shape(dim, words.element_size())
     grid = (triton.cdiv(total_rows, block_r), triton.cdiv(dim, block_d))
     _gather_segments_kernel[grid](
-        rows,
-        out,
+        words,
+        out_words,
         out_offsets,
         src_starts,
+        src_index if src_index is not None else src_starts,
         num_segments,
         total_rows,
         dim,
+        INDIRECT=src_index is not None,
+        LANES=_SEARCH_LANES,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
+        num_warps=1 if interpreting() else _NUM_WARPS,
     )
     return out
 
@@ -178,7 +268,7 @@ class SegmentPermute(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         out_offsets, in_offsets, positions = ctx.saved_tensors
         rows = as_rows(grad)
-        back = gather_segments(rows, in_offsets, out_offsets[positions], grad.shape[0])
+        back = gather_segments(rows, in_offsets, out_offsets, grad.shape[0], src_index=positions)
         return back.reshape(grad.shape), None, None, None, None
 
 
