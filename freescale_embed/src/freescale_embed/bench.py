@@ -1,0 +1,346 @@
+"""``freescale embed bench``: exposed embedding communication per step, sync vs prioritized.
+
+The bench starts ``world_size`` local ranks itself (a TCPStore on loopback, Gloo), and for each
+collision rate trains the same synthetic steps once in each mode: embedding forward, a simulated
+dense compute (a sleep, or matmuls), backward through the embeddings. It reports the median over
+the timed steps of the training thread's exposed embedding communication (``StepTelemetry``),
+the step time, the bytes moved, the prefetch memory, and whether the two modes ended with
+bitwise the same tables and optimizer state.
+
+Exposed communication is time a rank's training thread is blocked in an embedding collective or
+waiting for the prefetch thread. A rank that reaches a collective first also waits there for its
+slowest peer's local work (or for the scheduler, on a shared machine), so each step is reported
+twice: the mean over ranks (what training sees) and the collectives' time after the last rank
+joined each (the communication itself; the ranks share one host, hence one monotonic clock).
+Ranks are aligned by uncounted barriers before forward and backward.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from freescale_embed.collection import ShardedEmbeddingCollection
+from freescale_embed.config import TableConfig
+from freescale_embed.optim import RowWiseAdagrad
+from freescale_embed.workload import WorkloadConfig, make_batch
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What the bench runs.
+
+    Attributes:
+        world_size: local ranks.
+        collision_rates: shares of each step's rows that the previous step also read.
+        steps: timed steps per (rate, mode), after ``warmup`` untimed ones.
+        warmup: untimed steps first.
+        num_embeddings: rows of the one table.
+        embedding_dim: width of a row.
+        rows_per_step: unique rows per step over all ranks.
+        batch_size: samples per rank (the IDs are split over them).
+        dense: simulated dense compute between forward and backward: ``"sleep"`` (the CPU is
+            free, as when a GPU computes) or ``"matmul"`` (the CPU is busy).
+        dense_ms: sleep length.
+        matmul_size: side of the square matmuls of ``"matmul"``.
+        matmul_repeats: matmuls per step.
+        threads: intra-op threads per rank.
+        seed: workload seed.
+    """
+
+    world_size: int = 2
+    collision_rates: tuple[float, ...] = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
+    steps: int = 20
+    warmup: int = 3
+    num_embeddings: int = 500_000
+    embedding_dim: int = 128
+    rows_per_step: int = 65_536
+    batch_size: int = 64
+    dense: Literal["sleep", "matmul"] = "sleep"
+    dense_ms: float = 250.0
+    matmul_size: int = 512
+    matmul_repeats: int = 8
+    threads: int = 1
+    seed: int = 0
+
+    def table(self) -> TableConfig:
+        return TableConfig("items", self.num_embeddings, self.embedding_dim, ["history"])
+
+
+def _dense_compute(config: BenchConfig, state: torch.Tensor) -> None:
+    if config.dense == "sleep":
+        time.sleep(config.dense_ms / 1000.0)
+        return
+    for _ in range(config.matmul_repeats):
+        state.copy_(torch.tanh(state @ state) * 0.5)
+
+
+def _run_mode(config: BenchConfig, rate: float, mode: str) -> dict[str, Any]:
+    rank = dist.get_rank()
+    table = config.table()
+    workload = WorkloadConfig(
+        tables=(table,),
+        world_size=config.world_size,
+        batch_size=config.batch_size,
+        rows_per_step=config.rows_per_step,
+        collision_rate=rate,
+        seed=config.seed,
+    )
+    total = config.warmup + config.steps + 1  # the last step is final: not timed
+    batches = [make_batch(workload, rank, step) for step in range(total)]
+    emb = ShardedEmbeddingCollection([table], optimizer=RowWiseAdagrad(lr=0.05), mode=mode)
+    # Seeded, so that both modes see the same losses and must end with the same bits.
+    generator = torch.Generator().manual_seed(config.seed + rank)
+    state = torch.randn(config.matmul_size, config.matmul_size, generator=generator)
+    state /= config.matmul_size**0.5
+    weights = torch.randn(config.embedding_dim, generator=generator)
+    step_times = []
+    for step in range(total):
+        # Ranks start forward and backward together (uncounted barriers on the default group),
+        # so that what one rank did before (dense compute, the previous step) does not show
+        # up as the other's wait in an embedding collective.
+        dist.barrier()
+        started = time.perf_counter()
+        if mode == "sync":
+            out = emb(batches[step])
+        else:
+            last = step + 1 == total
+            out = emb(batches[step], None if last else batches[step + 1], final=last)
+        _dense_compute(config, state)
+        loss = (out["history"].values * weights).sum()
+        paused = time.perf_counter()
+        dist.barrier()
+        resumed = time.perf_counter()
+        loss.backward()
+        step_times.append(time.perf_counter() - started - (resumed - paused))
+    emb.synchronize()
+    timed = [t.as_dict() for t in emb.telemetry][config.warmup : config.warmup + config.steps]
+    state_dict = {k: v.clone() for k, v in emb.state_dict().items()}
+    emb.close()
+    return {
+        "exposed_s": [t["exposed_comm_s"] for t in timed],
+        "spans": [t["collective_spans"] for t in timed],
+        "background_s": [t["background_comm_s"] for t in timed],
+        "bytes": [t["bytes_sent"] for t in timed],
+        "prefetch_bytes": [t["prefetch_bytes"] for t in timed],
+        "collision_pct": [t["collision_pct"] for t in timed],
+        "fallback": [t["lookup"] == "fallback" for t in timed],
+        "step_s": step_times[config.warmup : config.warmup + config.steps],
+        "state": state_dict,
+    }
+
+
+def _rank_results(config: BenchConfig) -> list[dict[str, Any]]:
+    results = []
+    for rate in config.collision_rates:
+        sync = _run_mode(config, rate, "sync")
+        prioritized = _run_mode(config, rate, "prioritized")
+        exact = all(
+            torch.equal(value, prioritized["state"][key]) for key, value in sync["state"].items()
+        )
+        del sync["state"], prioritized["state"]
+        results.append(
+            {"collision_rate": rate, "sync": sync, "prioritized": prioritized, "exact": exact}
+        )
+    return results
+
+
+def _rank_main(rank: int, config: BenchConfig, port: int, queue: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(config.threads))
+    torch.set_num_threads(config.threads)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=config.world_size,
+            timeout=timedelta(seconds=300),
+        )
+        queue.put((rank, "ok", _rank_results(config)))
+        dist.destroy_process_group()
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def _after_last_arrival(spans_of_ranks: tuple[list[tuple[float, float]], ...]) -> float:
+    """Seconds the step's collectives took once every rank had joined each of them.
+
+    A rank that joins a collective early waits there for its peers' local work; what remains
+    after the last rank joined (until the first rank leaves) is the communication itself.
+    """
+    total = 0.0
+    for spans in zip(*spans_of_ranks, strict=True):
+        total += max(0.0, min(end for _, end in spans) - max(start for start, _ in spans))
+    return total
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode at one rate: per step over ranks, then the median over steps."""
+
+    def per_step(key: str, over_ranks: Any) -> list[float]:
+        return [over_ranks(values) for values in zip(*(r[key] for r in runs), strict=True)]
+
+    collisions = [c for c in runs[0]["collision_pct"] if c is not None]
+    return {
+        # What a rank's training thread waits (averaged over ranks), and the collectives' time
+        # after every rank had joined them (the waiting for a peer's local work removed).
+        "exposed_ms": 1000 * statistics.median(per_step("exposed_s", statistics.fmean)),
+        "collective_ms": 1000 * statistics.median(per_step("spans", _after_last_arrival)),
+        "background_ms": 1000 * statistics.median(per_step("background_s", statistics.fmean)),
+        # A step lasts as long as its slowest rank.
+        "step_ms": 1000 * statistics.median(per_step("step_s", max)),
+        "mb_per_step": statistics.median(per_step("bytes", statistics.fmean)) / 1e6,
+        "prefetch_mb": max(max(r["prefetch_bytes"]) for r in runs) / 1e6,
+        "collision_pct": statistics.median(collisions) if collisions else None,
+        "fallback_steps": sum(runs[0]["fallback"]),
+        "per_rank_exposed_ms": [1000 * statistics.median(r["exposed_s"]) for r in runs],
+    }
+
+
+def _combine(config: BenchConfig, per_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """The report: per collision rate, each mode's summary over ranks and steps."""
+    points = []
+    for index, rate in enumerate(config.collision_rates):
+        rows = [ranks[index] for ranks in per_rank]
+        point: dict[str, Any] = {"collision_rate": rate, "exact": all(r["exact"] for r in rows)}
+        for mode in ("sync", "prioritized"):
+            point[mode] = _summary([r[mode] for r in rows])
+        sync, prioritized = point["sync"], point["prioritized"]
+        point["ratio"] = prioritized["exposed_ms"] / sync["exposed_ms"]
+        point["ratio_collective"] = prioritized["collective_ms"] / sync["collective_ms"]
+        points.append(point)
+    return {
+        "config": asdict(config),
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "backend": "gloo (loopback)",
+        },
+        "points": points,
+    }
+
+
+def run_bench(config: BenchConfig, timeout_s: float = 1800.0) -> dict[str, Any]:
+    """Starts the ranks, runs every (rate, mode) and returns the combined report."""
+    load_before = os.getloadavg()
+    context = multiprocessing.get_context("spawn")
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
+    )
+    queue = context.Queue()
+    processes = [
+        context.Process(target=_rank_main, args=(rank, config, store.port, queue), daemon=True)
+        for rank in range(config.world_size)
+    ]
+    for process in processes:
+        process.start()
+    replies: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(replies) < config.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"the bench ranks did not finish within {timeout_s:.0f} s")
+            rank, kind, payload = queue.get(timeout=remaining)
+            if kind != "ok":
+                raise RuntimeError(f"bench rank {rank} failed:\n{payload}")
+            replies[rank] = payload
+    finally:
+        for process in processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+    report = _combine(config, [replies[rank] for rank in range(config.world_size)])
+    # The machine may be shared: its load says how much the timings can be trusted.
+    report["environment"]["load_average_1min"] = [load_before[0], os.getloadavg()[0]]
+    return report
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as a text table, one line per collision rate."""
+    lines = [
+        "collision %  exposed ms: sync  prioritized  ratio | after last arrival: sync  prioritized"
+        "  ratio"
+        " | step ms: sync  prioritized | MB/step  prefetch MB  exact"
+    ]
+    for point in report["points"]:
+        sync, prio = point["sync"], point["prioritized"]
+        measured = prio.get("collision_pct") or 100 * point["collision_rate"]
+        lines.append(
+            f"{measured:>11.1f}  {sync['exposed_ms']:>16.2f}  {prio['exposed_ms']:>11.2f}  "
+            f"{point['ratio']:>5.3f} | {sync['collective_ms']:>24.2f}  "
+            f"{prio['collective_ms']:>11.2f}  {point['ratio_collective']:>5.3f} | "
+            f"{sync['step_ms']:>13.1f}  {prio['step_ms']:>11.1f} | {sync['mb_per_step']:>7.2f}  "
+            f"{prio['prefetch_mb']:>11.2f}  {'yes' if point['exact'] else 'NO'}"
+        )
+    return "\n".join(lines)
+
+
+def write_report(report: dict[str, Any], out: Path) -> list[Path]:
+    """Writes ``embed_bench.json`` and, with matplotlib, ``embed_bench.png`` under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "embed_bench.json"]
+    written[0].write_text(json.dumps(report, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written
+    points = report["points"]
+    rates = [p["prioritized"].get("collision_pct") or 100 * p["collision_rate"] for p in points]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, marker in (("sync", "o"), ("prioritized", "s")):
+        line = left.plot(
+            rates, [p[mode]["exposed_ms"] for p in points], marker + "-", label=f"{mode} (mean)"
+        )
+        left.plot(
+            rates,
+            [p[mode]["collective_ms"] for p in points],
+            marker + ":",
+            color=line[0].get_color(),
+            label=f"{mode} (after last arrival)",
+        )
+    left.set_xlabel("collision rate (% of a step's rows read by the previous step)")
+    left.set_ylabel("exposed embedding communication per step (ms)")
+    left.legend()
+    left.grid(alpha=0.3)
+    right.plot(rates, [p["ratio"] for p in points], "s-", color="tab:orange", label="mean")
+    right.plot(
+        rates,
+        [p["ratio_collective"] for p in points],
+        "s:",
+        color="tab:orange",
+        label="after last arrival",
+    )
+    right.axhline(1 / 9, color="gray", linestyle="--", label="1/9 (target at <= 5%)")
+    right.set_xlabel("collision rate (%)")
+    right.set_ylabel("prioritized / sync exposed communication")
+    right.legend()
+    right.grid(alpha=0.3)
+    config = report["config"]
+    figure.suptitle(
+        f"{config['world_size']} ranks, Gloo on loopback, {config['rows_per_step']} rows/step x "
+        f"{config['embedding_dim']} floats, dense: {config['dense']}"
+    )
+    figure.tight_layout()
+    written.append(out / "embed_bench.png")
+    figure.savefig(written[-1], dpi=120)
+    plt.close(figure)
+    return written

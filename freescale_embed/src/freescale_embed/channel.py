@@ -1,0 +1,101 @@
+"""The collectives of one thread on one process group, timed and counted for telemetry.
+
+The training thread and the prefetch thread each own a ``Channel`` on their own process group,
+so their collectives never interleave on one group (which would pair up the wrong calls).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated there); 2.11 only has the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class Measured:
+    """Collectives of one thread over some interval.
+
+    Attributes:
+        seconds: time spent inside them.
+        bytes_sent: bytes this rank sent to other ranks.
+        spans: ``(start, end)`` of each, on the system-wide monotonic clock, so that the spans of
+            ranks on one host can be lined up (the benchmark's "after the last arrival" time).
+    """
+
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    spans: list[tuple[float, float]] = field(default_factory=list)
+
+
+class Meter:
+    """Accumulates ``Measured`` until the next ``take``."""
+
+    def __init__(self) -> None:
+        self._current = Measured()
+
+    def record(self, start: float, end: float, bytes_sent: int) -> None:
+        self._current.seconds += end - start
+        self._current.bytes_sent += bytes_sent
+        self._current.spans.append((start, end))
+
+    def take(self) -> Measured:
+        """Returns what was measured since the last call, and starts afresh."""
+        taken, self._current = self._current, Measured()
+        return taken
+
+
+class Channel:
+    """Blocking collectives on ``group``, each measured into ``meter``.
+
+    Args:
+        group: the process group; its ranks are the peers.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.meter = Meter()
+
+    def all_to_all(
+        self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]
+    ) -> torch.Tensor:
+        """Sends ``send``'s consecutive runs of ``send_splits`` elements to ranks 0, 1, ...
+
+        Returns:
+            What arrives: runs of ``recv_splits`` elements from ranks 0, 1, ..., as one 1-D tensor.
+        """
+        recv = torch.empty(sum(recv_splits), dtype=send.dtype)
+        send = send.contiguous()
+        start = time.monotonic()
+        dist.all_to_all_single(
+            recv,
+            send,
+            output_split_sizes=recv_splits,
+            input_split_sizes=send_splits,
+            group=self.group,
+        )
+        own = send_splits[self.rank] if send_splits else 0
+        self.meter.record(start, time.monotonic(), (send.numel() - own) * send.element_size())
+        return recv
+
+    def all_gather(self, local: torch.Tensor) -> torch.Tensor:
+        """``[world, *local.shape]``: every rank's ``local``."""
+        gathered = torch.empty(self.world_size * local.numel(), dtype=local.dtype)
+        local_flat = local.reshape(-1).contiguous()
+        start = time.monotonic()
+        _all_gather_single(gathered, local_flat, group=self.group)
+        sent = local.numel() * local.element_size() * (self.world_size - 1)
+        self.meter.record(start, time.monotonic(), sent)
+        return gathered.reshape(self.world_size, *local.shape)
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's picklable ``obj`` (used only on the error path)."""
+        gathered: list[object] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered

@@ -1,0 +1,484 @@
+"""``ShardedEmbeddingCollection``: row-wise sharded sequence embeddings, sync or prioritized.
+
+One training step on every rank, on the training thread::
+
+    sync         forward:  [preflight flags + ID counts] -> IDs -> lookup on owners -> rows
+                 backward: per-ID gradients -> gradients to owners -> per-row sum -> optimizer
+    prioritized  forward:  [preflight flags + collision rows]  (all other rows were prefetched)
+                 backward: the same as sync, for the collision rows only
+
+where ``[...]`` is one AllToAll and the collision rows of step t are those step t+1 reads too.
+The prefetch thread does the rest (``prefetch``). Both modes produce the same bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections import deque
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from freescale_balance import JaggedBatch, JaggedTensor
+from freescale_embed.channel import Channel
+from freescale_embed.config import MODES, POOLINGS, Mode, Pooling, TableConfig, check_tables
+from freescale_embed.inputs import as_batch, batch_problem, raise_if_flagged, same_ids
+from freescale_embed.optim import SGD, Optimizer
+from freescale_embed.prefetch import Prepared, finish_gradients, prepare_next
+from freescale_embed.routing import Routes, route
+from freescale_embed.sharding import RowShard
+from freescale_embed.tables import TableShard, TableShards
+from freescale_embed.telemetry import StepTelemetry
+from freescale_embed.transfers import (
+    apply_gradients,
+    send_gradients,
+    send_rows,
+    send_rows_flagged,
+    unique_gradients,
+)
+from freescale_embed.worker import Worker
+
+_TELEMETRY_STEPS = 10_000
+
+
+@dataclasses.dataclass
+class _Step:
+    """One forward awaiting its backward."""
+
+    index: int
+    routes: Routes
+    values: list[torch.Tensor]
+    record: StepTelemetry
+    next_future: Any = None  # prioritized: the future of step t+1's ``Prepared``
+    done: bool = False
+
+
+class _Lookup(torch.autograd.Function):
+    """Per-feature embeddings of a step; its backward runs the step's gradient sync and update."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        dummy: torch.Tensor,
+        owner: ShardedEmbeddingCollection,
+        step: _Step,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.owner, ctx.step = owner, step
+        return tuple(owner._feature_outputs(step))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, None, None]:
+        ctx.owner._backward(ctx.step, grads)
+        return None, None, None
+
+
+class ShardedEmbeddingCollection(nn.Module):
+    """Embedding tables sharded row-wise over a process group, trained by a fused optimizer.
+
+    Every rank constructs the collection at the same point (prioritized mode creates a process
+    group for its prefetch thread, which is collective over the default group), and every rank
+    of ``group`` runs ``forward`` and a backward through its outputs for every training step.
+    Tables live on the CPU in this release.
+
+    Args:
+        tables: the tables and the features that read them.
+        group: process group whose ranks share the tables (default: the world).
+        optimizer: ``SGD``, ``RowWiseAdagrad`` or ``Adam``; applied to the rows a step touched,
+            inside backward.
+        mode: ``"sync"``, or ``"prioritized"``: the next batch's rows outside the current step's
+            rows are prefetched during the current step; the same bits as ``"sync"``.
+        pooling: ``"none"`` (per-item sequence embeddings), ``"sum"`` or ``"mean"`` per sample.
+        max_collision_rate: prioritized mode's guardrail: a step whose share of rows shared with
+            the previous step is above this fraction is looked up synchronously instead
+            (``None``: never).
+        seed: seed of the initial rows (the same tables for every world size).
+        dtype: dtype of rows and optimizer state.
+        timeout: bound on waits for the prefetch thread and on its group's collectives.
+
+    Example::
+
+        tables = [TableConfig("items", 1_000_000, 64, ["history", "candidates"])]
+        emb = ShardedEmbeddingCollection(tables, optimizer=RowWiseAdagrad(lr=0.05),
+                                         mode="prioritized")
+        for batch, next_batch in zip(batches, [*batches[1:], None]):
+            out = emb(batch, next_batch, final=next_batch is None)
+            loss = model(out["history"].values, out["history"].lengths, ...)
+            loss.backward()                    # embedding rows update here
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        group: dist.ProcessGroup | None = None,
+        optimizer: Optimizer | None = None,
+        mode: Mode = "sync",
+        *,
+        pooling: Pooling = "none",
+        max_collision_rate: float | None = None,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        timeout: timedelta = timedelta(seconds=120),
+    ) -> None:
+        super().__init__()
+        check_tables(tables)
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        self.table_configs = tuple(tables)
+        self.group = group if group is not None else dist.group.WORLD
+        self.mode = mode
+        self.pooling = pooling
+        self.max_collision_rate = max_collision_rate
+        self.optimizer: Optimizer = optimizer if optimizer is not None else SGD()
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.shards = [RowShard(t, self.world_size, self.rank) for t in tables]
+        self.tables = TableShards(
+            [
+                TableShard(shard, self.optimizer, shard.initial_weight(seed, index, dtype))
+                for index, shard in enumerate(self.shards)
+            ]
+        )
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        self.telemetry: deque[StepTelemetry] = deque(maxlen=_TELEMETRY_STEPS)
+        self._channel = Channel(self.group)
+        # A leaf that requires grad, so that the lookup joins the autograd graph.
+        self._dummy = torch.zeros(0, requires_grad=True)
+        self._awaiting_backward: _Step | None = None
+        self._prepared: Prepared | None = None
+        # The rest of the last backward's gradient sync, submitted at the start of the next
+        # step (after its critical-path collective) or by ``synchronize``.
+        self._deferred: functools.partial | None = None
+        self._expected_next: JaggedBatch | None = None
+        self._worker: Worker | None = None
+        self._background_group: dist.ProcessGroup | None = None
+        self._background: Channel | None = None
+        if mode == "prioritized":
+            self._background_group = dist.new_group(
+                ranks=dist.get_process_group_ranks(self.group),
+                backend=dist.get_backend(self.group),
+                timeout=timeout,
+            )
+            self._background = Channel(self._background_group)
+            self._worker = Worker(timeout)
+
+    # -- public ----------------------------------------------------------------------------------
+
+    @property
+    def shard_tables(self) -> list[TableShard]:
+        """This rank's table shards, in table order."""
+        return [self.tables[t.name] for t in self.table_configs]
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Uses ``lr`` from the next backward on (updates already under way keep theirs)."""
+        self.optimizer = dataclasses.replace(self.optimizer, lr=lr)
+
+    def forward(
+        self,
+        batch: JaggedBatch | Any,
+        next_batch: JaggedBatch | Any | None = None,
+        *,
+        final: bool = False,
+    ) -> dict[str, JaggedTensor] | dict[str, torch.Tensor]:
+        """Looks up every table feature of ``batch``.
+
+        Args:
+            batch: this rank's ``JaggedBatch`` (or TorchRec ``KeyedJaggedTensor``); features
+                that no table reads are ignored.
+            next_batch: prioritized mode: the batch this rank passes to the next call, whose
+                rows are prefetched now. Required unless ``final``.
+            final: prioritized mode: no next step follows (end of training or of an epoch);
+                this step's backward syncs all of its gradients.
+
+        Returns:
+            Per feature, a ``JaggedTensor`` of ``[items, dim]`` embeddings with the batch's
+            lengths; with pooling, a ``[batch, dim]`` tensor per feature.
+
+        Raises:
+            EmbeddingInputError: on every rank, before any ID moves, if some rank's input is
+                invalid (IDs out of range, values/lengths mismatch, missing feature, missing or
+                inconsistent next batch).
+        """
+        self._channel.meter.take()
+        problem = self._input_problem(batch, next_batch, final)
+        index = int(self.step) + 1
+        if self.mode == "sync":
+            step = self._sync_lookup(batch, index, problem)
+        else:
+            step = self._prioritized_lookup(batch, next_batch, final, index, problem)
+        batch = as_batch(batch)
+        step.record.add_exposed(self._channel.meter.take())
+        self.telemetry.append(step.record)
+        outputs = _Lookup.apply(self._dummy, self, step)
+        names = [name for shard in self.shards for name in shard.table.feature_names]
+        result = {}
+        for name, values in zip(names, outputs, strict=True):
+            lengths = batch.features[name].lengths
+            pooled = self.pooling != "none"
+            result[name] = self._pool(values, lengths) if pooled else JaggedTensor(values, lengths)
+        return result
+
+    def synchronize(self) -> None:
+        """Applies every pending background update before returning.
+
+        In prioritized mode this finishes the last backward's gradient sync, which runs
+        collectives on the prefetch group: call it (and ``state_dict``, ``load_state_dict``,
+        ``close``) on every rank.
+        """
+        self._submit_deferred()
+        if self._worker is not None:
+            self._worker.drain()
+
+    def close(self) -> None:
+        """Finishes background work, stops the prefetch thread and frees its process group."""
+        self.synchronize()
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        if self._background_group is not None:
+            dist.destroy_process_group(self._background_group)
+            self._background_group = None
+
+    def state_dict(self, *args: Any, full: bool = False, **kwargs: Any) -> dict[str, Any]:
+        """Tables, optimizer state and step count.
+
+        Args:
+            full: collective: gather every table whole on every rank (default: this rank's
+                rows only, keys ``tables.<name>.weight``, ``tables.<name>.<state>``, ``step``).
+        """
+        self.synchronize()
+        state = super().state_dict(*args, **kwargs)
+        if full:
+            prefix = kwargs.get("prefix", "")
+            for name, table in self.tables.named_shards():
+                for buffer in ("weight", *table.state_names):
+                    key = f"{prefix}tables.{name}.{buffer}"
+                    state[key] = self._gather_rows(table.shard, getattr(table, buffer))
+        return state
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        # Here rather than in load_state_dict, so that loading a model that contains the
+        # collection also waits for background updates and drops rows prefetched from the old
+        # tables (the next forward looks its batch up afresh).
+        self.synchronize()
+        self._prepared = None
+        self._expected_next = None
+        super()._load_from_state_dict(*args, **kwargs)
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def _input_problem(self, batch: Any, next_batch: Any, final: bool) -> str | None:
+        try:
+            jagged = as_batch(batch)
+        except TypeError as error:
+            return str(error)
+        problem = batch_problem(jagged, self.shards)
+        if problem is not None:
+            return problem
+        if self.mode == "sync":
+            return None
+        if not torch.is_grad_enabled():
+            return "prioritized mode trains on every step: forward needs grad mode (use sync)"
+        if self._awaiting_backward is not None:
+            return (
+                f"step {self._awaiting_backward.index} has not run its backward; prioritized "
+                "mode needs every step's backward before the next forward"
+            )
+        if self._expected_next is not None:
+            differs = same_ids(jagged, self._expected_next, self.shards)
+            if differs is not None:
+                return (
+                    f"the batch differs from the next_batch given at the previous step "
+                    f"(feature {differs!r})"
+                )
+        if next_batch is None:
+            if not final:
+                return (
+                    "prioritized mode needs next_batch (the batch of the next step), or "
+                    "final=True on the last step"
+                )
+            return None
+        if final:
+            return "final=True with a next_batch: a final step has no next step"
+        try:
+            jagged_next = as_batch(next_batch)
+        except TypeError as error:
+            return f"next batch: {error}"
+        problem = batch_problem(jagged_next, self.shards)
+        return None if problem is None else f"next batch: {problem}"
+
+    def _sync_lookup(self, batch: Any, index: int, problem: str | None) -> _Step:
+        """Routes and looks up ``batch`` now; the preflight rides on the ID counts."""
+        features = as_batch(batch).features if problem is None else None
+        routes = route(features, self.shards, self._channel, problem)
+        values = send_rows(self.shard_tables, routes, self._channel)
+        return _Step(index, routes, values, StepTelemetry(step=index))
+
+    def _prioritized_lookup(
+        self, batch: Any, next_batch: Any, final: bool, index: int, problem: str | None
+    ) -> _Step:
+        prepared = self._prepared
+        if prepared is None:
+            step = self._sync_lookup(batch, index, problem)
+        else:
+            # The collision rows, updated by the previous backward, are the only rows still
+            # to come; the preflight flags ride in front of them.
+            fresh, flags = send_rows_flagged(
+                self.shard_tables,
+                prepared.routes,
+                self._channel,
+                problem is not None,
+                entry_mask=prepared.pending_entries,
+                request_mask=prepared.pending,
+            )
+            # Every rank got here, bad input or not: start the previous step's deferred sync.
+            self._submit_deferred()
+            raise_if_flagged(self._channel, problem, flags)
+            for values, mask, rows in zip(prepared.values, prepared.pending, fresh, strict=True):
+                values.index_copy_(0, mask.nonzero().flatten(), rows)
+            self._prepared = None
+            step = _Step(index, prepared.routes, prepared.values, prepared.record)
+        if final:
+            self._expected_next = None
+        else:
+            jagged_next = as_batch(next_batch)
+            self._expected_next = jagged_next
+            assert self._worker is not None and self._background is not None
+            step.next_future = self._worker.submit(
+                prepare_next,
+                self.shard_tables,
+                self.shards,
+                self._background,
+                jagged_next.features,
+                step.routes,
+                self.max_collision_rate,
+                StepTelemetry(step=index + 1),
+            )
+        self._awaiting_backward = step
+        return step
+
+    def _feature_outputs(self, step: _Step) -> list[torch.Tensor]:
+        outputs = []
+        for shard, values, inverse in zip(
+            self.shards, step.values, step.routes.request.inverse, strict=True
+        ):
+            start = 0
+            for name in shard.table.feature_names:
+                count = int(step.routes.request.lengths[name].sum())
+                outputs.append(values.index_select(0, inverse[start : start + count]))
+                start += count
+        return outputs
+
+    def _pool(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        lengths = lengths.to(torch.int64)
+        samples = torch.repeat_interleave(
+            torch.arange(lengths.numel()), lengths, output_size=values.shape[0]
+        )
+        pooled = torch.zeros(lengths.numel(), values.shape[1], dtype=values.dtype).index_add(
+            0, samples, values
+        )
+        if self.pooling == "mean":
+            pooled = pooled / lengths.clamp(min=1).to(values.dtype)[:, None]
+        return pooled
+
+    # -- backward --------------------------------------------------------------------------------
+
+    def _backward(self, step: _Step, grads: Sequence[torch.Tensor]) -> None:
+        if step.done:
+            raise RuntimeError(
+                f"backward of embedding step {step.index} ran twice; each step updates once"
+            )
+        step.done = True
+        self._channel.meter.take()
+        tables = self.shard_tables
+        dtype = tables[0].weight.dtype
+        per_table, start = [], 0
+        for shard in self.shards:
+            count = len(shard.table.feature_names)
+            parts = [g.to(dtype) for g in grads[start : start + count]]
+            # A lone feature's gradient is used as it is: cat would copy it on the critical path.
+            per_table.append(parts[0] if count == 1 else torch.cat(parts))
+            start += count
+        optimizer = self.optimizer
+        if step.next_future is None:
+            if self._worker is not None:
+                # The last step of a prioritized run: earlier background updates finish first.
+                started = time.perf_counter()
+                self._worker.drain()
+                step.record.add_wait(time.perf_counter() - started)
+            gradients = unique_gradients(step.routes.request, per_table)
+            entry_gradients = send_gradients(tables, step.routes, gradients, self._channel)
+            apply_gradients(tables, step.routes.serve, entry_gradients, optimizer, step.index)
+        else:
+            self._prioritized_backward(step, per_table, optimizer)
+        self.step.fill_(step.index)
+        if self._awaiting_backward is step:
+            self._awaiting_backward = None
+        step.record.add_exposed(self._channel.meter.take())
+
+    def _prioritized_backward(
+        self, step: _Step, occurrence_gradients: list[torch.Tensor], optimizer: Optimizer
+    ) -> None:
+        assert self._worker is not None and self._background is not None
+        tables = self.shard_tables
+        started = time.perf_counter()
+        prepared: Prepared = self._worker.wait(step.next_future)
+        step.record.add_wait(time.perf_counter() - started)
+        if prepared.any_collision:
+            # Only the collision rows' gradients are summed here; the rest, in the background.
+            gradients = unique_gradients(
+                step.routes.request, occurrence_gradients, prepared.collided
+            )
+            entry_gradients = send_gradients(
+                tables,
+                step.routes,
+                gradients,
+                self._channel,
+                request_mask=prepared.collided,
+                entry_mask=prepared.collided_entries,
+            )
+            apply_gradients(
+                tables,
+                step.routes.serve,
+                entry_gradients,
+                optimizer,
+                step.index,
+                entry_mask=prepared.collided_entries,
+                row_mask=prepared.collided_rows,
+            )
+        if not prepared.fallback:
+            # Submitted at the start of the next step, so that this step's exchange of
+            # collision rows never queues behind it.
+            self._deferred = functools.partial(
+                self._worker.submit,
+                finish_gradients,
+                tables,
+                self._background,
+                step.routes,
+                occurrence_gradients,
+                prepared,
+                optimizer,
+                step.index,
+                step.record,
+            )
+        self._prepared = prepared
+
+    def _submit_deferred(self) -> None:
+        if self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            deferred()
+
+    # -- state -------------------------------------------------------------------------------------
+
+    def _gather_rows(self, shard: RowShard, local: torch.Tensor) -> torch.Tensor:
+        padded = torch.zeros(shard.block, *local.shape[1:], dtype=local.dtype)
+        padded[: local.shape[0]] = local
+        gathered = self._channel.all_gather(padded)
+        return gathered.reshape(-1, *local.shape[1:])[: shard.table.num_embeddings].clone()

@@ -1,0 +1,223 @@
+"""Prioritized mode's background half: prefetching step t+1 and finishing step t's gradient sync.
+
+With ``R_t`` the rows of step t over all ranks and ``C_t = R_t ∩ R_t+1`` its collision rows:
+
+- ``prepare_next`` (during step t, on the prefetch thread): routes step t+1's IDs, finds ``C_t``
+  on each owner, tells requesters which of their IDs of t are collision rows and which of t+1
+  are pending (waiting for t's update), and sends the rows of t+1 outside ``C_t``. Those rows are
+  not changed by step t, and every earlier update of them has already run on this same thread.
+- the training thread's backward of step t then syncs and applies the gradients of ``C_t``, and
+  its forward of step t+1 fetches their fresh rows (with the preflight flags in front), and
+- ``finish_gradients`` (during step t+1, on the prefetch thread) syncs and applies the rest of
+  step t's gradients, rows that step t+1 does not read, before step t+2's prefetch reads them.
+
+``finish_gradients`` of step t is submitted at the start of step t+1, right after that step's
+exchange of collision rows, so the critical-path collective never queues behind it.
+
+One thread runs these tasks in submission order on its own process group, so they never
+interleave with the training thread's collectives. The two threads never touch the tables at
+the same time: the training thread reads or writes rows only when the prefetch thread has
+nothing left to do (it waits for the prefetch of the next step before applying collision
+updates; it reads collision rows at the start of a step, before the deferred sync is submitted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from freescale_balance import JaggedTensor
+from freescale_embed._ops import pack_by_peer, unpack_by_peer
+from freescale_embed.channel import Channel
+from freescale_embed.optim import Optimizer
+from freescale_embed.routing import Routes, route
+from freescale_embed.sharding import RowShard
+from freescale_embed.tables import TableShard
+from freescale_embed.telemetry import StepTelemetry
+from freescale_embed.transfers import (
+    apply_gradients,
+    send_gradients,
+    send_rows,
+    unique_gradients,
+)
+
+
+@dataclass
+class Prepared:
+    """Step t+1 as prepared during step t.
+
+    Attributes:
+        routes: step t+1's routing.
+        values: per table, the rows of t+1's unique IDs on this rank; rows marked ``pending``
+            are filled by step t+1's forward, after step t's backward updated them.
+        pending: per table, requester mask over t+1's unique IDs: collision rows of t.
+        pending_entries: per table, owner mask over t+1's entries: collision rows of t.
+        collided: per table, requester mask over t's unique IDs: rows t+1 also reads.
+        collided_entries: per table, owner mask over t's entries.
+        collided_rows: per table, owner mask over t's rows.
+        collisions: ``|C_t|`` over all ranks.
+        unique_rows: ``|R_t+1|`` over all ranks.
+        fallback: the guardrail tripped: every row of t is synced in t's backward and every row
+            of t+1 is fetched in t+1's forward.
+        record: step t+1's telemetry.
+    """
+
+    routes: Routes
+    values: list[torch.Tensor]
+    pending: list[torch.Tensor]
+    pending_entries: list[torch.Tensor]
+    collided: list[torch.Tensor]
+    collided_entries: list[torch.Tensor]
+    collided_rows: list[torch.Tensor]
+    collisions: int
+    unique_rows: int
+    fallback: bool
+    record: StepTelemetry
+
+    @property
+    def any_collision(self) -> bool:
+        """Whether step t's backward has a collision part to sync (the same on every rank)."""
+        return self.fallback or self.collisions > 0
+
+    def nbytes(self) -> int:
+        """Bytes held between the steps: prefetched rows, routing and masks."""
+        tensors = [
+            *self.values,
+            *self.pending,
+            *self.pending_entries,
+            *self.collided,
+            *self.collided_entries,
+            *self.collided_rows,
+        ]
+        return self.routes.nbytes() + sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _full(like: Sequence[torch.Tensor], value: bool) -> list[torch.Tensor]:
+    return [torch.full((t.numel(),), value, dtype=torch.bool) for t in like]
+
+
+def prepare_next(
+    tables: Sequence[TableShard],
+    shards: Sequence[RowShard],
+    channel: Channel,
+    features: Mapping[str, JaggedTensor],
+    current: Routes,
+    max_collision_rate: float | None,
+    record: StepTelemetry,
+) -> Prepared:
+    """Routes step t+1, finds the collision rows of t, prefetches the rows of t+1 outside them."""
+    channel.meter.take()
+    routes = route(features, shards, channel)
+    serve, request = routes.serve, routes.request
+    collided_rows = [
+        torch.isin(rows_t, rows_n)
+        for rows_t, rows_n in zip(current.serve.rows, serve.rows, strict=True)
+    ]
+    pending_rows = [
+        torch.isin(rows_n, rows_t)
+        for rows_t, rows_n in zip(current.serve.rows, serve.rows, strict=True)
+    ]
+    local_counts = torch.tensor(
+        [sum(int(m.sum()) for m in collided_rows), sum(r.numel() for r in serve.rows)],
+        dtype=torch.int64,
+    )
+    collisions, unique_rows = channel.all_gather(local_counts).sum(0).tolist()
+    fallback = max_collision_rate is not None and collisions > max_collision_rate * unique_rows
+    dims = [table.shard.table.embedding_dim for table in tables]
+    values = [
+        torch.empty(u.numel(), d, dtype=tables[0].weight.dtype)
+        for u, d in zip(request.unique, dims, strict=True)
+    ]
+
+    if fallback or collisions == 0:
+        # Every rank knows the masks without asking: all rows (fallback) or none collide.
+        pending, pending_entries = _full(request.unique, fallback), _full(serve.local, fallback)
+        collided = _full(current.request.unique, fallback)
+        collided_entries = _full(current.serve.local, fallback)
+        collided_rows = _full(current.serve.rows, fallback)
+    else:
+        pending_entries = [
+            m.index_select(0, inv) for m, inv in zip(pending_rows, serve.row_inverse, strict=True)
+        ]
+        collided_entries = [
+            m.index_select(0, inv)
+            for m, inv in zip(collided_rows, current.serve.row_inverse, strict=True)
+        ]
+        # One AllToAll tells each requester which of its IDs of t+1 are pending and which of
+        # its IDs of t collide, in the order it sent them.
+        parts = [m.to(torch.uint8) for m in (*pending_entries, *collided_entries)]
+        send_counts = torch.cat([serve.counts, current.serve.counts], dim=1)
+        recv_counts = torch.cat([request.counts, current.request.counts], dim=1)
+        flags = channel.all_to_all(
+            pack_by_peer(parts, send_counts),
+            send_counts.sum(1).tolist(),
+            recv_counts.sum(1).tolist(),
+        )
+        masks = [m.to(torch.bool) for m in unpack_by_peer(flags, recv_counts, [()] * len(parts))]
+        pending, collided = masks[: len(tables)], masks[len(tables) :]
+
+    if not fallback:
+        exclusive = send_rows(
+            tables,
+            routes,
+            channel,
+            entry_mask=[~m for m in pending_entries],
+            request_mask=[~m for m in pending],
+        )
+        for table_values, mask, rows in zip(values, pending, exclusive, strict=True):
+            table_values.index_copy_(0, (~mask).nonzero().flatten(), rows)
+
+    record.collision_pct = 100.0 * collisions / unique_rows if unique_rows else 0.0
+    record.lookup = "fallback" if fallback else "prefetched"
+    record.add_background(channel.meter.take())
+    prepared = Prepared(
+        routes=routes,
+        values=values,
+        pending=pending,
+        pending_entries=pending_entries,
+        collided=collided,
+        collided_entries=collided_entries,
+        collided_rows=collided_rows,
+        collisions=collisions,
+        unique_rows=unique_rows,
+        fallback=fallback,
+        record=record,
+    )
+    record.prefetch_bytes = prepared.nbytes()
+    return prepared
+
+
+def finish_gradients(
+    tables: Sequence[TableShard],
+    channel: Channel,
+    routes: Routes,
+    occurrence_gradients: Sequence[torch.Tensor],
+    prepared: Prepared,
+    optimizer: Optimizer,
+    step: int,
+    record: StepTelemetry,
+) -> None:
+    """Syncs and applies step t's gradients of rows outside ``C_t`` (step t+1 does not read them).
+
+    ``optimizer`` and ``step`` are those of step t, captured when its backward ran, so a learning
+    rate changed since then does not leak into this update.
+    """
+    channel.meter.take()
+    request_mask = [~m for m in prepared.collided]
+    entry_mask = [~m for m in prepared.collided_entries]
+    gradients = unique_gradients(routes.request, occurrence_gradients, request_mask)
+    entry_gradients = send_gradients(
+        tables, routes, gradients, channel, request_mask=request_mask, entry_mask=entry_mask
+    )
+    apply_gradients(
+        tables,
+        routes.serve,
+        entry_gradients,
+        optimizer,
+        step,
+        entry_mask=entry_mask,
+        row_mask=[~m for m in prepared.collided_rows],
+    )
+    record.add_background(channel.meter.take())

@@ -1,0 +1,178 @@
+"""Where each ID of a step goes: the requester's unique IDs per owner, and the owner's view.
+
+One step's routing is computed once and used by its forward lookup and its gradient sync (and,
+in prioritized mode, by the collision bookkeeping of the next step).
+
+Requester side, per table: the IDs of all the table's features (in the table's feature order) are
+deduplicated into sorted unique IDs; as owners hold contiguous blocks, sorted IDs are already
+grouped by owner, and the send order of every message is (owner, table, ID).
+
+Owner side, per table: the IDs received from ranks 0, 1, ... ("entries", source-major), their local
+rows, and the sorted unique rows they touch with each entry's index among them.
+
+Example, 2 ranks, one table of 10 rows (rank 0 owns 0-4, rank 1 owns 5-9)::
+
+    rank 0 looks up [7, 1, 7]  -> unique [1, 7], sends [1] to rank 0 and [7] to rank 1
+    rank 1 looks up [7, 8]     -> unique [7, 8], sends [] to rank 0 and [7, 8] to rank 1
+    rank 1's entries: [7 (from rank 0), 7, 8 (from rank 1)] -> rows [2, 3], row_inverse [0, 0, 1]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from freescale_balance import JaggedTensor
+from freescale_embed._ops import pack_by_peer, unique_with_inverse, unpack_by_peer
+from freescale_embed.channel import Channel
+from freescale_embed.inputs import raise_if_flagged
+from freescale_embed.sharding import RowShard
+
+
+@dataclass(frozen=True)
+class Request:
+    """The requester side of one step on this rank.
+
+    Attributes:
+        unique: per table, sorted unique global IDs this rank looks up.
+        inverse: per table, for each ID occurrence (the table's features concatenated in the
+            table's feature order), its index in ``unique``.
+        owners: per table, owning rank of each unique ID.
+        counts: int64 ``[world, tables]``, unique IDs sent to each owner per table.
+        lengths: per feature, the lengths of the batch (to shape outputs).
+    """
+
+    unique: list[torch.Tensor]
+    inverse: list[torch.Tensor]
+    owners: list[torch.Tensor]
+    counts: torch.Tensor
+    lengths: dict[str, torch.Tensor]
+
+    def nbytes(self) -> int:
+        tensors = [*self.unique, *self.inverse, *self.owners, self.counts]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class Serve:
+    """The owner side of one step on this rank.
+
+    Attributes:
+        counts: int64 ``[world, tables]``, entries received from each rank per table.
+        local: per table, the local row of each entry (entries of rank 0 first, then rank 1, ...).
+        sources: per table, the rank each entry came from.
+        rows: per table, sorted unique local rows the step touches on this rank.
+        row_inverse: per table, each entry's index in ``rows``.
+    """
+
+    counts: torch.Tensor
+    local: list[torch.Tensor]
+    sources: list[torch.Tensor]
+    rows: list[torch.Tensor]
+    row_inverse: list[torch.Tensor]
+
+    def nbytes(self) -> int:
+        tensors = [*self.local, *self.sources, *self.rows, *self.row_inverse, self.counts]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class Routes:
+    """Both sides of one step's routing."""
+
+    request: Request
+    serve: Serve
+
+    def nbytes(self) -> int:
+        return self.request.nbytes() + self.serve.nbytes()
+
+
+def build_request(features: Mapping[str, JaggedTensor], shards: Sequence[RowShard]) -> Request:
+    """Deduplicates one step's IDs per table and groups them by owner (local work only)."""
+    world = shards[0].world_size if shards else 1
+    unique, inverse, owners, counts = [], [], [], []
+    for shard in shards:
+        ids = [features[name].values.to(torch.int64) for name in shard.table.feature_names]
+        table_ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)
+        table_unique, table_inverse = unique_with_inverse(table_ids)
+        table_owners = shard.owners(table_unique)
+        unique.append(table_unique)
+        inverse.append(table_inverse)
+        owners.append(table_owners)
+        counts.append(torch.bincount(table_owners, minlength=world))
+    return Request(
+        unique=unique,
+        inverse=inverse,
+        owners=owners,
+        counts=torch.stack(counts, dim=1) if counts else torch.zeros(world, 0, dtype=torch.int64),
+        lengths={
+            name: features[name].lengths.to(torch.int64)
+            for shard in shards
+            for name in shard.table.feature_names
+        },
+    )
+
+
+def empty_request(shards: Sequence[RowShard], world: int) -> Request:
+    """A request for no IDs (what a rank with invalid input sends in the preflight)."""
+    nothing = [torch.empty(0, dtype=torch.int64) for _ in shards]
+    return Request(
+        nothing, nothing, nothing, torch.zeros(world, len(shards), dtype=torch.int64), {}
+    )
+
+
+def exchange_ids(
+    request: Request,
+    shards: Sequence[RowShard],
+    channel: Channel,
+    problem: str | None = None,
+) -> Serve:
+    """The ID AllToAll: counts first (with the preflight flags in front), then the unique IDs.
+
+    Raises:
+        EmbeddingInputError: on every rank, before any ID moves, if some rank has a problem.
+    """
+    world, num_tables = request.counts.shape
+    flag = torch.full((world, 1), problem is not None, dtype=torch.int64)
+    header = torch.cat([flag, request.counts], dim=1)
+    received = channel.all_to_all(
+        header.reshape(-1), [num_tables + 1] * world, [num_tables + 1] * world
+    ).reshape(world, num_tables + 1)
+    raise_if_flagged(channel, problem, received[:, 0])
+    recv_counts = received[:, 1:]
+    send = pack_by_peer(request.unique, request.counts)
+    recv = channel.all_to_all(send, request.counts.sum(1).tolist(), recv_counts.sum(1).tolist())
+    received = unpack_by_peer(recv, recv_counts, [()] * num_tables)
+    local, sources, rows, row_inverse = [], [], [], []
+    peers = torch.arange(world)
+    for t, shard in enumerate(shards):
+        table_local = received[t] - shard.start
+        table_rows, table_inverse = unique_with_inverse(table_local)
+        local.append(table_local)
+        sources.append(torch.repeat_interleave(peers, recv_counts[:, t]))
+        rows.append(table_rows)
+        row_inverse.append(table_inverse)
+    return Serve(recv_counts, local, sources, rows, row_inverse)
+
+
+def route(
+    features: Mapping[str, JaggedTensor] | None,
+    shards: Sequence[RowShard],
+    channel: Channel,
+    problem: str | None = None,
+) -> Routes:
+    """``build_request`` then ``exchange_ids``; with a ``problem``, raises on every rank.
+
+    Args:
+        features: this rank's features (ignored, may be ``None``, when it has a problem).
+        shards: the tables' shards on this rank.
+        channel: where the collectives run.
+        problem: this rank's input problem, or ``None``.
+    """
+    if problem is None and features is not None:
+        request = build_request(features, shards)
+    else:
+        request = empty_request(shards, channel.world_size)
+    return Routes(request, exchange_ids(request, shards, channel, problem))

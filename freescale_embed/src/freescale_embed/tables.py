@@ -1,0 +1,94 @@
+"""This rank's shard of one table: its rows and their optimizer state, as module buffers.
+
+Buffers (not parameters) because the rows are updated by the fused optimizer inside backward,
+never by the caller's dense optimizer. A state dict holds this rank's rows by default; loading
+also accepts the full table (as ``ShardedEmbeddingCollection.state_dict(full=True)`` writes it)
+and keeps this rank's block of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from freescale_embed.optim import Optimizer, initial_state
+from freescale_embed.sharding import RowShard
+
+
+class TableShard(nn.Module):
+    """Rows ``[shard.start, shard.end)`` of a table and their optimizer state.
+
+    Args:
+        shard: which rows this rank owns.
+        optimizer: decides which state tensors exist.
+        weight: the initial rows, ``[shard.rows, embedding_dim]``.
+    """
+
+    def __init__(self, shard: RowShard, optimizer: Optimizer, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.shard = shard
+        self.register_buffer("weight", weight)
+        self.state_names = tuple(optimizer.state_shapes(shard.table.embedding_dim))
+        for name, tensor in initial_state(
+            optimizer, shard.rows, shard.table.embedding_dim, weight.dtype
+        ).items():
+            self.register_buffer(name, tensor)
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.state_names}
+
+    def apply(
+        self, optimizer: Optimizer, rows: torch.Tensor, grads: torch.Tensor, step: int
+    ) -> None:
+        """One optimizer step on local ``rows`` with their aggregated ``grads``."""
+        if rows.numel():
+            optimizer.update(self.weight, self.optimizer_state(), rows, grads, step)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # A full table (num_embeddings rows) is cut down to this rank's block before the
+        # ordinary shape-checked copy; a shard of another layout fails that check.
+        full_rows, shard = self.shard.table.num_embeddings, self.shard
+        for name in ("weight", *self.state_names):
+            key = prefix + name
+            value = state_dict.get(key)
+            if (
+                isinstance(value, torch.Tensor)
+                and value.dim() >= 1
+                and value.shape[0] == full_rows
+                and full_rows != shard.rows
+            ):
+                state_dict[key] = value[shard.start : shard.end]
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+
+class TableShards(nn.Module):
+    """The shards of all tables, as submodules named by table (state-dict keys ``<name>.*``).
+
+    Table names are the user's: a name such as ``items`` or ``type`` would collide with an
+    attribute of ``nn.ModuleDict`` or ``nn.Module``, so shards are registered straight in
+    ``_modules`` (what ``add_module`` does after its attribute check) and reached by ``[name]``.
+    """
+
+    def __init__(self, shards: list[TableShard]) -> None:
+        super().__init__()
+        for shard in shards:
+            self._modules[shard.shard.table.name] = shard
+
+    def __getitem__(self, name: str) -> TableShard:
+        return self._modules[name]  # type: ignore[return-value]
+
+    def named_shards(self) -> list[tuple[str, TableShard]]:
+        return [(name, self[name]) for name in self._modules]

@@ -1,0 +1,78 @@
+"""Per-step measurements of the embedding communication.
+
+A step's record is filled by the training thread (its forward and backward) and by the prefetch
+thread (the lookup of its rows during the previous step, the rest of its gradient sync during
+the next step), so it is final once the step after it has run its backward, or after
+``ShardedEmbeddingCollection.synchronize()``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from freescale_embed.channel import Measured
+
+
+@dataclass
+class StepTelemetry:
+    """What one training step cost in embedding communication, on this rank.
+
+    Attributes:
+        step: the optimizer step (1-based).
+        lookup: how the step's rows were obtained: ``"sync"`` (looked up in its own forward),
+            ``"prefetched"`` (exclusive rows during the previous step, collision rows fresh from
+            its backward), or ``"fallback"`` (the guardrail found too many collisions, so the
+            previous step's backward synced all of its gradients and sent all of this step's rows).
+        collision_pct: share of this step's unique rows (over all ranks) that the previous step
+            also touched, in percent; ``None`` when not measured (sync mode, first step).
+        exposed_comm_s: seconds the training thread spent in embedding collectives or waiting for
+            the prefetch thread, forward and backward of this step together.
+        background_comm_s: seconds of this step's collectives on the prefetch thread.
+        bytes_sent: bytes this rank sent for this step, both threads.
+        prefetch_bytes: bytes held from the previous step for this one (prefetched rows and
+            routing), the extra memory prioritized mode costs.
+        collective_spans: ``(start, end)`` of each of the training thread's collectives of this
+            step on the system-wide monotonic clock (comparable between ranks of one host).
+    """
+
+    step: int
+    lookup: str = "sync"
+    collision_pct: float | None = None
+    exposed_comm_s: float = 0.0
+    background_comm_s: float = 0.0
+    bytes_sent: int = 0
+    prefetch_bytes: int = 0
+    collective_spans: list[tuple[float, float]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add_exposed(self, measured: Measured) -> None:
+        """Adds the training thread's collectives."""
+        with self._lock:
+            self.exposed_comm_s += measured.seconds
+            self.bytes_sent += measured.bytes_sent
+            self.collective_spans.extend(measured.spans)
+
+    def add_wait(self, seconds: float) -> None:
+        """Adds time the training thread waited for the prefetch thread."""
+        with self._lock:
+            self.exposed_comm_s += seconds
+
+    def add_background(self, measured: Measured) -> None:
+        """Adds the prefetch thread's collectives."""
+        with self._lock:
+            self.background_comm_s += measured.seconds
+            self.bytes_sent += measured.bytes_sent
+
+    def as_dict(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "step": self.step,
+                "lookup": self.lookup,
+                "collision_pct": self.collision_pct,
+                "exposed_comm_s": self.exposed_comm_s,
+                "background_comm_s": self.background_comm_s,
+                "bytes_sent": self.bytes_sent,
+                "prefetch_bytes": self.prefetch_bytes,
+                "collective_spans": list(self.collective_spans),
+            }

@@ -1,0 +1,219 @@
+"""The embedding and gradient AllToAlls of one step, for all of its rows or a masked part.
+
+Masks select the same rows on both sides: a requester mask over its unique IDs (per table) and
+the owner's entry mask over what it received. The owner decides them (collision or not) and tells
+the requesters, so both sides agree, and the selected rows keep their relative order (owner,
+table, ID). With no masks every row of the step moves: that is synchronous training.
+
+Gradients are aggregated twice, each time in a fixed order: over a rank's occurrences of an ID
+(in the order of the table's features, then position), then, on the owner, over the ranks that
+sent it (rank 0 first). A row's gradient therefore comes out identical whether the row is synced
+with all others or in the collision part first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from freescale_embed._ops import pack_by_peer, peer_numel, segment_sum, unpack_by_peer
+from freescale_embed.channel import Channel
+from freescale_embed.optim import Optimizer
+from freescale_embed.routing import Request, Routes, Serve
+from freescale_embed.tables import TableShard
+
+Masks = Sequence[torch.Tensor] | None
+
+
+def _request_counts(request: Request, mask: Masks) -> torch.Tensor:
+    if mask is None:
+        return request.counts
+    world = request.counts.shape[0]
+    columns = [
+        torch.bincount(owners[m], minlength=world)
+        for owners, m in zip(request.owners, mask, strict=True)
+    ]
+    return torch.stack(columns, dim=1) if columns else request.counts
+
+
+def _serve_counts(serve: Serve, mask: Masks) -> torch.Tensor:
+    if mask is None:
+        return serve.counts
+    world = serve.counts.shape[0]
+    columns = [
+        torch.bincount(sources[m], minlength=world)
+        for sources, m in zip(serve.sources, mask, strict=True)
+    ]
+    return torch.stack(columns, dim=1) if columns else serve.counts
+
+
+def _select(tensor: torch.Tensor, masks: Masks, table: int) -> torch.Tensor:
+    # index_select copies whole rows; boolean indexing is several times slower on CPU.
+    return tensor if masks is None else tensor.index_select(0, masks[table].nonzero().flatten())
+
+
+def _exchange(
+    tables: Sequence[TableShard],
+    parts: Sequence[torch.Tensor],
+    send_counts: torch.Tensor,
+    recv_counts: torch.Tensor,
+    channel: Channel,
+    header: torch.Tensor | None = None,
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """One AllToAll of per-table ``[rows, dim]`` parts, optionally behind one header value per
+    peer; returns per table what arrived, and the header value each peer sent."""
+    widths = [table.shard.table.embedding_dim for table in tables]
+    shapes: list[tuple[int, ...]] = [(width,) for width in widths]
+    if header is not None:
+        ones = torch.ones(send_counts.shape[0], 1, dtype=torch.int64)
+        parts = [header.to(tables[0].weight.dtype), *parts]
+        send_counts = torch.cat([ones, send_counts], dim=1)
+        recv_counts = torch.cat([ones, recv_counts], dim=1)
+        widths, shapes = [1, *widths], [(), *shapes]
+    recv = channel.all_to_all(
+        pack_by_peer(parts, send_counts),
+        peer_numel(send_counts, widths),
+        peer_numel(recv_counts, widths),
+    )
+    received = unpack_by_peer(recv, recv_counts, shapes)
+    if header is None:
+        return received, None
+    return received[1:], received[0]
+
+
+def send_rows(
+    tables: Sequence[TableShard],
+    routes: Routes,
+    channel: Channel,
+    entry_mask: Masks = None,
+    request_mask: Masks = None,
+) -> list[torch.Tensor]:
+    """The embedding AllToAll: owners send current rows, requesters receive them.
+
+    Returns:
+        Per table, the rows of the requester's unique IDs selected by ``request_mask`` (all when
+        ``None``), in sorted-ID order.
+    """
+    rows, _ = _send_rows(tables, routes, channel, entry_mask, request_mask, None)
+    return rows
+
+
+def send_rows_flagged(
+    tables: Sequence[TableShard],
+    routes: Routes,
+    channel: Channel,
+    flag: bool,
+    entry_mask: Masks,
+    request_mask: Masks,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``send_rows`` with this rank's preflight flag in front of what it sends to each peer.
+
+    Returns:
+        The rows, and the flag of every rank.
+    """
+    header = torch.full((channel.world_size,), float(flag))
+    rows, flags = _send_rows(tables, routes, channel, entry_mask, request_mask, header)
+    assert flags is not None
+    return rows, flags
+
+
+def _send_rows(
+    tables: Sequence[TableShard],
+    routes: Routes,
+    channel: Channel,
+    entry_mask: Masks,
+    request_mask: Masks,
+    header: torch.Tensor | None,
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    serve, request = routes.serve, routes.request
+    rows = [
+        table.weight.index_select(0, _select(local, entry_mask, t))
+        for t, (table, local) in enumerate(zip(tables, serve.local, strict=True))
+    ]
+    return _exchange(
+        tables,
+        rows,
+        _serve_counts(serve, entry_mask),
+        _request_counts(request, request_mask),
+        channel,
+        header,
+    )
+
+
+def unique_gradients(
+    request: Request, grads: Sequence[torch.Tensor], mask: Masks = None
+) -> list[torch.Tensor]:
+    """Per table, the gradient of each unique ID: its occurrences' gradients summed in order.
+
+    Args:
+        request: the step's routing on this rank.
+        grads: per table, ``[occurrences, dim]`` gradients, in the order of ``request.inverse``.
+        mask: per table, the unique IDs wanted (all when ``None``). Only their occurrences are
+            summed, which gives the same bits as summing all and selecting (``segment_sum``
+            adds a segment's rows in order, apart from other segments).
+
+    Returns:
+        Per table, ``[selected IDs, dim]`` in sorted-ID order.
+    """
+    out = []
+    for t, (g, inverse, unique) in enumerate(
+        zip(grads, request.inverse, request.unique, strict=True)
+    ):
+        if mask is not None:
+            wanted = mask[t].index_select(0, inverse).nonzero().flatten()
+            g, inverse = g.index_select(0, wanted), inverse.index_select(0, wanted)
+        out.append(_select(segment_sum(g, inverse, unique.numel()), mask, t))
+    return out
+
+
+def send_gradients(
+    tables: Sequence[TableShard],
+    routes: Routes,
+    gradients: Sequence[torch.Tensor],
+    channel: Channel,
+    request_mask: Masks = None,
+    entry_mask: Masks = None,
+) -> list[torch.Tensor]:
+    """The gradient AllToAll: requesters send per-ID gradients to owners.
+
+    Args:
+        gradients: per table, the gradients of the unique IDs ``request_mask`` selects (as
+            ``unique_gradients`` returns them with that mask).
+
+    Returns:
+        Per table, the gradient of each owner entry selected by ``entry_mask``, source-major.
+    """
+    request, serve = routes.request, routes.serve
+    received, _ = _exchange(
+        tables,
+        gradients,
+        _request_counts(request, request_mask),
+        _serve_counts(serve, entry_mask),
+        channel,
+    )
+    return received
+
+
+def apply_gradients(
+    tables: Sequence[TableShard],
+    serve: Serve,
+    entry_gradients: Sequence[torch.Tensor],
+    optimizer: Optimizer,
+    step: int,
+    entry_mask: Masks = None,
+    row_mask: Masks = None,
+) -> None:
+    """Aggregates entry gradients per row (rank 0's first) and applies the optimizer in place.
+
+    Args:
+        entry_gradients: per table, gradients of the entries selected by ``entry_mask``.
+        row_mask: per table, which of ``serve.rows`` to update (those the selected entries
+            cover); all when ``None``.
+    """
+    for t, table in enumerate(tables):
+        inverse = _select(serve.row_inverse[t], entry_mask, t)
+        per_row = segment_sum(entry_gradients[t], inverse, serve.rows[t].numel())
+        table.apply(
+            optimizer, _select(serve.rows[t], row_mask, t), _select(per_row, row_mask, t), step
+        )

@@ -1,0 +1,152 @@
+"""Single-process contracts the exactness of prioritized mode rests on."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from freescale_embed import SGD, Adam, RowWiseAdagrad, TableConfig
+from freescale_embed._ops import (
+    pack_by_peer,
+    peer_numel,
+    row_sum,
+    segment_sum,
+    unique_with_inverse,
+    unpack_by_peer,
+)
+from freescale_embed.optim import initial_state
+from freescale_embed.sharding import RowShard
+from freescale_embed.workload import WorkloadConfig, make_batch, row_set
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(0, 300),
+    width=st.sampled_from([1, 3, 8, 64]),
+    segments=st.integers(1, 40),
+    seed=st.integers(0, 10_000),
+    threads=st.sampled_from([1, 2]),
+)
+def test_segment_sum_adds_each_segment_in_input_order(rows, width, segments, seed, threads):
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(rows, width, generator=generator) * 10 ** torch.randint(
+        -3, 4, (rows, 1), generator=generator
+    )
+    ids = torch.randint(0, segments, (rows,), generator=generator)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = segment_sum(values, ids, segments)
+    finally:
+        torch.set_num_threads(previous)
+    expected = torch.zeros(segments, width)
+    for i in range(rows):  # the documented order, one addition at a time
+        expected[ids[i]] = expected[ids[i]] + values[i]
+    assert torch.equal(got, expected)
+    # A segment's result does not depend on the other segments (what splitting rows relies on).
+    keep = ids % 2 == 0
+    assert torch.equal(segment_sum(values[keep], ids[keep], segments)[::2], got[::2])
+
+
+@pytest.mark.parametrize("width", [1, 5, 8, 13, 64])
+def test_row_sum_is_per_row_and_close_to_sum(width):
+    values = torch.randn(257, width, dtype=torch.float32) * 1e3
+    whole = row_sum(values)
+    for i in (0, 100, 256):
+        assert torch.equal(row_sum(values[i : i + 1]), whole[i : i + 1])
+    torch.testing.assert_close(whole, values.double().sum(1).float(), rtol=1e-5, atol=1e-2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_pack_then_unpack_is_the_identity(data):
+    world = data.draw(st.integers(1, 5))
+    shapes = data.draw(st.lists(st.sampled_from([(), (1,), (3,), (8,)]), min_size=1, max_size=4))
+    counts = torch.tensor(
+        data.draw(
+            st.lists(
+                st.lists(st.integers(0, 4), min_size=len(shapes), max_size=len(shapes)),
+                min_size=world,
+                max_size=world,
+            )
+        ),
+        dtype=torch.int64,
+    ).reshape(world, len(shapes))
+    parts = [torch.randn(int(counts[:, j].sum()), *shape) for j, shape in enumerate(shapes)]
+    buffer = pack_by_peer(parts, counts)
+    row_numel = [max(1, int(torch.tensor(shape).prod())) if shape else 1 for shape in shapes]
+    assert buffer.numel() == sum(peer_numel(counts, row_numel))
+    for got, part in zip(unpack_by_peer(buffer, counts, shapes), parts, strict=True):
+        assert torch.equal(got, part)
+
+
+def test_unique_with_inverse_is_sorted():
+    unique, inverse = unique_with_inverse(torch.tensor([7, 1, 7, 3, 1]))
+    assert unique.tolist() == [1, 3, 7]
+    assert torch.equal(unique[inverse], torch.tensor([7, 1, 7, 3, 1]))
+
+
+@pytest.mark.parametrize("optimizer", [SGD(lr=0.3), RowWiseAdagrad(lr=0.3), Adam(lr=0.3)])
+def test_updating_rows_together_or_apart_gives_the_same_bits(optimizer):
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(50, 13, generator=generator)
+    state = initial_state(optimizer, 50, 13, torch.float32)
+    rows = torch.randperm(50, generator=generator)[:31]
+    for step in (1, 2, 3):
+        grads = torch.randn(31, 13, generator=generator)
+        together_w, together_s = weight.clone(), {k: v.clone() for k, v in state.items()}
+        optimizer.update(together_w, together_s, rows, grads, step)
+        for part in (slice(0, 7), slice(7, 8), slice(8, 31)):  # collision rows first, then rest
+            optimizer.update(weight, state, rows[part], grads[part], step)
+        assert torch.equal(weight, together_w)
+        for name in state:
+            assert torch.equal(state[name], together_s[name])
+
+
+def test_sgd_and_adagrad_follow_their_formulas():
+    weight, rows = torch.ones(4, 2), torch.tensor([1, 3])
+    grads = torch.tensor([[1.0, 3.0], [2.0, 2.0]])
+    SGD(lr=0.5).update(weight, {}, rows, grads, 1)
+    assert weight.tolist() == [[1, 1], [0.5, -0.5], [1, 1], [0, 0]]
+    weight, state = torch.zeros(4, 2), {"momentum1": torch.zeros(4)}
+    RowWiseAdagrad(lr=1.0, eps=0.0).update(weight, state, rows, grads, 1)
+    assert state["momentum1"].tolist() == [0, 5, 0, 4]
+    torch.testing.assert_close(weight[1], -grads[0] / 5**0.5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 10, 4097, 10_001])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_shards_tile_the_table_and_start_the_same_for_any_world(rows, world):
+    table = TableConfig("t", rows, 3, ["f"])
+    shards = [RowShard(table, world, rank) for rank in range(world)]
+    assert shards[0].start == 0 and shards[-1].end == rows
+    for a, b in itertools.pairwise(shards):
+        assert a.end == b.start
+    ids = torch.arange(rows)
+    owners = shards[0].owners(ids)
+    for rank, shard in enumerate(shards):
+        assert torch.equal(ids[owners == rank], torch.arange(shard.start, shard.end))
+    whole = RowShard(table, 1, 0).initial_weight(5, 2, torch.float32)
+    pieces = torch.cat([s.initial_weight(5, 2, torch.float32) for s in shards])
+    assert torch.equal(whole, pieces)
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.05, 0.3, 1.0])
+def test_workload_collision_rate_is_exact(rate):
+    table = TableConfig("t", 5000, 4, ["a", "b"])
+    config = WorkloadConfig((table,), world_size=3, rows_per_step=200, collision_rate=rate)
+    for step in range(1, 6):
+        now, before = row_set(config, 0, step), row_set(config, 0, step - 1)
+        assert now.unique().numel() == 200
+        assert int(torch.isin(now, before).sum()) == round(rate * 200)
+        seen = torch.cat(
+            [
+                torch.cat([f.values for f in make_batch(config, rank, step).features.values()])
+                for rank in range(3)
+            ]
+        )
+        assert torch.equal(seen.unique(), now.sort().values)
