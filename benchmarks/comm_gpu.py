@@ -1,0 +1,528 @@
+"""GPU checks and measurements of freescale_comm's CUDA paths, in one call.
+
+Two ranks, one GPU each where the machine has two (rank r uses GPU r % device count), else both
+on GPU 0. In order, each part reported even if another fails:
+
+1. correctness of the direct (device buffers to UCX: cuda_ipc) and staged (chunked D2H, host
+   messages, H2D) paths for every own collective, several dtypes, uneven splits, multi-chunk
+   sizes, against the result computed locally; plus NCCL's stream semantics: inputs produced and
+   outputs consumed on the caller's stream right around a call whose ``wait`` did not block
+   (the time the call took is reported beside the collective's);
+2. the profiler: CUDA kernels launched while the comm path runs (must be 0; memcpys are fine);
+3. the staged path's time at 64 and 256 MiB against each of its stages alone on the same bytes,
+   both ranks at once as in the collective: D2H of the pieces for peers, their host exchange
+   (UCX between pinned host buffers), H2D of the pieces from peers; the direct path and NCCL
+   (where two GPUs exist) beside it;
+4. overlap, inside rank 0's process: per-matmul times of a bf16 8192^3 matmul loop on the
+   default stream, alone, while rank 0's own staged AllToAll / AllGather of 64 and 256 MiB run
+   back to back on a side stream (NCCL-style: each ordered after the previous one's ``wait``),
+   and while an SM copy kernel (Triton, 16 programs, NCCL-like) moves the same bytes in the
+   same window, paced one slice per matmul; NCCL's own collectives too where two GPUs exist.
+   Modes alternate round by round; medians over every matmul of a mode (48 per round).
+
+Writes ``comm_gpu.json`` under ``--out`` (default ``$OUT`` or ``out/comm_gpu``) after every part
+and prints a table last. Run on the GPU machine from the project root:
+``python benchmarks/comm_gpu.py --out $OUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import statistics
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU machines: the module still imports (lint, docs)
+    triton = None
+
+MIB = 1 << 20
+SM_COPY_PROGRAMS = 16
+MATMULS = 48
+
+if triton is not None:
+
+    @triton.jit
+    def _sm_copy_kernel(src, dst, n, BLOCK: tl.constexpr):
+        # A persistent copy loop on a few programs: SM-driven traffic like NCCL's channels.
+        start = tl.program_id(0) * BLOCK
+        step = tl.num_programs(0) * BLOCK
+        for offset in range(start, n, step):
+            index = offset + tl.arange(0, BLOCK)
+            mask = index < n
+            tl.store(dst + index, tl.load(src + index, mask=mask), mask=mask)
+
+
+def _sm_copy(dst: Any, src: Any) -> None:
+    _sm_copy_kernel[(SM_COPY_PROGRAMS,)](src, dst, src.numel(), BLOCK=4096)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _device() -> Any:
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _max(value: float, group: Any) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _timed(fn: Any, repeats: int, group: Any) -> float:
+    """Median over repeats of the slowest rank's time of ``fn`` (both ranks start together)."""
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(_max(time.perf_counter() - start, group))
+    return statistics.median(times)
+
+
+def _piece(src: int, dst: int, rows: int, dtype: Any, dev: Any) -> Any:
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(1000 * src + dst)
+    return (torch.randn(rows, 3, generator=gen) * 100).to(dtype).to(dev)
+
+
+# ----------------------------------------------------------------------------- 1. correctness
+def _correctness(groups: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev = _device()
+    rows = []
+    for path in ("direct", "staged"):
+        group = groups[path]
+        for dtype, scale in ((torch.float32, 1), (torch.bfloat16, 1), (torch.int64, 1),
+                             (torch.float32, 400_000)):  # the last: 4.6-19 MB, many chunks
+            checks = {}
+            mine = _piece(rank, rank, 5 * scale, dtype, dev)
+            want = torch.cat([_piece(r, r, 5 * scale, dtype, dev) for r in range(n)])
+            out = torch.full((n * 5 * scale, 3), -1, dtype=dtype, device=dev)
+            dist.all_gather_into_tensor(out, mine, group=group)
+            checks["all_gather_into_tensor"] = torch.equal(out, want)
+            outs = [torch.empty((5 * scale, 3), dtype=dtype, device=dev) for _ in range(n)]
+            dist.all_gather(outs, mine, group=group)
+            checks["all_gather"] = torch.equal(torch.cat(outs), want)
+            splits = [[((i + 2 * j) % 4) * scale for j in range(n)] for i in range(n)]
+            send = torch.cat([_piece(rank, j, splits[rank][j], dtype, dev) for j in range(n)])
+            recv = torch.full((sum(splits[j][rank] for j in range(n)), 3), -1, dtype=dtype,
+                              device=dev)
+            dist.all_to_all_single(recv, send, [splits[j][rank] for j in range(n)],
+                                   splits[rank], group=group)
+            expected = torch.cat([_piece(j, rank, splits[j][rank], dtype, dev) for j in range(n)])
+            checks["all_to_all_single_uneven"] = torch.equal(recv, expected)
+            ins = [_piece(rank, j, splits[rank][j], dtype, dev) for j in range(n)]
+            outs = [torch.empty((splits[j][rank], 3), dtype=dtype, device=dev) for j in range(n)]
+            dist.all_to_all(outs, ins, group=group)
+            checks["all_to_all"] = all(
+                torch.equal(outs[j], _piece(j, rank, splits[j][rank], dtype, dev))
+                for j in range(n))
+            ok = torch.tensor([float(all(checks.values()))])
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=groups["gloo"])
+            rows.append({"path": path, "dtype": str(dtype), "bytes_per_rank": out.nbytes,
+                         "checks": checks, "all_ranks_ok": bool(ok.item())})
+    return {"cases": rows, "stream_semantics": _stream_semantics(groups)}
+
+
+def _stream_semantics(groups: dict[str, Any]) -> list[dict[str, Any]]:
+    """Producer and consumer on the caller's stream around a call that does not block."""
+    import torch
+    import torch.distributed as dist
+
+    from freescale_comm import FreescaleValidationError
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev = _device()
+    big = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    numel = 16 * MIB  # 64 MiB of float32
+    results = []
+    for path in ("direct", "staged"):
+        group = groups[path]
+        source = torch.arange(numel, device=dev, dtype=torch.float32) + rank * numel
+        want = torch.cat([(torch.arange(numel, device=dev, dtype=torch.float32) + r * numel)
+                          .view(n, -1)[rank] for r in range(n)])
+        x = torch.zeros(numel, device=dev)
+        out = torch.full((numel,), -1.0, device=dev)
+        for async_op in (False, True):
+            out.fill_(-1.0)
+            torch.cuda.synchronize()
+            dist.barrier(group=groups["gloo"])
+            for _ in range(6):  # ~8 ms of queued work before the input is produced
+                torch.mm(big, big)
+            x.copy_(source)
+            start = time.perf_counter()
+            work = dist.all_to_all_single(out, x, group=group, async_op=async_op)
+            if async_op:
+                work.wait()
+            returned = time.perf_counter() - start
+            got = out.clone()  # the consumer, on the caller's stream
+            x.zero_()  # the caller reuses the input at once (after wait, as with NCCL)
+            torch.cuda.synchronize()
+            total = time.perf_counter() - start
+            results.append({"path": path, "async_op": async_op, "correct": bool(
+                torch.equal(got, want)), "call_ms": 1e3 * returned, "done_ms": 1e3 * total})
+        # A mismatch still raises at the call (wait blocks until the verdict).
+        try:
+            dist.all_to_all_single(torch.empty(n * (2 + rank), device=dev),
+                                   torch.empty(n * 2, device=dev), group=group)
+            raised = "nothing"
+        except FreescaleValidationError as err:
+            raised = f"FreescaleValidationError: {str(err)[:120]}"
+        results.append({"path": path, "bad_input_raises": raised})
+    return results
+
+
+# ----------------------------------------------------------------------------- 2. kernels
+def _kernels(groups: dict[str, Any]) -> dict[str, Any]:
+    """CUDA kernels the profiler sees while each path's collectives run (rank 0's process)."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    rank = dist.get_rank()
+    dev = _device()
+    x = torch.randn(8 * MIB, device=dev)  # 32 MiB: several staging chunks
+    result = {}
+    for path in ("direct", "staged", "sm_copy_reference"):
+        y = torch.empty_like(x)
+        torch.cuda.synchronize()
+        dist.barrier(group=groups["gloo"])
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            if path == "sm_copy_reference":
+                torch.mul(x, 1.0, out=y)  # a kernel: proves the profiler would see one
+            else:
+                for _ in range(3):
+                    dist.all_to_all_single(y, x, group=groups[path])
+                    dist.all_gather_into_tensor(y, x[: x.numel() // 2], group=groups[path])
+                    work = dist.all_to_all_single(y, x, group=groups[path], async_op=True)
+                    work.wait()
+            torch.cuda.synchronize()
+        kernels, other = [], []
+        for evt in prof.events():
+            if evt.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            (other if evt.name.startswith(("Memcpy", "Memset")) else kernels).append(evt.name)
+        if rank == 0:
+            result[path] = {"kernels": len(kernels), "kernel_names": sorted(set(kernels))[:8],
+                            "memcpys": len(other), "memcpy_kinds": sorted(set(other))[:8]}
+    return result
+
+
+# ----------------------------------------------------------------------------- 3. staged rates
+def _staged_rates(groups: dict[str, Any], sizes: list[int]) -> list[dict[str, Any]]:
+    """Staged AllToAll against its stages alone on the same bytes, both ranks at once."""
+    import torch
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev = _device()
+    gloo = groups["gloo"]
+    rows = []
+    for size in sizes:
+        numel = size // 4
+        per = numel // n
+        peers = numel - per  # what crosses PCIe and the wire: the pieces of the other ranks
+        d = torch.randn(numel, device=dev)
+        d_out = torch.empty_like(d)
+        h = torch.empty(peers, pin_memory=True)
+        h_out = torch.empty(peers, pin_memory=True)
+        # The host exchange of exactly those bytes: uneven splits with no piece for oneself.
+        splits = [0 if j == rank else per for j in range(n)]
+
+        def d2h(h: Any = h, d: Any = d, peers: int = peers) -> None:
+            h.copy_(d[:peers], non_blocking=True)
+
+        def h2d(d_out: Any = d_out, h: Any = h, peers: int = peers) -> None:
+            d_out[:peers].copy_(h, non_blocking=True)
+
+        def host(h_out: Any = h_out, h: Any = h, splits: list[int] = splits) -> None:
+            dist.all_to_all_single(h_out, h, splits, splits, group=groups["direct"])
+
+        def collective(path: str, d_out: Any = d_out, d: Any = d) -> Any:
+            return lambda: dist.all_to_all_single(d_out, d, group=groups[path])
+
+        stages = {"d2h": _timed(d2h, 5, gloo), "host_exchange": _timed(host, 5, gloo),
+                  "h2d": _timed(h2d, 5, gloo)}
+        staged = _timed(collective("staged"), 5, gloo)
+        direct = _timed(collective("direct"), 5, gloo)
+        row = {"size": size, "bytes_over_pcie_each_way": peers * 4,
+               "stage_ms": {k: 1e3 * v for k, v in stages.items()},
+               "staged_ms": 1e3 * staged, "direct_ms": 1e3 * direct,
+               "staged_vs_slowest_stage": max(stages.values()) / staged,
+               "staged_algbw_gbps": size / staged / 1e9,
+               "direct_algbw_gbps": size / direct / 1e9}
+        if "nccl" in groups:
+            row["nccl_ms"] = 1e3 * _timed(
+                lambda d_out=d_out, d=d: dist.all_to_all_single(d_out, d, group=groups["nccl"]),
+                5, gloo)
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- 4. overlap
+def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict[str, Any]]:
+    """Matmul slowdown on rank 0 while its own collectives (or an SM copy) move bytes."""
+    import torch
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev = _device()
+    gloo = groups["gloo"]
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    comm = torch.cuda.Stream()
+    side = torch.cuda.Stream()
+
+    def matmul_window(slices: list[tuple[Any, Any]] | None = None) -> list[Any]:
+        """Queues MATMULS matmuls between timing events (rank 0; rank 1 runs none)."""
+        if rank != 0:
+            return []
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(MATMULS + 1)]
+        marks[0].record()
+        for i in range(MATMULS):
+            if slices:  # one slice of SM traffic beside each matmul
+                side.wait_event(marks[i])
+                with torch.cuda.stream(side):
+                    _sm_copy(*slices[i])
+            torch.mm(a, b)
+            marks[i + 1].record()
+        return marks
+
+    def elapsed(marks: Any) -> list[float]:
+        return [marks[i].elapsed_time(marks[i + 1]) for i in range(len(marks) - 1)]
+
+    for _ in range(3):
+        torch.mm(a, b)
+    torch.cuda.synchronize()
+    warm = matmul_window()
+    torch.cuda.synchronize()
+    window_s = _max(sum(elapsed(warm)) / 1e3 if warm else 0.0, gloo)
+    rows = []
+    for size in sizes:
+        numel = size // 4
+        x = torch.randn(numel, device=dev)
+        y = torch.empty_like(x)
+        ops = {
+            "staged_all_to_all": (groups["staged"], lambda g, x=x, y=y: dist.all_to_all_single(
+                y, x, group=g, async_op=True)),
+            "staged_all_gather": (groups["staged"], lambda g, x=x[: numel // n], y=y:
+                                  dist.all_gather_into_tensor(y, x, group=g, async_op=True)),
+        }
+        if "nccl" in groups:
+            ops["nccl_all_to_all"] = (groups["nccl"], ops["staged_all_to_all"][1])
+        # Collectives per window: enough to cover it (same count on both ranks).
+        counts = {}
+        for mode, (group, call) in ops.items():
+            once = _timed(lambda group=group, call=call: call(group).wait(), 3, gloo)
+            counts[mode] = max(1, math.ceil(window_s / once))
+        sm_bytes = counts["staged_all_to_all"] * size
+        per_slice = sm_bytes // 4 // MATMULS
+        src = torch.randn(per_slice * MATMULS, device=dev)
+        dst = torch.empty_like(src)
+        slices = [(dst[i * per_slice:(i + 1) * per_slice], src[i * per_slice:(i + 1) * per_slice])
+                  for i in range(MATMULS)]
+        _sm_copy(*slices[0])  # compiled here, not inside a timed window
+        modes = ["alone", *ops, "sm_copy"]
+        samples: dict[str, list[float]] = {m: [] for m in modes}
+        comm_ms: dict[str, list[float]] = {m: [] for m in ops}
+        for r in range(rounds):
+            for mode in (modes if r % 2 == 0 else modes[::-1]):
+                torch.cuda.synchronize()
+                dist.barrier(group=gloo)
+                marks = matmul_window(slices if mode == "sm_copy" else None)
+                if mode in ops:
+                    group, call = ops[mode]
+                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                        enable_timing=True)
+                    with torch.cuda.stream(comm):
+                        begin.record()
+                        for _ in range(counts[mode]):
+                            call(group).wait()  # the comm stream waits; the CPU does not
+                        end.record()
+                torch.cuda.synchronize()
+                if mode in ops:
+                    comm_ms[mode].append(begin.elapsed_time(end))
+                if rank == 0:
+                    samples[mode].extend(elapsed(marks))
+        if rank == 0:
+            alone = statistics.median(samples["alone"])
+            rows.append({
+                "size": size,
+                "collectives_per_window": counts,
+                "window_ms": 1e3 * window_s,
+                "matmuls_per_mode": {m: len(v) for m, v in samples.items()},
+                "matmul_ms_median": {m: statistics.median(v) for m, v in samples.items()},
+                "slowdown_pct": {m: 100 * (statistics.median(v) / alone - 1)
+                                 for m, v in samples.items() if m != "alone"},
+                "collectives_ms_median": {m: statistics.median(v) for m, v in comm_ms.items()},
+                "sm_copy_bytes_per_window": sm_bytes,
+                "collective_gbps": {m: counts[m] * size / statistics.median(v) / 1e6
+                                    for m, v in comm_ms.items()},
+            })
+    return rows
+
+
+# ----------------------------------------------------------------------------- driver
+def _rank_main(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
+    import faulthandler
+
+    import torch
+    import torch.distributed as dist
+
+    import freescale_comm
+    from freescale_comm import FreescaleOptions
+
+    # Every thread's stack on stderr if this rank is still running near the deadline.
+    faulthandler.dump_traceback_later(max(10.0, args.timeout - 15), exit=False)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    freescale_comm.register()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    timeout = timedelta(seconds=60)
+    dist.init_process_group("freescale", store=store, rank=rank, world_size=2, timeout=timeout,
+                            pg_options=FreescaleOptions(cuda_path="direct"))
+    groups: dict[str, Any] = {"direct": None}
+    groups["staged"] = dist.new_group(backend="freescale", timeout=timeout,
+                                      pg_options=FreescaleOptions(cuda_path="staged"))
+    groups["gloo"] = dist.new_group(backend="gloo", timeout=timeout)
+    if torch.cuda.device_count() > 1:  # NCCL refuses two ranks on one GPU
+        groups["nccl"] = dist.new_group(backend="nccl", timeout=timeout)
+    report: dict[str, Any] = {"gpus_used": min(2, torch.cuda.device_count())}
+    sizes = [64 * MIB, 256 * MIB]
+    try:
+        for name, fn in (
+            ("correctness", lambda: _correctness(groups)),
+            ("kernels", lambda: _kernels(groups)),
+            ("staged_rates", lambda: _staged_rates(groups, sizes)),
+            ("overlap", lambda: _overlap(groups, sizes, args.rounds)),
+        ):
+            t0 = time.perf_counter()
+            try:
+                report[name] = fn()
+            except Exception as err:  # report and go on: one broken part must not hide the rest
+                report[name] = {"error": f"{type(err).__name__}: {err}",
+                                "trace": traceback.format_exc()[-2000:]}
+            report[f"{name}_s"] = round(time.perf_counter() - t0, 1)
+            print(f"rank {rank}: {name} done in {report[f'{name}_s']} s", flush=True)
+            if rank == 0:
+                queue.put(dict(report))
+    finally:
+        dist.destroy_process_group()
+
+
+def _table(report: dict[str, Any]) -> str:
+    lines = ["== freescale_comm on GPU =="]
+    info = report["info"]
+    ranks = report.get("ranks", {})
+    lines.append(f"torch {info['torch']}  UCX {info['ucx']}  NCCL {info['nccl']}  transports "
+                 f"{','.join(info['ucx_transports'])}  GPUs used {ranks.get('gpus_used')}")
+    corr = ranks.get("correctness")
+    if isinstance(corr, dict) and "cases" in corr:
+        for row in corr["cases"]:
+            bad = [k for k, v in row["checks"].items() if not v]
+            lines.append(f"correct {row['path']:<7} {row['dtype']:<15} "
+                         f"{row['bytes_per_rank']:>9} B "
+                         f"{'OK' if row['all_ranks_ok'] else 'FAIL ' + ','.join(bad)}")
+        for row in corr["stream_semantics"]:
+            lines.append(f"stream  {row}")
+    else:
+        lines.append(f"correctness: {corr}")
+    kern = ranks.get("kernels")
+    if isinstance(kern, dict) and "error" not in kern:
+        for path, row in kern.items():
+            lines.append(f"profiler {path:<18} kernels={row['kernels']} memcpys={row['memcpys']} "
+                         f"{row['kernel_names']} {row['memcpy_kinds']}")
+    else:
+        lines.append(f"kernels: {kern}")
+    rates = ranks.get("staged_rates")
+    if isinstance(rates, list):
+        for row in rates:
+            st = row["stage_ms"]
+            lines.append(
+                f"staged {row['size'] // MIB:>4} MiB a2a: d2h {st['d2h']:.2f} ms, host "
+                f"{st['host_exchange']:.2f} ms, h2d {st['h2d']:.2f} ms -> staged "
+                f"{row['staged_ms']:.2f} ms = {100 * row['staged_vs_slowest_stage']:.0f}% of the "
+                f"slowest stage's rate; direct {row['direct_ms']:.2f} ms"
+                + (f"; nccl {row['nccl_ms']:.2f} ms" if "nccl_ms" in row else ""))
+    else:
+        lines.append(f"staged rates: {rates}")
+    over = ranks.get("overlap")
+    if isinstance(over, list):
+        for row in over:
+            slow = ", ".join(f"{m} {v:+.2f}%" for m, v in row["slowdown_pct"].items())
+            gbps = ", ".join(f"{m} {v:.1f}" for m, v in row["collective_gbps"].items())
+            lines.append(f"overlap {row['size'] // MIB:>4} MiB: matmul alone "
+                         f"{row['matmul_ms_median']['alone']:.3f} ms "
+                         f"(n={row['matmuls_per_mode']}); "
+                         f"slowdown {slow}; collectives GB/s {gbps}; per window "
+                         f"{row['collectives_per_window']}")
+    else:
+        lines.append(f"overlap: {over}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="comm_gpu")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/comm_gpu")))
+    parser.add_argument("--rounds", type=int, default=2, help="overlap rounds (48 matmuls each)")
+    parser.add_argument("--timeout", type=float, default=400)
+    args = parser.parse_args(argv)
+    import torch.distributed as dist
+
+    from freescale_comm.info import collect
+
+    report: dict[str, Any] = {"info": collect()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    spawn = multiprocessing.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    queue = spawn.Queue()
+    procs = [spawn.Process(target=_rank_main, args=(r, store.port, args, queue))
+             for r in range(2)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + args.timeout
+    report["ranks"] = {}
+    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+        try:
+            report["ranks"] = queue.get(timeout=1)
+        except Exception:
+            continue
+        # Written after every part: a later hang still leaves the earlier results.
+        (args.out / "comm_gpu.json").write_text(json.dumps(report, indent=2, default=str))
+    while not queue.empty():
+        report["ranks"] = queue.get()
+    for proc in procs:
+        proc.join(10)
+        if proc.is_alive():
+            report.setdefault("killed", []).append(proc.name)
+            proc.kill()
+    (args.out / "comm_gpu.json").write_text(json.dumps(report, indent=2, default=str))
+    print(_table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,389 @@
+"""Collective algorithms as plans: which bytes go to and come from which peer, in what order.
+
+A plan is pure bookkeeping over flat byte views of the caller's tensors (no data is copied to
+build it, except that non-contiguous tensors get a contiguous staging copy, because UCX would
+send a strided buffer's wrong bytes). Host bytes are numpy uint8 arrays — what UCX takes for host
+memory, and sliced in a fraction of the time a torch view takes, which counts on the small-message
+path; CUDA bytes are torch uint8 tensors. Algorithms:
+
+- AllToAll, pairwise: every receive and every send is posted at once (the transport orders them
+  per peer); the rank's own piece is a local copy.
+- AllGather, direct: the rank's piece goes to every peer at once, one message each.
+- AllGather, ring: n-1 steps; at step s the rank forwards to its right neighbour the piece it
+  received at step s-1, chunk by chunk, so the chunks of consecutive steps overlap.
+
+Local argument errors (splits that do not add up, outputs of the wrong size, mixed dtypes) do not
+raise here: they go into the plan's signature, so that every rank learns of them (see
+``validation``) instead of the other ranks waiting for data that never comes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from freescale_comm.options import FreescaleOptions
+from freescale_comm.transport import MAX_SUB
+from freescale_comm.validation import Signature
+
+# Flat contiguous bytes: a numpy uint8 array in host memory, a torch uint8 tensor on CUDA.
+Bytes = np.ndarray | torch.Tensor
+_PARALLEL_COPY_BYTES = 1 << 20
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One tagged message of a plan.
+
+    Attributes:
+        peer: group rank of the other side.
+        buffer: the bytes to send from or receive into (never empty).
+        sub: message index inside the collective (goes into the tag; 0 is the header).
+        send: True for a send, False for a receive.
+        after: a receive that must complete before this send is posted (ring forwarding).
+        chunk: index of this message's chunk within its piece (ring), which the staged path
+            schedules by (see ``staged``).
+    """
+
+    peer: int
+    buffer: Bytes
+    sub: int
+    send: bool
+    after: Transfer | None = None
+    chunk: int = 0
+    request: Any = None
+    done: bool = False
+
+
+@dataclass
+class Plan:
+    """Everything a collective moves, and the signature that describes it to the peers.
+
+    Attributes:
+        signature: this rank's side, checked against every other rank's before data moves.
+        transfers: the messages, receives and sends; each peer's in tag (``sub``) order.
+        local_copies: (destination, source) bytes copied when the data phase starts.
+        copy_back: (user tensor, contiguous staging) pairs copied after the last message.
+        result: the value of the collective's future (its output tensors).
+        forwarding: some sends wait for a receive (ring): they cannot travel in the header.
+        staged: CUDA bytes that move through pinned host memory (``staged``), not UCX directly.
+    """
+
+    signature: Signature
+    transfers: list[Transfer] = field(default_factory=list)
+    local_copies: list[tuple[Bytes, Bytes]] = field(default_factory=list)
+    copy_back: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    result: list[torch.Tensor] = field(default_factory=list)
+    forwarding: bool = False
+    staged: bool = False
+
+    @property
+    def device(self) -> str:
+        """The signature's device: ``cpu``, ``cuda`` (direct) or ``cuda-staged``."""
+        return self.signature.device
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.signature.device != "cpu"
+
+    @property
+    def cuda_index(self) -> int:
+        """The CUDA device of the outputs (the current device when there are none)."""
+        for tensor in self.result:
+            if tensor.is_cuda:
+                return tensor.device.index
+        return torch.cuda.current_device()
+
+
+def flat_bytes(tensor: torch.Tensor) -> Bytes:
+    """A contiguous tensor's storage as flat bytes (any dtype, no copy): numpy on the host."""
+    flat = tensor.reshape(-1).view(torch.uint8)
+    return flat if flat.is_cuda else flat.numpy()
+
+
+def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[:] = src`` for host bytes; large copies through torch, which spreads them over its
+    intra-op threads (numpy copies on one)."""
+    if len(dst) >= _PARALLEL_COPY_BYTES:
+        torch.from_numpy(dst).copy_(torch.from_numpy(src))
+    else:
+        np.copyto(dst, src)
+
+
+class _Builder:
+    """Collects a plan's pieces and the first local argument error."""
+
+    def __init__(self, op: str, world_size: int, tensors: Sequence[torch.Tensor]) -> None:
+        self.op = op
+        self.n = world_size
+        self.error = ""
+        self.copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        first = tensors[0] if tensors else None
+        self.dtype = first.dtype if first is not None else torch.uint8
+        self.device = first.device if first is not None else torch.device("cpu")
+        for tensor in tensors:
+            if tensor.dtype != self.dtype:
+                self.fail(f"mixes dtypes {self.dtype} and {tensor.dtype}")
+            elif tensor.device != self.device:
+                self.fail(f"mixes devices {self.device} and {tensor.device}")
+            elif tensor.is_sparse or tensor.layout != torch.strided:
+                self.fail(f"got a {tensor.layout} tensor; only dense tensors are supported")
+        if self.device.type not in ("cpu", "cuda"):
+            self.fail(f"got a tensor on {self.device}; the backend handles cpu and cuda")
+
+    def fail(self, message: str) -> None:
+        if not self.error:
+            self.error = f"{self.op} {message}"
+
+    def source(self, tensor: torch.Tensor) -> Bytes:
+        """Flat bytes of an input (a contiguous copy first if it is strided)."""
+        return flat_bytes(tensor if tensor.is_contiguous() else tensor.contiguous())
+
+    def target(self, tensor: torch.Tensor) -> Bytes:
+        """Flat bytes to receive an output into (staged and copied back if it is strided)."""
+        if tensor.is_contiguous():
+            return flat_bytes(tensor)
+        staging = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        self.copy_back.append((tensor, staging))
+        return flat_bytes(staging)
+
+    def signature(self, count: int, send: Sequence[int], recv: Sequence[int]) -> Signature:
+        if self.error:
+            send = recv = [0] * self.n
+        return Signature(
+            op=self.op,
+            dtype=str(self.dtype),
+            device=self.device.type,
+            count=count,
+            send_bytes=list(send),
+            recv_bytes=list(recv),
+            error=self.error,
+        )
+
+
+def _pieces(data: Bytes, sizes: Sequence[int]) -> list[Bytes]:
+    pieces, offset = [], 0
+    for size in sizes:
+        pieces.append(data[offset : offset + size])
+        offset += size
+    return pieces
+
+
+def _exchange(
+    plan: Plan,
+    rank: int,
+    send: Sequence[Bytes],
+    recv: Sequence[Bytes],
+    sub: int,
+) -> None:
+    """Adds the pairwise messages of one send/receive piece per peer (own piece copied)."""
+    n = len(send)
+    for step in range(1, n):
+        # Pairwise order: at step s send to r+s and receive from r-s, spreading the load.
+        dst, src = (rank + step) % n, (rank - step) % n
+        if len(recv[src]):
+            plan.transfers.append(Transfer(src, recv[src], sub, send=False))
+        if len(send[dst]):
+            plan.transfers.append(Transfer(dst, send[dst], sub, send=True))
+    if len(send[rank]):
+        plan.local_copies.append((recv[rank], send[rank]))
+
+
+def all_to_all_single(
+    op: str,
+    rank: int,
+    world_size: int,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int],
+    input_split_sizes: Sequence[int],
+) -> Plan:
+    """Plan of ``all_to_all_single``: rows of dim 0 split by peer (empty splits: even)."""
+    b = _Builder(op, world_size, [output, input])
+    splits = []
+    for name, tensor, given in (
+        ("input", input, input_split_sizes),
+        ("output", output, output_split_sizes),
+    ):
+        if tensor.dim() == 0:
+            b.fail(f"{name} must have at least one dimension (rows are split along dim 0)")
+            splits.append([0] * world_size)
+            continue
+        rows = tensor.size(0)
+        given = [int(s) for s in given]
+        if not given:
+            if rows % world_size:
+                b.fail(f"{name}.size(0)={rows} is not divisible by the world size {world_size}")
+            given = [rows // world_size] * world_size
+        elif len(given) != world_size:
+            b.fail(f"got {len(given)} {name} split sizes for a group of {world_size} ranks")
+        elif min(given) < 0 or sum(given) != rows:
+            b.fail(f"{name} split sizes {given} do not add up to {name}.size(0)={rows}")
+        splits.append(given if len(given) == world_size else [0] * world_size)
+    in_row = input.element_size() * math.prod(input.shape[1:])
+    out_row = output.element_size() * math.prod(output.shape[1:])
+    send_bytes = [s * in_row for s in splits[0]]
+    recv_bytes = [s * out_row for s in splits[1]]
+    plan = Plan(b.signature(1, send_bytes, recv_bytes), result=[output])
+    if b.error:
+        return plan
+    send = _pieces(b.source(input), send_bytes)
+    recv = _pieces(b.target(output), recv_bytes)
+    if send_bytes[rank] != recv_bytes[rank]:
+        b.fail(f"sends {send_bytes[rank]} bytes to itself but expects {recv_bytes[rank]}")
+        return Plan(b.signature(1, send_bytes, recv_bytes), result=[output])
+    _exchange(plan, rank, send, recv, sub=1)
+    plan.copy_back = b.copy_back
+    return plan
+
+
+def all_to_all(
+    op: str,
+    rank: int,
+    world_size: int,
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+) -> Plan:
+    """Plan of ``all_to_all`` (lists): ``inputs[p]`` goes to peer p, ``outputs[p]`` from it."""
+    b = _Builder(op, world_size, [*outputs, *inputs])
+    if len(outputs) != world_size or len(inputs) != world_size:
+        b.fail(f"needs {world_size} inputs and outputs, got {len(inputs)} and {len(outputs)}")
+        return Plan(b.signature(1, [], []), result=list(outputs))
+    send_bytes = [t.numel() * t.element_size() for t in inputs]
+    recv_bytes = [t.numel() * t.element_size() for t in outputs]
+    if send_bytes[rank] != recv_bytes[rank]:
+        b.fail(f"sends {send_bytes[rank]} bytes to itself but expects {recv_bytes[rank]}")
+    plan = Plan(b.signature(1, send_bytes, recv_bytes), result=list(outputs))
+    if b.error:
+        return plan
+    send = [b.source(t) for t in inputs]
+    recv = [b.target(t) for t in outputs]
+    _exchange(plan, rank, send, recv, sub=1)
+    plan.copy_back = b.copy_back
+    return plan
+
+
+def all_gather(
+    op: str,
+    rank: int,
+    world_size: int,
+    outputs: Sequence[Sequence[torch.Tensor]],
+    inputs: Sequence[torch.Tensor],
+    options: FreescaleOptions,
+) -> Plan:
+    """Plan of one or more list AllGathers: ``outputs[k][p]`` receives rank p's ``inputs[k]``."""
+    b = _Builder(op, world_size, [*inputs, *(t for slots in outputs for t in slots)])
+    result = [t for slots in outputs for t in slots]
+    if len(outputs) != len(inputs):
+        b.fail(f"got {len(inputs)} inputs but {len(outputs)} output lists")
+    for slots in outputs:
+        if len(slots) != world_size:
+            b.fail(f"needs {world_size} outputs per input, got {len(slots)}")
+    if b.error:
+        return Plan(b.signature(len(inputs), [], []), result=result)
+    slot_bytes = [[t.numel() * t.element_size() for t in slots] for slots in outputs]
+    return _gather(b, rank, inputs, slot_bytes, result, options,
+                   lambda k: [b.target(t) for t in outputs[k]])
+
+
+def all_gather_into_tensor(
+    op: str,
+    rank: int,
+    world_size: int,
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    options: FreescaleOptions,
+) -> Plan:
+    """Plan of one or more AllGathers into single tensors of ``world_size`` times the input."""
+    b = _Builder(op, world_size, [*inputs, *outputs])
+    if len(outputs) != len(inputs):
+        b.fail(f"got {len(inputs)} inputs but {len(outputs)} outputs")
+    for output, tensor in zip(outputs, inputs, strict=False):
+        if output.numel() != world_size * tensor.numel():
+            b.fail(
+                f"output has {output.numel()} elements, expected world size {world_size} x "
+                f"input's {tensor.numel()}"
+            )
+    if b.error:
+        return Plan(b.signature(len(inputs), [], []), result=list(outputs))
+    slot_bytes = [[t.numel() * t.element_size()] * world_size for t in inputs]
+    return _gather(b, rank, inputs, slot_bytes, list(outputs), options,
+                   lambda k: _even_slices(b.target(outputs[k]), world_size))
+
+
+def _even_slices(flat: Bytes, parts: int) -> list[Bytes]:
+    return _pieces(flat, [len(flat) // parts] * parts)
+
+
+def _gather(
+    b: _Builder,
+    rank: int,
+    inputs: Sequence[torch.Tensor],
+    slot_bytes: Sequence[Sequence[int]],
+    result: list[torch.Tensor],
+    options: FreescaleOptions,
+    targets_of: Callable[[int], list[Bytes]],
+) -> Plan:
+    n = b.n
+    in_bytes = [t.numel() * t.element_size() for t in inputs]
+    send_bytes = [sum(in_bytes)] * n
+    recv_bytes = [sum(slots[p] for slots in slot_bytes) for p in range(n)]
+    for k, slots in enumerate(slot_bytes):
+        if slots[rank] != in_bytes[k]:
+            b.fail(f"output slot {rank} holds {slots[rank]} bytes but the input has {in_bytes[k]}")
+    plan = Plan(b.signature(len(inputs), send_bytes, recv_bytes), result=result)
+    if b.error:
+        return plan
+    ring = len(inputs) == 1 and n > 2 and (
+        options.allgather == "ring"
+        or (options.allgather == "auto" and in_bytes[0] >= options.ring_threshold_bytes)
+    )
+    for k, tensor in enumerate(inputs):
+        source = b.source(tensor)
+        targets = targets_of(k)
+        if ring:
+            _ring(plan, rank, source, targets, options.chunk_bytes)
+        else:
+            _exchange(plan, rank, [source] * n, targets, sub=1 + k)
+    plan.copy_back = b.copy_back
+    return plan
+
+
+def _ring(
+    plan: Plan,
+    rank: int,
+    source: Bytes,
+    targets: Sequence[Bytes],
+    chunk_bytes: int,
+) -> None:
+    n = len(targets)
+    size = len(source)
+    if size:
+        plan.local_copies.append((targets[rank], source))
+    if n == 1 or size == 0:
+        return
+    chunks = max(1, min(math.ceil(size / chunk_bytes), (MAX_SUB - 1) // (n - 1)))
+    bounds = [size * c // chunks for c in range(chunks + 1)]
+    left, right = (rank - 1) % n, (rank + 1) % n
+    plan.forwarding = True
+    previous: list[Transfer] = []
+    for step in range(n - 1):
+        recv_piece, send_piece = (rank - step - 1) % n, (rank - step) % n
+        current = []
+        for c in range(chunks):
+            lo, hi = bounds[c], bounds[c + 1]
+            sub = 1 + step * chunks + c
+            receive = Transfer(left, targets[recv_piece][lo:hi], sub, send=False, chunk=c)
+            plan.transfers.append(receive)
+            current.append(receive)
+            forward = source if step == 0 else targets[send_piece]
+            after = previous[c] if step else None
+            plan.transfers.append(
+                Transfer(right, forward[lo:hi], sub, send=True, after=after, chunk=c)
+            )
+        previous = current

@@ -1,0 +1,68 @@
+"""``freescale comm ...`` subcommands: ``info`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    text = text.strip().lower().rstrip("ib").rstrip("b")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="freescale comm")
+    commands = parser.add_subparsers(dest="command", required=True)
+    info = commands.add_parser("info", help="UCX version and transports, GPUs, PCIe, NCCL")
+    info.add_argument("--json", action="store_true", help="print JSON instead of text")
+    bench = commands.add_parser("bench", help="AllGather / AllToAll: freescale vs Gloo (CPU)")
+    bench.add_argument("--world-sizes", default="2", help="comma-separated, e.g. 2,4")
+    bench.add_argument("--min-bytes", type=_size, default="4K")
+    bench.add_argument("--max-bytes", type=_size, default="64M", help="up to 1G")
+    bench.add_argument("--factor", type=int, default=2)
+    bench.add_argument("--ops", default="all_gather,all_to_all")
+    bench.add_argument("--warmup", type=int, default=5, help="untimed calls per size")
+    bench.add_argument("--blocks", type=int, default=10,
+                       help="timed blocks per backend and size (median reported)")
+    bench.add_argument("--target-s", type=float, default=0.05,
+                       help="time one block of calls aims at")
+    bench.add_argument("--out", type=Path, default=Path("out/comm_bench"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "info":
+        from freescale_comm.info import collect, format_info
+
+        info = collect()
+        print(json.dumps(info, indent=2) if args.json else format_info(info))
+        return 0
+    from freescale_comm.bench import BenchConfig, format_table, run_bench, write_report
+
+    if args.max_bytes > 1 << 30:
+        raise SystemExit("--max-bytes is limited to 1G")
+    for world_size in (int(w) for w in args.world_sizes.split(",") if w):
+        config = BenchConfig(
+            world_size=world_size,
+            min_bytes=args.min_bytes,
+            max_bytes=args.max_bytes,
+            factor=args.factor,
+            ops=tuple(op for op in args.ops.split(",") if op),
+            warmup=args.warmup,
+            blocks=args.blocks,
+            target_s=args.target_s,
+        )
+        report = run_bench(config)
+        print(format_table(report))
+        written = write_report(report, args.out)
+        if len(written) == 1:
+            print("matplotlib is not installed: no plot (pip install 'freescale-comm[plot]')")
+        print("wrote " + ", ".join(str(p) for p in written))
+    return 0

@@ -1,0 +1,409 @@
+"""One collective in flight: validation header round, then the plan's messages, then completion.
+
+State machine (driven by the engine thread, or by a caller that waits on it; the caller thread
+starts it):
+
+1. ``header``: every rank sends its signature to every peer and receives theirs (tag index 0);
+   all ranks then judge the same table (``validation.judge``). A mismatch fails the collective
+   on every rank with the same message, no output byte written; the group stays usable. On the
+   CPU, data for a peer of at most ``eager_bytes`` travels inside the header message (into a
+   receive buffer with that much room) and is copied to the outputs once the verdict is good:
+   a small collective is then one message per peer and one round trip, not two.
+2. ``ready``: the direct CUDA path waits until the work queued on the caller's stream before the
+   call has finished (UCX is not stream-aware and reads device memory itself); the staged path
+   does not wait on the CPU: its copy streams wait for that work on the GPU.
+3. ``data``: local copies, then either every message posted (CPU, direct CUDA; ring forwards as
+   soon as the receive they forward has completed) or the staged pipeline (``staged``).
+4. ``sealed`` (CUDA): every copy is enqueued; the collective's streams end with the GPU-side
+   write of its signal flag (``work.wait()`` makes the caller's stream wait for it) and an event
+   the engine waits for before releasing buffers and completing the future.
+
+A failure at any point cancels the outstanding requests (dropping a ucxx request cancels it) but
+keeps the buffers referenced by the group, so a late UCX access never touches freed memory, and
+releases the signal flag so that no caller's stream waits forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from freescale_comm.algorithms import Plan, Transfer, host_copy
+from freescale_comm.errors import (
+    FreescaleError,
+    FreescalePeerError,
+    FreescaleTimeoutError,
+    FreescaleValidationError,
+)
+from freescale_comm.transport import make_tag
+from freescale_comm.validation import Signature, judge
+
+if TYPE_CHECKING:
+    from freescale_comm.cuda import CopyStreams, CudaSupport
+    from freescale_comm.group import GroupContext
+    from freescale_comm.staged import StagedPipeline
+
+logger = logging.getLogger(__name__)
+
+_ERRORS: dict[str, type[FreescaleError]] = {
+    "validation": FreescaleValidationError,
+    "timeout": FreescaleTimeoutError,
+    "peer": FreescalePeerError,
+    "internal": FreescaleError,
+}
+
+
+class Collective:
+    """A collective of one group in flight (see the module docstring)."""
+
+    def __init__(self, group: GroupContext, name: str, plan: Plan) -> None:
+        self.group = group
+        self.name = name
+        self.plan = plan
+        self.seq = group.next_seq()
+        self.deadline = time.monotonic() + group.timeout_s
+        self.finished = False
+        self.error: FreescaleError | None = None
+        self.event = threading.Event()
+        # Set once the signatures are judged (or the collective failed): a CUDA ``wait`` returns
+        # only after it, so that a mismatch still raises there.
+        self.verdict = threading.Event()
+        # CUDA: set once every copy is enqueued (or the collective failed).
+        self.sealed = threading.Event()
+        self.future: torch.futures.Future = torch.futures.Future()
+        self._lock = threading.Lock()
+        self._abort_reason: str | None = None
+        self._phase = "header"
+        self._posted: list[Transfer] = []
+        self._unposted: list[Transfer] = []
+        self._headers: list[Any] = []
+        self._folded: set[int] = set()  # ids of transfers that travel inside a header
+        self._ready: torch.cuda.Event | None = None
+        self._cuda: CudaSupport | None = None
+        self._streams: CopyStreams | None = None
+        self._local_done: torch.cuda.Event | None = None
+        self._pipeline: StagedPipeline | None = None
+        self.final: torch.cuda.Event | None = None  # the CUDA end event, once sealed
+
+    @property
+    def label(self) -> str:
+        g = self.group
+        return f"freescale {self.name} #{self.seq} (group {g.group_id}, rank {g.rank} of {g.size})"
+
+    # ----------------------------------------------------------------- start (caller thread)
+    @property
+    def signal_value(self) -> int:
+        """The value of this collective's CUDA signal flag once it is done."""
+        return self.seq & 0x7FFFFFFF
+
+    def start(self) -> None:
+        """Posts the first messages; raises at once only when the group is already broken."""
+        g = self.group
+        if g.broken:
+            raise FreescalePeerError(f"{self.label}: the group was aborted earlier: {g.broken}")
+        if self.plan.on_cuda:
+            self._cuda = g.cuda(self.plan.cuda_index)
+            self._ready = self._cuda.record_ready()
+            if not self.plan.staged:
+                self._cuda.ready_watch.watch(self._ready)
+        if g.options.validate and g.size > 1:
+            self._post_headers()
+        elif self.plan.signature.error:
+            raise FreescaleValidationError(f"{self.label}: {self.plan.signature.error}")
+        else:
+            self._phase = "ready"
+            self.verdict.set()
+        g.transport.progress()
+
+    def _post_headers(self) -> None:
+        g = self.group
+        size = Signature.size(g.size)
+        own = self.plan.signature.encode(g.size)
+        sends = self._foldable(send=True)
+        # Room for any peer's folded data, whatever this rank expects: a peer folds by its own
+        # sizes and device before anyone knows whether they agree, and a receive buffer that is
+        # too small fails in UCX instead of reaching the verdict.
+        room = size + g.options.eager_bytes
+        self._headers = [None] * g.size
+        self._headers[g.rank] = own
+        for step in range(1, g.size):
+            dst, src = (g.rank + step) % g.size, (g.rank - step) % g.size
+            buffer = np.empty(room, dtype=np.uint8)
+            self._headers[src] = buffer
+            self._post(Transfer(src, buffer, 0, send=False))
+            message = own
+            if dst in sends:
+                pieces = sends[dst]
+                message = np.concatenate([own, *(t.buffer for t in pieces)])
+                self._folded.update(id(t) for t in pieces)
+            self._post(Transfer(dst, message, 0, send=True))
+
+    def _may_fold(self) -> bool:
+        """Whether this plan's data may travel in headers (CPU buffers, no ring forwarding)."""
+        return (
+            self.plan.device == "cpu"
+            and self.group.options.eager_bytes > 0
+            and not self.plan.forwarding
+        )
+
+    def _foldable(self, send: bool) -> dict[int, list[Transfer]]:
+        """Per peer, the sends (or receives) whose bytes fit in its header, in message order.
+
+        Sender and receiver pick the same pieces once the verdict found the sizes consistent:
+        both decide from the same per-pair byte count of the signature.
+        """
+        if not self._may_fold():
+            return {}
+        signature = self.plan.signature
+        totals = signature.send_bytes if send else signature.recv_bytes
+        limit = self.group.options.eager_bytes
+        by_peer: dict[int, list[Transfer]] = {}
+        for transfer in self.plan.transfers:  # a plan lists each peer's messages in tag order
+            if transfer.send == send and totals[transfer.peer] <= limit:
+                by_peer.setdefault(transfer.peer, []).append(transfer)
+        return by_peer
+
+    def _post(self, transfer: Transfer) -> None:
+        transfer.request = self._message(transfer.peer, transfer.buffer, transfer.sub,
+                                         transfer.send)
+        self._posted.append(transfer)
+
+    def _message(self, peer: int, buffer: Any, sub: int, send: bool) -> Any:
+        """Posts one tagged send to / receive from ``peer``; returns the UCX request."""
+        g = self.group
+        tag = make_tag(g.group_id, self.seq, g.rank if send else peer, sub)
+        post = g.transport.send if send else g.transport.recv
+        return post(g.endpoint(peer), buffer, tag)
+
+    # ----------------------------------------------------------------- engine thread
+    def advance(self) -> bool:
+        """Polls this collective's requests and moves it forward; True if anything changed."""
+        try:
+            with self._lock:
+                return self._advance_locked()
+        finally:
+            self._flush_abort()
+
+    def _advance_locked(self) -> bool:
+        if self.finished:
+            return False
+        progressed = self._poll()
+        if self.finished:
+            return True
+        if self._phase == "header" and not self._posted:
+            self._judge()
+            progressed = True
+        if self._phase == "ready" and (
+            self._ready is None or self.plan.staged or self._ready.query()
+        ):
+            self._start_data()
+            progressed = True
+        if self._phase == "data":
+            if self._pipeline is not None:
+                progressed |= self._advance_pipeline()
+                if self.finished:
+                    return True
+                if self._pipeline.sealable:
+                    self._seal(self._streams.h2d, self._cuda.h2d_watch)
+                    progressed = True
+            else:
+                progressed |= self._post_forwards()
+                if not self._posted and not self._unposted:
+                    progressed |= self._complete()
+        if self._phase == "sealed":
+            if self._pipeline is not None:
+                progressed |= self._advance_pipeline()  # last sends; slots given back
+                if self.finished:
+                    return True
+            if self.final.query() and (self._pipeline is None or self._pipeline.finished):
+                self._finish()
+                progressed = True
+        return progressed
+
+    def _advance_pipeline(self) -> bool:
+        try:
+            return self._pipeline.advance()
+        except FreescaleError as err:  # a UCX error on a staged message
+            self._fail_locked(str(err), "peer")
+            return True
+
+    def _poll(self) -> bool:
+        done = [t for t in self._posted if t.request.completed]
+        if not done:
+            return False
+        for transfer in done:
+            try:
+                transfer.request.check_error()
+            except Exception as err:
+                way = "sending to" if transfer.send else "receiving from"
+                self._fail_locked(f"UCX error {way} rank {transfer.peer}: {err}", "peer")
+                return True
+            transfer.done = True
+            transfer.request = None
+        self._posted = [t for t in self._posted if not t.done]
+        return True
+
+    def _judge(self) -> None:
+        g = self.group
+        size = Signature.size(g.size)
+        problem = judge([h[:size] for h in self._headers], g.size, self.name)
+        if problem:
+            self._headers = []
+            self._fail_locked(problem, "validation")
+            return
+        self.verdict.set()
+        for peer, pieces in self._foldable(send=False).items():
+            offset = size
+            for transfer in pieces:
+                end = offset + len(transfer.buffer)
+                transfer.buffer[:] = self._headers[peer][offset:end]
+                self._folded.add(id(transfer))
+                offset = end
+        self._headers = []
+        self._phase = "ready"
+
+    def _start_data(self) -> None:
+        g = self.group
+        self._phase = "data"
+        if self.plan.on_cuda:
+            self._start_cuda_data()
+        else:
+            for dst, src in self.plan.local_copies:
+                host_copy(dst, src)
+        if self._pipeline is None:
+            for transfer in self.plan.transfers:
+                if id(transfer) in self._folded:
+                    continue
+                if transfer.after is None:
+                    self._post(transfer)
+                else:
+                    self._unposted.append(transfer)
+        g.transport.progress()
+
+    def _start_cuda_data(self) -> None:
+        from freescale_comm.staged import StagedPipeline
+
+        cuda = self._cuda
+        streams = self._streams = cuda.streams()
+        # Ordered after the caller's stream on the GPU: inputs are read, and outputs written,
+        # only once the work queued before the call is done.
+        streams.d2h.wait_event(self._ready)
+        streams.h2d.wait_event(self._ready)
+        if self.plan.local_copies:
+            self._local_done = cuda.copy(streams.d2h, self.plan.local_copies)
+        if self.plan.staged:
+            self._pipeline = StagedPipeline(self.plan, cuda, streams, self._message,
+                                            self.group.options.chunk_bytes)
+
+    def _post_forwards(self) -> bool:
+        ready = [t for t in self._unposted if t.after is not None and t.after.done]
+        if not ready:
+            return False
+        for transfer in ready:
+            self._post(transfer)
+        self._unposted = [t for t in self._unposted if t.request is None and not t.done]
+        self.group.transport.progress()
+        return True
+
+    def _complete(self) -> bool:
+        """Every message of a CPU or direct CUDA collective is done."""
+        if self.plan.on_cuda:
+            self._seal(self._streams.d2h, self._cuda.d2h_watch)
+            return True
+        for dst, src in self.plan.copy_back:
+            dst.copy_(src)
+        self._finish()
+        return True
+
+    def _seal(self, stream: torch.cuda.Stream, watcher: Any) -> None:
+        """Enqueues the CUDA collective's last copies, its signal write and its end event."""
+        cuda = self._cuda
+        with torch.cuda.stream(stream):
+            for event in (self._local_done, self._pipeline and self._pipeline.last_d2h):
+                if event is not None:
+                    stream.wait_event(event)
+            for dst, src in self.plan.copy_back:
+                dst.copy_(src, non_blocking=True)  # strided outputs: a copy kernel
+            if cuda.signal is not None:
+                cuda.signal.write(stream, self.seq, self.signal_value)
+            self.final = torch.cuda.Event(blocking=True)
+            self.final.record(stream)
+        watcher.watch(self.final)
+        cuda.release_streams(self._streams)
+        self._phase = "sealed"
+        self.sealed.set()
+
+    def _finish(self) -> None:
+        self.finished = True
+        self.future.set_result(self.plan.result)
+        self.event.set()
+
+    def expire(self) -> None:
+        """Fails the collective because the group's timeout passed, naming who is missing."""
+        try:
+            with self._lock:
+                self._expire_locked()
+        finally:
+            self._flush_abort()
+
+    def _expire_locked(self) -> None:
+        if self.finished:
+            return
+        waiting = sorted({t.peer for t in self._posted if not t.send})
+        unsent = sorted({t.peer for t in self._posted + self._unposted if t.send})
+        if self._pipeline is not None:
+            waiting, unsent = self._pipeline.waiting_peers()
+        parts = [f"did not finish within {self.group.timeout_s:g} s"]
+        if waiting:
+            parts.append(f"no data yet from {self.group.describe_peers(waiting)}")
+        if unsent:
+            parts.append(f"sends to ranks {unsent} not completed")
+        if self._phase == "ready":
+            parts.append("the CUDA work queued before the call has not finished")
+        if self._phase == "sealed":
+            parts.append("its last CUDA copies have not finished")
+        self._fail_locked("; ".join(parts), "timeout")
+
+    def fail(self, reason: str, kind: str) -> None:
+        """Fails the collective (no-op once finished); ``kind`` picks the exception type."""
+        try:
+            with self._lock:
+                self._fail_locked(reason, kind)
+        finally:
+            self._flush_abort()
+
+    def _flush_abort(self) -> None:
+        # Outside the lock: aborting the group fails its other collectives, which lock too.
+        reason, self._abort_reason = self._abort_reason, None
+        if reason is not None:
+            self.group.abort(reason)
+
+    def _fail_locked(self, reason: str, kind: str) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.error = _ERRORS[kind](f"{self.label}: {reason}")
+        # Dropping a ucxx request cancels it; the buffers (and the staging slots still held)
+        # stay referenced by the group.
+        for transfer in self._posted:
+            transfer.request = None
+        if self._pipeline is not None:
+            self._pipeline.cancel()
+        self.group.keep_alive(self.plan)
+        self._posted, self._unposted = [], []
+        if self._cuda is not None and self._cuda.signal is not None:
+            try:
+                self._cuda.signal.release(self.seq, self.signal_value)
+            except FreescaleError:  # nothing more can be done for a stream waiting on it
+                logger.exception("freescale: could not release the signal of %s", self.label)
+        if kind in ("timeout", "peer"):
+            self._abort_reason = f"rank {self.group.rank}: {self.error}"
+        self.future.set_exception(self.error)
+        self.verdict.set()
+        self.sealed.set()
+        self.event.set()

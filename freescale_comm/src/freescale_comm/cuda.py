@@ -1,0 +1,378 @@
+"""CUDA side of the backend: copy streams, stream ordering, the pinned staging pool, watchers.
+
+Imported only when a collective meets a CUDA tensor, so CPU-only processes never touch CUDA.
+Nothing here launches a kernel: copies are contiguous byte copies (cudaMemcpyAsync: copy
+engines), ordering uses events, and the signal that lets a caller's stream wait for a collective
+is a stream memory operation (``cuStreamWriteValue32`` / ``cuStreamWaitValue32``, executed by
+the GPU's front end).
+
+- ``CopyStreams``: a collective's own D2H and H2D streams (separate, so that both PCIe
+  directions run at once), created with the driver API rather than taken from torch's stream
+  pool, which hands the same 32 streams to every library of the process. A pair is reused only
+  by a collective started after the previous user enqueued its last copy: a stream wait for a
+  later collective's start, enqueued before an earlier one's last copy, could otherwise make that
+  copy wait for work that itself waits for the earlier collective.
+- ``StreamSignal``: one 32-bit flag per collective in device memory; the collective's last copy is
+  followed by a GPU-side write of its value, and ``work.wait()`` enqueues a GPU-side wait for that
+  value on the caller's current stream — so ``wait`` returns at once, as NCCL's does, even though
+  the last copy only exists once the last message has arrived.
+- ``StreamWatcher``: a thread per stream kind that sleeps in ``cudaEventSynchronize`` on the
+  events the engine waits for (in stream order) and wakes the engine when each completes, so a
+  finished copy is acted on at once without polling.
+- ``SlotPool`` over a ``_PinnedRegion``: the staged path's bounded host memory: one page-locked
+  region (registered with ``cudaHostRegister``, unregistered when the group is destroyed) cut
+  into chunk-sized slots, half for sends and half for receives, handed out first come, first
+  served.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import mmap
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from freescale_comm.errors import FreescaleError
+
+logger = logging.getLogger(__name__)
+
+_CU_STREAM_NON_BLOCKING = 0x1
+_CU_STREAM_WAIT_VALUE_GEQ = 0x0
+_CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
+# Flags live in a ring of this many slots; a slot's values only grow (the sequence numbers of
+# the collectives that use it), so a late write can never release a later wait early.
+_SIGNAL_SLOTS = 4096
+_MAX_SLOTS = 64  # per kind (send / receive)
+_CLOSE_WAIT_S = 5.0
+
+
+class _Driver:
+    """The few CUDA driver API entry points torch does not expose (through ctypes)."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+
+        def entry(name: str, *args: Any) -> Any:
+            fn = getattr(lib, name + "_v2", None) or getattr(lib, name)
+            fn.argtypes = list(args)
+            fn.restype = ctypes.c_int
+            return fn
+
+        u64, u32, ptr, pptr = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(
+            ctypes.c_void_p
+        )
+        self.stream_create = entry("cuStreamCreate", pptr, ctypes.c_uint)
+        self.stream_destroy = entry("cuStreamDestroy", ptr)
+        self.wait_value = entry("cuStreamWaitValue32", ptr, u64, u32, ctypes.c_uint)
+        self.write_value = entry("cuStreamWriteValue32", ptr, u64, u32, ctypes.c_uint)
+        self._device_get = entry("cuDeviceGet", ctypes.POINTER(ctypes.c_int), ctypes.c_int)
+        self._primary = entry("cuDevicePrimaryCtxRetain", pptr, ctypes.c_int)
+        self._get_current = entry("cuCtxGetCurrent", pptr)
+        self._set_current = entry("cuCtxSetCurrent", ptr)
+        self._local = threading.local()
+
+    def check(self, code: int, what: str) -> None:
+        if code != 0:
+            raise FreescaleError(f"CUDA driver call {what} failed with CUresult {code}")
+
+    def bind(self, device: int) -> None:
+        """Makes ``device``'s primary context current on the calling thread.
+
+        The driver API acts on the thread's current context, and a thread of ours may have
+        none: ``torch.cuda.set_device`` skips ``cudaSetDevice`` when the index already matches
+        (device 0 in a fresh thread), and not every runtime call binds the context.
+        """
+        contexts = self._local.__dict__.setdefault("contexts", {})
+        context = contexts.get(device)
+        if context is None:
+            handle = ctypes.c_int()
+            self.check(self._device_get(ctypes.byref(handle), device), "cuDeviceGet")
+            context = ctypes.c_void_p()
+            self.check(self._primary(ctypes.byref(context), handle), "cuDevicePrimaryCtxRetain")
+            contexts[device] = context
+        current = ctypes.c_void_p()
+        self.check(self._get_current(ctypes.byref(current)), "cuCtxGetCurrent")
+        if current.value != context.value:
+            self.check(self._set_current(context), "cuCtxSetCurrent")
+
+
+_driver: _Driver | None = None
+_driver_lock = threading.Lock()
+
+
+def driver() -> _Driver:
+    """The process's driver entry points (loaded on first use)."""
+    global _driver
+    with _driver_lock:
+        if _driver is None:
+            _driver = _Driver()
+        return _driver
+
+
+def _new_stream(device: int) -> torch.cuda.ExternalStream:
+    handle = ctypes.c_void_p()
+    driver().bind(device)
+    driver().check(driver().stream_create(ctypes.byref(handle), _CU_STREAM_NON_BLOCKING),
+                   "cuStreamCreate")
+    return torch.cuda.ExternalStream(handle.value or 0, device=device)
+
+
+def _destroy_stream(device: int, stream: torch.cuda.Stream) -> None:
+    stream.synchronize()
+    driver().bind(device)
+    driver().stream_destroy(ctypes.c_void_p(stream.cuda_stream))
+
+
+class CopyStreams:
+    """One collective's D2H and H2D streams (see the module docstring)."""
+
+    def __init__(self, device: int) -> None:
+        self._device = device
+        self.d2h = _new_stream(device)
+        self.h2d = _new_stream(device)
+
+    def destroy(self) -> None:
+        for stream in (self.d2h, self.h2d):
+            _destroy_stream(self._device, stream)
+
+
+class StreamSignal:
+    """Per-collective flags in device memory, written and awaited by stream memory operations."""
+
+    def __init__(self, device: int) -> None:
+        self._device = device
+        self.flags = torch.empty(_SIGNAL_SLOTS, dtype=torch.int32, device=f"cuda:{device}")
+        # Zeroed by a copy, not ``zero_()``, which would be a kernel.
+        self.flags.copy_(torch.zeros(_SIGNAL_SLOTS, dtype=torch.int32))
+        self._stream = _new_stream(device)  # for writes that depend on nothing (failures)
+
+    @classmethod
+    def create(cls, device: int) -> StreamSignal | None:
+        """A working signal, or None where stream memory operations are unavailable."""
+        try:
+            signal = cls(device)
+            # Slot 0 is first used by collective 4096, whose value is larger than this one.
+            signal.write(signal._stream, 0, 1)
+            signal.wait(torch.cuda.current_stream(device), 0, 1)
+            torch.cuda.synchronize(device)
+            return signal
+        except (OSError, AttributeError, FreescaleError, RuntimeError) as err:
+            logger.info("freescale: no CUDA stream memory operations (%s); wait() blocks", err)
+            return None
+
+    def _address(self, seq: int) -> int:
+        return self.flags.data_ptr() + 4 * (seq % _SIGNAL_SLOTS)
+
+    def write(self, stream: torch.cuda.Stream, seq: int, value: int) -> None:
+        """Enqueues on ``stream`` the write of ``value`` into collective ``seq``'s flag."""
+        driver().bind(self._device)
+        code = driver().write_value(ctypes.c_void_p(stream.cuda_stream), self._address(seq),
+                                    value, _CU_STREAM_WRITE_VALUE_DEFAULT)
+        driver().check(code, "cuStreamWriteValue32")
+
+    def release(self, seq: int, value: int) -> None:
+        """Writes the flag now (a failed collective must not leave a caller's stream waiting)."""
+        self.write(self._stream, seq, value)
+
+    def wait(self, stream: torch.cuda.Stream, seq: int, value: int) -> None:
+        """Makes ``stream`` wait, on the GPU, until collective ``seq``'s flag reaches ``value``."""
+        driver().bind(self._device)
+        code = driver().wait_value(ctypes.c_void_p(stream.cuda_stream), self._address(seq),
+                                   value, _CU_STREAM_WAIT_VALUE_GEQ)
+        driver().check(code, "cuStreamWaitValue32")
+
+    def destroy(self) -> None:
+        _destroy_stream(self._device, self._stream)
+
+
+class StreamWatcher:
+    """A thread that waits for watched events in order and calls ``wake`` after each."""
+
+    def __init__(self, name: str, device: int, wake: Callable[[], None]) -> None:
+        self._queue: queue.SimpleQueue[torch.cuda.Event | None] = queue.SimpleQueue()
+        self._wake = wake
+        self._device = device
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def watch(self, event: torch.cuda.Event) -> None:
+        """Wakes the engine once ``event`` (a blocking-sync event) has completed."""
+        self._queue.put(event)
+
+    def _run(self) -> None:
+        torch.cuda.set_device(self._device)
+        driver().bind(self._device)  # cudaEventSynchronize on this thread needs the context
+        while True:
+            event = self._queue.get()
+            if event is None:
+                return
+            event.synchronize()  # GIL released; the thread sleeps (blocking-sync event)
+            self._wake()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        # Bounded: an event that never completes (a broken stream) must not hold the shutdown.
+        self._thread.join(_CLOSE_WAIT_S)
+
+
+class SlotPool:
+    """Chunk-sized slots cut from one host region, half for sends and half for receives.
+
+    Args:
+        memory: the region (page-locked by ``CudaSupport``); its size is used whole.
+        chunk_bytes: the staging chunk; a slot holds at least one.
+    """
+
+    def __init__(self, memory: np.ndarray, chunk_bytes: int) -> None:
+        # Two of each at least: a ring needs two receive slots to move (one forwarding a chunk
+        # while the next arrives).
+        per_kind = min(_MAX_SLOTS, max(2, len(memory) // 2 // chunk_bytes))
+        # Slots never smaller than a chunk (ring messages must fit one), and few enough that a
+        # tiny chunk size does not cut the pool into millions of slots.
+        slot_bytes = self.slot_bytes = max(chunk_bytes, len(memory) // 2 // per_kind)
+        if len(memory) < 2 * per_kind * slot_bytes:
+            raise FreescaleError(f"a staging pool of {len(memory)} bytes holds no four chunks")
+        slots = [memory[i * slot_bytes : (i + 1) * slot_bytes] for i in range(2 * per_kind)]
+        self._free = {"send": slots[:per_kind], "recv": slots[per_kind:]}
+        # Collectives waiting for slots of each kind, in start order (first come, first served:
+        # every rank starts collectives in the same order, which keeps the pipelines of all ranks
+        # free of circular waits).
+        self._queue: dict[str, collections.deque[object]] = {
+            "send": collections.deque(), "recv": collections.deque()
+        }
+
+    def enqueue(self, owner: object, kinds: Sequence[str]) -> None:
+        """Puts ``owner`` in line for slots of each of ``kinds``."""
+        for kind in kinds:
+            self._queue[kind].append(owner)
+
+    def take(self, owner: object, kind: str) -> np.ndarray | None:
+        """A free slot of ``kind`` if ``owner`` is first in line and one is free, else None."""
+        line = self._queue[kind]
+        if not line or line[0] is not owner or not self._free[kind]:
+            return None
+        return self._free[kind].pop()
+
+    def leave(self, owner: object, kind: str) -> None:
+        """``owner`` needs no more slots of ``kind``: the next in line may take them."""
+        line = self._queue[kind]
+        if owner in line:
+            line.remove(owner)
+
+    def give(self, kind: str, slot: np.ndarray) -> None:
+        """Returns a slot whose copies and messages have completed."""
+        self._free[kind].append(slot)
+
+
+class _PinnedRegion:
+    """Page-locked host memory of our own: an anonymous mapping registered with CUDA (not
+    torch's pinned cache, which would keep it after the group is destroyed)."""
+
+    def __init__(self, size: int) -> None:
+        self._region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.array = np.frombuffer(self._region, dtype=np.uint8)
+        self._pointer = self.array.ctypes.data
+        code = torch.cuda.cudart().cudaHostRegister(self._pointer, size, 0)
+        if int(code) != 0:
+            raise FreescaleError(f"cudaHostRegister of the {size}-byte staging pool failed: {code}")
+
+    def close(self) -> None:
+        """Unpins the region (every stream that used it has been synchronized)."""
+        torch.cuda.cudart().cudaHostUnregister(self._pointer)
+
+
+class CudaSupport:
+    """One group's CUDA machinery, created on its first CUDA collective.
+
+    Args:
+        device: the CUDA device of the group's tensors.
+        wake: wakes the engine (``Transport.wake``); called from the watcher threads.
+        pool_bytes: size of the staged path's pinned pool (allocated on first staged use).
+        chunk_bytes: staging chunk size.
+    """
+
+    def __init__(
+        self, device: int, wake: Callable[[], None], pool_bytes: int, chunk_bytes: int
+    ) -> None:
+        self.device = device
+        self._pool_bytes = pool_bytes
+        self._chunk_bytes = chunk_bytes
+        self._pool: SlotPool | None = None
+        self._region: _PinnedRegion | None = None
+        self._idle: list[CopyStreams] = []
+        self._all: list[CopyStreams] = []
+        self.signal = StreamSignal.create(device)
+        # Three watchers: one waiting for a caller's stream must not hold up the wake-up for a
+        # finished copy of another collective, nor a D2H one an H2D one.
+        self.ready_watch = StreamWatcher("freescale-comm-ready", device, wake)
+        self.d2h_watch = StreamWatcher("freescale-comm-d2h", device, wake)
+        self.h2d_watch = StreamWatcher("freescale-comm-h2d", device, wake)
+
+    @property
+    def pool(self) -> SlotPool:
+        """The pinned staging pool (allocated and registered on first use)."""
+        if self._pool is None:
+            self._region = _PinnedRegion(self._pool_bytes)
+            self._pool = SlotPool(self._region.array, self._chunk_bytes)
+        return self._pool
+
+    def streams(self) -> CopyStreams:
+        """A copy stream pair no unfinished collective still enqueues copies on."""
+        if self._idle:
+            return self._idle.pop()
+        streams = CopyStreams(self.device)
+        self._all.append(streams)
+        return streams
+
+    def release_streams(self, streams: CopyStreams) -> None:
+        """The collective that used ``streams`` has enqueued its last copy."""
+        self._idle.append(streams)
+
+    def record_ready(self) -> torch.cuda.Event:
+        """An event marking the work queued so far on the caller's current stream."""
+        event = torch.cuda.Event(blocking=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def copy(
+        self,
+        stream: torch.cuda.Stream,
+        pairs: Sequence[tuple[Any, Any]],
+        watcher: StreamWatcher | None = None,
+    ) -> torch.cuda.Event:
+        """Queues ``dst.copy_(src)`` for each pair on ``stream``; returns the end event.
+
+        Either side may be host bytes (numpy, pinned) or a CUDA tensor. With a ``watcher``, the
+        engine is woken when the copies complete.
+        """
+        with torch.cuda.stream(stream):
+            for dst, src in pairs:
+                _as_tensor(dst).copy_(_as_tensor(src), non_blocking=True)
+            event = torch.cuda.Event(blocking=True)
+            event.record(stream)
+        if watcher is not None:
+            watcher.watch(event)
+        return event
+
+    def close(self) -> None:
+        """Stops the watchers, waits for every copy stream, frees streams and the pool."""
+        for watcher in (self.ready_watch, self.d2h_watch, self.h2d_watch):
+            watcher.close()
+        for streams in self._all:
+            streams.destroy()
+        if self.signal is not None:
+            self.signal.destroy()
+        if self._region is not None:
+            self._region.close()
+            self._region = self._pool = None
+
+
+def _as_tensor(buffer: Any) -> torch.Tensor:
+    return torch.from_numpy(buffer) if isinstance(buffer, np.ndarray) else buffer

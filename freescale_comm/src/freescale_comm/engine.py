@@ -1,0 +1,272 @@
+"""The process's progress thread: drives UCX and collectives, bounds them, beats the heart.
+
+One daemon thread per process, for every group. While collectives are in flight it progresses
+the UCX worker, notices completed requests (ucxx has no blocking wait from Python), posts the
+next step of multi-step algorithms (the ring), completes futures, and fails collectives that run
+past their deadline or whose peer died; when nothing moved it sleeps in an epoll over the
+worker's events (GIL released) until UCX signals an event, something calls
+``Transport.wake`` (a new collective, a finished CUDA copy) or ``_EPOLL_MS`` passes — so an
+arriving message wakes it at once and an idle wait costs no CPU. While no collective is in
+flight it sleeps on a condition and only wakes to write the liveness heartbeat.
+
+A synchronous collective (``async_op=False``: the caller waits at once) that finds the engine
+idle is *claimed* by its caller instead: ``Work.wait`` runs the same loop on the calling thread
+(``drive``), so the thread that sleeps in the epoll is the one that returns the result. That
+saves two thread hand-offs per collective (caller to engine, engine back to caller), each a
+scheduler wake-up that costs tens of microseconds on an idle machine and up to a time slice on a
+loaded one. A claimed collective that its caller does not drive within ``_CLAIM_GRACE_S``, or
+that outlives a shorter ``wait(timeout)``, is taken over by the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from freescale_comm.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+# Bound of one epoll sleep while collectives are in flight. Every completion that matters wakes
+# the sleeper (UCX events; CUDA copies through ``cuda.StreamWatcher``); this bounds the cost of a
+# wake-up lost in a race, and sets how often deadlines are checked between events.
+_EPOLL_MS = 1
+_HEALTH_PERIOD_S = 0.25
+# A claimed collective nobody drives for this long goes to the engine thread (a safety net: the
+# claim is made only for calls whose caller waits at once).
+_CLAIM_GRACE_S = 0.05
+
+
+class Op(Protocol):
+    """What the engine needs from a collective in flight."""
+
+    group: GroupHealth
+    deadline: float
+    finished: bool
+
+    def advance(self) -> bool:
+        """Polls requests and posts what became possible; True if anything progressed."""
+        ...
+
+    def expire(self) -> None:
+        """Fails the op because its deadline passed."""
+        ...
+
+    def fail(self, reason: str, kind: str) -> None:
+        """Fails the op (and cancels its requests); ``kind`` picks the exception type."""
+        ...
+
+
+class GroupHealth(Protocol):
+    """A group's liveness check: returns why its collectives cannot finish, or None."""
+
+    def health_error(self) -> str | None: ...
+
+
+class Heartbeat(Protocol):
+    def beat(self) -> None: ...
+
+
+class Engine:
+    """The process-wide completion thread (see the module docstring)."""
+
+    _instance: Engine | None = None
+    _users = 0
+    _lock = threading.Lock()
+
+    def __init__(self, heartbeat_s: float, transport: Transport, cuda_device: int | None) -> None:
+        self._heartbeat_s = heartbeat_s
+        self._transport = transport
+        self._cuda_device = cuda_device
+        self._cond = threading.Condition()
+        self._ops: list[Op] = []
+        self._claimed: Op | None = None
+        self._claimed_at = 0.0
+        self._driving = False
+        self._heartbeats: list[Heartbeat] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="freescale-comm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def acquire(
+        cls, heartbeat_s: float, transport: Transport, cuda_device: int | None = None
+    ) -> Engine:
+        """Returns the process's engine, starting its thread if needed.
+
+        ``cuda_device`` is made current on the thread: UCX's CUDA transports need the device's
+        context on the thread that progresses them.
+        """
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = Engine(heartbeat_s, transport, cuda_device)
+            cls._users += 1
+            return cls._instance
+
+    def release(self) -> None:
+        """Gives back one ``acquire``; the last one stops and joins the thread."""
+        with Engine._lock:
+            Engine._users -= 1
+            if Engine._users > 0:
+                return
+            Engine._instance = None
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def submit(self, op: Op) -> None:
+        """Hands an op whose first requests are posted to the thread that completes it."""
+        with self._cond:
+            self._ops.append(op)
+            self._cond.notify()
+        # The thread may be asleep in the epoll (other ops in flight): let it see this one now.
+        self._transport.wake()
+
+    def claim(self, op: Op) -> bool:
+        """Lets the caller drive ``op`` itself (``drive``) if the engine has nothing in flight.
+
+        Two threads sleeping in the same worker's epoll can steal each other's wake-up, so a
+        claim is granted only while the engine thread is idle and no other op is claimed.
+        Returns False when the op must be ``submit``-ted instead.
+        """
+        with self._cond:
+            if self._ops or self._claimed is not None or self._stopping:
+                return False
+            self._claimed, self._claimed_at, self._driving = op, time.monotonic(), False
+            return True
+
+    def drive(self, op: Op, until: float) -> None:
+        """Progresses a claimed ``op`` on the calling thread until it finishes or ``until``.
+
+        Returns at once if ``op`` is not (or no longer) claimed; an op still unfinished at
+        ``until`` is handed to the engine thread.
+        """
+        with self._cond:
+            if self._claimed is not op:
+                return
+            self._driving = True
+        next_health = time.monotonic() + _HEALTH_PERIOD_S
+        try:
+            while not op.finished:
+                progressed = self._step([op])
+                now = time.monotonic()
+                if op.finished or now >= until:
+                    break
+                if now >= next_health:
+                    next_health = now + _HEALTH_PERIOD_S
+                    self._check_health([op])
+                if not progressed:
+                    self._transport.wait_event(_EPOLL_MS)
+        finally:
+            self.hand_over(op)
+
+    def hand_over(self, op: Op) -> None:
+        """Ends a claim on ``op`` (no-op if it holds none); the engine finishes what is left."""
+        with self._cond:
+            if self._claimed is not op:
+                return
+            self._claimed, self._driving = None, False
+            if op.finished:
+                return
+            self._ops.append(op)
+            self._cond.notify()
+        self._transport.wake()
+
+    def add_heartbeat(self, heartbeat: Heartbeat) -> None:
+        with self._cond:
+            self._heartbeats.append(heartbeat)
+        heartbeat.beat()
+
+    def remove_heartbeat(self, heartbeat: Heartbeat) -> None:
+        with self._cond:
+            if heartbeat in self._heartbeats:
+                self._heartbeats.remove(heartbeat)
+
+    def _beat(self) -> None:
+        for heartbeat in list(self._heartbeats):
+            try:
+                heartbeat.beat()
+            except Exception as err:  # the store may be gone; health checks report that
+                logger.debug("freescale heartbeat failed: %s", err)
+
+    def _step(self, ops: list[Op]) -> bool:
+        """One progress call and one advance of each op; True if anything progressed."""
+        self._transport.progress()
+        progressed = False
+        for op in ops:
+            try:
+                progressed |= op.advance()
+                if not op.finished and time.monotonic() > op.deadline:
+                    op.expire()
+            except Exception as err:  # never let one op kill the thread of all groups
+                logger.exception("freescale: internal error in %s", getattr(op, "label", op))
+                op.fail(f"internal error: {type(err).__name__}: {err}", "internal")
+        return progressed
+
+    def _idle_wait(self, next_beat: float) -> None:
+        """Sleeps on the condition (lock held) until an op, a beat, a stop or an undriven claim."""
+        while not self._ops and not self._stopping:
+            now = time.monotonic()
+            wake = next_beat
+            if self._claimed is not None and not self._driving:
+                if now >= self._claimed_at + _CLAIM_GRACE_S:
+                    self._ops.append(self._claimed)
+                    self._claimed = None
+                    return
+                wake = min(wake, self._claimed_at + _CLAIM_GRACE_S)
+            if wake <= now:
+                return
+            self._cond.wait(wake - now)
+
+    def _run(self) -> None:
+        if self._cuda_device is not None:
+            import torch
+
+            from freescale_comm.cuda import driver
+
+            torch.cuda.set_device(self._cuda_device)
+            # UCX's CUDA transports and our driver calls need the context current on this
+            # thread, which set_device alone does not guarantee (see ``cuda.driver().bind``).
+            try:
+                driver().bind(self._cuda_device)
+            except Exception:  # the thread must live on; CUDA collectives will report it
+                logger.exception("freescale: no CUDA context on the engine thread")
+        next_beat = time.monotonic() + self._heartbeat_s
+        next_health = 0.0
+        while True:
+            with self._cond:
+                self._idle_wait(next_beat)
+                if self._stopping and not self._ops:
+                    return
+                ops = list(self._ops)
+            now = time.monotonic()
+            if now >= next_beat:
+                self._beat()
+                next_beat = now + self._heartbeat_s
+            if not ops:
+                continue
+            progressed = self._step(ops)
+            if now >= next_health:
+                next_health = now + _HEALTH_PERIOD_S
+                self._check_health([op for op in ops if not op.finished])
+            with self._cond:
+                self._ops = [op for op in self._ops if not op.finished]
+            if not progressed:
+                self._transport.wait_event(_EPOLL_MS)
+
+    def _check_health(self, ops: list[Op]) -> None:
+        seen: dict[int, str | None] = {}
+        for op in ops:
+            key = id(op.group)
+            if key not in seen:
+                try:
+                    seen[key] = op.group.health_error()
+                except Exception as err:
+                    seen[key] = f"the c10d store is unreachable ({err})"
+            if seen[key] is not None:
+                op.fail(seen[key], "peer")

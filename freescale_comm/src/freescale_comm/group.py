@@ -1,0 +1,209 @@
+"""The state of one freescale group: peers, tags, liveness and abort, shared by its collectives.
+
+Created with the process group. Everything is agreed through the group's c10d store, which every
+rank reaches: a group id for the tags (a counter in the root store, so overlapping groups never
+share one), each rank's UCX worker address, and each process's heartbeat key.
+
+Liveness is the backend's own job: UCX's peer-failure handling would force TCP (3-5x slower),
+and without it a dead peer makes receives wait forever. So every process bumps a heartbeat
+counter in the store; while a collective is in flight the engine checks, a few times a second,
+the group's abort key and the peers' counters. A peer whose counter stops moving for
+``dead_after_s`` is reported dead; the first rank that fails a collective for a peer-side reason
+writes the abort key, so the other ranks fail fast with the same story instead of each waiting
+for its own timeout.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from freescale_comm.engine import Engine
+from freescale_comm.errors import FreescaleError
+from freescale_comm.options import FreescaleOptions
+from freescale_comm.transport import MAX_GROUP_SIZE, Transport
+
+if TYPE_CHECKING:
+    from freescale_comm.algorithms import Plan
+    from freescale_comm.collective import Collective
+    from freescale_comm.cuda import CudaSupport
+
+# Identifies this process's heartbeat; the worker address would do too, but is 200+ bytes.
+_PROCESS_ID = uuid.uuid4().hex[:16]
+_ABORT_KEY = "freescale/abort"
+
+
+def root_store(store: dist.Store) -> dist.Store:
+    """The store under every ``PrefixStore`` layer: the one all groups of the job share."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+class _Heartbeat:
+    """Bumps this process's counter in the root store (called by the engine thread)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+        self.key = f"freescale/hb/{_PROCESS_ID}"
+
+    def beat(self) -> None:
+        self.store.add(self.key, 1)
+
+
+class GroupContext:
+    """One group's peers, endpoints, sequence numbers and health (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        timeout: timedelta,
+        options: FreescaleOptions,
+    ) -> None:
+        if size > MAX_GROUP_SIZE:
+            raise FreescaleError(f"groups of more than {MAX_GROUP_SIZE} ranks are not supported")
+        self.store = store
+        self.rank = rank
+        self.size = size
+        self.timeout_s = timeout.total_seconds()
+        self.options = options
+        self.broken: str | None = None
+        self._seq = itertools.count(1)
+        self._graveyard: list[Plan] = []
+        self._inflight: list[Collective] = []
+        self._cuda: dict[int, CudaSupport] = {}
+        self._closed = False
+        self.transport = Transport.acquire()
+        self.engine = Engine.acquire(options.heartbeat_s, self.transport, _cuda_device())
+        root = root_store(store)
+        self._root = root
+        self._heartbeat = _Heartbeat(root)
+        self.engine.add_heartbeat(self._heartbeat)
+        if rank == 0:
+            store.set("freescale/group_id", str(root.add("freescale/next_group_id", 1)))
+        self.group_id = int(store.get("freescale/group_id"))
+        store.set(f"freescale/peer/{rank}", _PROCESS_ID.encode() + self.transport.address)
+        entries = store.multi_get([f"freescale/peer/{p}" for p in range(size)])
+        self._addresses = [bytes(e[16:]) for e in entries]
+        self._beat_keys = [f"freescale/hb/{bytes(e[:16]).decode()}" for e in entries]
+        self._endpoints: list[Any] = [None] * size
+        now = time.monotonic()
+        self._beats: list[tuple[int, float]] = [(-1, now)] * size
+
+    def next_seq(self) -> int:
+        return next(self._seq)
+
+    def endpoint(self, peer: int) -> Any:
+        """The UCX endpoint to group rank ``peer`` (created on first use)."""
+        endpoint = self._endpoints[peer]
+        if endpoint is None:
+            endpoint = self._endpoints[peer] = self.transport.endpoint(self._addresses[peer])
+        return endpoint
+
+    def cuda(self, device: int) -> CudaSupport:
+        """Streams, signal, watchers and staging pool for ``device``, made on first use."""
+        support = self._cuda.get(device)
+        if support is None:
+            from freescale_comm.cuda import CudaSupport
+
+            support = self._cuda[device] = CudaSupport(
+                device, self.transport.wake, self.options.staging_pool_bytes,
+                self.options.chunk_bytes,
+            )
+        return support
+
+    def launch(self, op: Collective, caller_waits: bool) -> None:
+        """Starts ``op`` and hands it to the engine thread, or to its caller to drive.
+
+        Args:
+            op: the collective.
+            caller_waits: the caller calls ``wait`` at once (``async_op=False``), so it may
+                progress a CPU collective itself (``Engine.claim``); a CUDA ``wait`` does not
+                block, so CUDA collectives always go to the engine.
+        """
+        op.start()
+        self._inflight = [c for c in self._inflight if not c.finished]
+        self._inflight.append(op)
+        if not (caller_waits and not op.plan.on_cuda and self.engine.claim(op)):
+            self.engine.submit(op)
+
+    def keep_alive(self, plan: Plan) -> None:
+        """Keeps a failed collective's buffers alive: a cancelled UCX request may still read."""
+        self._graveyard.append(plan)
+
+    # ----------------------------------------------------------------- health
+    def health_error(self) -> str | None:
+        """Why this group's collectives cannot finish (abort or a silent peer), or None."""
+        if self.store.check([_ABORT_KEY]):
+            reason = self.store.get(_ABORT_KEY).decode(errors="replace")
+            self.broken = self.broken or reason
+            return f"the group was aborted by {reason}"
+        now = time.monotonic()
+        values = self._root.multi_get(self._beat_keys)
+        dead = []
+        for peer, raw in enumerate(values):
+            value = int(raw)
+            seen, since = self._beats[peer]
+            if value != seen:
+                self._beats[peer] = (value, now)
+            elif peer != self.rank and now - since > self.options.dead_after_s:
+                dead.append(peer)
+        if dead:
+            return f"{self.describe_peers(dead)}: its process died or is stopped"
+        return None
+
+    def describe_peers(self, peers: list[int]) -> str:
+        """"ranks [a, b]" plus how long each has been silent, where that is notable."""
+        now = time.monotonic()
+        notes = []
+        for peer in peers:
+            silent = now - self._beats[peer][1]
+            if silent > 2 * self.options.heartbeat_s:
+                notes.append(f"rank {peer} sent no heartbeat for {silent:.1f} s")
+        listed = f"rank {peers[0]}" if len(peers) == 1 else f"ranks {peers}"
+        return listed + (f" ({'; '.join(notes)})" if notes else "")
+
+    def abort(self, reason: str) -> None:
+        """Marks the group broken and tells every rank through the store (first reason wins)."""
+        if self.broken:
+            return
+        self.broken = reason
+        try:
+            if not self.store.check([_ABORT_KEY]):
+                self.store.set(_ABORT_KEY, reason)
+        except Exception:  # the store's host may be the process that died
+            pass
+        for op in list(self._inflight):
+            op.fail(f"the group was aborted by {reason}", "peer")
+
+    def close(self) -> None:
+        """Fails what is still in flight, frees the CUDA side, gives back engine and transport."""
+        if self._closed:
+            return
+        self._closed = True
+        for op in list(self._inflight):
+            op.fail("the process group was shut down", "internal")
+        self._inflight = []
+        self.engine.remove_heartbeat(self._heartbeat)
+        self.engine.release()
+        for support in self._cuda.values():
+            support.close()
+        self._cuda = {}
+        self.transport.release()
+        self._endpoints = [None] * self.size
+
+
+def _cuda_device() -> int | None:
+    """The CUDA device UCX's progress thread must use, if this process uses CUDA at all."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.current_device()

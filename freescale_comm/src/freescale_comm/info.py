@@ -1,0 +1,125 @@
+"""``freescale comm info``: what this process really has — UCX transports, GPUs, links, NCCL."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from freescale_comm.options import FreescaleOptions
+from freescale_comm.transport import Transport, ucx_version
+
+_RESOURCE = re.compile(r"resource \d+\s*:\s*md \d+\s+dev \d+\s+flags \S*\s+(\S+)")
+
+
+def ucx_transports() -> list[str]:
+    """The UCX resources (``transport/device``) a context of this process opens.
+
+    Read from UCX's own context description, so it reflects the UCX library actually loaded
+    (the pip wheel or a system UCX) and ``UCX_TLS``; ``rc``/``ud``/``dc`` entries mean verbs
+    (InfiniBand / RoCE) are usable, ``cuda_ipc`` means copy-engine transfers between GPUs.
+    """
+    transport = Transport.acquire()
+    try:
+        return _RESOURCE.findall(transport.context.info)
+    finally:
+        transport.release()
+
+
+def gpu_info() -> list[dict[str, Any]]:
+    """GPUs seen by NVML: name, memory, PCIe link (current / max), NVLink count. [] if none."""
+    try:
+        import pynvml
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return []
+    gpus = []
+    try:
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            entry: dict[str, Any] = {
+                "index": index,
+                "name": _text(pynvml.nvmlDeviceGetName(handle)),
+                "memory_gib": round(pynvml.nvmlDeviceGetMemoryInfo(handle).total / 2**30, 1),
+                "pci_bus_id": _text(pynvml.nvmlDeviceGetPciInfo(handle).busId),
+            }
+            for key, fn in (
+                ("pcie_gen", pynvml.nvmlDeviceGetCurrPcieLinkGeneration),
+                ("pcie_gen_max", pynvml.nvmlDeviceGetMaxPcieLinkGeneration),
+                ("pcie_width", pynvml.nvmlDeviceGetCurrPcieLinkWidth),
+                ("pcie_width_max", pynvml.nvmlDeviceGetMaxPcieLinkWidth),
+            ):
+                try:
+                    entry[key] = int(fn(handle))
+                except pynvml.NVMLError:
+                    entry[key] = None
+            links = 0
+            for link in range(18):  # NVML_NVLINK_MAX_LINKS on Hopper
+                try:
+                    links += pynvml.nvmlDeviceGetNvLinkState(handle, link) == 1
+                except pynvml.NVMLError:
+                    break
+            entry["nvlinks_active"] = links
+            gpus.append(entry)
+    finally:
+        pynvml.nvmlShutdown()
+    return gpus
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def collect() -> dict[str, Any]:
+    """Everything ``freescale comm info`` prints, as a dict."""
+    import torch
+
+    from freescale_comm import __version__
+
+    info: dict[str, Any] = {
+        "freescale_comm": __version__,
+        "torch": torch.__version__,
+        "ucx": ucx_version(),
+        "ucx_transports": ucx_transports() if ucx_version() else [],
+        "ucx_system_library": os.environ.get("RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY", "false"),
+        "cuda_available": torch.cuda.is_available(),
+        "nccl": None,
+        "gpus": gpu_info(),
+        "options": FreescaleOptions.from_env().__dict__,
+    }
+    if torch.cuda.is_available():
+        version = torch.cuda.nccl.version()
+        info["nccl"] = ".".join(str(v) for v in version) if isinstance(version, tuple) else version
+    transports = {entry.split("/")[0] for entry in info["ucx_transports"]}
+    info["rdma_verbs"] = bool(transports & {"rc", "rc_verbs", "rc_mlx5", "ud", "ud_verbs",
+                                            "ud_mlx5", "dc_mlx5"})
+    info["cuda_ipc"] = "cuda_ipc" in transports
+    return info
+
+
+def format_info(info: dict[str, Any]) -> str:
+    """Human-readable form of ``collect()``."""
+    lines = [
+        f"freescale-comm {info['freescale_comm']}  torch {info['torch']}",
+        f"UCX {info['ucx'] or 'not installed (pip install freescale-comm[cu12] or [cu13])'}",
+        f"  transports: {', '.join(info['ucx_transports']) or '-'}",
+        f"  RDMA (verbs): {'yes' if info['rdma_verbs'] else 'no'}"
+        + ("" if info["rdma_verbs"] else "  (the pip UCX has no verbs: see README, system UCX)"),
+        f"  cuda_ipc: {'yes' if info['cuda_ipc'] else 'no'}",
+        f"CUDA: {'yes' if info['cuda_available'] else 'no'}  NCCL: {info['nccl'] or '-'}",
+    ]
+    for gpu in info["gpus"]:
+        lines.append(
+            f"  GPU {gpu['index']}: {gpu['name']}, {gpu['memory_gib']} GiB, "
+            f"bus {gpu['pci_bus_id']}, "
+            f"PCIe gen {gpu['pcie_gen']}/{gpu['pcie_gen_max']} x{gpu['pcie_width']}/"
+            f"{gpu['pcie_width_max']}, NVLinks active {gpu['nvlinks_active']}"
+        )
+    if not info["gpus"]:
+        lines.append("  GPUs: none seen by NVML")
+    options = ", ".join(f"{k}={v}" for k, v in info["options"].items())
+    lines.append(f"options (FREESCALE_* applied): {options}")
+    return "\n".join(lines)

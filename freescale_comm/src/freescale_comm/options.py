@@ -1,0 +1,114 @@
+"""Backend options: one typed dataclass, filled from ``FREESCALE_*`` environment variables.
+
+Pass an instance as ``pg_options`` to ``init_process_group`` / ``new_group``; fields left at their
+defaults there fall back to the environment, so a launcher can tune a job without code changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+AllGatherAlgorithm = Literal["auto", "direct", "ring"]
+CudaPath = Literal["auto", "direct", "staged"]
+
+_ENV_PREFIX = "FREESCALE_"
+
+
+@dataclass(frozen=True)
+class FreescaleOptions:
+    """How a ``freescale`` process group moves data.
+
+    Attributes:
+        validate: exchange a small signature (op, dtype, per-peer byte counts) with every peer
+            before any data moves, so mismatched inputs fail on every rank with a clear error.
+            Costs one round of tiny messages, which carries the data itself where it is small
+            (``eager_bytes``). ``FREESCALE_VALIDATE``.
+        eager_bytes: CPU data of at most this many bytes per peer travels inside the validation
+            header (one message and one round trip per peer instead of two); every header
+            receive buffer has this much room. Must be the same on every rank.
+            ``FREESCALE_EAGER_BYTES``.
+        allgather: ``direct`` (every rank sends its piece to every peer at once), ``ring``
+            (chunk-pipelined ring) or ``auto`` (ring for pieces of at least
+            ``ring_threshold_bytes`` when there are more than two ranks). ``FREESCALE_ALLGATHER``.
+        ring_threshold_bytes: ``auto`` switches to the ring from this piece size on.
+            ``FREESCALE_RING_THRESHOLD_BYTES``.
+        chunk_bytes: pipelining unit of the ring AllGather and of the staged CUDA path (its
+            staging slot size). ``FREESCALE_CHUNK_BYTES``.
+        cuda_path: for CUDA tensors, ``direct`` (device buffers handed to UCX: cuda_ipc / RDMA),
+            ``staged`` (copy-engine D2H into pinned host memory, host transfer, H2D; chunks
+            pipelined) or ``auto``. ``FREESCALE_CUDA_PATH``.
+        staging_pool_bytes: page-locked host memory of a group's staged path (half for send
+            chunks, half for receive chunks, at least four chunks; allocated on the first staged
+            collective, freed when the group is destroyed). ``FREESCALE_STAGING_POOL_BYTES``.
+        heartbeat_s: interval of the liveness heartbeat each process writes to the store.
+            ``FREESCALE_HEARTBEAT_S``.
+        dead_after_s: a peer whose heartbeat is older than this is reported dead and fails the
+            collectives waiting on it. ``FREESCALE_DEAD_AFTER_S``.
+    """
+
+    validate: bool = True
+    eager_bytes: int = 64 << 10
+    allgather: AllGatherAlgorithm = "auto"
+    ring_threshold_bytes: int = 1 << 20
+    chunk_bytes: int = 4 << 20
+    cuda_path: CudaPath = "auto"
+    staging_pool_bytes: int = 64 << 20
+    heartbeat_s: float = 1.0
+    dead_after_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        choices = {
+            "allgather": ("auto", "direct", "ring"),
+            "cuda_path": ("auto", "direct", "staged"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"FreescaleOptions.{name} must be one of {allowed}")
+        if self.chunk_bytes <= 0:
+            raise ValueError("chunk_bytes must be > 0")
+        if self.eager_bytes < 0:
+            raise ValueError("eager_bytes must be >= 0")
+        if self.staging_pool_bytes < 4 * self.chunk_bytes:
+            raise ValueError("staging_pool_bytes must hold at least four chunks (4 * chunk_bytes)")
+        if self.heartbeat_s <= 0 or self.dead_after_s <= 2 * self.heartbeat_s:
+            raise ValueError("heartbeat_s must be > 0 and dead_after_s > 2 * heartbeat_s")
+
+    @classmethod
+    def from_env(cls, base: FreescaleOptions | None = None) -> FreescaleOptions:
+        """Returns ``base`` (or the defaults) with every field set in the environment replaced.
+
+        An explicitly passed ``pg_options`` wins over the environment only for the fields it
+        changed from the defaults, so ``FREESCALE_*`` still tunes everything else.
+        """
+        defaults = cls()
+        values = {}
+        for item in dataclasses.fields(cls):
+            explicit = getattr(base, item.name) if base is not None else None
+            if explicit is not None and explicit != getattr(defaults, item.name):
+                values[item.name] = explicit
+                continue
+            raw = os.environ.get(_ENV_PREFIX + item.name.upper())
+            if raw is None:
+                continue
+            values[item.name] = _parse(raw, type(getattr(defaults, item.name)), item.name)
+        return cls(**values)
+
+
+def _parse(raw: str, kind: type, name: str) -> object:
+    try:
+        if kind is bool:
+            lowered = raw.strip().lower()
+            if lowered not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(raw)
+            return lowered in ("1", "true", "yes", "on")
+        if kind is int:
+            return int(raw, 0)
+        if kind is float:
+            return float(raw)
+        return raw.strip().lower()
+    except ValueError:
+        variable = f"{_ENV_PREFIX}{name.upper()}"
+        raise ValueError(f"{variable}={raw!r} is not a valid {kind.__name__}") from None

@@ -1,0 +1,240 @@
+"""``ProcessGroupFreescale``: AllGather and AllToAll over UCX, everything else on Gloo / NCCL.
+
+``torch._C._distributed_c10d.Backend`` cannot be subclassed from Python, so the group is a
+``dist.ProcessGroup`` subclass that builds a Gloo backend (and an NCCL one where CUDA exists)
+from the same store and registers them inside itself: every collective it does not override
+runs there by tensor device, also when the caller is C++ (DDP's reducer, functional collectives,
+torch.compile). It overrides every AllGather / AllToAll entry point, under both the torch 2.13
+names and the torch 2.11 ones (``_allgather_base``, ``alltoall_base``,
+``allgather_into_tensor_coalesced``): a name left out silently runs on Gloo / NCCL instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from freescale_comm import algorithms
+from freescale_comm.algorithms import Plan
+from freescale_comm.collective import Collective
+from freescale_comm.group import GroupContext
+from freescale_comm.options import FreescaleOptions
+from freescale_comm.work import FreescaleWork
+
+BACKEND_NAME = "freescale"
+
+
+class ProcessGroupFreescale(dist.ProcessGroup):
+    """A process group whose AllGather and AllToAll never run on Gloo / NCCL (see module doc).
+
+    Args:
+        store: the group's c10d store (already prefixed by c10d for this group).
+        rank: this process's rank in the group.
+        size: number of ranks in the group.
+        timeout: bound on every collective of the group.
+        options: how data moves (``FreescaleOptions``).
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        timeout: timedelta,
+        options: FreescaleOptions,
+    ) -> None:
+        super().__init__(rank, size)
+        self.options = options
+        self.timeout = timeout
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore("freescale/gloo", store), rank, size, timeout)
+        self._delegates: list[Any] = [gloo]
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+        default = dist.ProcessGroup.BackendType.GLOO
+        if torch.cuda.is_available() and dist.is_nccl_available():
+            nccl_options = dist.ProcessGroupNCCL.Options()
+            nccl_options._timeout = timeout
+            nccl = dist.ProcessGroupNCCL(
+                dist.PrefixStore("freescale/nccl", store), rank, size, nccl_options
+            )
+            self._delegates.append(nccl)
+            self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
+            default = dist.ProcessGroup.BackendType.NCCL
+        self._set_default_backend(default)
+        self._ctx = GroupContext(store, rank, size, timeout, options)
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def _rs(self) -> tuple[int, int]:
+        return self.rank(), self.size()
+
+    def _run(self, name: str, plan: Plan, opts: Any) -> FreescaleWork:
+        op = Collective(self._ctx, name, plan)
+        # c10d sets asyncOp=False when it will wait at once; C++ callers leave the default.
+        self._ctx.launch(op, caller_waits=not getattr(opts, "asyncOp", True))
+        return FreescaleWork(op)
+
+    def _staged(self) -> bool:
+        """Whether CUDA tensors take the staged path (``cuda_path``, or what UCX can do)."""
+        path = self.options.cuda_path
+        if path == "auto":
+            # Direct needs a UCX built with CUDA (cuda_copy / cuda_ipc); stage otherwise.
+            path = "direct" if self._ctx.transport.cuda_support else "staged"
+        return path == "staged"
+
+    def _own(self, name: str, build: Any, outputs: Any, inputs: Any, opts: Any) -> FreescaleWork:
+        plan = build(outputs, inputs)
+        if plan.signature.device == "cuda" and self._staged():
+            plan.staged = True
+            plan.signature = dataclasses.replace(plan.signature, device="cuda-staged")
+        return self._run(name, plan, opts)
+
+    # ----------------------------------------------------------------- AllGather
+    def allgather(
+        self,
+        output_tensors: Sequence[Sequence[torch.Tensor]],
+        input_tensors: Sequence[torch.Tensor],
+        opts: Any = None,
+    ) -> FreescaleWork:
+        """``dist.all_gather``: ``output_tensors[0][p]`` receives rank p's ``input_tensors[0]``."""
+        def build(outs: Any, ins: Any) -> Plan:
+            return algorithms.all_gather("all_gather", *self._rs(), outs, ins, self.options)
+
+        return self._own("all_gather", build, output_tensors, input_tensors, opts)
+
+    def allgather_coalesced(
+        self,
+        output_lists: Sequence[Sequence[torch.Tensor]],
+        input_list: Sequence[torch.Tensor],
+        opts: Any = None,
+    ) -> FreescaleWork:
+        """``dist.all_gather_coalesced``: one list AllGather per input, in one collective."""
+        def build(outs: Any, ins: Any) -> Plan:
+            return algorithms.all_gather(
+                "all_gather_coalesced", *self._rs(), outs, ins, self.options
+            )
+
+        return self._own("all_gather_coalesced", build, output_lists, input_list, opts)
+
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> FreescaleWork:
+        """``dist.all_gather_into_tensor`` (torch 2.13 name)."""
+        def build(outs: Any, ins: Any) -> Plan:
+            return algorithms.all_gather_into_tensor(
+                "all_gather_into_tensor", *self._rs(), outs, ins, self.options
+            )
+
+        return self._own("all_gather_into_tensor", build, [output], [input], opts)
+
+    def _allgather_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> FreescaleWork:
+        """``dist.all_gather_into_tensor`` (torch 2.11 name)."""
+        return self.all_gather_single(output, input, opts)
+
+    def all_gather_single_coalesced(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        opts: Any = None,
+    ) -> FreescaleWork:
+        """Coalesced ``all_gather_into_tensor`` (functional collectives, torch.compile)."""
+        def build(outs: Any, ins: Any) -> Plan:
+            return algorithms.all_gather_into_tensor(
+                "all_gather_into_tensor_coalesced", *self._rs(), outs, ins, self.options
+            )
+
+        return self._own(
+            "all_gather_into_tensor_coalesced", build, list(outputs), list(inputs), opts
+        )
+
+    def allgather_into_tensor_coalesced(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        opts: Any = None,
+    ) -> FreescaleWork:
+        """Coalesced ``all_gather_into_tensor`` (torch 2.11 name, and 2.13's fallback)."""
+        return self.all_gather_single_coalesced(outputs, inputs, opts)
+
+    # ----------------------------------------------------------------- AllToAll
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+        opts: Any = None,
+    ) -> FreescaleWork:
+        """``dist.all_to_all_single``; empty split lists mean even splits (torch 2.13 name)."""
+        def build(outs: Any, ins: Any) -> Plan:
+            return algorithms.all_to_all_single(
+                "all_to_all_single", *self._rs(), outs[0], ins[0], output_split_sizes,
+                input_split_sizes,
+            )
+
+        return self._own("all_to_all_single", build, [output], [input], opts)
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+        opts: Any = None,
+    ) -> FreescaleWork:
+        """``dist.all_to_all_single`` (torch 2.11 name)."""
+        return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def alltoall(
+        self,
+        output_tensors: Sequence[torch.Tensor],
+        input_tensors: Sequence[torch.Tensor],
+        opts: Any = None,
+    ) -> FreescaleWork:
+        """``dist.all_to_all`` (lists): ``input_tensors[p]`` goes to rank p."""
+        def build(outs: Any, ins: Any) -> Plan:
+            return algorithms.all_to_all("all_to_all", *self._rs(), outs, ins)
+
+        return self._own("all_to_all", build, list(output_tensors), list(input_tensors), opts)
+
+    # ----------------------------------------------------------------- lifecycle
+    def shutdown(self) -> None:
+        """Fails collectives still in flight and releases the UCX worker and threads."""
+        self._ctx.close()
+        for delegate in self._delegates:
+            # The Gloo / NCCL backends built here are c10d's to shut down only through us.
+            delegate.shutdown()
+
+    def abort(self) -> None:
+        """Tells every rank the group is aborted, then shuts down like ``shutdown``."""
+        self._ctx.abort(f"rank {self.rank()}: abort() was called")
+        self._ctx.close()
+
+
+def create_process_group(backend_options: Any, pg_options: Any) -> ProcessGroupFreescale:
+    """The creator c10d calls (``extended_api=True``) for every group of this backend.
+
+    Args:
+        backend_options: c10d's ``_DistributedBackendOptions`` (store, group rank and size,
+            timeout).
+        pg_options: the ``pg_options`` given to ``init_process_group`` / ``new_group``: None or a
+            ``FreescaleOptions``.
+    """
+    if pg_options is not None and not isinstance(pg_options, FreescaleOptions):
+        raise TypeError(
+            f"pg_options of the freescale backend must be a FreescaleOptions, got {pg_options!r}"
+        )
+    return ProcessGroupFreescale(
+        backend_options.store,
+        backend_options.group_rank,
+        backend_options.group_size,
+        backend_options.timeout,
+        FreescaleOptions.from_env(pg_options),
+    )

@@ -1,0 +1,191 @@
+"""The process's UCX side: one context, one worker, the endpoints to peer workers.
+
+Every freescale group of the process shares this worker (UCX tag matching is worker-wide, so
+tags carry group, sequence number, source rank and chunk; see ``make_tag``). The worker is in
+blocking progress mode and is progressed by the engine thread (``engine``), which sleeps in the
+worker's epoll while nothing moves: no idle CPU, and transfers advance while the training thread
+computes.
+
+ucxx is imported here and only here, lazily, so that importing ``freescale_comm`` (which torch
+does at its own import through the ``torch.backends`` entry point) stays cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import threading
+from typing import Any
+
+from freescale_comm.errors import FreescaleError
+
+# Tag layout (64 bits): group id | sequence number | source group rank | chunk.
+GROUP_BITS, SEQ_BITS, SRC_BITS, SUB_BITS = 16, 20, 12, 16
+MAX_GROUP_SIZE = 1 << SRC_BITS
+MAX_SUB = (1 << SUB_BITS) - 1
+_FULL_MASK = (1 << 64) - 1
+
+_UCXX_MISSING = (
+    "the freescale backend needs ucxx (UCX for Python), which is not installed. Install it with "
+    "the extra that matches your CUDA: pip install 'freescale-comm[cu12]' (CUDA 12 or CPU only) "
+    "or pip install 'freescale-comm[cu13]' (CUDA 13)"
+)
+
+
+def make_tag(group_id: int, seq: int, src: int, sub: int) -> int:
+    """Packs one message's identity into a UCX tag.
+
+    Args:
+        group_id: process-group id, agreed through the store when the group was created.
+        seq: the group's collective sequence number (wraps; only in-flight ones must differ).
+        src: group rank of the sender.
+        sub: message index inside the collective (0 is the validation header).
+    """
+    if not 0 <= sub <= MAX_SUB:
+        raise FreescaleError(f"message index {sub} does not fit the tag ({MAX_SUB} at most)")
+    seq &= (1 << SEQ_BITS) - 1
+    group_id &= (1 << GROUP_BITS) - 1
+    return (((group_id << SEQ_BITS | seq) << SRC_BITS | src) << SUB_BITS) | sub
+
+
+def import_ucxx() -> Any:
+    """Returns ``ucxx._lib.libucxx``, or raises an ImportError naming the extra to install."""
+    # UCX 1.21 warns about UCX_MEMTYPE_CACHE, which ucxx sets on import; the warning is noise.
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    try:
+        import ucxx._lib.libucxx as libucxx
+    except ImportError as err:
+        raise ImportError(_UCXX_MISSING) from err
+    return libucxx
+
+
+def ucx_version() -> str | None:
+    """UCX version as "major.minor.release", or None when ucxx is not installed."""
+    try:
+        libucxx = import_ucxx()
+    except ImportError:
+        return None
+    return ".".join(str(part) for part in libucxx.get_ucx_version())
+
+
+class Transport:
+    """The process-wide UCX worker, its progress thread and the endpoints to peer workers.
+
+    Obtained through ``Transport.acquire`` and given back with ``release``: the last release
+    stops the progress thread and destroys the worker, so a destroyed process group leaves no
+    thread behind.
+    """
+
+    _instance: Transport | None = None
+    _users = 0
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._ucx = import_ucxx()
+        from ucxx._lib.arr import Array
+
+        self._array = Array
+        ucx = self._ucx
+        self.context = ucx.UCXContext({}, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+        # No ucxx progress thread: the engine thread progresses the worker and sleeps in its
+        # epoll (GIL released) while requests are in flight, so a message that arrives wakes the
+        # very thread that completes the collective. That is what keeps small collectives close
+        # to the caller-driven latency (a C++ progress thread plus a polling Python thread cost
+        # a thread hand-off and a poll interval per message), and it avoids ucxx issue #15 (a
+        # blocking progress thread that never progresses a receive matched to an early
+        # rendezvous message), since every wait is bounded and followed by a progress call.
+        self.worker = ucx.UCXWorker(self.context)
+        self.worker.init_blocking_progress_mode()
+        # The thread that waits sleeps on an epoll of its own, over the worker's epoll fd and an
+        # eventfd: ``wake`` (a submitted collective, a finished CUDA copy) interrupts the sleep,
+        # which UCX's own ``progress_worker_event`` offers no way to do from Python.
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._epoll = select.epoll()
+        self._epoll.register(self.worker.epoll_file_descriptor, select.EPOLLIN)
+        self._epoll.register(self._wake_fd, select.EPOLLIN)
+        self.address: bytes = bytes(self.worker.address)
+        self.cuda_support = bool(self.context.cuda_support)
+        self._endpoints: dict[bytes, Any] = {}
+        self._ep_lock = threading.Lock()
+
+    @classmethod
+    def acquire(cls) -> Transport:
+        """Returns the process's transport, creating its UCX context and worker if needed."""
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = Transport()
+            cls._users += 1
+            return cls._instance
+
+    def release(self) -> None:
+        """Gives back one ``acquire``; the last one closes the endpoints and the worker."""
+        with Transport._lock:
+            Transport._users -= 1
+            if Transport._users > 0:
+                return
+            Transport._instance = None
+        with self._ep_lock:
+            endpoints, self._endpoints = list(self._endpoints.values()), {}
+        for endpoint in endpoints:
+            # One attempt, no period: a peer that is gone must not hold the shutdown.
+            endpoint.close_blocking(period=0, max_attempts=1)
+        del endpoints
+        self._epoll.close()
+        os.close(self._wake_fd)
+        self.worker = None
+        self.context = None
+
+    def endpoint(self, address: bytes) -> Any:
+        """The endpoint to the worker at ``address``, created on first use and then cached.
+
+        Endpoint error handling stays off: it makes UCX refuse shared memory and cuda_ipc (3-5x
+        slower); peer failure is detected by the backend's own heartbeats and timeouts instead.
+        """
+        with self._ep_lock:
+            endpoint = self._endpoints.get(address)
+            if endpoint is None:
+                blob = self._ucx.UCXAddress.create_from_buffer(address)
+                endpoint = self.worker.create_endpoint_from_worker_address(blob, False)
+                self._endpoints[address] = endpoint
+            return endpoint
+
+    def send(self, endpoint: Any, buffer: Any, tag: int) -> Any:
+        """Posts a tagged send of ``buffer`` (buffer protocol or CUDA array interface)."""
+        return endpoint.tag_send(self._array(buffer), self._ucx.UCXXTag(tag))
+
+    def recv(self, endpoint: Any, buffer: Any, tag: int) -> Any:
+        """Posts a tagged receive into ``buffer``, matching ``tag`` exactly."""
+        return endpoint.tag_recv(self._array(buffer), self._ucx.UCXXTag(tag))
+
+    def info(self) -> str:
+        """UCX's own description of the worker: the transports and devices it really uses."""
+        return self.worker.info
+
+    def progress(self) -> None:
+        """Progresses the worker once from the calling thread (any thread: UCX runs it MT).
+
+        Called right after posting too: a receive posted after its rendezvous message arrived
+        needs one progress call to start the transfer.
+        """
+        self.worker.progress()
+
+    def wait_event(self, timeout_ms: int) -> None:
+        """Progresses, then sleeps until a UCX event, a ``wake`` or ``timeout_ms`` (GIL released).
+
+        Returns at once when arming the worker finds events already pending, so the caller
+        progresses again instead of sleeping on them.
+        """
+        self.worker.progress()
+        if not self.worker.arm():
+            return
+        for fd, _ in self._epoll.poll(timeout_ms / 1000):
+            if fd == self._wake_fd:
+                # Another sleeping thread may have consumed it first.
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self._wake_fd)
+
+    def wake(self) -> None:
+        """Ends a ``wait_event`` sleep now, from any thread."""
+        os.eventfd_write(self._wake_fd, 1)
+

@@ -1,0 +1,112 @@
+"""The ``dist.Work`` handed back by every freescale collective."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from freescale_comm.collective import Collective
+from freescale_comm.errors import FreescaleTimeoutError
+
+# Slack past the group timeout: the engine fails an expired collective itself (naming the
+# missing peers); a wait that outlives that by this much means the engine thread is gone.
+_WAIT_SLACK_S = 5.0
+
+
+class FreescaleWork(dist.Work):
+    """Completion handle of one collective: bounded ``wait``, future, error.
+
+    Every blocking wait is bounded by the group's timeout, also when a C++ caller passes
+    ``timedelta(0)`` (which c10d uses to mean "no timeout").
+
+    CPU tensors: ``wait`` returns once the data is in the outputs. A collective its caller
+    claimed (``Engine.claim``) is progressed by ``wait`` on the calling thread; any other use of
+    the handle first gives it to the engine thread, so that a future or a completion poll never
+    waits on a caller that is not driving.
+
+    CUDA tensors, as NCCL: ``wait`` makes the caller's current stream wait for the collective and
+    returns without waiting for the data. It blocks only until the signatures are judged (one
+    round of tiny messages), so that mismatched inputs still raise there; the stream then waits
+    on the GPU for the collective's signal flag (``cuda.StreamSignal``), written after its last
+    copy. The collective keeps its tensors referenced until its copies are done. Where stream
+    memory operations are unavailable, ``wait`` blocks until the last copy is enqueued (the last
+    message has arrived) and the stream waits for that copy's event. A failure after ``wait``
+    returned (a peer dying mid-transfer) releases the stream, leaves the outputs undefined,
+    shows in ``exception()`` and breaks the group, so the next collective raises it.
+    ``synchronize`` blocks the CPU until everything is done.
+    """
+
+    def __init__(self, op: Collective) -> None:
+        super().__init__()
+        self._op = op
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        op = self._op
+        if op.plan.on_cuda:
+            return self._wait_stream(timeout)
+        return self._wait_done(timeout)
+
+    def _bound(self, timeout: timedelta | None) -> tuple[float, bool]:
+        """The wait's limit in seconds, and whether it is the caller's (shorter) one."""
+        bound = self._op.group.timeout_s + _WAIT_SLACK_S
+        short = timeout is not None and 0 < timeout.total_seconds() < bound
+        return (timeout.total_seconds() if short else bound), short
+
+    def _block(self, event: threading.Event, limit: float, short: bool, until: float) -> None:
+        op = self._op
+        if not event.wait(max(0.0, until - time.monotonic())):
+            # A caller's shorter timeout only ends this wait; the collective goes on.
+            if short:
+                raise FreescaleTimeoutError(f"{op.label}: not finished within the {limit:g} s wait")
+            op.fail(f"the engine did not finish it within {limit:g} s", "timeout")
+        if op.error is not None:
+            raise op.error
+
+    def _wait_done(self, timeout: timedelta | None) -> bool:
+        op = self._op
+        limit, short = self._bound(timeout)
+        until = time.monotonic() + limit
+        op.group.engine.drive(op, until)
+        self._block(op.event, limit, short, until)
+        return True
+
+    def _wait_stream(self, timeout: timedelta | None) -> bool:
+        op = self._op
+        limit, short = self._bound(timeout)
+        until = time.monotonic() + limit
+        self._block(op.verdict, limit, short, until)
+        stream = torch.cuda.current_stream(op.plan.cuda_index)
+        signal = op.group.cuda(op.plan.cuda_index).signal
+        if signal is not None:
+            signal.wait(stream, op.seq, op.signal_value)
+        else:
+            self._block(op.sealed, limit, short, until)
+            stream.wait_event(op.final)
+        return True
+
+    def _unclaim(self) -> FreescaleWork:
+        self._op.group.engine.hand_over(self._op)
+        return self
+
+    def is_completed(self) -> bool:
+        return self._unclaim()._op.event.is_set()
+
+    def is_success(self) -> bool:
+        return self._unclaim()._op.event.is_set() and self._op.error is None
+
+    def exception(self) -> BaseException | None:
+        return self._unclaim()._op.error
+
+    def get_future(self) -> torch.futures.Future:
+        return self._unclaim()._op.future
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._op.plan.result
+
+    def synchronize(self) -> None:
+        self._wait_done(None)

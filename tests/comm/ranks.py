@@ -1,0 +1,357 @@
+"""Functions the test ranks run (importable by module path, as ``LocalGroup.run`` needs).
+
+Every rank can rebuild every other rank's input from (seed, case, rank), so each collective is
+checked against the result computed locally, for every dtype, and also against Gloo's result in
+the same processes where Gloo takes the dtype.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
+# Gloo's AllGather / AllToAll reject these.
+_NOT_GLOO = {torch.complex64, torch.bool, torch.int16}
+_GLOO: dict[str, Any] = {}
+
+
+def gloo_group() -> Any:
+    """A Gloo group over the same ranks (made once per process; every rank must call it)."""
+    if "world" not in _GLOO:
+        _GLOO["world"] = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))
+    return _GLOO["world"]
+
+
+def make_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_complex:
+        return torch.randn(shape, generator=gen, dtype=dtype)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    low = 0 if dtype == torch.uint8 else -100
+    return torch.randint(low, 100, shape, generator=gen).to(dtype)
+
+
+def _maybe_strided(t: torch.Tensor, rng: random.Random) -> torch.Tensor:
+    """The same values, sometimes as a non-contiguous view (UCX must not see its strides)."""
+    if t.dim() >= 2 and t.numel() > 1 and rng.random() < 0.3:
+        return t.transpose(0, 1).contiguous().transpose(0, 1)
+    return t
+
+
+def _empty_maybe_strided(shape: tuple[int, ...], dtype: torch.dtype, rng: random.Random):
+    if len(shape) >= 2 and rng.random() < 0.3:
+        return torch.empty((shape[1], shape[0], *shape[2:]), dtype=dtype).transpose(0, 1)
+    return torch.empty(shape, dtype=dtype)
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    if got.shape != want.shape or not torch.equal(got.contiguous(), want.contiguous()):
+        raise AssertionError(f"{what}: got {got.flatten()[:8]} want {want.flatten()[:8]}")
+
+
+def run_random_cases(seed: int, cases: int, compare_gloo: bool = True) -> int:
+    """Random AllGather / AllToAll cases (shapes, dtypes, splits, strides); returns the count."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    gloo = gloo_group() if compare_gloo else None
+    for case in range(cases):
+        rng = random.Random(seed * 7919 + case)
+        dtype = rng.choice(DTYPES)
+        kind = rng.choice(["ag_tensor", "ag_list", "a2a_even", "a2a_uneven", "a2a_list",
+                           "ag_coalesced"])
+        rest = tuple(rng.randint(1, 3) for _ in range(rng.randint(0, 2)))
+
+        def seed_of(r: int, k: int = 0, case: int = case) -> int:
+            return seed * 1_000_003 + case * 1009 + r * 31 + k
+
+        what = f"case {case} {kind} {dtype} rest={rest}"
+        if kind in ("ag_tensor", "ag_list"):
+            rows = rng.randint(0, 4)
+            inputs = [make_tensor((rows, *rest), dtype, seed_of(r)) for r in range(n)]
+            mine = _maybe_strided(inputs[rank], rng)
+            if kind == "ag_tensor":
+                stacked = rng.random() < 0.5
+                shape = (n, rows, *rest) if stacked else (n * rows, *rest)
+                out = _empty_maybe_strided(shape, dtype, rng)
+                dist.all_gather_into_tensor(out, mine)
+                want = torch.stack(inputs) if stacked else torch.cat(inputs)
+                _same(out, want, what)
+                if gloo is not None and dtype not in _NOT_GLOO:
+                    # Gloo takes only the concatenated output shape.
+                    ref = torch.empty((n * rows, *rest), dtype=dtype)
+                    dist.all_gather_into_tensor(ref, mine.contiguous(), group=gloo)
+                    _same(out.reshape(ref.shape), ref, what + " vs gloo")
+            else:
+                outs = [_empty_maybe_strided((rows, *rest), dtype, rng) for _ in range(n)]
+                dist.all_gather(outs, mine)
+                for r in range(n):
+                    _same(outs[r], inputs[r], f"{what} slot {r}")
+                if gloo is not None and dtype not in _NOT_GLOO:
+                    refs = [torch.empty((rows, *rest), dtype=dtype) for _ in range(n)]
+                    dist.all_gather(refs, mine.contiguous(), group=gloo)
+                    for r in range(n):
+                        _same(outs[r], refs[r], f"{what} slot {r} vs gloo")
+        elif kind == "ag_coalesced":
+            k = rng.randint(1, 3)
+            rows = [rng.randint(0, 3) for _ in range(k)]
+            inputs = [[make_tensor((rows[i], *rest), dtype, seed_of(r, i)) for i in range(k)]
+                      for r in range(n)]
+            outs = [torch.empty((n * rows[i], *rest), dtype=dtype) for i in range(k)]
+            pg = dist.group.WORLD
+            pg.allgather_into_tensor_coalesced(outs, inputs[rank]).wait()
+            for i in range(k):
+                _same(outs[i], torch.cat([inputs[r][i] for r in range(n)]), f"{what} #{i}")
+        else:
+            if kind == "a2a_even":
+                per = rng.randint(0, 3)
+                splits = [[per] * n for _ in range(n)]
+            else:
+                splits = [[rng.randint(0, 3) for _ in range(n)] for _ in range(n)]
+            # inputs[r][j]: the rows rank r sends to rank j.
+            inputs = [[make_tensor((splits[r][j], *rest), dtype, seed_of(r, j)) for j in range(n)]
+                      for r in range(n)]
+            send = [splits[rank][j] for j in range(n)]
+            recv = [splits[j][rank] for j in range(n)]
+            want = [inputs[j][rank] for j in range(n)]
+            if kind == "a2a_list":
+                outs = [_empty_maybe_strided((recv[j], *rest), dtype, rng) for j in range(n)]
+                ins = [_maybe_strided(t, rng) for t in inputs[rank]]
+                dist.all_to_all(outs, ins)
+                for j in range(n):
+                    _same(outs[j], want[j], f"{what} from {j}")
+            else:
+                flat_in = _maybe_strided(torch.cat(inputs[rank]), rng)
+                out = torch.empty((sum(recv), *rest), dtype=dtype)
+                even = kind == "a2a_even"
+                dist.all_to_all_single(out, flat_in, None if even else recv,
+                                       None if even else send)
+                _same(out, torch.cat(want), what)
+                if gloo is not None and dtype not in _NOT_GLOO:
+                    ref = torch.empty_like(out)
+                    dist.all_to_all_single(ref, flat_in.contiguous(), recv, send, group=gloo)
+                    _same(out, ref, what + " vs gloo")
+    return cases
+
+
+def delegated_ops() -> list[float]:
+    """Collectives the backend hands to Gloo: all_reduce, broadcast, reduce_scatter, barrier."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    b = torch.tensor([float(rank)])
+    dist.broadcast(b, src=n - 1)
+    dist.barrier()
+    rs = torch.empty(1)
+    dist.reduce_scatter_tensor(rs, torch.arange(n, dtype=torch.float32))
+    return [t.item(), b.item(), rs.item()]
+
+
+def subgroups() -> list[float]:
+    """new_group / new_subgroups of the freescale backend, overlapping groups included."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    timeout = timedelta(seconds=30)
+    pair = dist.new_group([0, 1], backend="freescale", timeout=timeout)
+    tail = dist.new_group(list(range(1, n)), backend="freescale", timeout=timeout)
+    results = []
+    if rank in (0, 1):
+        out = torch.empty(2)
+        dist.all_gather_into_tensor(out, torch.tensor([float(rank)]), group=pair)
+        results.append(out.sum().item())
+    if rank >= 1:
+        out = torch.empty(n - 1)
+        dist.all_gather_into_tensor(out, torch.tensor([float(rank)]), group=tail)
+        results.append(out.sum().item())
+    sub, _ = dist.new_subgroups(group_size=2, backend="freescale", timeout=timeout)
+    x = torch.tensor([float(rank)] * 2)
+    out = torch.empty(2)
+    dist.all_to_all_single(out, x, group=sub)
+    results.append(out.sum().item())
+    for group in (pair, tail, sub):
+        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(group)
+    return results
+
+
+def async_ops(rounds: int) -> bool:
+    """Several collectives in flight at once, waited out of order, and through futures."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for i in range(rounds):
+        works, checks = [], []
+        for k in range(4):
+            x = torch.full((1000 + k,), float(rank * 10 + k + i))
+            out = torch.empty(n * (1000 + k))
+            works.append(dist.all_gather_into_tensor(out, x, async_op=True))
+            want = torch.cat([torch.full((1000 + k,), float(r * 10 + k + i)) for r in range(n)])
+            checks.append((out, want))
+            a = torch.arange(n * 3, dtype=torch.float64) + rank
+            b = torch.empty_like(a)
+            works.append(dist.all_to_all_single(b, a, async_op=True))
+            want_b = torch.cat([torch.arange(rank * 3, rank * 3 + 3, dtype=torch.float64) + r
+                                for r in range(n)])
+            checks.append((b, want_b))
+        futures = [w.get_future() for w in works[::2]]
+        for work in reversed(works[1::2]):
+            assert work.wait()
+        for fut in futures:
+            fut.wait()
+        assert all(w.is_completed() for w in works)
+        for got, want in checks:
+            _same(got, want, f"async round {i}")
+    return True
+
+
+def functional_and_compile(use_compile: bool) -> list[float]:
+    """Functional collectives (they reach the coalesced entry points) and torch.compile."""
+    import torch.distributed._functional_collectives as funcol
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    x = torch.arange(4, dtype=torch.float32) + 10 * rank
+    gathered = funcol.all_gather_tensor(x, 0, group)
+    want = torch.cat([torch.arange(4, dtype=torch.float32) + 10 * r for r in range(n)])
+    _same(gathered, want, "funcol.all_gather_tensor")
+    y = torch.arange(2 * n, dtype=torch.float32) + 100 * rank
+    moved = funcol.all_to_all_single(y, None, None, group)
+    want_y = torch.cat([torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) + 100 * r
+                        for r in range(n)])
+    _same(moved, want_y, "funcol.all_to_all_single")
+    out = [gathered.sum().item(), moved.sum().item()]
+    if use_compile:
+
+        def step(t: torch.Tensor) -> torch.Tensor:
+            return funcol.all_gather_tensor(t * 2, 0, group).sum()
+
+        compiled = torch.compile(step, backend="eager", fullgraph=True)
+        out.append(compiled(x).item())
+    return out
+
+
+def ddp_train(backend: str, steps: int) -> list[float]:
+    """A few DDP steps on a small model over ``backend`` (world group or a Gloo group)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(50, 8), torch.nn.Flatten(), torch.nn.Linear(32, 4)
+    )
+    group = None if backend == "freescale" else gloo_group()
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        ids = torch.randint(0, 50, (6, 4), generator=gen)
+        loss = ddp(ids).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [float(p.double().sum()) for p in model.parameters()]
+
+
+def bad_inputs() -> list[str]:
+    """Mismatched inputs fail on every rank with the same clear error; the group stays usable."""
+    from freescale_comm import FreescaleValidationError
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    messages = []
+
+    def expect(fn, *args, **kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+        except FreescaleValidationError as err:
+            messages.append(str(err))
+            return
+        raise AssertionError(f"{fn.__name__} accepted bad input")
+
+    # Sizes that differ across ranks.
+    size = 2 + (rank == 1)
+    expect(dist.all_gather_into_tensor, torch.empty(n * size), torch.ones(size))
+    # Dtypes that differ across ranks.
+    dtype = torch.float64 if rank == 0 else torch.float32
+    expect(dist.all_gather_into_tensor, torch.empty(n * 2, dtype=dtype), torch.ones(2, dtype=dtype))
+    # Output of the wrong size on one rank only (a local error every rank must hear about).
+    expect(dist.all_gather_into_tensor, torch.empty(n * 2 + (rank == 0)), torch.ones(2))
+    # Uneven splits that disagree across ranks.
+    splits = [1] * n
+    if rank == 0:
+        splits[1] = 2
+    expect(dist.all_to_all_single, torch.empty(n), torch.ones(sum(splits)), [1] * n, splits)
+    # Splits that do not add up to the input.
+    expect(dist.all_to_all_single, torch.empty(n), torch.ones(n), [1] * n, [2] * n)
+    # A list all_to_all with a wrong-sized output somewhere.
+    outs = [torch.empty(1 + (rank == n - 1 and j == 0)) for j in range(n)]
+    expect(dist.all_to_all, outs, [torch.ones(1) for _ in range(n)])
+    # The group still works.
+    out = torch.empty(n)
+    dist.all_gather_into_tensor(out, torch.tensor([float(rank)]))
+    _same(out, torch.arange(n, dtype=torch.float32), "after bad inputs")
+    return messages
+
+
+def die_during_collective(victim: int, delay_s: float) -> float:
+    """The victim exits mid-way; the survivors' collective must raise (they re-raise it)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    if rank == victim:
+        time.sleep(delay_s)
+        os._exit(7)
+    start = time.monotonic()
+    x = torch.ones(n * 256)
+    try:
+        for _ in range(1_000_000):
+            dist.all_to_all_single(torch.empty_like(x), x)
+    except Exception as err:
+        raise RuntimeError(
+            f"survivor {rank} raised after {time.monotonic() - start:.1f} s: {err}"
+        ) from err
+    return time.monotonic() - start
+
+
+def threads_after_destroy() -> dict[str, Any]:
+    """A freescale subgroup inside a Gloo world: its threads exist only while it does."""
+    def count() -> list[str]:
+        names = []
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        return sorted(names)
+
+    before_python = {t.name for t in threading.enumerate()}
+    before = count()
+    group = dist.new_group(backend="freescale", timeout=timedelta(seconds=30))
+    out = torch.empty(dist.get_world_size())
+    dist.all_gather_into_tensor(out, torch.tensor([1.0]), group=group)
+    during = count()
+    during_python = {t.name for t in threading.enumerate()} - before_python
+    dist.destroy_process_group(group)
+    del group
+    time.sleep(0.2)
+    return {
+        "before": before,
+        "during": during,
+        "after": count(),
+        "engine_during": sorted(during_python),
+        "left": sorted({t.name for t in threading.enumerate()} - before_python),
+    }

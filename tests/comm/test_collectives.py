@@ -1,0 +1,22 @@
+"""Every own collective against the locally computed result and Gloo's, on random cases."""
+
+from __future__ import annotations
+
+from tests.comm import ranks
+
+
+def test_random_cases_match_reference_and_gloo(fs_group):
+    counts = fs_group.run(ranks.run_random_cases, 1, 40, timeout_s=120)
+    assert counts == [40] * fs_group.spec.world_size
+
+
+def test_random_cases_ring_and_without_validation(local_groups):
+    # The ring AllGather (forced, tiny chunks so that chunks pipeline) and the unvalidated path.
+    group = local_groups.get(
+        4,
+        backend="freescale",
+        setup="freescale_comm:register",
+        env={"FREESCALE_ALLGATHER": "ring", "FREESCALE_CHUNK_BYTES": "16",
+             "FREESCALE_VALIDATE": "0"},
+    )
+    assert group.run(ranks.run_random_cases, 2, 30, False, timeout_s=120) == [30] * 4

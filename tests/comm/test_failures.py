@@ -1,0 +1,62 @@
+"""Bad inputs, a killed peer and shutdown: errors everywhere, hangs nowhere, no threads left."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.comm import ranks
+from tests.comm.conftest import FAST_FAILURE_ENV, SETUP
+from tests.harness import LocalGroup, RankFailure
+
+
+def test_bad_inputs_fail_on_every_rank_before_data_moves(fs_group):
+    per_rank = fs_group.run(ranks.bad_inputs)
+    # Every rank reports the same problems (they judged the same table of signatures).
+    for messages in per_rank:
+        assert len(messages) == 6
+        assert [m.split(": ", 1)[1] for m in messages] == [
+            m.split(": ", 1)[1] for m in per_rank[0]
+        ]
+    first = per_rank[0]
+    assert "which expects 12 (sizes or split sizes disagree" in first[0]
+    assert "ranks disagree: rank 0 has dtype torch.float64" in first[1]
+    assert "rank 0: all_gather_into_tensor output has" in first[2]
+    assert "split sizes disagree" in first[3]
+    assert "do not add up" in first[4]
+    assert "expects" in first[5]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_killed_peer_makes_every_survivor_raise(world_size):
+    group = LocalGroup(world_size, backend="freescale", setup=SETUP, init_timeout_s=20,
+                       env=FAST_FAILURE_ENV)
+    try:
+        group.start()
+        start = time.monotonic()
+        with pytest.raises(RankFailure) as failure:
+            group.run(ranks.die_during_collective, world_size - 1, 0.5, timeout_s=40)
+        elapsed = time.monotonic() - start
+    finally:
+        group.close()
+    report = str(failure.value)
+    assert f"rank {world_size - 1}: died" in report
+    for survivor in range(world_size - 1):
+        assert f"survivor {survivor} raised after" in report
+    assert "timeout" not in report.split("---")[0]
+    # Detected by heartbeat (3 s) or abort, well inside the 20 s group timeout.
+    assert elapsed < 15, report
+    assert f"rank {world_size - 1}" in report.split("survivor")[1]
+
+
+def test_destroy_leaves_no_threads(local_groups):
+    group = local_groups.get(2)  # a Gloo world; the freescale group is made inside it
+    for result in group.run(ranks.threads_after_destroy):
+        assert result["engine_during"] == ["freescale-comm-engine"]
+        # The engine, UCX's progress and async threads and the subgroup's Gloo threads ...
+        assert len(result["during"]) >= len(result["before"]) + 3
+        assert "async" in result["during"]
+        # ... and none of them once the group is destroyed.
+        assert result["after"] == result["before"]
+        assert result["left"] == []

@@ -1,0 +1,42 @@
+"""The backend inside torch.distributed: delegation, subgroups, async, functional, DDP."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.comm import ranks
+
+
+def test_delegated_ops_run_on_gloo(fs_group):
+    n = fs_group.spec.world_size
+    for rank, result in enumerate(fs_group.run(ranks.delegated_ops)):
+        assert result == [n * (n + 1) / 2, n - 1, rank * n]
+
+
+def test_subgroups(fs_group4):
+    results = fs_group4.run(ranks.subgroups)
+    assert results[0] == [1.0, 1.0]
+    assert results[1] == [1.0, 6.0, 1.0]
+    assert results[2] == [6.0, 5.0]
+    assert results[3] == [6.0, 5.0]
+
+
+def test_async_and_futures(fs_group):
+    assert fs_group.run(ranks.async_ops, 3) == [True] * fs_group.spec.world_size
+
+
+def test_functional_collectives_and_compile(local_groups):
+    group = local_groups.get(2, backend="freescale", setup="freescale_comm:register",
+                             init_timeout_s=60)
+    n = 2
+    gathered = n * 6 + 40 * n * (n - 1) / 2
+    for rank, result in enumerate(group.run(ranks.functional_and_compile, True, timeout_s=180)):
+        assert result == [gathered, n * (4 * rank + 1) + 100 * n * (n - 1), 2 * gathered]
+
+
+@pytest.mark.parametrize("steps", [3])
+def test_ddp_matches_gloo(fs_group, steps):
+    ours = fs_group.run(ranks.ddp_train, "freescale", steps)
+    gloo = fs_group.run(ranks.ddp_train, "gloo", steps)
+    assert ours == gloo
+    assert all(r == ours[0] for r in ours)

@@ -1,0 +1,82 @@
+"""Pieces that need no group: options, tags, signatures, registration, the CLI's info."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from freescale_comm import FreescaleOptions
+from freescale_comm.transport import MAX_SUB, make_tag
+from freescale_comm.validation import Signature, verdict
+
+
+def test_options_from_env_and_explicit_values(monkeypatch):
+    monkeypatch.setenv("FREESCALE_VALIDATE", "0")
+    monkeypatch.setenv("FREESCALE_CHUNK_BYTES", "0x1000")
+    monkeypatch.setenv("FREESCALE_ALLGATHER", "ring")
+    options = FreescaleOptions.from_env(FreescaleOptions(allgather="direct"))
+    assert options.validate is False
+    assert options.chunk_bytes == 4096
+    assert options.allgather == "direct"  # set explicitly in pg_options: wins over the env
+    monkeypatch.setenv("FREESCALE_HEARTBEAT_S", "often")
+    with pytest.raises(ValueError, match="FREESCALE_HEARTBEAT_S"):
+        FreescaleOptions.from_env()
+    with pytest.raises(ValueError, match="allgather"):
+        FreescaleOptions(allgather="tree")
+
+
+def test_tags_are_distinct_per_field():
+    base = make_tag(3, 7, 1, 2)
+    others = {make_tag(4, 7, 1, 2), make_tag(3, 8, 1, 2), make_tag(3, 7, 2, 2),
+              make_tag(3, 7, 1, 3)}
+    assert base not in others and len(others) == 4
+    assert make_tag(3, 7 + (1 << 20), 1, 2) == base  # the sequence number wraps
+    with pytest.raises(Exception, match="does not fit"):
+        make_tag(0, 0, 0, MAX_SUB + 1)
+
+
+def _sig(send, recv, **kw):
+    fields = {"op": "all_to_all", "dtype": "torch.float32", "device": "cpu", "count": 1}
+    fields.update(kw)
+    return Signature(send_bytes=send, recv_bytes=recv, **fields)
+
+
+def test_signature_round_trip_and_verdicts():
+    sig = _sig([1, 2, 3], [4, 5, 6], error="x" * 500)
+    back = Signature.decode(sig.encode(3), 3, "all_to_all")
+    assert back.send_bytes == (1, 2, 3) and back.recv_bytes == (4, 5, 6)
+    assert back.error.startswith("xxx") and back.dtype == "torch.float32"
+    good = [_sig([0, 8], [0, 4]), _sig([4, 0], [8, 0])]
+    assert verdict(good) is None
+    bad = [_sig([0, 8], [0, 4]), _sig([4, 0], [4, 0])]
+    assert "rank 0 sends 8 bytes to rank 1, which expects 4" in verdict(bad)
+    mixed = [_sig([0], [0]), _sig([0], [0], dtype="torch.int64")]
+    assert "rank 1 has dtype torch.int64" in verdict(mixed)
+    assert Signature.decode(good[0].encode(2), 2, "all_gather").op.startswith("<another")
+
+
+def test_import_is_cheap_and_registers():
+    # What torch's entry point does: no ucxx, numpy or backend machinery imported.
+    code = (
+        "import sys, torch, torch.distributed as dist, freescale_comm;"
+        "assert 'FREESCALE' in dist.Backend._plugins;"
+        "assert dist.is_backend_available('freescale');"
+        "heavy = [m for m in ('ucxx', 'freescale_comm.process_group') if m in sys.modules];"
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_torch_entry_point_registers_after_plain_import_torch():
+    code = "import torch.distributed as dist; assert 'FREESCALE' in dist.Backend._plugins"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_comm_info_command():
+    out = subprocess.run(
+        [sys.executable, "-m", "freescale_comm._freescale_cli", "comm", "info"],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    assert "UCX 1." in out and "transports:" in out
