@@ -1,10 +1,18 @@
-"""Shared fixtures: local multi-process groups reused across the whole test session."""
+"""Session-wide test setup: Triton's interpreter on CPU-only machines, shared local groups."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
+import torch
+
+# Triton reads TRITON_INTERPRET when it first decorates a kernel, and other test modules (torch
+# compile cases, for one) import Triton during collection: so it is set here, before any of them.
+# On a CUDA machine the kernels compile for the GPU instead and the same tests run on CUDA tensors.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.harness import LocalGroups
 
