@@ -237,6 +237,11 @@ class LocalGroups:
     def get(self, world_size: int, backend: str = "gloo", **spec: Any) -> LocalGroup:
         key = (world_size, backend, tuple(sorted((k, repr(v)) for k, v in spec.items())))
         if key not in self._groups:
+            # Groups of another backend belong to tests already run: stop them so their ranks
+            # (and their progress threads) do not compete with the new ones for a small machine.
+            for other_key, group in self._groups.items():
+                if other_key[1] != backend:
+                    group.close()
             self._groups[key] = LocalGroup(world_size, backend, **spec)
         return self._groups[key]
 
