@@ -5,9 +5,10 @@ on GPU 0. In order, each part reported even if another fails:
 
 1. correctness of the direct (device buffers to UCX: cuda_ipc) and staged (chunked D2H, host
    messages, H2D) paths for every own collective, several dtypes, uneven splits, multi-chunk
-   sizes, against the result computed locally; plus NCCL's stream semantics: inputs produced and
-   outputs consumed on the caller's stream right around a call whose ``wait`` did not block
-   (the time the call took is reported beside the collective's);
+   sizes, against the result computed locally; plus stream semantics: inputs produced and
+   outputs consumed (and the input overwritten) on the caller's stream right around the call,
+   with ~8 ms of matmuls queued before it (the call's CPU time is reported beside the time until
+   everything was done: ``wait`` blocks until the last message arrived, not for the copies);
 2. the profiler: CUDA kernels launched while the comm path runs (must be 0; memcpys are fine);
 3. the staged path's time at 64 and 256 MiB against each of its stages alone on the same bytes,
    both ranks at once as in the collective: D2H of the pieces for peers, their host exchange
@@ -148,7 +149,7 @@ def _correctness(groups: dict[str, Any]) -> dict[str, Any]:
 
 
 def _stream_semantics(groups: dict[str, Any]) -> list[dict[str, Any]]:
-    """Producer and consumer on the caller's stream around a call that does not block."""
+    """Producer and consumer on the caller's stream right around the call."""
     import torch
     import torch.distributed as dist
 
@@ -184,7 +185,7 @@ def _stream_semantics(groups: dict[str, Any]) -> list[dict[str, Any]]:
             total = time.perf_counter() - start
             results.append({"path": path, "async_op": async_op, "correct": bool(
                 torch.equal(got, want)), "call_ms": 1e3 * returned, "done_ms": 1e3 * total})
-        # A mismatch still raises at the call (wait blocks until the verdict).
+        # A mismatch raises at the call, on every rank.
         try:
             dist.all_to_all_single(torch.empty(n * (2 + rank), device=dev),
                                    torch.empty(n * 2, device=dev), group=group)
@@ -360,7 +361,7 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
                     with torch.cuda.stream(comm):
                         begin.record()
                         for _ in range(counts[mode]):
-                            call(group).wait()  # the comm stream waits; the CPU does not
+                            call(group).wait()  # the comm stream waits for the last copies
                         end.record()
                 torch.cuda.synchronize()
                 if mode in ops:

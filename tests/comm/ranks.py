@@ -7,6 +7,7 @@ the same processes where Gloo takes the dtype.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import threading
@@ -347,7 +348,13 @@ def threads_after_destroy() -> dict[str, Any]:
     during_python = {t.name for t in threading.enumerate()} - before_python
     dist.destroy_process_group(group)
     del group
-    time.sleep(0.2)
+    # Gloo's run-loop thread lives as long as its device object, which a reference cycle can
+    # keep until the next garbage collection, and threads end asynchronously on a loaded
+    # machine: collect and allow a few seconds before calling one left behind.
+    deadline = time.monotonic() + 5
+    while count() != before and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
     return {
         "before": before,
         "during": during,

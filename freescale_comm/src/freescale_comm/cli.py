@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -48,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.max_bytes > 1 << 30:
         raise SystemExit("--max-bytes is limited to 1G")
+    reports = []
     for world_size in (int(w) for w in args.world_sizes.split(",") if w):
         config = BenchConfig(
             world_size=world_size,
@@ -60,9 +62,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             target_s=args.target_s,
         )
         report = run_bench(config)
+        reports.append(report)
         print(format_table(report))
         written = write_report(report, args.out)
         if len(written) == 1:
             print("matplotlib is not installed: no plot (pip install 'freescale-comm[plot]')")
         print("wrote " + ", ".join(str(p) for p in written))
+    combined = args.out / "comm_bench.json"
+    command = "freescale comm " + " ".join(argv if argv is not None else sys.argv[2:])
+    combined.write_text(json.dumps({"command": command, "reports": reports}, indent=2))
+    print(f"wrote {combined} (every world size)")
     return 0

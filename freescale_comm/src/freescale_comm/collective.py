@@ -14,18 +14,16 @@ starts it):
    does not wait on the CPU: its copy streams wait for that work on the GPU.
 3. ``data``: local copies, then either every message posted (CPU, direct CUDA; ring forwards as
    soon as the receive they forward has completed) or the staged pipeline (``staged``).
-4. ``sealed`` (CUDA): every copy is enqueued; the collective's streams end with the GPU-side
-   write of its signal flag (``work.wait()`` makes the caller's stream wait for it) and an event
-   the engine waits for before releasing buffers and completing the future.
+4. ``sealed`` (CUDA): every copy is enqueued, the last one followed by the collective's end
+   event (``work.wait()`` makes the caller's stream wait for it); the engine waits for that event
+   before releasing buffers and completing the future.
 
 A failure at any point cancels the outstanding requests (dropping a ucxx request cancels it) but
-keeps the buffers referenced by the group, so a late UCX access never touches freed memory, and
-releases the signal flag so that no caller's stream waits forever.
+keeps the buffers referenced by the group, so a late UCX access never touches freed memory.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -48,8 +46,6 @@ if TYPE_CHECKING:
     from freescale_comm.group import GroupContext
     from freescale_comm.staged import StagedPipeline
 
-logger = logging.getLogger(__name__)
-
 _ERRORS: dict[str, type[FreescaleError]] = {
     "validation": FreescaleValidationError,
     "timeout": FreescaleTimeoutError,
@@ -70,10 +66,7 @@ class Collective:
         self.finished = False
         self.error: FreescaleError | None = None
         self.event = threading.Event()
-        # Set once the signatures are judged (or the collective failed): a CUDA ``wait`` returns
-        # only after it, so that a mismatch still raises there.
-        self.verdict = threading.Event()
-        # CUDA: set once every copy is enqueued (or the collective failed).
+        # CUDA: set once every copy is enqueued and ``final`` recorded (or the collective failed).
         self.sealed = threading.Event()
         self.future: torch.futures.Future = torch.futures.Future()
         self._lock = threading.Lock()
@@ -96,11 +89,6 @@ class Collective:
         return f"freescale {self.name} #{self.seq} (group {g.group_id}, rank {g.rank} of {g.size})"
 
     # ----------------------------------------------------------------- start (caller thread)
-    @property
-    def signal_value(self) -> int:
-        """The value of this collective's CUDA signal flag once it is done."""
-        return self.seq & 0x7FFFFFFF
-
     def start(self) -> None:
         """Posts the first messages; raises at once only when the group is already broken."""
         g = self.group
@@ -117,7 +105,6 @@ class Collective:
             raise FreescaleValidationError(f"{self.label}: {self.plan.signature.error}")
         else:
             self._phase = "ready"
-            self.verdict.set()
         g.transport.progress()
 
     def _post_headers(self) -> None:
@@ -256,7 +243,6 @@ class Collective:
             self._headers = []
             self._fail_locked(problem, "validation")
             return
-        self.verdict.set()
         for peer, pieces in self._foldable(send=False).items():
             offset = size
             for transfer in pieces:
@@ -272,9 +258,6 @@ class Collective:
         self._phase = "data"
         if self.plan.on_cuda:
             self._start_cuda_data()
-        else:
-            for dst, src in self.plan.local_copies:
-                host_copy(dst, src)
         if self._pipeline is None:
             for transfer in self.plan.transfers:
                 if id(transfer) in self._folded:
@@ -284,6 +267,10 @@ class Collective:
                 else:
                     self._unposted.append(transfer)
         g.transport.progress()
+        if not self.plan.on_cuda:
+            # After posting: peers pull this rank's pieces while it copies its own.
+            for dst, src in self.plan.local_copies:
+                host_copy(dst, src)
 
     def _start_cuda_data(self) -> None:
         from freescale_comm.staged import StagedPipeline
@@ -321,7 +308,7 @@ class Collective:
         return True
 
     def _seal(self, stream: torch.cuda.Stream, watcher: Any) -> None:
-        """Enqueues the CUDA collective's last copies, its signal write and its end event."""
+        """Enqueues the CUDA collective's last copies and its end event."""
         cuda = self._cuda
         with torch.cuda.stream(stream):
             for event in (self._local_done, self._pipeline and self._pipeline.last_d2h):
@@ -329,8 +316,6 @@ class Collective:
                     stream.wait_event(event)
             for dst, src in self.plan.copy_back:
                 dst.copy_(src, non_blocking=True)  # strided outputs: a copy kernel
-            if cuda.signal is not None:
-                cuda.signal.write(stream, self.seq, self.signal_value)
             self.final = torch.cuda.Event(blocking=True)
             self.final.record(stream)
         watcher.watch(self.final)
@@ -396,14 +381,8 @@ class Collective:
             self._pipeline.cancel()
         self.group.keep_alive(self.plan)
         self._posted, self._unposted = [], []
-        if self._cuda is not None and self._cuda.signal is not None:
-            try:
-                self._cuda.signal.release(self.seq, self.signal_value)
-            except FreescaleError:  # nothing more can be done for a stream waiting on it
-                logger.exception("freescale: could not release the signal of %s", self.label)
         if kind in ("timeout", "peer"):
             self._abort_reason = f"rank {self.group.rank}: {self.error}"
         self.future.set_exception(self.error)
-        self.verdict.set()
         self.sealed.set()
         self.event.set()

@@ -2,27 +2,32 @@
 
 Imported only when a collective meets a CUDA tensor, so CPU-only processes never touch CUDA.
 Nothing here launches a kernel: copies are contiguous byte copies (cudaMemcpyAsync: copy
-engines), ordering uses events, and the signal that lets a caller's stream wait for a collective
-is a stream memory operation (``cuStreamWriteValue32`` / ``cuStreamWaitValue32``, executed by
-the GPU's front end).
+engines) and ordering uses events.
 
 - ``CopyStreams``: a collective's own D2H and H2D streams (separate, so that both PCIe
-  directions run at once), created with the driver API rather than taken from torch's stream
-  pool, which hands the same 32 streams to every library of the process. A pair is reused only
-  by a collective started after the previous user enqueued its last copy: a stream wait for a
-  later collective's start, enqueued before an earlier one's last copy, could otherwise make that
-  copy wait for work that itself waits for the earlier collective.
-- ``StreamSignal``: one 32-bit flag per collective in device memory; the collective's last copy is
-  followed by a GPU-side write of its value, and ``work.wait()`` enqueues a GPU-side wait for that
-  value on the caller's current stream — so ``wait`` returns at once, as NCCL's does, even though
-  the last copy only exists once the last message has arrived.
-- ``StreamWatcher``: a thread per stream kind that sleeps in ``cudaEventSynchronize`` on the
-  events the engine waits for (in stream order) and wakes the engine when each completes, so a
-  finished copy is acted on at once without polling.
+  directions run at once), created non-blocking with the driver API rather than taken from
+  torch's stream pool, which hands the same 32 streams to every library of the process. A pair
+  is reused only by a collective started after the previous user enqueued its last copy, so a
+  later collective's wait for its caller's stream never lands in front of an earlier one's copies.
+- ``StreamWatcher``: a thread per kind of event (the callers' streams, D2H, H2D) that sleeps in
+  ``cudaEventSynchronize`` on the events the engine waits for, in order, and wakes the engine
+  when each completes, so a finished copy is acted on at once without polling.
 - ``SlotPool`` over a ``_PinnedRegion``: the staged path's bounded host memory: one page-locked
   region (registered with ``cudaHostRegister``, unregistered when the group is destroyed) cut
   into chunk-sized slots, half for sends and half for receives, handed out first come, first
   served.
+
+Why ``work.wait()`` blocks the CPU until the last message has arrived (``work.FreescaleWork``)
+instead of making the caller's stream wait on a flag written by a stream memory operation
+(``cuStreamWriteValue32`` / ``cuStreamWaitValue32``): that was built and run on the H200, and the
+first direct collective deadlocked. The caller's default stream waited on the GPU for the flag,
+while the engine thread, which writes the flag only after the data has moved, was blocked inside
+UCX's ``tag_send`` of the device buffer — a CUDA call there waited for the default stream. Any
+CUDA call on the progress path that synchronizes with the legacy or a blocking stream (UCX's, a
+library's, a user's ``default_stream.wait_stream(side)``) closes the same cycle, and progress
+here is driven by a CPU thread, not by a kernel as in NCCL. The last copies can only be enqueued
+once the last message is in, so the least-blocking safe ``wait`` is: block until then, and let
+the GPU wait for the copies.
 """
 
 from __future__ import annotations
@@ -44,17 +49,12 @@ from freescale_comm.errors import FreescaleError
 logger = logging.getLogger(__name__)
 
 _CU_STREAM_NON_BLOCKING = 0x1
-_CU_STREAM_WAIT_VALUE_GEQ = 0x0
-_CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
-# Flags live in a ring of this many slots; a slot's values only grow (the sequence numbers of
-# the collectives that use it), so a late write can never release a later wait early.
-_SIGNAL_SLOTS = 4096
 _MAX_SLOTS = 64  # per kind (send / receive)
 _CLOSE_WAIT_S = 5.0
 
 
 class _Driver:
-    """The few CUDA driver API entry points torch does not expose (through ctypes)."""
+    """The CUDA driver API entry points torch does not expose (through ctypes)."""
 
     def __init__(self) -> None:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -65,13 +65,9 @@ class _Driver:
             fn.restype = ctypes.c_int
             return fn
 
-        u64, u32, ptr, pptr = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(
-            ctypes.c_void_p
-        )
+        ptr, pptr = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
         self.stream_create = entry("cuStreamCreate", pptr, ctypes.c_uint)
         self.stream_destroy = entry("cuStreamDestroy", ptr)
-        self.wait_value = entry("cuStreamWaitValue32", ptr, u64, u32, ctypes.c_uint)
-        self.write_value = entry("cuStreamWriteValue32", ptr, u64, u32, ctypes.c_uint)
         self._device_get = entry("cuDeviceGet", ctypes.POINTER(ctypes.c_int), ctypes.c_int)
         self._primary = entry("cuDevicePrimaryCtxRetain", pptr, ctypes.c_int)
         self._get_current = entry("cuCtxGetCurrent", pptr)
@@ -143,55 +139,6 @@ class CopyStreams:
             _destroy_stream(self._device, stream)
 
 
-class StreamSignal:
-    """Per-collective flags in device memory, written and awaited by stream memory operations."""
-
-    def __init__(self, device: int) -> None:
-        self._device = device
-        self.flags = torch.empty(_SIGNAL_SLOTS, dtype=torch.int32, device=f"cuda:{device}")
-        # Zeroed by a copy, not ``zero_()``, which would be a kernel.
-        self.flags.copy_(torch.zeros(_SIGNAL_SLOTS, dtype=torch.int32))
-        self._stream = _new_stream(device)  # for writes that depend on nothing (failures)
-
-    @classmethod
-    def create(cls, device: int) -> StreamSignal | None:
-        """A working signal, or None where stream memory operations are unavailable."""
-        try:
-            signal = cls(device)
-            # Slot 0 is first used by collective 4096, whose value is larger than this one.
-            signal.write(signal._stream, 0, 1)
-            signal.wait(torch.cuda.current_stream(device), 0, 1)
-            torch.cuda.synchronize(device)
-            return signal
-        except (OSError, AttributeError, FreescaleError, RuntimeError) as err:
-            logger.info("freescale: no CUDA stream memory operations (%s); wait() blocks", err)
-            return None
-
-    def _address(self, seq: int) -> int:
-        return self.flags.data_ptr() + 4 * (seq % _SIGNAL_SLOTS)
-
-    def write(self, stream: torch.cuda.Stream, seq: int, value: int) -> None:
-        """Enqueues on ``stream`` the write of ``value`` into collective ``seq``'s flag."""
-        driver().bind(self._device)
-        code = driver().write_value(ctypes.c_void_p(stream.cuda_stream), self._address(seq),
-                                    value, _CU_STREAM_WRITE_VALUE_DEFAULT)
-        driver().check(code, "cuStreamWriteValue32")
-
-    def release(self, seq: int, value: int) -> None:
-        """Writes the flag now (a failed collective must not leave a caller's stream waiting)."""
-        self.write(self._stream, seq, value)
-
-    def wait(self, stream: torch.cuda.Stream, seq: int, value: int) -> None:
-        """Makes ``stream`` wait, on the GPU, until collective ``seq``'s flag reaches ``value``."""
-        driver().bind(self._device)
-        code = driver().wait_value(ctypes.c_void_p(stream.cuda_stream), self._address(seq),
-                                   value, _CU_STREAM_WAIT_VALUE_GEQ)
-        driver().check(code, "cuStreamWaitValue32")
-
-    def destroy(self) -> None:
-        _destroy_stream(self._device, self._stream)
-
-
 class StreamWatcher:
     """A thread that waits for watched events in order and calls ``wake`` after each."""
 
@@ -208,12 +155,14 @@ class StreamWatcher:
 
     def _run(self) -> None:
         torch.cuda.set_device(self._device)
-        driver().bind(self._device)  # cudaEventSynchronize on this thread needs the context
         while True:
             event = self._queue.get()
             if event is None:
                 return
-            event.synchronize()  # GIL released; the thread sleeps (blocking-sync event)
+            try:
+                event.synchronize()  # GIL released; the thread sleeps (blocking-sync event)
+            except RuntimeError:  # a CUDA error: the engine's own query reports it
+                logger.exception("freescale: waiting for a CUDA event failed")
             self._wake()
 
     def close(self) -> None:
@@ -308,7 +257,6 @@ class CudaSupport:
         self._region: _PinnedRegion | None = None
         self._idle: list[CopyStreams] = []
         self._all: list[CopyStreams] = []
-        self.signal = StreamSignal.create(device)
         # Three watchers: one waiting for a caller's stream must not hold up the wake-up for a
         # finished copy of another collective, nor a D2H one an H2D one.
         self.ready_watch = StreamWatcher("freescale-comm-ready", device, wake)
@@ -367,8 +315,6 @@ class CudaSupport:
             watcher.close()
         for streams in self._all:
             streams.destroy()
-        if self.signal is not None:
-            self.signal.destroy()
         if self._region is not None:
             self._region.close()
             self._region = self._pool = None

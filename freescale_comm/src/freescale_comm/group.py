@@ -108,7 +108,7 @@ class GroupContext:
         return endpoint
 
     def cuda(self, device: int) -> CudaSupport:
-        """Streams, signal, watchers and staging pool for ``device``, made on first use."""
+        """Streams, watchers and staging pool for ``device``, made on first use."""
         support = self._cuda.get(device)
         if support is None:
             from freescale_comm.cuda import CudaSupport

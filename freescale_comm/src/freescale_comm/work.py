@@ -28,16 +28,14 @@ class FreescaleWork(dist.Work):
     the handle first gives it to the engine thread, so that a future or a completion poll never
     waits on a caller that is not driving.
 
-    CUDA tensors, as NCCL: ``wait`` makes the caller's current stream wait for the collective and
-    returns without waiting for the data. It blocks only until the signatures are judged (one
-    round of tiny messages), so that mismatched inputs still raise there; the stream then waits
-    on the GPU for the collective's signal flag (``cuda.StreamSignal``), written after its last
-    copy. The collective keeps its tensors referenced until its copies are done. Where stream
-    memory operations are unavailable, ``wait`` blocks until the last copy is enqueued (the last
-    message has arrived) and the stream waits for that copy's event. A failure after ``wait``
-    returned (a peer dying mid-transfer) releases the stream, leaves the outputs undefined,
-    shows in ``exception()`` and breaks the group, so the next collective raises it.
-    ``synchronize`` blocks the CPU until everything is done.
+    CUDA tensors: the collective is ordered after the work queued on the caller's current
+    stream at call time, and ``wait`` makes the caller's current stream wait for it on the GPU.
+    Unlike NCCL's, ``wait`` first blocks the CPU until the last message has arrived, because the
+    last copies (the staged path's last H2D, the final local copy) and the event that ends them
+    exist only then; it does not wait for those copies (see ``cuda``'s module docstring for why a
+    GPU-side flag is not used). A mismatch of inputs raises there. The collective keeps its
+    tensors referenced until its copies are done. ``synchronize`` blocks until everything is
+    done.
     """
 
     def __init__(self, op: Collective) -> None:
@@ -77,15 +75,8 @@ class FreescaleWork(dist.Work):
     def _wait_stream(self, timeout: timedelta | None) -> bool:
         op = self._op
         limit, short = self._bound(timeout)
-        until = time.monotonic() + limit
-        self._block(op.verdict, limit, short, until)
-        stream = torch.cuda.current_stream(op.plan.cuda_index)
-        signal = op.group.cuda(op.plan.cuda_index).signal
-        if signal is not None:
-            signal.wait(stream, op.seq, op.signal_value)
-        else:
-            self._block(op.sealed, limit, short, until)
-            stream.wait_event(op.final)
+        self._block(op.sealed, limit, short, time.monotonic() + limit)
+        torch.cuda.current_stream(op.plan.cuda_index).wait_event(op.final)
         return True
 
     def _unclaim(self) -> FreescaleWork:
