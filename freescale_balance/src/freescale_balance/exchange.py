@@ -121,8 +121,10 @@ def _rank_major_lengths(lengths: torch.Tensor, counts: torch.Tensor) -> torch.Te
     return flat
 
 
-def _pack_eager(fields: _ByteFields, order: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The rank-major send buffer, one slice per (peer, field): the loop-over-ranks fallback."""
+def _pack_eager(
+    fields: _ByteFields, order: torch.Tensor, counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rank-major send buffer and its bytes per peer: the loop-over-ranks fallback."""
     num_fields = fields.lengths.shape[0]
     offsets = torch.zeros(num_fields + 1, dtype=torch.int64)
     torch.cumsum(fields.lengths.sum(1), 0, out=offsets[1:])
@@ -130,9 +132,13 @@ def _pack_eager(fields: _ByteFields, order: torch.Tensor, counts: torch.Tensor) 
         JaggedTensor(fields.values[offsets[f] : offsets[f + 1]], fields.lengths[f]).select(order)
         for f in range(num_fields)
     ]
-    sizes = _segment_sums(fields.lengths[:, order].T, counts).tolist()
-    pieces = [p.values.split([row[f] for row in sizes]) for f, p in enumerate(per_field)]
-    return torch.cat([pieces[f][peer] for peer in range(counts.numel()) for f in range(num_fields)])
+    sizes = _segment_sums(fields.lengths[:, order].T, counts)  # [peers, fields]
+    rows = sizes.tolist()
+    pieces = [p.values.split([row[f] for row in rows]) for f, p in enumerate(per_field)]
+    buffer = torch.cat(
+        [pieces[f][peer] for peer in range(counts.numel()) for f in range(num_fields)]
+    )
+    return buffer, sizes.sum(1)
 
 
 def _unpack_eager(buffer: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor):
@@ -182,10 +188,11 @@ def exchange_samples(
     if use_kernels:
         sent = freescale_kernels.ranged_dispatch(fields.values, fields.lengths, destinations, world)
         send_buffer, order, send_counts = sent.values, sent.order, sent.sample_counts
+        send_bytes = sent.rank_splits
     else:
         order = torch.argsort(destinations, stable=True)
         send_counts = torch.bincount(destinations, minlength=world)
-        send_buffer = _pack_eager(fields, order, send_counts)
+        send_buffer, send_bytes = _pack_eager(fields, order, send_counts)
 
     # AllToAll 1: the per-feature lengths of every sent sample, [samples, features].
     recv_total = int(recv_counts.sum())
@@ -206,7 +213,7 @@ def exchange_samples(
         recv_buffer,
         send_buffer,
         output_split_sizes=_segment_sums(recv_bytes.T, recv_counts).sum(1).tolist(),
-        input_split_sizes=_segment_sums(fields.lengths[:, order].T, send_counts).sum(1).tolist(),
+        input_split_sizes=send_bytes.tolist(),
         group=group,
     )
 
