@@ -19,7 +19,10 @@ on GPU 0. In order, each part reported even if another fails:
    back to back on a side stream (NCCL-style: each ordered after the previous one's ``wait``),
    and while an SM copy kernel (Triton, 16 programs, NCCL-like) moves the same bytes in the
    same window, paced one slice per matmul; NCCL's own collectives too where two GPUs exist.
-   Modes alternate round by round; medians over every matmul of a mode (48 per round).
+   Each window of 48 matmuls with traffic sits between two windows without (GPU clocks drift by
+   several percent over seconds) and is compared with their mean; medians over rounds; a
+   "control" window with no traffic gives the method's own noise, and PCIe copies of the same
+   bytes in rank 0's process and in rank 1's (another CUDA context) separate the costs.
 
 Writes ``comm_gpu.json`` under ``--out`` (default ``$OUT`` or ``out/comm_gpu``) after every part
 and prints a table last. Run on the GPU machine from the project root:
@@ -33,6 +36,7 @@ import json
 import math
 import multiprocessing
 import os
+import random
 import statistics
 import time
 import traceback
@@ -49,6 +53,8 @@ except ImportError:  # CPU machines: the module still imports (lint, docs)
 MIB = 1 << 20
 SM_COPY_PROGRAMS = 16
 MATMULS = 48
+STAGED_REPEATS = 15
+PARTS = ("correctness", "kernels", "staged_rates", "overlap")
 
 if triton is not None:
 
@@ -265,10 +271,17 @@ def _staged_rates(groups: dict[str, Any], sizes: list[int]) -> list[dict[str, An
         def collective(path: str, d_out: Any = d_out, d: Any = d) -> Any:
             return lambda: dist.all_to_all_single(d_out, d, group=groups[path])
 
-        stages = {"d2h": _timed(d2h, 5, gloo), "host_exchange": _timed(host, 5, gloo),
-                  "h2d": _timed(h2d, 5, gloo)}
-        staged = _timed(collective("staged"), 5, gloo)
-        direct = _timed(collective("direct"), 5, gloo)
+        # Interleaved repeats: the host exchange's rate drifts by +-15% over seconds on that
+        # machine, so the staged collective and its stages are timed alternately.
+        runs = {"d2h": d2h, "host_exchange": host, "h2d": h2d,
+                "staged": collective("staged"), "direct": collective("direct")}
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(STAGED_REPEATS):
+            for name, fn in runs.items():
+                times[name].append(_timed(fn, 1, gloo))
+        median = {name: statistics.median(v) for name, v in times.items()}
+        stages = {name: median[name] for name in ("d2h", "host_exchange", "h2d")}
+        staged, direct = median["staged"], median["direct"]
         row = {"size": size, "bytes_over_pcie_each_way": peers * 4,
                "stage_ms": {k: 1e3 * v for k, v in stages.items()},
                "staged_ms": 1e3 * staged, "direct_ms": 1e3 * direct,
@@ -297,20 +310,33 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
     comm = torch.cuda.Stream()
     side = torch.cuda.Stream()
 
-    def matmul_window(slices: list[tuple[Any, Any]] | None = None) -> list[Any]:
-        """Queues MATMULS matmuls between timing events (rank 0; rank 1 runs none)."""
+    def matmul_window(slices: list[tuple[Any, Any]] | None = None,
+                      copy: Any = None) -> list[Any]:
+        """Queues MATMULS matmuls between timing events (rank 0; rank 1 runs none), with one
+        slice of side traffic (``copy(*slices[i])`` on the side stream) beside each."""
         if rank != 0:
             return []
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(MATMULS + 1)]
         marks[0].record()
         for i in range(MATMULS):
-            if slices:  # one slice of SM traffic beside each matmul
+            if slices:
                 side.wait_event(marks[i])
                 with torch.cuda.stream(side):
-                    _sm_copy(*slices[i])
+                    copy(*slices[i])
             torch.mm(a, b)
             marks[i + 1].record()
         return marks
+
+    def pcie_copy(host_slice: Any, device_slice: Any) -> None:
+        host_slice.copy_(device_slice, non_blocking=True)
+        device_slice.copy_(host_slice, non_blocking=True)
+
+    def peer_traffic(slices: list[tuple[Any, Any]], window: float) -> None:
+        """Rank 1: the same PCIe copies in its own process while rank 0 computes (paced)."""
+        for i in range(MATMULS):
+            with torch.cuda.stream(side):
+                pcie_copy(*slices[i])
+            time.sleep(window / MATMULS)
 
     def elapsed(marks: Any) -> list[float]:
         return [marks[i].elapsed_time(marks[i + 1]) for i in range(len(marks) - 1)]
@@ -329,6 +355,9 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
         ops = {
             "staged_all_to_all": (groups["staged"], lambda g, x=x, y=y: dist.all_to_all_single(
                 y, x, group=g, async_op=True)),
+            # Same-GPU direct transfers are DtoD copies (HBM traffic): reported per byte.
+            "direct_all_to_all": (groups["direct"], lambda g, x=x, y=y: dist.all_to_all_single(
+                y, x, group=g, async_op=True)),
             "staged_all_gather": (groups["staged"], lambda g, x=x[: numel // n], y=y:
                                   dist.all_gather_into_tensor(y, x, group=g, async_op=True)),
         }
@@ -346,42 +375,79 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
         slices = [(dst[i * per_slice:(i + 1) * per_slice], src[i * per_slice:(i + 1) * per_slice])
                   for i in range(MATMULS)]
         _sm_copy(*slices[0])  # compiled here, not inside a timed window
-        modes = ["alone", *ops, "sm_copy"]
-        samples: dict[str, list[float]] = {m: [] for m in modes}
+        # What the staged AllToAll moves over PCIe in a window, each way, as paced slices.
+        per_pcie = counts["staged_all_to_all"] * size // 2 // 4 // MATMULS
+        host = torch.empty(per_pcie * MATMULS, pin_memory=True)
+        dev_buf = torch.randn(per_pcie * MATMULS, device=dev)
+        pcie_slices = [(host[i * per_pcie:(i + 1) * per_pcie],
+                        dev_buf[i * per_pcie:(i + 1) * per_pcie]) for i in range(MATMULS)]
+        # "control" runs nothing beside the matmuls, like "alone": its figure is the method's
+        # own noise. Every other window sits between two "alone" windows and is compared with
+        # their mean (GPU clocks drift by several percent over seconds under a matmul load, so
+        # medians of modes measured at different times are not comparable).
+        modes = [*ops, "sm_copy", "pcie_copies", "peer_pcie_copies", "control"]
+        ratios: dict[str, list[float]] = {m: [] for m in modes}
+        alone_ms: list[float] = []
         comm_ms: dict[str, list[float]] = {m: [] for m in ops}
-        for r in range(rounds):
-            for mode in (modes if r % 2 == 0 else modes[::-1]):
-                torch.cuda.synchronize()
-                dist.barrier(group=gloo)
-                marks = matmul_window(slices if mode == "sm_copy" else None)
-                if mode in ops:
-                    group, call = ops[mode]
-                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                        enable_timing=True)
-                    with torch.cuda.stream(comm):
-                        begin.record()
-                        for _ in range(counts[mode]):
-                            call(group).wait()  # the comm stream waits for the last copies
-                        end.record()
-                torch.cuda.synchronize()
-                if mode in ops:
-                    comm_ms[mode].append(begin.elapsed_time(end))
+
+        def window(mode: str, ops: Any = ops, counts: Any = counts, comm_ms: Any = comm_ms,
+                   slices: Any = slices, pcie_slices: Any = pcie_slices) -> float:
+            torch.cuda.synchronize()
+            dist.barrier(group=gloo)
+            if mode == "sm_copy":
+                marks = matmul_window(slices, _sm_copy)
+            elif mode == "pcie_copies":
+                marks = matmul_window(pcie_slices, pcie_copy)
+            else:
+                marks = matmul_window()
+            if mode == "peer_pcie_copies" and rank == 1:
+                peer_traffic(pcie_slices, window_s)
+            if mode in ops:
+                group, call = ops[mode]
+                begin, end = (torch.cuda.Event(enable_timing=True),
+                              torch.cuda.Event(enable_timing=True))
+                with torch.cuda.stream(comm):
+                    begin.record()
+                    for _ in range(counts[mode]):
+                        call(group).wait()  # the comm stream waits for the last copies
+                    end.record()
+            torch.cuda.synchronize()
+            if mode in ops:
+                comm_ms[mode].append(begin.elapsed_time(end))
+            return statistics.median(elapsed(marks)) if rank == 0 else 0.0
+
+        shuffle = random.Random(size)
+        for _ in range(rounds):
+            # A new order every round (the same on both ranks): a mode that leaves the GPU hot
+            # must not always precede the same other mode.
+            order = shuffle.sample(modes, len(modes))
+            before = window("alone")
+            for mode in order:
+                during = window(mode)
+                after = window("alone")
+                alone_ms.append(after)
                 if rank == 0:
-                    samples[mode].extend(elapsed(marks))
+                    ratios[mode].append(during / ((before + after) / 2))
+                before = after
         if rank == 0:
-            alone = statistics.median(samples["alone"])
             rows.append({
                 "size": size,
                 "collectives_per_window": counts,
                 "window_ms": 1e3 * window_s,
-                "matmuls_per_mode": {m: len(v) for m, v in samples.items()},
-                "matmul_ms_median": {m: statistics.median(v) for m, v in samples.items()},
-                "slowdown_pct": {m: 100 * (statistics.median(v) / alone - 1)
-                                 for m, v in samples.items() if m != "alone"},
+                "rounds": rounds,
+                "matmuls_per_window": MATMULS,
+                "matmul_alone_ms_median": statistics.median(alone_ms),
+                "matmul_alone_ms_range": [min(alone_ms), max(alone_ms)],
+                "slowdown_pct": {m: 100 * (statistics.median(v) - 1) for m, v in ratios.items()},
+                "slowdown_pct_range": {m: [100 * (min(v) - 1), 100 * (max(v) - 1)]
+                                       for m, v in ratios.items()},
                 "collectives_ms_median": {m: statistics.median(v) for m, v in comm_ms.items()},
                 "sm_copy_bytes_per_window": sm_bytes,
+                "pcie_bytes_per_window_each_way": per_pcie * 4 * MATMULS,
                 "collective_gbps": {m: counts[m] * size / statistics.median(v) / 1e6
                                     for m, v in comm_ms.items()},
+                # Bytes each collective mode moved per millisecond of the matmul window.
+                "gb_per_window": {m: counts[m] * size / 1e9 for m in ops},
             })
     return rows
 
@@ -413,12 +479,14 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, queue: Any) -> No
     report: dict[str, Any] = {"gpus_used": min(2, torch.cuda.device_count())}
     sizes = [64 * MIB, 256 * MIB]
     try:
-        for name, fn in (
-            ("correctness", lambda: _correctness(groups)),
-            ("kernels", lambda: _kernels(groups)),
-            ("staged_rates", lambda: _staged_rates(groups, sizes)),
-            ("overlap", lambda: _overlap(groups, sizes, args.rounds)),
-        ):
+        parts = {
+            "correctness": lambda: _correctness(groups),
+            "kernels": lambda: _kernels(groups),
+            "staged_rates": lambda: _staged_rates(groups, sizes),
+            "overlap": lambda: _overlap(groups, sizes, args.rounds),
+        }
+        for name in args.parts.split(","):
+            fn = parts[name]
             t0 = time.perf_counter()
             try:
                 report[name] = fn()
@@ -475,8 +543,8 @@ def _table(report: dict[str, Any]) -> str:
             slow = ", ".join(f"{m} {v:+.2f}%" for m, v in row["slowdown_pct"].items())
             gbps = ", ".join(f"{m} {v:.1f}" for m, v in row["collective_gbps"].items())
             lines.append(f"overlap {row['size'] // MIB:>4} MiB: matmul alone "
-                         f"{row['matmul_ms_median']['alone']:.3f} ms "
-                         f"(n={row['matmuls_per_mode']}); "
+                         f"{row['matmul_alone_ms_median']:.3f} ms "
+                         f"({row['rounds']} rounds x {row['matmuls_per_window']}); "
                          f"slowdown {slow}; collectives GB/s {gbps}; per window "
                          f"{row['collectives_per_window']}")
     else:
@@ -484,12 +552,58 @@ def _table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Matmul slowdown per mode and the staged path against its stages, one figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = report["ranks"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    rows = ranks.get("overlap") or []
+    modes = list(rows[0]["slowdown_pct"]) if rows else []
+    width = 0.8 / max(1, len(rows))
+    for k, row in enumerate(rows):
+        low = [row["slowdown_pct"][m] - row["slowdown_pct_range"][m][0] for m in modes]
+        high = [row["slowdown_pct_range"][m][1] - row["slowdown_pct"][m] for m in modes]
+        left.bar([i + k * width for i in range(len(modes))],
+                 [row["slowdown_pct"][m] for m in modes], width, yerr=[low, high], capsize=2,
+                 label=f"{row['size'] // MIB} MiB collectives")
+    left.axhline(2, color="gray", linestyle="--", linewidth=0.8)
+    left.set_xticks([i + width * (len(rows) - 1) / 2 for i in range(len(modes))], modes,
+                    rotation=30, ha="right")
+    left.set_ylabel("matmul slowdown %, median (bars: range)")
+    left.set_title("Overlap inside one process (H200)")
+    left.legend()
+    rates = ranks.get("staged_rates") or []
+    labels = ["d2h", "host_exchange", "h2d", "staged", "direct"]
+    for k, row in enumerate(rates):
+        values = [*(row["stage_ms"][name] for name in labels[:3]), row["staged_ms"],
+                  row["direct_ms"]]
+        right.bar([i + k * 0.4 for i in range(len(labels))], values, 0.4,
+                  label=f"{row['size'] // MIB} MiB AllToAll")
+    right.set_xticks([i + 0.2 for i in range(len(labels))], labels)
+    right.set_yscale("log")
+    right.set_ylabel("ms (median)")
+    right.set_title("Staged path vs its stages alone (2 ranks, 1 GPU)")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="comm_gpu")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/comm_gpu")))
-    parser.add_argument("--rounds", type=int, default=2, help="overlap rounds (48 matmuls each)")
+    parser.add_argument("--rounds", type=int, default=20, help="overlap rounds (48 matmuls each)")
     parser.add_argument("--timeout", type=float, default=400)
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument("--plot", type=Path, help="only draw the figure of a saved JSON report")
     args = parser.parse_args(argv)
+    if args.plot:
+        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        return 0
     import torch.distributed as dist
 
     from freescale_comm.info import collect
@@ -521,6 +635,10 @@ def main(argv: list[str] | None = None) -> int:
             report.setdefault("killed", []).append(proc.name)
             proc.kill()
     (args.out / "comm_gpu.json").write_text(json.dumps(report, indent=2, default=str))
+    try:
+        plot(report, args.out / "comm_gpu.png")
+    except Exception as err:  # no matplotlib on the GPU machine: draw it later with --plot
+        print(f"no plot: {type(err).__name__}: {err}")
     print(_table(report))
     return 0
 

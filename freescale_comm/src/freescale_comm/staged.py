@@ -11,7 +11,9 @@ whole tensor, and host memory stays bounded by the group's pinned pool.
   every send of it has completed.
 - A receive chunk takes a receive slot, is received into it, then copied H2D; a ring forward is
   sent from that same slot (no device round trip). The slot is returned when the H2D copy and
-  the forwards have completed.
+  the forwards have completed. At most two receives of a collective are posted at a time
+  (``_RECV_WINDOW``): host-to-host copies run inside UCX progress calls, and the H2D copy of a
+  chunk can only be queued once the call that read it returns.
 - Slots are taken in one order that sender and receiver agree on — chunk index first, then the
   plan's pairwise step (or ring step) — first come first served across collectives, and send
   and receive slots come from separate halves of the pool. So the earliest unfinished message
@@ -79,6 +81,13 @@ class _Recv:
     unloaded: bool = False  # its H2D copy has completed
     unforwarded: int = 0
 
+
+# Receives posted at once per collective. With more, one UCX progress call reads every chunk
+# that has arrived (host-to-host rendezvous copies run inside progress, on the engine thread),
+# and no H2D copy is queued until it returns: measured on the H200 machine, all 8 chunks of a
+# 64 MiB AllToAll arrived in one 9 ms call and the pipeline ran its stages one after another
+# (50% of the slowest stage's rate); two keep one chunk being read while the next is ready.
+_RECV_WINDOW = 2
 
 Post = Callable[[int, Any, int, bool], Any]
 
@@ -180,7 +189,11 @@ class StagedPipeline:
         progressed |= self._take_recv_slots()
         progressed |= self._send_loaded()
         progressed |= self._finish_sends()
-        progressed |= self._finish_recvs()
+        if self._finish_recvs():
+            # Post the next receives now, not on the next call: their rendezvous requests are
+            # usually waiting already, and the next progress call starts reading them.
+            self._take_recv_slots()
+            progressed = True
         progressed |= self._finish_unloads()
         return progressed
 
@@ -209,7 +222,7 @@ class StagedPipeline:
 
     def _take_recv_slots(self) -> bool:
         progressed = False
-        while self._next_recv < len(self._recvs):
+        while self._next_recv < len(self._recvs) and len(self._receiving) < _RECV_WINDOW:
             slot = self._pool.take(self, "recv")
             if slot is None:
                 break
