@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from freescale_embed import (
     ShardedEmbeddingCollection,
     TableConfig,
 )
+from freescale_embed._ops import segment_sum_pairwise
 from freescale_embed.workload import WorkloadConfig, make_batch
 from tests.embed.reference import DenseReference, loss_weights
 
@@ -192,6 +194,15 @@ def modes_agree(case: Case, check_reference: bool = True) -> dict[str, Any]:
         "lookup": [t["lookup"] for t in prioritized.telemetry],
         "worst_abs_diff": worst,
     }
+
+
+def modes_agree_with_pairwise_sums(case: Case) -> dict[str, Any]:
+    """``modes_agree`` with the segment sums tables on CUDA use (a fixed tree per row)."""
+    with (
+        mock.patch("freescale_embed.transfers.segment_sum", segment_sum_pairwise),
+        mock.patch("freescale_embed.collection.segment_sum", segment_sum_pairwise),
+    ):
+        return modes_agree(case)
 
 
 def runs_repeat(case: Case) -> bool:

@@ -51,6 +51,10 @@ def _spoil(batch: JaggedBatch, kind: str) -> JaggedBatch:
         return _with_feature(
             batch, "category", JaggedTensor(category.values.float(), category.lengths)
         )
+    if kind == "wrong_device":
+        return _with_feature(
+            batch, "category", JaggedTensor(category.values.to("meta"), category.lengths)
+        )
     raise AssertionError(kind)
 
 
@@ -87,6 +91,11 @@ def bad_batch(kind: str, mode: str) -> str:
         ("mismatch", "rank 1: feature 'history': lengths sum to"),
         ("missing", "rank 1: feature 'flag' (table 'tiny') is not in the batch"),
         ("float_ids", "rank 1: feature 'category': IDs must be a 1-D integer tensor"),
+        (
+            "wrong_device",
+            "rank 1: feature 'category': IDs and lengths must be on the tables' device cpu, "
+            "got meta and cpu",
+        ),
     ],
 )
 def test_bad_batches_raise_everywhere(local_groups, kind, expected, mode):

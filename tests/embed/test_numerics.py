@@ -1,40 +1,72 @@
 """Prioritized mode is bitwise synchronous training; sync mode is the dense reference.
 
-Real ranks over Gloo, 50 steps per run. Each case trains a sync and a prioritized collection on
-the same batches in the same processes and requires ``torch.equal`` of every output of every
-step, of the final tables and of the optimizer state; the sync run must also match a dense
-float64 single-process reference of the global batch to float32 rounding.
+Real ranks over Gloo and over the ``freescale`` backend (UCX on loopback), 50 steps per run. Each
+case trains a sync and a prioritized collection on the same batches in the same processes and
+requires ``torch.equal`` of every output of every step, of the final tables and of the optimizer
+state; the sync run must also match a dense float64 single-process reference of the global batch
+to float32 rounding.
 """
 
 from __future__ import annotations
+
+import importlib.util
+from typing import Any
 
 import pytest
 
 from freescale_embed import SGD, Adam, RowWiseAdagrad
 from tests.embed import ranks
+from tests.embed.test_inputs import bad_batch
+from tests.harness import LocalGroup, LocalGroups
 
 OPTIMIZERS = {"sgd": SGD(lr=0.1), "rowwise_adagrad": RowWiseAdagrad(lr=0.1)}
 # Exact collision rates of consecutive steps, and plain Zipf IDs over the whole table (None),
 # whose hot rows collide in every step.
 RATES = [0.0, 0.05, 0.2, 0.5, None]
 
+NO_UCXX = importlib.util.find_spec("ucxx") is None
+FREESCALE = pytest.mark.skipif(NO_UCXX, reason="the freescale backend needs ucxx")
 
-@pytest.mark.parametrize("rate", RATES, ids=lambda r: "zipf" if r is None else f"{r:.0%}")
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS), ids=str)
-@pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"{w}ranks")
-def test_prioritized_is_bitwise_sync_and_sync_is_the_reference(
-    local_groups, world, optimizer, rate
-):
-    case = ranks.Case(optimizer=OPTIMIZERS[optimizer], collision_rate=rate)
-    results = local_groups.get(world).run(ranks.modes_agree, case, timeout_s=240)
-    collisions = results[0]["collision_pct"][1:]
-    assert results[0]["lookup"][0] == "sync"  # the first step has nothing prefetched
-    assert set(results[0]["lookup"][1:]) == {"prefetched"}
-    if rate == 0.0:
-        assert max(collisions) == 0.0
-    elif rate is not None:
-        # Every table shares exactly `rate` of its rows; the 3-row table rounds differently.
-        assert min(collisions) >= 100 * rate - 2 and max(collisions) <= 100 * rate + 8
+
+def _group(local_groups: LocalGroups, world: int, backend: str) -> LocalGroup:
+    if backend == "freescale":
+        return local_groups.get(world, backend="freescale", setup="freescale_comm:register")
+    return local_groups.get(world)
+
+
+def _rate_id(rate: float | None) -> str:
+    return "zipf" if rate is None else f"{rate:.0%}"
+
+
+def _cases() -> list[Any]:
+    """Every (world, optimizer, rate) on Gloo, then a subset on freescale.
+
+    Gloo cases come first: the harness stops a backend's groups when another backend's are asked
+    for, so alternating backends would restart ranks between cases. On freescale 2 ranks run the
+    whole matrix (about 2 s a case) and 4 ranks (about 5 s a case) the extremes, a low rate and
+    Zipf traffic, both optimizers.
+    """
+    gloo = [
+        (world, optimizer, rate, "gloo")
+        for world in (2, 4)
+        for optimizer in OPTIMIZERS
+        for rate in RATES
+    ]
+    freescale = [
+        *((2, optimizer, rate, "freescale") for optimizer in OPTIMIZERS for rate in RATES),
+        (4, "sgd", 0.0, "freescale"),
+        (4, "sgd", 0.05, "freescale"),
+        (4, "rowwise_adagrad", 0.5, "freescale"),
+        (4, "rowwise_adagrad", None, "freescale"),
+    ]
+    return [
+        pytest.param(
+            *case,
+            id=f"{case[3]}-{case[0]}ranks-{case[1]}-{_rate_id(case[2])}",
+            marks=[FREESCALE] if case[3] == "freescale" else [],
+        )
+        for case in gloo + freescale
+    ]
 
 
 @pytest.mark.parametrize("rate", [0.05, None], ids=["5%", "zipf"])
@@ -67,6 +99,39 @@ def test_two_threads_and_pooling(local_groups):
     local_groups.get(2).run(ranks.modes_agree, case, False, timeout_s=240)
 
 
+def test_cuda_segment_sums_keep_the_modes_bitwise_equal(local_groups):
+    # CUDA tables sum gradients by segment_sum_pairwise; its contract, not the device, is what
+    # exactness needs, so it is checked here on CPU (Zipf traffic: hot rows, many levels).
+    case = ranks.Case(optimizer=RowWiseAdagrad(lr=0.1), collision_rate=None)
+    local_groups.get(2).run(ranks.modes_agree_with_pairwise_sums, case, timeout_s=240)
+
+
 def test_sync_runs_repeat_bit_for_bit(local_groups):
     case = ranks.Case(optimizer=RowWiseAdagrad(lr=0.1), collision_rate=None, steps=20, threads=2)
     local_groups.get(2).run(ranks.runs_repeat, case, timeout_s=240)
+
+
+# Gloo tests above, freescale ones last (see _cases), so each backend's ranks start once here.
+@pytest.mark.parametrize(("world", "optimizer", "rate", "backend"), _cases())
+def test_prioritized_is_bitwise_sync_and_sync_is_the_reference(
+    local_groups, world, optimizer, rate, backend
+):
+    case = ranks.Case(optimizer=OPTIMIZERS[optimizer], collision_rate=rate)
+    results = _group(local_groups, world, backend).run(ranks.modes_agree, case, timeout_s=240)
+    collisions = results[0]["collision_pct"][1:]
+    assert results[0]["lookup"][0] == "sync"  # the first step has nothing prefetched
+    assert set(results[0]["lookup"][1:]) == {"prefetched"}
+    if rate == 0.0:
+        assert max(collisions) == 0.0
+    elif rate is not None:
+        # Every table shares exactly `rate` of its rows; the 3-row table rounds differently.
+        assert min(collisions) >= 100 * rate - 2 and max(collisions) <= 100 * rate + 8
+
+
+@FREESCALE
+@pytest.mark.parametrize("mode", ["sync", "prioritized"])
+def test_bad_input_raises_everywhere_on_freescale(local_groups, mode):
+    # The error path gathers every rank's message with the channel's own AllGathers.
+    messages = _group(local_groups, 2, "freescale").run(bad_batch, "too_large", mode)
+    assert messages[0] == messages[1]
+    assert "rank 1: feature 'category': ID 61 at position 0 is out of range" in messages[0]

@@ -15,6 +15,7 @@ from freescale_embed._ops import (
     peer_numel,
     row_sum,
     segment_sum,
+    segment_sum_pairwise,
     unique_with_inverse,
     unpack_by_peer,
 )
@@ -150,3 +151,45 @@ def test_workload_collision_rate_is_exact(rate):
             ]
         )
         assert torch.equal(seen.unique(), now.sort().values)
+
+
+def _pairwise_reference(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """The documented tree of one segment: rows 2j and 2j+1 of a level make row j of the next."""
+    if not rows:
+        return torch.zeros(width)
+    while len(rows) > 1:
+        rows = [
+            rows[i] + rows[i + 1] if i + 1 < len(rows) else rows[i] for i in range(0, len(rows), 2)
+        ]
+    return rows[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(0, 300),
+    width=st.sampled_from([1, 3, 8]),
+    segments=st.integers(1, 40),
+    hot=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_pairwise_segment_sum_is_a_fixed_tree_per_segment(rows, width, segments, hot, seed):
+    # The CUDA path's segment sum, run on CPU: its contract does not depend on the device.
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(rows, width, generator=generator) * 10 ** torch.randint(
+        -3, 4, (rows, 1), generator=generator
+    )
+    ids = torch.randint(0, segments, (rows,), generator=generator)
+    if hot:  # one ID holds most occurrences, as Zipf traffic's hottest row does
+        ids[torch.rand(rows, generator=generator) < 0.7] = segments - 1
+    got = segment_sum_pairwise(values, ids, segments)
+    for s in range(segments):
+        expected = _pairwise_reference(list(values[ids == s]), width)
+        assert torch.equal(got[s], expected), s
+    keep = ids % 2 == 0
+    assert torch.equal(segment_sum_pairwise(values[keep], ids[keep], segments)[::2], got[::2])
+    torch.testing.assert_close(
+        got,
+        segment_sum(values, ids, segments),
+        rtol=1e-5,
+        atol=1e-5 * float(values.abs().sum(0).max()) if rows else 0.0,
+    )

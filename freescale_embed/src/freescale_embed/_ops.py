@@ -2,8 +2,9 @@
 
 They stand in for ``freescale_kernels``' ``unique_with_inverse`` and ``segment_sum`` until those
 land, and keep their contracts: results depend only on the inputs, never on thread count, tensor
-size or run, and ``segment_sum`` adds each segment's rows in their order in the input. The
-prioritized mode's bitwise equality with synchronous training rests on these contracts.
+size or run, and ``segment_sum``'s result for a segment depends only on that segment's rows and
+their order in the input. The prioritized mode's bitwise equality with synchronous training rests
+on these contracts. Every helper keeps its outputs on its inputs' device.
 """
 
 from __future__ import annotations
@@ -21,22 +22,67 @@ def unique_with_inverse(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def segment_sum(values: torch.Tensor, segments: torch.Tensor, num_segments: int) -> torch.Tensor:
-    """Sums rows of ``values`` by segment id: ``out[s] = 0 + sum of values[i] with segments[i]==s``.
+    """Sums rows of ``values`` by segment id: ``out[s]`` is the sum of ``values[i]`` with
+    ``segments[i] == s`` (zero for a segment without rows).
 
-    The rows of a segment are added one after another in their order in ``values``, so the result
-    of a segment depends only on its own rows and their order (not on the other segments).
+    On CPU the rows of a segment are added one after another in their order in ``values``
+    (``0 + v0 + v1 + ...``); elsewhere by ``segment_sum_pairwise``'s fixed tree. Either way a
+    segment's result depends only on its own rows and their order, not on the other segments.
 
     Args:
         values: ``[n, d]`` rows.
         segments: int64 ``[n]``, segment of each row, in ``[0, num_segments)``.
-        num_segments: number of output rows; segments without rows are zero.
+        num_segments: number of output rows.
     """
     if values.device.type != "cpu":
-        raise NotImplementedError("segment_sum runs on CPU tensors in this release")
+        # CUDA's index_add_ adds with atomics, in an order that changes from run to run.
+        return segment_sum_pairwise(values, segments, num_segments)
     out = torch.zeros(num_segments, *values.shape[1:], dtype=values.dtype)
     # CPU index_add_ walks the index sequentially (each step a vectorized row add), which is
     # exactly the documented order; tests/embed/test_ops.py checks it bitwise against a loop.
     return out.index_add_(0, segments, values)
+
+
+def segment_sum_pairwise(
+    values: torch.Tensor, segments: torch.Tensor, num_segments: int
+) -> torch.Tensor:
+    """``segment_sum`` by a pairwise tree per segment, on any device, deterministically.
+
+    The rows of a segment, in input order, are summed level by level: rows ``2j`` and ``2j+1``
+    of a level make row ``j`` of the next (an odd last row passes through). The tree's shape
+    depends only on the segment's row count, and each level adds distinct pairs with no
+    atomics, so the result depends only on the segment's own rows and their order. A handful of
+    kernels per level and ``ceil(log2(most rows of a segment))`` levels: hot IDs cost a few
+    levels, not one launch per occurrence.
+    """
+    device = values.device
+    out = torch.zeros(num_segments, *values.shape[1:], dtype=values.dtype, device=device)
+    if not segments.numel():
+        return out
+    # A stable sort keeps each segment's rows in input order.
+    segments, order = torch.sort(segments, stable=True)
+    values = values.index_select(0, order)
+    counts = torch.bincount(segments, minlength=num_segments)
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.arange(segments.numel(), device=device) - starts.index_select(0, segments)
+    levels = max(int(counts.max()) - 1, 0).bit_length()
+    for _ in range(levels):
+        keep = (position % 2 == 0).nonzero().flatten()
+        partner = keep + 1
+        # The next row is the partner if it is the same segment's next row.
+        paired = (partner < segments.numel()) & (
+            segments.index_select(0, partner.clamp(max=segments.numel() - 1))
+            == segments.index_select(0, keep)
+        )
+        with_partner = paired.nonzero().flatten()
+        sums = values.index_select(0, keep.index_select(0, with_partner)) + values.index_select(
+            0, partner.index_select(0, with_partner)
+        )
+        values = values.index_select(0, keep).index_copy_(0, with_partner, sums)
+        segments = segments.index_select(0, keep)
+        position = position.index_select(0, keep) // 2
+    # One row per non-empty segment is left: distinct targets, so index_copy_ is exact.
+    return out.index_copy_(0, segments, values)
 
 
 def row_sum(values: torch.Tensor) -> torch.Tensor:
@@ -74,13 +120,15 @@ def pack_by_peer(parts: Sequence[torch.Tensor], counts: torch.Tensor) -> torch.T
     ]
     ordered = [pieces[j][peer] for peer in range(world) for j in range(num_parts)]
     if not ordered:
-        return torch.empty(0, dtype=parts[0].dtype if parts else torch.float32)
+        if not parts:
+            return torch.empty(0, dtype=torch.float32, device=counts.device)
+        return torch.empty(0, dtype=parts[0].dtype, device=parts[0].device)
     return torch.cat(ordered)
 
 
 def peer_numel(counts: torch.Tensor, row_numel: Sequence[int]) -> list[int]:
     """Elements each peer's slice of a ``pack_by_peer`` buffer holds."""
-    sizes = torch.tensor(list(row_numel), dtype=torch.int64)
+    sizes = torch.tensor(list(row_numel), dtype=torch.int64, device=counts.device)
     return (counts * sizes[None, :]).sum(1).tolist()
 
 
@@ -96,7 +144,8 @@ def unpack_by_peer(
     """
     world, num_parts = counts.shape
     row_numel = [math.prod(shape) for shape in row_shapes]
-    sizes = (counts * torch.tensor(row_numel, dtype=torch.int64)[None, :]).reshape(-1).tolist()
+    numel = torch.tensor(row_numel, dtype=torch.int64, device=counts.device)
+    sizes = (counts * numel[None, :]).reshape(-1).tolist()
     chunks = buffer.split(sizes)
     return [
         torch.cat([chunks[peer * num_parts + j] for peer in range(world)]).reshape(

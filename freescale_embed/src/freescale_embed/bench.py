@@ -1,22 +1,24 @@
 """``freescale embed bench``: exposed embedding communication per step, sync vs prioritized.
 
-The bench starts ``world_size`` local ranks itself (a TCPStore on loopback, Gloo), and for each
-collision rate trains the same synthetic steps once in each mode: embedding forward, a simulated
-dense compute (a sleep, or matmuls), backward through the embeddings. It reports the median over
-the timed steps of the training thread's exposed embedding communication (``StepTelemetry``),
-the step time, the bytes moved, the prefetch memory, and whether the two modes ended with
-bitwise the same tables and optimizer state.
+The bench starts ``world_size`` local ranks itself (a TCPStore on loopback; Gloo, or the
+``freescale`` backend), and for each collision rate trains the same synthetic steps once in each
+mode: embedding forward, a simulated dense compute (a sleep or CPU matmuls; on CUDA, bf16 matmuls
+on the training stream that the training thread waits for), backward through the embeddings.
+It reports the median over the timed steps of the training thread's exposed embedding
+communication (``StepTelemetry``), the step time, the bytes moved, the prefetch memory, and
+whether the two modes ended with bitwise the same tables and optimizer state.
 
 Exposed communication is time a rank's training thread is blocked in an embedding collective or
 waiting for the prefetch thread. A rank that reaches a collective first also waits there for its
 slowest peer's local work (or for the scheduler, on a shared machine), so each step is reported
 twice: the mean over ranks (what training sees) and the collectives' time after the last rank
 joined each (the communication itself; the ranks share one host, hence one monotonic clock).
-Ranks are aligned by uncounted barriers before forward and backward.
+Ranks are aligned by uncounted barriers (on a Gloo group) before forward and backward.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import multiprocessing
 import os
@@ -32,6 +34,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from freescale_balance import JaggedBatch, JaggedTensor
 from freescale_embed.collection import ShardedEmbeddingCollection
 from freescale_embed.config import TableConfig
 from freescale_embed.optim import RowWiseAdagrad
@@ -52,12 +55,17 @@ class BenchConfig:
         rows_per_step: unique rows per step over all ranks.
         batch_size: samples per rank (the IDs are split over them).
         dense: simulated dense compute between forward and backward: ``"sleep"`` (the CPU is
-            free, as when a GPU computes) or ``"matmul"`` (the CPU is busy).
-        dense_ms: sleep length.
+            free, as when a GPU computes), ``"matmul"`` (the CPU is busy) or ``"gpu"`` (bf16
+            matmuls of ``matmul_size`` on the training stream, as many as last ``dense_ms``
+            with every rank computing; the training thread waits for them).
+        dense_ms: length of a sleep or of the GPU matmuls.
         matmul_size: side of the square matmuls of ``"matmul"``.
         matmul_repeats: matmuls per step.
         threads: intra-op threads per rank.
         seed: workload seed.
+        device: ``"cpu"`` or ``"cuda"`` (rank r uses GPU ``r % device count``).
+        backend: process group backend of the embedding collectives (``"gloo"``,
+            ``"freescale"``, ``"nccl"``).
     """
 
     world_size: int = 2
@@ -68,26 +76,74 @@ class BenchConfig:
     embedding_dim: int = 128
     rows_per_step: int = 65_536
     batch_size: int = 64
-    dense: Literal["sleep", "matmul"] = "sleep"
+    dense: Literal["sleep", "matmul", "gpu"] = "sleep"
     dense_ms: float = 250.0
     matmul_size: int = 512
     matmul_repeats: int = 8
     threads: int = 1
     seed: int = 0
+    device: Literal["cpu", "cuda"] = "cpu"
+    backend: str = "gloo"
 
     def table(self) -> TableConfig:
         return TableConfig("items", self.num_embeddings, self.embedding_dim, ["history"])
 
 
-def _dense_compute(config: BenchConfig, state: torch.Tensor) -> None:
-    if config.dense == "sleep":
-        time.sleep(config.dense_ms / 1000.0)
-        return
-    for _ in range(config.matmul_repeats):
-        state.copy_(torch.tanh(state @ state) * 0.5)
+class _Dense:
+    """The simulated dense compute of one rank (see ``BenchConfig.dense``)."""
+
+    def __init__(self, config: BenchConfig, device: torch.device, control: Any) -> None:
+        self.config = config
+        generator = torch.Generator().manual_seed(config.seed + dist.get_rank())
+        size = config.matmul_size
+        self.state = torch.randn(size, size, generator=generator) / size**0.5
+        self.repeats = config.matmul_repeats
+        if config.dense == "gpu":
+            self.state = self.state.to(device, torch.bfloat16)
+            self.repeats = self._calibrate(control)
+
+    def _calibrate(self, control: Any) -> int:
+        """Matmuls per step so that they last ``dense_ms`` while every rank computes at once."""
+        trial = 20
+        for _ in range(2):
+            dist.barrier(group=control)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            self._matmuls(trial)
+            torch.cuda.synchronize()
+            seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=control)
+        return max(1, round(self.config.dense_ms / 1000.0 / (float(seconds) / trial)))
+
+    def _matmuls(self, count: int) -> None:
+        for _ in range(count):
+            self.state = torch.tanh(self.state @ self.state) * 0.5
+
+    def run(self) -> None:
+        """Computes one step's dense part and returns when it is done."""
+        if self.config.dense == "sleep":
+            time.sleep(self.config.dense_ms / 1000.0)
+        elif self.config.dense == "matmul":
+            for _ in range(self.repeats):
+                self.state.copy_(torch.tanh(self.state @ self.state) * 0.5)
+        else:
+            self._matmuls(self.repeats)
+            # The training thread waits for the GPU, as a real step's does before backward.
+            torch.cuda.current_stream().synchronize()
 
 
-def _run_mode(config: BenchConfig, rate: float, mode: str) -> dict[str, Any]:
+def on_device(batch: JaggedBatch, device: torch.device) -> JaggedBatch:
+    """``batch``'s features with IDs and lengths on ``device``."""
+    features = {
+        name: JaggedTensor(f.values.to(device), f.lengths.to(device))
+        for name, f in batch.features.items()
+    }
+    return JaggedBatch(features=features)
+
+
+def _run_mode(
+    config: BenchConfig, rate: float, mode: str, device: torch.device, control: Any
+) -> dict[str, Any]:
     rank = dist.get_rank()
     table = config.table()
     workload = WorkloadConfig(
@@ -99,29 +155,30 @@ def _run_mode(config: BenchConfig, rate: float, mode: str) -> dict[str, Any]:
         seed=config.seed,
     )
     total = config.warmup + config.steps + 1  # the last step is final: not timed
-    batches = [make_batch(workload, rank, step) for step in range(total)]
-    emb = ShardedEmbeddingCollection([table], optimizer=RowWiseAdagrad(lr=0.05), mode=mode)
+    batches = [on_device(make_batch(workload, rank, step), device) for step in range(total)]
+    emb = ShardedEmbeddingCollection(
+        [table], optimizer=RowWiseAdagrad(lr=0.05), mode=mode, device=device
+    )
     # Seeded, so that both modes see the same losses and must end with the same bits.
-    generator = torch.Generator().manual_seed(config.seed + rank)
-    state = torch.randn(config.matmul_size, config.matmul_size, generator=generator)
-    state /= config.matmul_size**0.5
-    weights = torch.randn(config.embedding_dim, generator=generator)
+    dense = _Dense(config, device, control)
+    generator = torch.Generator().manual_seed(config.seed + rank + 1)
+    weights = torch.randn(config.embedding_dim, generator=generator).to(device)
     step_times = []
     for step in range(total):
-        # Ranks start forward and backward together (uncounted barriers on the default group),
-        # so that what one rank did before (dense compute, the previous step) does not show
-        # up as the other's wait in an embedding collective.
-        dist.barrier()
+        # Ranks start forward and backward together (uncounted barriers), so that what one rank
+        # did before (dense compute, the previous step) does not show up as the other's wait in
+        # an embedding collective.
+        dist.barrier(group=control)
         started = time.perf_counter()
         if mode == "sync":
             out = emb(batches[step])
         else:
             last = step + 1 == total
             out = emb(batches[step], None if last else batches[step + 1], final=last)
-        _dense_compute(config, state)
+        dense.run()
         loss = (out["history"].values * weights).sum()
         paused = time.perf_counter()
-        dist.barrier()
+        dist.barrier(group=control)
         resumed = time.perf_counter()
         loss.backward()
         step_times.append(time.perf_counter() - started - (resumed - paused))
@@ -138,15 +195,23 @@ def _run_mode(config: BenchConfig, rate: float, mode: str) -> dict[str, Any]:
         "collision_pct": [t["collision_pct"] for t in timed],
         "fallback": [t["lookup"] == "fallback" for t in timed],
         "step_s": step_times[config.warmup : config.warmup + config.steps],
+        "dense_repeats": dense.repeats,
         "state": state_dict,
     }
 
 
-def _rank_results(config: BenchConfig) -> list[dict[str, Any]]:
+def rank_results(config: BenchConfig, device: torch.device, control: Any) -> list[dict[str, Any]]:
+    """This rank's measurements of every (rate, mode), in an initialized process group.
+
+    Args:
+        config: what to run.
+        device: this rank's device.
+        control: a Gloo group for the bench's own barriers (``None``: the default group).
+    """
     results = []
     for rate in config.collision_rates:
-        sync = _run_mode(config, rate, "sync")
-        prioritized = _run_mode(config, rate, "prioritized")
+        sync = _run_mode(config, rate, "sync", device, control)
+        prioritized = _run_mode(config, rate, "prioritized", device, control)
         exact = all(
             torch.equal(value, prioritized["state"][key]) for key, value in sync["state"].items()
         )
@@ -157,19 +222,40 @@ def _rank_results(config: BenchConfig) -> list[dict[str, Any]]:
     return results
 
 
-def _rank_main(rank: int, config: BenchConfig, port: int, queue: Any) -> None:
+def rank_device(config: BenchConfig, rank: int) -> torch.device:
+    """The device of ``rank``: GPU ``rank % device count`` (made current) or the CPU."""
+    if config.device != "cuda":
+        return torch.device("cpu")
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def init_group(config: BenchConfig, rank: int, port: int) -> Any:
+    """Joins the bench's process group; returns the Gloo group for barriers (``None``: default)."""
+    if config.backend == "freescale":
+        import freescale_comm
+
+        freescale_comm.register()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        config.backend,
+        store=store,
+        rank=rank,
+        world_size=config.world_size,
+        timeout=timedelta(seconds=300),
+    )
+    return None if config.backend == "gloo" else dist.new_group(backend="gloo")
+
+
+def _rank_main(rank: int, config: BenchConfig, port: int, queue: Any, timeout_s: float) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(config.threads))
     torch.set_num_threads(config.threads)
+    # Every thread's stack on stderr if this rank is still running near the parent's deadline.
+    faulthandler.dump_traceback_later(max(10.0, timeout_s - 15), exit=False)
     try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
-        dist.init_process_group(
-            "gloo",
-            store=store,
-            rank=rank,
-            world_size=config.world_size,
-            timeout=timedelta(seconds=300),
-        )
-        queue.put((rank, "ok", _rank_results(config)))
+        device = rank_device(config, rank)
+        control = init_group(config, rank, port)
+        queue.put((rank, "ok", rank_results(config, device, control)))
         dist.destroy_process_group()
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
@@ -229,7 +315,8 @@ def _combine(config: BenchConfig, per_rank: list[list[dict[str, Any]]]) -> dict[
             "torch": torch.__version__,
             "platform": platform.platform(),
             "cpu_count": os.cpu_count(),
-            "backend": "gloo (loopback)",
+            "backend": f"{config.backend} (loopback)",
+            "device": config.device,
         },
         "points": points,
     }
@@ -244,7 +331,9 @@ def run_bench(config: BenchConfig, timeout_s: float = 1800.0) -> dict[str, Any]:
     )
     queue = context.Queue()
     processes = [
-        context.Process(target=_rank_main, args=(rank, config, store.port, queue), daemon=True)
+        context.Process(
+            target=_rank_main, args=(rank, config, store.port, queue, timeout_s), daemon=True
+        )
         for rank in range(config.world_size)
     ]
     for process in processes:
@@ -336,8 +425,9 @@ def write_report(report: dict[str, Any], out: Path) -> list[Path]:
     right.grid(alpha=0.3)
     config = report["config"]
     figure.suptitle(
-        f"{config['world_size']} ranks, Gloo on loopback, {config['rows_per_step']} rows/step x "
-        f"{config['embedding_dim']} floats, dense: {config['dense']}"
+        f"{config['world_size']} ranks, {config['backend']} on loopback, {config['device']}, "
+        f"{config['rows_per_step']} rows/step x {config['embedding_dim']} floats, "
+        f"dense: {config['dense']}"
     )
     figure.tight_layout()
     written.append(out / "embed_bench.png")

@@ -2,10 +2,15 @@
 
 The training thread and the prefetch thread each own a ``Channel`` on their own process group,
 so their collectives never interleave on one group (which would pair up the wrong calls).
+
+A channel runs only AllToAll and AllGather, on tensors of the tables' device: the collectives
+every backend has (NCCL moves no CPU tensors) and the ones the ``freescale`` backend runs itself
+(two ranks sharing a GPU cannot use NCCL, which the freescale group delegates everything else to).
 """
 
 from __future__ import annotations
 
+import pickle
 import time
 from dataclasses import dataclass, field
 
@@ -54,10 +59,12 @@ class Channel:
 
     Args:
         group: the process group; its ranks are the peers.
+        device: where the tensors it sends and receives live.
     """
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.group = group
+        self.device = device
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.meter = Meter()
@@ -70,7 +77,7 @@ class Channel:
         Returns:
             What arrives: runs of ``recv_splits`` elements from ranks 0, 1, ..., as one 1-D tensor.
         """
-        recv = torch.empty(sum(recv_splits), dtype=send.dtype)
+        recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
         send = send.contiguous()
         start = time.monotonic()
         dist.all_to_all_single(
@@ -86,7 +93,9 @@ class Channel:
 
     def all_gather(self, local: torch.Tensor) -> torch.Tensor:
         """``[world, *local.shape]``: every rank's ``local``."""
-        gathered = torch.empty(self.world_size * local.numel(), dtype=local.dtype)
+        gathered = torch.empty(
+            self.world_size * local.numel(), dtype=local.dtype, device=local.device
+        )
         local_flat = local.reshape(-1).contiguous()
         start = time.monotonic()
         _all_gather_single(gathered, local_flat, group=self.group)
@@ -95,7 +104,18 @@ class Channel:
         return gathered.reshape(self.world_size, *local.shape)
 
     def all_gather_object(self, obj: object) -> list[object]:
-        """Every rank's picklable ``obj`` (used only on the error path)."""
-        gathered: list[object] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj, group=self.group)
-        return gathered
+        """Every rank's picklable ``obj`` (used only on the error path).
+
+        Pickled bytes travel as ``all_gather`` tensors on the channel's device, not through
+        ``dist.all_gather_object``, whose device choice depends on the backend.
+        """
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+        sizes = self.all_gather(size).flatten().tolist()
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[: data.numel()] = data
+        gathered = self.all_gather(padded.to(self.device)).cpu()
+        return [
+            pickle.loads(gathered[rank, :length].numpy().tobytes())
+            for rank, length in enumerate(sizes)
+        ]

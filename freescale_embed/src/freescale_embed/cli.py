@@ -41,15 +41,28 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-size", type=int, default=defaults.batch_size)
     bench.add_argument(
         "--dense",
-        choices=("sleep", "matmul"),
+        choices=("sleep", "matmul", "gpu"),
         default=defaults.dense,
-        help="simulated dense compute between forward and backward",
+        help="simulated dense compute between forward and backward (gpu: bf16 matmuls, CUDA)",
     )
-    bench.add_argument("--dense-ms", type=float, default=defaults.dense_ms, help="sleep length")
+    bench.add_argument(
+        "--dense-ms", type=float, default=defaults.dense_ms, help="length of a sleep or GPU matmuls"
+    )
     bench.add_argument("--matmul-size", type=int, default=defaults.matmul_size)
     bench.add_argument("--matmul-repeats", type=int, default=defaults.matmul_repeats)
     bench.add_argument("--threads", type=int, default=defaults.threads, help="threads per rank")
     bench.add_argument("--seed", type=int, default=defaults.seed)
+    bench.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=defaults.device,
+        help="where tables and batches live (cuda: rank r on GPU r %% device count)",
+    )
+    bench.add_argument(
+        "--backend",
+        default=defaults.backend,
+        help="process group backend: gloo, freescale (needs freescale-comm) or nccl",
+    )
     bench.add_argument(
         "--out",
         type=Path,
@@ -60,7 +73,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if (args.dense == "gpu") != (args.device == "cuda"):
+        parser.error("--dense gpu goes with --device cuda (and a CUDA run needs --dense gpu)")
     config = BenchConfig(
         world_size=args.world_size,
         collision_rates=args.collision_rates,
@@ -76,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         matmul_repeats=args.matmul_repeats,
         threads=args.threads,
         seed=args.seed,
+        device=args.device,
+        backend=args.backend,
     )
     report = run_bench(config)
     print(format_table(report))

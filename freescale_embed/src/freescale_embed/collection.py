@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from freescale_balance import JaggedBatch, JaggedTensor
+from freescale_embed._ops import segment_sum
 from freescale_embed.channel import Channel
 from freescale_embed.config import MODES, POOLINGS, Mode, Pooling, TableConfig, check_tables
 from freescale_embed.inputs import as_batch, batch_problem, raise_if_flagged, same_ids
@@ -33,6 +34,7 @@ from freescale_embed.optim import SGD, Optimizer
 from freescale_embed.prefetch import Prepared, finish_gradients, prepare_next
 from freescale_embed.routing import Routes, route
 from freescale_embed.sharding import RowShard
+from freescale_embed.streams import stream_order
 from freescale_embed.tables import TableShard, TableShards
 from freescale_embed.telemetry import StepTelemetry
 from freescale_embed.transfers import (
@@ -82,9 +84,14 @@ class ShardedEmbeddingCollection(nn.Module):
     """Embedding tables sharded row-wise over a process group, trained by a fused optimizer.
 
     Every rank constructs the collection at the same point (prioritized mode creates a process
-    group for its prefetch thread, which is collective over the default group), and every rank
-    of ``group`` runs ``forward`` and a backward through its outputs for every training step.
-    Tables live on the CPU in this release.
+    group for its prefetch thread, with ``group``'s backend, which is collective over the
+    default group), and every rank of ``group`` runs ``forward`` and a backward through its
+    outputs for every training step.
+
+    Tables, optimizer state and batches live on ``device``. On a CUDA device the embedding
+    collectives are AllToAlls and AllGathers of CUDA tensors on ``group``'s backend (NCCL or
+    ``freescale``), and prioritized mode's prefetch thread queues its work on a side stream,
+    ordered with the caller's current stream by events.
 
     Args:
         tables: the tables and the features that read them.
@@ -100,6 +107,7 @@ class ShardedEmbeddingCollection(nn.Module):
         seed: seed of the initial rows (the same tables for every world size).
         dtype: dtype of rows and optimizer state.
         timeout: bound on waits for the prefetch thread and on its group's collectives.
+        device: where tables, optimizer state and batches live (default: CPU).
 
     Example::
 
@@ -124,6 +132,7 @@ class ShardedEmbeddingCollection(nn.Module):
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         timeout: timedelta = timedelta(seconds=120),
+        device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
         check_tables(tables)
@@ -139,16 +148,21 @@ class ShardedEmbeddingCollection(nn.Module):
         self.optimizer: Optimizer = optimizer if optimizer is not None else SGD()
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+        self.device = _with_index(torch.device(device))
         self.shards = [RowShard(t, self.world_size, self.rank) for t in tables]
         self.tables = TableShards(
             [
-                TableShard(shard, self.optimizer, shard.initial_weight(seed, index, dtype))
+                TableShard(
+                    shard,
+                    self.optimizer,
+                    shard.initial_weight(seed, index, dtype).to(self.device),
+                )
                 for index, shard in enumerate(self.shards)
             ]
         )
-        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=self.device))
         self.telemetry: deque[StepTelemetry] = deque(maxlen=_TELEMETRY_STEPS)
-        self._channel = Channel(self.group)
+        self._channel = Channel(self.group, self.device)
         # A leaf that requires grad, so that the lookup joins the autograd graph.
         self._dummy = torch.zeros(0, requires_grad=True)
         self._awaiting_backward: _Step | None = None
@@ -161,13 +175,15 @@ class ShardedEmbeddingCollection(nn.Module):
         self._background_group: dist.ProcessGroup | None = None
         self._background: Channel | None = None
         if mode == "prioritized":
+            # The same backend as the training thread's: it moves the same tensors (CUDA ones
+            # cannot go through Gloo), and on ``freescale`` the prefetch stays off the SMs.
             self._background_group = dist.new_group(
                 ranks=dist.get_process_group_ranks(self.group),
                 backend=dist.get_backend(self.group),
                 timeout=timeout,
             )
-            self._background = Channel(self._background_group)
-            self._worker = Worker(timeout)
+            self._background = Channel(self._background_group, self.device)
+            self._worker = Worker(timeout, stream_order(self.device))
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -279,7 +295,7 @@ class ShardedEmbeddingCollection(nn.Module):
             jagged = as_batch(batch)
         except TypeError as error:
             return str(error)
-        problem = batch_problem(jagged, self.shards)
+        problem = batch_problem(jagged, self.shards, self.device)
         if problem is not None:
             return problem
         if self.mode == "sync":
@@ -311,7 +327,7 @@ class ShardedEmbeddingCollection(nn.Module):
             jagged_next = as_batch(next_batch)
         except TypeError as error:
             return f"next batch: {error}"
-        problem = batch_problem(jagged_next, self.shards)
+        problem = batch_problem(jagged_next, self.shards, self.device)
         return None if problem is None else f"next batch: {problem}"
 
     def _sync_lookup(self, batch: Any, index: int, problem: str | None) -> _Step:
@@ -379,11 +395,12 @@ class ShardedEmbeddingCollection(nn.Module):
     def _pool(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         lengths = lengths.to(torch.int64)
         samples = torch.repeat_interleave(
-            torch.arange(lengths.numel()), lengths, output_size=values.shape[0]
+            torch.arange(lengths.numel(), device=lengths.device),
+            lengths,
+            output_size=values.shape[0],
         )
-        pooled = torch.zeros(lengths.numel(), values.shape[1], dtype=values.dtype).index_add(
-            0, samples, values
-        )
+        # segment_sum, not index_add: the same bits in both modes on CUDA too.
+        pooled = segment_sum(values, samples, lengths.numel())
         if self.pooling == "mean":
             pooled = pooled / lengths.clamp(min=1).to(values.dtype)[:, None]
         return pooled
@@ -478,7 +495,14 @@ class ShardedEmbeddingCollection(nn.Module):
     # -- state -------------------------------------------------------------------------------------
 
     def _gather_rows(self, shard: RowShard, local: torch.Tensor) -> torch.Tensor:
-        padded = torch.zeros(shard.block, *local.shape[1:], dtype=local.dtype)
+        padded = torch.zeros(shard.block, *local.shape[1:], dtype=local.dtype, device=local.device)
         padded[: local.shape[0]] = local
         gathered = self._channel.all_gather(padded)
         return gathered.reshape(-1, *local.shape[1:])[: shard.table.num_embeddings].clone()
+
+
+def _with_index(device: torch.device) -> torch.device:
+    """``device`` with its index (``cuda`` means the current CUDA device), to compare devices."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -35,11 +35,14 @@ def as_batch(batch: Any) -> JaggedBatch:
     )
 
 
-def batch_problem(batch: JaggedBatch, shards: Sequence[RowShard]) -> str | None:
-    """What is wrong with ``batch`` for these tables, or ``None``.
+def batch_problem(
+    batch: JaggedBatch, shards: Sequence[RowShard], device: torch.device
+) -> str | None:
+    """What is wrong with ``batch`` for these tables on ``device``, or ``None``.
 
-    Checks that every feature a table reads is present, well formed (integer, non-negative
-    lengths that cover the values), holds 1-D integer IDs, and that every ID is a row of its table.
+    Checks that every feature a table reads is present, on ``device``, well formed (integer,
+    non-negative lengths that cover the values), holds 1-D integer IDs, and that every ID is a
+    row of its table.
     """
     for shard in shards:
         table = shard.table
@@ -47,13 +50,16 @@ def batch_problem(batch: JaggedBatch, shards: Sequence[RowShard]) -> str | None:
             feature = batch.features.get(name)
             if feature is None:
                 return f"feature {name!r} (table {table.name!r}) is not in the batch"
+            ids = feature.values
+            if ids.device != device or feature.lengths.device != device:
+                return (
+                    f"feature {name!r}: IDs and lengths must be on the tables' device {device}, "
+                    f"got {ids.device} and {feature.lengths.device}"
+                )
             try:
                 feature.validate(f"feature {name!r}")
             except JaggedBatchError as error:
                 return str(error)
-            ids = feature.values
-            if ids.device.type != "cpu" or feature.lengths.device.type != "cpu":
-                return f"feature {name!r}: this release looks up CPU tensors, got {ids.device}"
             if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex:
                 return (
                     f"feature {name!r}: IDs must be a 1-D integer tensor, got "

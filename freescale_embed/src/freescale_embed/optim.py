@@ -115,11 +115,15 @@ Optimizer = SGD | RowWiseAdagrad | Adam
 
 
 def initial_state(
-    optimizer: Optimizer, rows: int, dim: int, dtype: torch.dtype
+    optimizer: Optimizer,
+    rows: int,
+    dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
 ) -> dict[str, torch.Tensor]:
     """Fresh optimizer state for a shard of ``rows`` rows of width ``dim``."""
     fill = optimizer.initial_accumulator_value if isinstance(optimizer, RowWiseAdagrad) else 0.0
     return {
-        name: torch.full((rows, *shape), fill, dtype=dtype)
+        name: torch.full((rows, *shape), fill, dtype=dtype, device=device)
         for name, shape in optimizer.state_shapes(dim).items()
     }

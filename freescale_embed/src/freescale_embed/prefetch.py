@@ -95,7 +95,7 @@ class Prepared:
 
 
 def _full(like: Sequence[torch.Tensor], value: bool) -> list[torch.Tensor]:
-    return [torch.full((t.numel(),), value, dtype=torch.bool) for t in like]
+    return [torch.full((t.numel(),), value, dtype=torch.bool, device=t.device) for t in like]
 
 
 def prepare_next(
@@ -122,12 +122,13 @@ def prepare_next(
     local_counts = torch.tensor(
         [sum(int(m.sum()) for m in collided_rows), sum(r.numel() for r in serve.rows)],
         dtype=torch.int64,
+        device=channel.device,
     )
     collisions, unique_rows = channel.all_gather(local_counts).sum(0).tolist()
     fallback = max_collision_rate is not None and collisions > max_collision_rate * unique_rows
     dims = [table.shard.table.embedding_dim for table in tables]
     values = [
-        torch.empty(u.numel(), d, dtype=tables[0].weight.dtype)
+        torch.empty(u.numel(), d, dtype=tables[0].weight.dtype, device=channel.device)
         for u, d in zip(request.unique, dims, strict=True)
     ]
 

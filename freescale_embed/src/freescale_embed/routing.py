@@ -89,13 +89,15 @@ class Routes:
         return self.request.nbytes() + self.serve.nbytes()
 
 
-def build_request(features: Mapping[str, JaggedTensor], shards: Sequence[RowShard]) -> Request:
+def build_request(
+    features: Mapping[str, JaggedTensor], shards: Sequence[RowShard], device: torch.device
+) -> Request:
     """Deduplicates one step's IDs per table and groups them by owner (local work only)."""
     world = shards[0].world_size if shards else 1
     unique, inverse, owners, counts = [], [], [], []
     for shard in shards:
         ids = [features[name].values.to(torch.int64) for name in shard.table.feature_names]
-        table_ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)
+        table_ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device=device)
         table_unique, table_inverse = unique_with_inverse(table_ids)
         table_owners = shard.owners(table_unique)
         unique.append(table_unique)
@@ -106,7 +108,11 @@ def build_request(features: Mapping[str, JaggedTensor], shards: Sequence[RowShar
         unique=unique,
         inverse=inverse,
         owners=owners,
-        counts=torch.stack(counts, dim=1) if counts else torch.zeros(world, 0, dtype=torch.int64),
+        counts=(
+            torch.stack(counts, dim=1)
+            if counts
+            else torch.zeros(world, 0, dtype=torch.int64, device=device)
+        ),
         lengths={
             name: features[name].lengths.to(torch.int64)
             for shard in shards
@@ -115,12 +121,11 @@ def build_request(features: Mapping[str, JaggedTensor], shards: Sequence[RowShar
     )
 
 
-def empty_request(shards: Sequence[RowShard], world: int) -> Request:
+def empty_request(shards: Sequence[RowShard], world: int, device: torch.device) -> Request:
     """A request for no IDs (what a rank with invalid input sends in the preflight)."""
-    nothing = [torch.empty(0, dtype=torch.int64) for _ in shards]
-    return Request(
-        nothing, nothing, nothing, torch.zeros(world, len(shards), dtype=torch.int64), {}
-    )
+    nothing = [torch.empty(0, dtype=torch.int64, device=device) for _ in shards]
+    counts = torch.zeros(world, len(shards), dtype=torch.int64, device=device)
+    return Request(nothing, nothing, nothing, counts, {})
 
 
 def exchange_ids(
@@ -135,7 +140,9 @@ def exchange_ids(
         EmbeddingInputError: on every rank, before any ID moves, if some rank has a problem.
     """
     world, num_tables = request.counts.shape
-    flag = torch.full((world, 1), problem is not None, dtype=torch.int64)
+    flag = torch.full(
+        (world, 1), problem is not None, dtype=torch.int64, device=request.counts.device
+    )
     header = torch.cat([flag, request.counts], dim=1)
     received = channel.all_to_all(
         header.reshape(-1), [num_tables + 1] * world, [num_tables + 1] * world
@@ -146,7 +153,7 @@ def exchange_ids(
     recv = channel.all_to_all(send, request.counts.sum(1).tolist(), recv_counts.sum(1).tolist())
     received = unpack_by_peer(recv, recv_counts, [()] * num_tables)
     local, sources, rows, row_inverse = [], [], [], []
-    peers = torch.arange(world)
+    peers = torch.arange(world, device=recv_counts.device)
     for t, shard in enumerate(shards):
         table_local = received[t] - shard.start
         table_rows, table_inverse = unique_with_inverse(table_local)
@@ -172,7 +179,7 @@ def route(
         problem: this rank's input problem, or ``None``.
     """
     if problem is None and features is not None:
-        request = build_request(features, shards)
+        request = build_request(features, shards, channel.device)
     else:
-        request = empty_request(shards, channel.world_size)
+        request = empty_request(shards, channel.world_size, channel.device)
     return Routes(request, exchange_ids(request, shards, channel, problem))

@@ -23,7 +23,8 @@ class TableShard(nn.Module):
     Args:
         shard: which rows this rank owns.
         optimizer: decides which state tensors exist.
-        weight: the initial rows, ``[shard.rows, embedding_dim]``.
+        weight: the initial rows, ``[shard.rows, embedding_dim]``, on the shard's device (the
+            optimizer state is made beside it).
     """
 
     def __init__(self, shard: RowShard, optimizer: Optimizer, weight: torch.Tensor) -> None:
@@ -32,7 +33,7 @@ class TableShard(nn.Module):
         self.register_buffer("weight", weight)
         self.state_names = tuple(optimizer.state_shapes(shard.table.embedding_dim))
         for name, tensor in initial_state(
-            optimizer, shard.rows, shard.table.embedding_dim, weight.dtype
+            optimizer, shard.rows, shard.table.embedding_dim, weight.dtype, weight.device
         ).items():
             self.register_buffer(name, tensor)
 

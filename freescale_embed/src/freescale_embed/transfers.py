@@ -66,7 +66,7 @@ def _exchange(
     widths = [table.shard.table.embedding_dim for table in tables]
     shapes: list[tuple[int, ...]] = [(width,) for width in widths]
     if header is not None:
-        ones = torch.ones(send_counts.shape[0], 1, dtype=torch.int64)
+        ones = torch.ones(send_counts.shape[0], 1, dtype=torch.int64, device=send_counts.device)
         parts = [header.to(tables[0].weight.dtype), *parts]
         send_counts = torch.cat([ones, send_counts], dim=1)
         recv_counts = torch.cat([ones, recv_counts], dim=1)
@@ -112,7 +112,7 @@ def send_rows_flagged(
     Returns:
         The rows, and the flag of every rank.
     """
-    header = torch.full((channel.world_size,), float(flag))
+    header = torch.full((channel.world_size,), float(flag), device=channel.device)
     rows, flags = _send_rows(tables, routes, channel, entry_mask, request_mask, header)
     assert flags is not None
     return rows, flags

@@ -7,40 +7,50 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from freescale_embed.streams import StreamOrder
+
 
 class Worker:
     """One background thread running tasks in submission order; errors surface on the caller.
 
     Args:
         timeout: bound on every wait for a task.
+        order: how tasks are ordered with the caller's GPU work (``streams``); none on CPU.
     """
 
-    def __init__(self, timeout: timedelta) -> None:
+    def __init__(self, timeout: timedelta, order: StreamOrder | None = None) -> None:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="freescale-embed-prefetch"
         )
         self._timeout = timeout.total_seconds()
+        self._order = order if order is not None else StreamOrder()
         self._futures: list[concurrent.futures.Future] = []
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-        future = self._executor.submit(fn, *args)
+        """Queues ``fn(*args)``; on a GPU it starts after the caller's work queued so far."""
+        future = self._executor.submit(self._order.run, fn, args, self._order.ticket())
         self._futures.append(future)
         return future
 
     def wait(self, future: concurrent.futures.Future) -> Any:
-        """The result of ``future``, after checking every task submitted before it succeeded."""
+        """The result of ``future``, after checking every task submitted before it succeeded.
+
+        The caller's later GPU work is ordered after every task waited for.
+        """
         while self._futures:
             head = self._futures[0]
             try:
-                result = head.result(timeout=self._timeout)
+                result, done = head.result(timeout=self._timeout)
             except concurrent.futures.TimeoutError:
                 raise TimeoutError(
                     f"an embedding prefetch task did not finish within {self._timeout:.0f} s"
                 ) from None
             self._futures.pop(0)
+            self._order.collect(result, done)
             if head is future:
                 return result
-        return future.result(timeout=self._timeout)
+        result, done = future.result(timeout=self._timeout)
+        return result
 
     def drain(self) -> None:
         """Waits for every submitted task (raising the first error)."""

@@ -1,0 +1,104 @@
+"""Stream order between the training thread and the prefetch thread.
+
+On CPU a task's result is ready when its function returns. On CUDA the prefetch thread queues its
+kernels and copies on a side stream of its own, so that they overlap the training stream's dense
+compute, and three things keep the result exactly that of one stream:
+
+- a task starts on the GPU after everything the training stream had queued when it was
+  submitted (the batch's IDs, the step's routing, its gradients): an event;
+- the training stream uses a task's result only after the side stream has produced it: an
+  event recorded at the end of the task, waited for where the training thread collects it;
+- memory of a tensor used on both streams is not reused while the other stream may still read
+  it: ``record_stream`` on every CUDA tensor of a task's arguments (for the side stream) and of
+  its result (for the training stream), whichever thread drops the last reference.
+
+``torch.cuda`` is touched only when the collection's device is a CUDA device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+
+def tensors(obj: object) -> Iterator[torch.Tensor]:
+    """The tensors inside ``obj``: through dataclasses, mappings, lists and tuples.
+
+    Modules are not entered: their tensors (the tables) live as long as the collection.
+    """
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from tensors(getattr(obj, field.name))
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from tensors(value)
+    elif isinstance(obj, list | tuple):
+        for item in obj:
+            yield from tensors(item)
+
+
+class StreamOrder:
+    """How tasks of the prefetch thread are ordered with the training stream: on CPU, nothing."""
+
+    def ticket(self) -> Any:
+        """Taken on the training thread when a task is submitted (before the task runs)."""
+        return None
+
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], ticket: Any) -> tuple[Any, Any]:
+        """Runs ``fn(*args)`` on the prefetch thread; returns its result and a completion mark."""
+        return fn(*args), None
+
+    def collect(self, result: Any, done: Any) -> None:
+        """Orders the caller's later work after the task that returned ``result``."""
+
+
+class CudaStreamOrder(StreamOrder):
+    """Tasks on one side stream of ``device``, ordered with the caller's current stream by events.
+
+    Args:
+        device: the CUDA device of the tables.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        # High priority: the prefetch's small kernels and the host reads that follow them
+        # (split sizes) would otherwise queue behind the blocks of the dense compute's long
+        # kernels on the training stream, and the prefetch would finish after the dense part.
+        self.stream = torch.cuda.Stream(device, priority=-1)
+
+    def ticket(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def run(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], ticket: torch.cuda.Event
+    ) -> tuple[Any, torch.cuda.Event]:
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self.stream.wait_event(ticket)
+            _record(args, self.stream)
+            result = fn(*args)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return result, done
+
+    def collect(self, result: Any, done: torch.cuda.Event) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(done)
+        _record(result, stream)
+
+
+def _record(obj: object, stream: torch.cuda.Stream) -> None:
+    for tensor in tensors(obj):
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
+
+
+def stream_order(device: torch.device) -> StreamOrder:
+    """The ordering the prefetch thread needs for tables on ``device``."""
+    return CudaStreamOrder(device) if device.type == "cuda" else StreamOrder()

@@ -1,0 +1,76 @@
+"""The prefetch thread's ordering hooks, checked for logic on CPU (CUDA runs them on streams)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from freescale_embed.streams import StreamOrder, stream_order, tensors
+from freescale_embed.worker import Worker
+
+
+class _Recording(StreamOrder):
+    """Logs each hook with the thread it ran on."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[Any, ...]] = []
+        self.tickets = 0
+
+    def ticket(self) -> int:
+        self.tickets += 1
+        self.log.append(("ticket", threading.current_thread().name))
+        return self.tickets
+
+    def run(self, fn: Any, args: tuple[Any, ...], ticket: Any) -> tuple[Any, Any]:
+        self.log.append(("run", ticket, threading.current_thread().name))
+        return fn(*args), f"done {ticket}"
+
+    def collect(self, result: Any, done: Any) -> None:
+        self.log.append(("collect", result, done))
+
+
+def test_tasks_take_a_ticket_on_submit_and_are_collected_in_order():
+    order = _Recording()
+    worker = Worker(timedelta(seconds=10), order)
+    first = worker.submit(lambda x: x + 1, 1)
+    second = worker.submit(lambda x: x * 10, 5)
+    assert worker.wait(second) == 50
+    worker.close()
+    caller = threading.current_thread().name
+    assert [e for e in order.log if e[0] == "ticket"] == [("ticket", caller)] * 2
+    runs = [entry for entry in order.log if entry[0] == "run"]
+    assert [r[1] for r in runs] == [1, 2]
+    assert all(r[2].startswith("freescale-embed-prefetch") for r in runs)
+    # Waiting for the second task orders the caller after the first one too.
+    assert [e for e in order.log if e[0] == "collect"] == [
+        ("collect", 2, "done 1"),
+        ("collect", 50, "done 2"),
+    ]
+    assert first.done()
+
+
+@dataclass(frozen=True)
+class _Inner:
+    rows: list[torch.Tensor]
+    count: int
+
+
+@dataclass
+class _Outer:
+    inner: _Inner
+    masks: dict[str, torch.Tensor]
+    pair: tuple[torch.Tensor, str]
+
+
+def test_every_tensor_of_a_task_is_found():
+    a, b, c, d = (torch.zeros(i + 1) for i in range(4))
+    found = list(tensors((_Outer(_Inner([a, b], 3), {"x": c}, (d, "name")), torch.nn.Linear(2, 2))))
+    assert [t.numel() for t in found] == [1, 2, 3, 4]  # the module's parameters are not entered
+
+
+def test_cpu_tables_need_no_stream_order():
+    assert type(stream_order(torch.device("cpu"))) is StreamOrder
