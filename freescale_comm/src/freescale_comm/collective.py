@@ -6,9 +6,10 @@ starts it):
 1. ``header``: every rank sends its signature to every peer and receives theirs (tag index 0);
    all ranks then judge the same table (``validation.judge``). A mismatch fails the collective
    on every rank with the same message, no output byte written; the group stays usable. On the
-   CPU, data for a peer of at most ``eager_bytes`` travels inside the header message (into a
-   receive buffer with that much room) and is copied to the outputs once the verdict is good:
-   a small collective is then one message per peer and one round trip, not two.
+   CPU, data for a peer of at most ``eager_bytes`` (less in groups of more than 65 ranks: 4 MiB
+   of header room per collective at most) travels inside the header message (into a receive
+   buffer with that much room) and is copied to the outputs once the verdict is good: a small
+   collective is then one message per peer and one round trip, not two.
 2. ``ready``: the direct CUDA path waits until the work queued on the caller's stream before the
    call has finished (UCX is not stream-aware and reads device memory itself); the staged path
    does not wait on the CPU: its copy streams wait for that work on the GPU.
@@ -115,7 +116,7 @@ class Collective:
         # Room for any peer's folded data, whatever this rank expects: a peer folds by its own
         # sizes and device before anyone knows whether they agree, and a receive buffer that is
         # too small fails in UCX instead of reaching the verdict.
-        room = size + g.options.eager_bytes
+        room = size + g.eager_per_peer
         self._headers = [None] * g.size
         self._headers[g.rank] = own
         for step in range(1, g.size):
@@ -134,7 +135,7 @@ class Collective:
         """Whether this plan's data may travel in headers (CPU buffers, no ring forwarding)."""
         return (
             self.plan.device == "cpu"
-            and self.group.options.eager_bytes > 0
+            and self.group.eager_per_peer > 0
             and not self.plan.forwarding
         )
 
@@ -148,7 +149,7 @@ class Collective:
             return {}
         signature = self.plan.signature
         totals = signature.send_bytes if send else signature.recv_bytes
-        limit = self.group.options.eager_bytes
+        limit = self.group.eager_per_peer
         by_peer: dict[int, list[Transfer]] = {}
         for transfer in self.plan.transfers:  # a plan lists each peer's messages in tag order
             if transfer.send == send and totals[transfer.peer] <= limit:

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 # Identifies this process's heartbeat; the worker address would do too, but is 200+ bytes.
 _PROCESS_ID = uuid.uuid4().hex[:16]
 _ABORT_KEY = "freescale/abort"
+_EAGER_ROOM_BYTES = 4 << 20
 
 
 def root_store(store: dist.Store) -> dist.Store:
@@ -74,6 +75,9 @@ class GroupContext:
         self.size = size
         self.timeout_s = timeout.total_seconds()
         self.options = options
+        # Every header receive has this much room (see ``collective``): bounded per collective,
+        # so that a group of hundreds of ranks does not allocate tens of MiB per call for it.
+        self.eager_per_peer = min(options.eager_bytes, _EAGER_ROOM_BYTES // max(1, size - 1))
         self.broken: str | None = None
         self._seq = itertools.count(1)
         self._graveyard: list[Plan] = []
