@@ -214,7 +214,7 @@ def _bench_config(args: argparse.Namespace) -> BenchConfig:
         collision_rates=(0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5),
         steps=args.steps,
         warmup=3,
-        dense="gpu" if cuda else "sleep",
+        dense=args.dense if cuda else "sleep",
         dense_ms=args.dense_ms,
         matmul_size=8192 if cuda else 512,
         device=args.device,
@@ -252,6 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="freescale", help="freescale, gloo (CPU) or nccl")
     parser.add_argument("--steps", type=int, default=20, help="steps per exactness run / bench")
     parser.add_argument("--dense-ms", type=float, default=100.0, help="GPU dense compute per step")
+    parser.add_argument(
+        "--dense",
+        choices=("gpu", "sleep"),
+        default="gpu",
+        help="dense compute on CUDA: bf16 matmuls, or a sleep that leaves the GPU to the "
+        "embeddings (a control: the two ranks' processes then do not time-slice the GPU)",
+    )
     parser.add_argument("--quick", action="store_true", help="a small dry run of every part")
     parser.add_argument("--timeout", type=float, default=420, help="seconds per part")
     parser.add_argument("--parts", default="exactness,bench")

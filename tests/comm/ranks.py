@@ -339,6 +339,11 @@ def threads_after_destroy() -> dict[str, Any]:
                 names.append(f.read().strip())
         return sorted(names)
 
+    if torch.cuda.is_available():
+        # The group's engine thread makes the CUDA context current, and the driver starts
+        # threads of its own (cuda-EvtHandlr, ...) that live as long as the process: start them
+        # first, so that only threads of the group are compared (seen on the H200 machine).
+        torch.zeros(1, device="cuda")
     before_python = {t.name for t in threading.enumerate()}
     before = count()
     group = dist.new_group(backend="freescale", timeout=timedelta(seconds=30))
