@@ -195,6 +195,23 @@ def subgroups() -> list[float]:
     return results
 
 
+def device_mesh() -> list[Any]:
+    """A 2 x 2 DeviceMesh over a freescale world: its dimension groups are freescale groups."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    backends = [dist.get_backend(mesh.get_group(dim)) for dim in ("dp", "tp")]
+    x = torch.tensor([float(rank), 10.0 * rank])
+    tp_rows = funcol.all_gather_tensor(x, 0, (mesh, 1))  # "tp": ranks 2k, 2k+1
+    y = torch.arange(4, dtype=torch.float32) + 100 * rank
+    dp_moved = funcol.all_to_all_single(y, None, None, (mesh, 0))  # "dp": ranks j, j+2
+    out = torch.empty(4)
+    dist.all_gather_into_tensor(out, x, group=mesh.get_group("dp"))
+    return [*backends, tp_rows.tolist(), dp_moved.tolist(), out.tolist()]
+
+
 def async_ops(rounds: int) -> bool:
     """Several collectives in flight at once, waited out of order, and through futures."""
     rank, n = dist.get_rank(), dist.get_world_size()

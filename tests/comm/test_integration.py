@@ -21,6 +21,17 @@ def test_subgroups(fs_group4):
     assert results[3] == [6.0, 5.0]
 
 
+def test_device_mesh_dimensions_are_freescale_groups(fs_group4):
+    for rank, result in enumerate(fs_group4.run(ranks.device_mesh)):
+        tp = [2 * (rank // 2), 2 * (rank // 2) + 1]
+        dp = [rank % 2, rank % 2 + 2]
+        assert result[:2] == ["freescale", "freescale"]
+        assert result[2] == [v for r in tp for v in (float(r), 10.0 * r)]
+        position = dp.index(rank)
+        assert result[3] == [2 * position + k + 100.0 * r for r in dp for k in range(2)]
+        assert result[4] == [v for r in dp for v in (float(r), 10.0 * r)]
+
+
 def test_async_and_futures(fs_group):
     assert fs_group.run(ranks.async_ops, 3) == [True] * fs_group.spec.world_size
 
