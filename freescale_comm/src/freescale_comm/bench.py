@@ -1,15 +1,19 @@
-"""``freescale comm bench``: AllGather / AllToAll of freescale vs Gloo, nccl-tests style.
+"""``freescale comm bench``: AllGather / AllToAll of freescale vs its peer, nccl-tests style.
 
-Local ranks on loopback run both backends in the same processes (a freescale world and a Gloo
-group over the same ranks). Method, per size (as nccl-tests, ``doc/PERFORMANCE.md``):
+Local ranks on loopback run every backend in the same processes (a freescale world and groups of
+the other backends over the same ranks). On the CPU the peer is Gloo. With ``device="cuda"``
+(rank r on GPU r mod the GPU count) freescale's direct and staged paths run, and NCCL beside them
+where every rank has a GPU of its own (NCCL refuses two ranks on one GPU); results are checked
+against Gloo's on CPU copies of the same data. Method, per size (as nccl-tests,
+``doc/PERFORMANCE.md``):
 
 1. warm-up calls of both backends (connections, caches, pages), then a correctness check of
    freescale's result against Gloo's;
 2. calls per block from a second timed warm-up pass of the slower backend, so that a block lasts
    about ``target_s`` (the same count for both backends, agreed across ranks);
-3. ``blocks`` measurement blocks per backend, freescale and Gloo alternating (ABBA order, so
-   that neither always runs first after the other), a barrier only between blocks: each rank
-   times its own block of back-to-back calls, per call;
+3. ``blocks`` measurement blocks per backend, backends alternating (ABBA order, so that none
+   always runs first after another), a barrier only between blocks: each rank times its own
+   block of back-to-back calls, per call (on CUDA until the device is done with the block);
 4. per block the slowest rank's time (one reduction at the end, none while measuring); the
    figure is the median over blocks, with the fastest and slowest block beside it.
 
@@ -32,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 OPS = ("all_gather", "all_to_all")
-BACKENDS = ("freescale", "gloo")
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class BenchConfig:
         target_s: time one block aims at (sets the calls per block).
         max_calls: bound on the calls per block.
         env: FREESCALE_* / UCX_* variables for the ranks.
+        device: ``"cpu"`` or ``"cuda"`` tensors.
     """
 
     world_size: int = 2
@@ -63,6 +67,7 @@ class BenchConfig:
     target_s: float = 0.05
     max_calls: int = 500
     env: dict[str, str] = field(default_factory=dict)
+    device: str = "cpu"
 
     def sizes(self) -> list[int]:
         """The sweep, ``min_bytes`` to ``max_bytes`` by ``factor``."""
@@ -72,6 +77,13 @@ class BenchConfig:
             size *= self.factor
         return sizes
 
+    def backends(self, gpus: int) -> tuple[str, ...]:
+        """The backends compared, freescale's first, the peer last (``gpus``: GPUs present)."""
+        if self.device == "cpu":
+            return ("freescale", "gloo")
+        own = ("freescale_direct", "freescale_staged")
+        return (*own, "nccl") if gpus >= self.world_size else own
+
 
 def _rank_main(rank: int, config: BenchConfig, port: int, queue: Any) -> None:
     os.environ.update(config.env)
@@ -80,17 +92,28 @@ def _rank_main(rank: int, config: BenchConfig, port: int, queue: Any) -> None:
     import torch.distributed as dist
 
     import freescale_comm
+    from freescale_comm.options import FreescaleOptions
 
     torch.set_num_threads(1)
     freescale_comm.register()
+    gpus = torch.cuda.device_count() if config.device == "cuda" else 0
+    if config.device == "cuda":
+        torch.cuda.set_device(rank % gpus)
+    timeout = timedelta(seconds=120)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group(
-        "freescale", store=store, rank=rank, world_size=config.world_size,
-        timeout=timedelta(seconds=120),
-    )
-    gloo = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
+    dist.init_process_group("freescale", store=store, rank=rank, world_size=config.world_size,
+                            timeout=timeout, pg_options=FreescaleOptions(cuda_path="direct"))
+    gloo = dist.new_group(backend="gloo", timeout=timeout)
+    groups: dict[str, Any] = {"freescale": None, "freescale_direct": None, "gloo": gloo}
+    names = config.backends(gpus)
+    if "freescale_staged" in names:
+        groups["freescale_staged"] = dist.new_group(
+            backend="freescale", timeout=timeout, pg_options=FreescaleOptions(cuda_path="staged"))
+    if "nccl" in names:
+        groups["nccl"] = dist.new_group(backend="nccl", timeout=timeout)
     try:
-        rows = [_measure(config, op, size, gloo) for op in config.ops for size in config.sizes()]
+        rows = [_measure(config, op, size, {n: groups[n] for n in names}, gloo)
+                for op in config.ops for size in config.sizes()]
         if rank == 0:
             queue.put(("ok", rows))
     except BaseException as err:
@@ -100,39 +123,49 @@ def _rank_main(rank: int, config: BenchConfig, port: int, queue: Any) -> None:
         dist.destroy_process_group()
 
 
-def _calls(op: str, size: int, gloo: Any) -> tuple[int, dict[str, Callable[[], None]], Any]:
-    """The per-backend calls of ``op`` at ``size``, their element count, and the outputs."""
+def _calls(
+    op: str, size: int, groups: dict[str, Any], device: str, gloo: Any
+) -> tuple[int, dict[str, Callable[[], None]], dict[str, Any], Any]:
+    """Per backend: the call of ``op`` at ``size`` and its output; the element count, and the
+    expected output (Gloo's result on CPU copies of the same data)."""
     import torch
     import torch.distributed as dist
 
     n, rank = dist.get_world_size(), dist.get_rank()
     elements = max(n, size // 4 // n * n)  # float32, divisible by n
-    out = {name: torch.empty(elements) for name in BACKENDS}
-    groups = {"freescale": None, "gloo": gloo}
-    if op == "all_gather":
-        data = torch.rand(elements // n, generator=torch.Generator().manual_seed(rank))
+    out = {name: torch.empty(elements, device=device) for name in groups}
+    count = elements // n if op == "all_gather" else elements
+    host = torch.rand(count, generator=torch.Generator().manual_seed(rank))
+    data = host.to(device)
+    want = torch.empty(elements)
+    collective = dist.all_gather_into_tensor if op == "all_gather" else dist.all_to_all_single
+    collective(want, host, group=gloo)
 
-        def make(name: str) -> Callable[[], None]:
-            return lambda: dist.all_gather_into_tensor(out[name], data, group=groups[name])
-    else:
-        data = torch.rand(elements, generator=torch.Generator().manual_seed(rank))
+    def make(name: str) -> Callable[[], None]:
+        return lambda: collective(out[name], data, group=groups[name])
 
-        def make(name: str) -> Callable[[], None]:
-            return lambda: dist.all_to_all_single(out[name], data, group=groups[name])
-
-    return elements, {name: make(name) for name in BACKENDS}, out
+    return elements, {name: make(name) for name in groups}, out, want
 
 
-def _measure(config: BenchConfig, op: str, size: int, gloo: Any) -> dict[str, Any]:
+def _measure(
+    config: BenchConfig, op: str, size: int, groups: dict[str, Any], gloo: Any
+) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
     n = dist.get_world_size()
-    elements, calls, out = _calls(op, size, gloo)
+    names = list(groups)
+    elements, calls, out, want = _calls(op, size, groups, config.device, gloo)
+
+    def done() -> None:
+        if config.device == "cuda":
+            torch.cuda.synchronize()
+
     for call in calls.values():
         for _ in range(config.warmup):
             call()
-    correct = bool(torch.equal(out["freescale"], out["gloo"]))
+    done()
+    correct = all(bool(torch.equal(out[name].cpu(), want)) for name in names)
     # Calls per block from a second, warm pass (the first calls pay for connections and pages).
     warm = []
     for call in calls.values():
@@ -140,24 +173,25 @@ def _measure(config: BenchConfig, op: str, size: int, gloo: Any) -> dict[str, An
         start = time.perf_counter()
         for _ in range(config.warmup):
             call()
+        done()
         warm.append((time.perf_counter() - start) / config.warmup)
     per_call = _max_over_ranks([max(warm)], gloo)[0]
     count = max(1, min(config.max_calls, int(config.target_s / max(per_call, 1e-7))))
-    mine: dict[str, list[float]] = {name: [] for name in BACKENDS}
+    mine: dict[str, list[float]] = {name: [] for name in names}
     for block in range(config.blocks):
-        order = BACKENDS if block % 2 == 0 else BACKENDS[::-1]
-        for name in order:
+        for name in names if block % 2 == 0 else names[::-1]:
             call = calls[name]
             dist.barrier(group=gloo)
             start = time.perf_counter()
             for _ in range(count):
                 call()
+            done()
             mine[name].append((time.perf_counter() - start) / count)
-    slowest = _max_over_ranks([t for name in BACKENDS for t in mine[name]], gloo)
+    slowest = _max_over_ranks([t for name in names for t in mine[name]], gloo)
     nbytes = elements * 4
     row: dict[str, Any] = {"op": op, "size": nbytes, "world_size": n, "calls_per_block": count,
                            "correct": correct}
-    for index, name in enumerate(BACKENDS):
+    for index, name in enumerate(names):
         blocks = slowest[index * config.blocks : (index + 1) * config.blocks]
         seconds = statistics.median(blocks)
         algbw = nbytes / seconds / 1e9
@@ -202,31 +236,40 @@ def run_bench(config: BenchConfig, timeout_s: float = 1800) -> dict[str, Any]:
         raise RuntimeError(f"benchmark failed: {payload}")
     from freescale_comm.transport import ucx_version
 
+    backends = [name for name, value in payload[0].items() if isinstance(value, dict)]
     return {
         "config": asdict(config),
-        "method": "per size: warm-up, then blocks of back-to-back calls, freescale and Gloo "
-                  "blocks alternating (ABBA), barrier only between blocks; time = median over "
-                  "blocks of the slowest rank's time per call",
+        "backends": backends,
+        "method": "per size: warm-up, then blocks of back-to-back calls, the backends' blocks "
+                  "alternating (ABBA), barrier only between blocks; time = median over blocks of "
+                  "the slowest rank's time per call (on CUDA until the device is done)",
         "versions": {"freescale_comm": freescale_comm.__version__, "torch": torch.__version__,
                      "ucx": ucx_version()},
-        "host": {"cpus": os.cpu_count(), "load_avg_1m_at_end": os.getloadavg()[0]},
+        "host": {"cpus": os.cpu_count(), "load_avg_1m_at_end": os.getloadavg()[0],
+                 "gpus": torch.cuda.device_count() if config.device == "cuda" else 0},
         "rows": payload,
     }
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """nccl-tests style columns, freescale beside Gloo."""
-    head = (f"{'op':<11}{'ranks':>6}{'size(B)':>12}  {'fs time(us)':>12}{'algbw':>8}{'busbw':>8}"
-            f"  {'gloo time(us)':>14}{'algbw':>8}{'busbw':>8}  {'fs/gloo':>8}  ok")
+    """nccl-tests style columns, one group per backend; the ratio of freescale's time to the
+    peer's (the last backend)."""
+    names = report.get("backends", ["freescale", "gloo"])
+    short = {"freescale": "fs", "freescale_direct": "direct", "freescale_staged": "staged"}
+    ratio = f"{short.get(names[0], names[0])}/{short.get(names[-1], names[-1])}"
+    head = f"{'op':<11}{'ranks':>6}{'size(B)':>12}"
+    for name in names:
+        head += f"  {short.get(name, name) + ' time(us)':>16}{'algbw':>8}{'busbw':>8}"
+    head += f"  {ratio:>13}  ok"
     lines = [head, "-" * len(head)]
     for row in report["rows"]:
-        fs, gl = row["freescale"], row["gloo"]
-        lines.append(
-            f"{row['op']:<11}{row['world_size']:>6}{row['size']:>12}  {fs['time_us']:>12.1f}"
-            f"{fs['algbw']:>8.2f}{fs['busbw']:>8.2f}  {gl['time_us']:>14.1f}{gl['algbw']:>8.2f}"
-            f"{gl['busbw']:>8.2f}  {fs['time_us'] / gl['time_us']:>8.2f}  "
-            f"{'yes' if row['correct'] else 'NO'}"
-        )
+        line = f"{row['op']:<11}{row['world_size']:>6}{row['size']:>12}"
+        for name in names:
+            r = row[name]
+            line += f"  {r['time_us']:>16.1f}{r['algbw']:>8.2f}{r['busbw']:>8.2f}"
+        line += (f"  {row[names[0]]['time_us'] / row[names[-1]]['time_us']:>13.2f}  "
+                 f"{'yes' if row['correct'] else 'NO'}")
+        lines.append(line)
     lines.append("bandwidths in GB/s; times: median over alternating blocks of the slowest "
                  "rank's time per call")
     return "\n".join(lines)
@@ -251,13 +294,13 @@ def write_report(report: dict[str, Any], out: Path) -> list[Path]:
     for col, op in enumerate(ops):
         rows = [r for r in report["rows"] if r["op"] == op]
         sizes = [r["size"] for r in rows]
-        for name in BACKENDS:
+        for name in report.get("backends", ["freescale", "gloo"]):
             axes[0][col].plot(sizes, [r[name]["busbw"] for r in rows], marker="o", label=name)
             times = [r[name]["time_us"] for r in rows]
             spread = [[t - r[name]["min_us"] for t, r in zip(times, rows, strict=True)],
                       [r[name]["max_us"] - t for t, r in zip(times, rows, strict=True)]]
             axes[1][col].errorbar(sizes, times, yerr=spread, marker="o", capsize=2, label=name)
-        axes[0][col].set_title(f"{op}, {n} ranks")
+        axes[0][col].set_title(f"{op}, {n} ranks, {report['config'].get('device', 'cpu')}")
         axes[0][col].set_ylabel("busbw (GB/s)")
         axes[1][col].set_ylabel("time per call (us), bars: fastest..slowest block")
         for ax in (axes[0][col], axes[1][col]):

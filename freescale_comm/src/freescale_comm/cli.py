@@ -22,7 +22,11 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="UCX version and transports, GPUs, PCIe, NCCL")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
-    bench = commands.add_parser("bench", help="AllGather / AllToAll: freescale vs Gloo (CPU)")
+    bench = commands.add_parser(
+        "bench", help="AllGather / AllToAll: freescale vs Gloo (CPU) or NCCL (CUDA)")
+    bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                       help="cuda: freescale's direct and staged paths, NCCL where every rank "
+                       "has a GPU of its own")
     bench.add_argument("--world-sizes", default="2", help="comma-separated, e.g. 2,4")
     bench.add_argument("--min-bytes", type=_size, default="4K")
     bench.add_argument("--max-bytes", type=_size, default="64M", help="up to 1G")
@@ -60,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             warmup=args.warmup,
             blocks=args.blocks,
             target_s=args.target_s,
+            device=args.device,
         )
         report = run_bench(config)
         reports.append(report)

@@ -1,0 +1,27 @@
+"""``freescale comm bench``: which backends it compares, and a small sweep end to end (CPU)."""
+
+from __future__ import annotations
+
+import json
+
+from freescale_comm.bench import BenchConfig
+from freescale_comm.cli import main
+
+
+def test_backends_by_device_and_gpu_count():
+    assert BenchConfig().backends(0) == ("freescale", "gloo")
+    cuda = BenchConfig(device="cuda", world_size=2)
+    # NCCL refuses two ranks on one GPU: it joins only where every rank has its own.
+    assert cuda.backends(1) == ("freescale_direct", "freescale_staged")
+    assert cuda.backends(2) == ("freescale_direct", "freescale_staged", "nccl")
+
+
+def test_small_sweep_is_correct_and_reported(tmp_path, capsys):
+    assert main(["bench", "--world-sizes", "2", "--min-bytes", "4K", "--max-bytes", "16K",
+                 "--factor", "4", "--blocks", "2", "--warmup", "1", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "comm_bench.json").read_text())["reports"][0]
+    assert report["backends"] == ["freescale", "gloo"]
+    assert [(r["op"], r["size"]) for r in report["rows"]] == [
+        ("all_gather", 4096), ("all_gather", 16384), ("all_to_all", 4096), ("all_to_all", 16384)]
+    assert all(r["correct"] for r in report["rows"])
+    assert "fs/gloo" in capsys.readouterr().out
