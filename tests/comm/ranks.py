@@ -169,6 +169,25 @@ def delegated_ops() -> list[float]:
     return [t.item(), b.item(), rs.item()]
 
 
+def delegated_ops_back_to_back(rounds: int) -> int:
+    """Delegated collectives issued back to back, their tensors kept alive; returns ``rounds``.
+
+    Each call comes while Gloo's worker may still be freeing the previous one's work (which
+    takes the GIL for the tensors' Python objects, under the lock the next call takes): a call
+    that entered Gloo holding the GIL deadlocked here within a few hundred rounds.
+    """
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for _ in range(rounds):
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t)
+        b = torch.tensor([float(rank)])
+        dist.broadcast(b, src=n - 1)
+        dist.barrier()
+        if t.item() != n * (n + 1) / 2 or b.item() != n - 1:
+            raise AssertionError(f"all_reduce gave {t.item()}, broadcast {b.item()}")
+    return rounds
+
+
 def subgroups() -> list[float]:
     """new_group / new_subgroups of the freescale backend, overlapping groups included."""
     rank, n = dist.get_rank(), dist.get_world_size()

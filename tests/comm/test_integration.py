@@ -5,12 +5,20 @@ from __future__ import annotations
 import pytest
 
 from tests.comm import ranks
+from tests.comm.conftest import SETUP
 
 
 def test_delegated_ops_run_on_gloo(fs_group):
     n = fs_group.spec.world_size
     for rank, result in enumerate(fs_group.run(ranks.delegated_ops)):
         assert result == [n * (n + 1) / 2, n - 1, rank * n]
+
+
+def test_delegated_ops_back_to_back_do_not_deadlock(local_groups):
+    # One process per rank is enough: the deadlock was between threads of one process. A
+    # thousand rounds take about a second; before the fix nearly every run hung within them.
+    group = local_groups.get(2, backend="freescale", setup=SETUP, init_timeout_s=60)
+    assert group.run(ranks.delegated_ops_back_to_back, 1000, timeout_s=120) == [1000, 1000]
 
 
 def test_subgroups(fs_group4):

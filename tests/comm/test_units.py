@@ -80,3 +80,15 @@ def test_comm_info_command():
         check=True, capture_output=True, text=True,
     ).stdout
     assert "UCX 1." in out and "transports:" in out
+
+
+def test_every_collective_torchs_trampoline_intercepts_is_overridden():
+    # torch's PyProcessGroup runs these through its trampoline; one a Python subclass leaves to
+    # the C++ base runs with the GIL held and can deadlock Gloo / NCCL (process_group's docstring).
+    from freescale_comm.process_group import ProcessGroupFreescale
+
+    trampolined = ["allgather", "all_gather_single_coalesced", "allreduce", "allreduce_coalesced",
+                   "all_to_all_single", "barrier", "broadcast", "reduce_scatter",
+                   "reduce_scatter_single_coalesced", "send", "recv"]
+    missing = [name for name in trampolined if name not in vars(ProcessGroupFreescale)]
+    assert missing == []

@@ -7,6 +7,14 @@ runs there by tensor device, also when the caller is C++ (DDP's reducer, functio
 torch.compile). It overrides every AllGather / AllToAll entry point, under both the torch 2.13
 names and the torch 2.11 ones (``_allgather_base``, ``alltoall_base``,
 ``allgather_into_tensor_coalesced``): a name left out silently runs on Gloo / NCCL instead.
+
+The delegated collectives that torch's trampoline for Python process groups (``PyProcessGroup``)
+intercepts are overridden too, only to hand them to a plain C++ ``ProcessGroup`` over the same
+backends (``_plain``): for a method a Python subclass does not override, that trampoline runs the
+C++ base implementation with the GIL still held, and so enters the Gloo backend holding it. Gloo's
+worker threads free finished work, whose tensors need the GIL to drop their Python objects, while
+holding the lock that every new Gloo collective takes: a rank that issues its next delegated
+collective in that instant deadlocks (its peers then time out in that collective).
 """
 
 from __future__ import annotations
@@ -51,20 +59,29 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         super().__init__(rank, size)
         self.options = options
         self.timeout = timeout
+        backend_type = dist.ProcessGroup.BackendType
         gloo = dist.ProcessGroupGloo(dist.PrefixStore("freescale/gloo", store), rank, size, timeout)
-        self._delegates: list[Any] = [gloo]
-        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
-        default = dist.ProcessGroup.BackendType.GLOO
+        backends: list[tuple[torch.device, Any, Any]] = [
+            (torch.device("cpu"), backend_type.GLOO, gloo)
+        ]
+        default = backend_type.GLOO
         if torch.cuda.is_available() and dist.is_nccl_available():
             nccl_options = dist.ProcessGroupNCCL.Options()
             nccl_options._timeout = timeout
             nccl = dist.ProcessGroupNCCL(
                 dist.PrefixStore("freescale/nccl", store), rank, size, nccl_options
             )
-            self._delegates.append(nccl)
-            self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
-            default = dist.ProcessGroup.BackendType.NCCL
-        self._set_default_backend(default)
+            backends.append((torch.device("cuda"), backend_type.NCCL, nccl))
+            default = backend_type.NCCL
+        self._delegates: list[Any] = [backend for _, _, backend in backends]
+        # The same backends also behind a process group that is not a Python subclass: its
+        # bindings release the GIL and no trampoline takes it back, so the delegated collectives
+        # (``_DELEGATED``) reach Gloo / NCCL without the GIL (see the module docstring).
+        self._plain = dist.ProcessGroup(rank, size)
+        for group in (self, self._plain):
+            for device, kind, backend in backends:
+                group._register_backend(device, kind, backend)
+            group._set_default_backend(default)
         self._ctx = GroupContext(store, rank, size, timeout, options)
 
     def name(self) -> str:
@@ -216,6 +233,39 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         """Tells every rank the group is aborted, then shuts down like ``shutdown``."""
         self._ctx.abort(f"rank {self.rank()}: abort() was called")
         self._ctx.close()
+
+
+# The delegated collectives that ``PyProcessGroup`` (torch's trampoline) intercepts, under their
+# torch 2.13 and 2.11 names: each must be overridden here, or it enters Gloo / NCCL holding the
+# GIL (module docstring). The others (reduce, gather, scatter, ...) never pass the trampoline.
+_DELEGATED = (
+    "allreduce",
+    "allreduce_coalesced",
+    "barrier",
+    "broadcast",
+    "reduce_scatter",
+    "reduce_scatter_single_coalesced",
+    "reduce_scatter_tensor_coalesced",
+    "send",
+    "recv",
+)
+
+
+def _delegated(name: str) -> Any:
+    """A method that runs ``name`` on the group's plain twin (``_plain``), GIL released."""
+
+    def method(self: ProcessGroupFreescale, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._plain, name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"``{name}`` on the Gloo / NCCL backend, entered without the GIL."
+    return method
+
+
+for _name in _DELEGATED:
+    # A name this torch lacks is one its trampoline cannot call either.
+    if hasattr(dist.ProcessGroup, _name):
+        setattr(ProcessGroupFreescale, _name, _delegated(_name))
 
 
 def create_process_group(backend_options: Any, pg_options: Any) -> ProcessGroupFreescale:
