@@ -188,6 +188,18 @@ def delegated_ops_back_to_back(rounds: int) -> int:
     return rounds
 
 
+def in_place_all_gather(elements: int) -> bool:
+    """all_gather_into_tensor whose input is this rank's slot of the output (FSDP's call)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = torch.full((n * elements,), -1.0)
+    mine = out.view(n, elements)[rank]
+    mine.copy_(torch.arange(elements, dtype=torch.float32) + 1000 * rank)
+    dist.all_gather_into_tensor(out, mine)
+    want = torch.cat([torch.arange(elements, dtype=torch.float32) + 1000 * r for r in range(n)])
+    _same(out, want, "in-place all_gather_into_tensor")
+    return True
+
+
 def subgroups() -> list[float]:
     """new_group / new_subgroups of the freescale backend, overlapping groups included."""
     rank, n = dist.get_rank(), dist.get_world_size()

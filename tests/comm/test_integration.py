@@ -21,6 +21,12 @@ def test_delegated_ops_back_to_back_do_not_deadlock(local_groups):
     assert group.run(ranks.delegated_ops_back_to_back, 1000, timeout_s=120) == [1000, 1000]
 
 
+@pytest.mark.parametrize("elements", [5, 300_000])  # direct; ring on 4 ranks (>= 1 MiB)
+def test_in_place_all_gather(fs_group, fs_group4, elements):
+    for group in (fs_group, fs_group4):
+        assert group.run(ranks.in_place_all_gather, elements) == [True] * group.spec.world_size
+
+
 def test_subgroups(fs_group4):
     results = fs_group4.run(ranks.subgroups)
     assert results[0] == [1.0, 1.0]

@@ -92,3 +92,18 @@ def test_every_collective_torchs_trampoline_intercepts_is_overridden():
                    "reduce_scatter_single_coalesced", "send", "recv"]
     missing = [name for name in trampolined if name not in vars(ProcessGroupFreescale)]
     assert missing == []
+
+
+def test_own_piece_already_in_place_is_not_copied():
+    import torch
+
+    from freescale_comm import algorithms
+
+    n, rank = 4, 1
+    out = torch.zeros(n * 6)
+    for allgather in ("direct", "ring"):
+        options = FreescaleOptions(allgather=allgather, ring_threshold_bytes=1)
+        in_place = algorithms.all_gather_into_tensor(
+            "ag", rank, n, [out], [out.view(n, 6)[rank]], options)
+        apart = algorithms.all_gather_into_tensor("ag", rank, n, [out], [torch.ones(6)], options)
+        assert in_place.local_copies == [] and len(apart.local_copies) == 1

@@ -106,6 +106,18 @@ def flat_bytes(tensor: torch.Tensor) -> Bytes:
     return flat if flat.is_cuda else flat.numpy()
 
 
+def _address(buffer: Bytes) -> int:
+    return buffer.data_ptr() if isinstance(buffer, torch.Tensor) else buffer.ctypes.data
+
+
+def _copy_own(plan: Plan, dst: Bytes, src: Bytes) -> None:
+    """Queues the copy of this rank's own piece, unless it is already in place (an AllGather
+    whose input is its slot of the output, as FSDP calls it): on a GPU that copy would be an
+    HBM-bound DtoD copy beside the compute the collective overlaps."""
+    if len(dst) != len(src) or _address(dst) != _address(src):
+        plan.local_copies.append((dst, src))
+
+
 def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[:] = src`` for host bytes; large copies through torch, which spreads them over its
     intra-op threads (numpy copies on one)."""
@@ -191,7 +203,7 @@ def _exchange(
         if len(send[dst]):
             plan.transfers.append(Transfer(dst, send[dst], sub, send=True))
     if len(send[rank]):
-        plan.local_copies.append((recv[rank], send[rank]))
+        _copy_own(plan, recv[rank], send[rank])
 
 
 def all_to_all_single(
@@ -364,7 +376,7 @@ def _ring(
     n = len(targets)
     size = len(source)
     if size:
-        plan.local_copies.append((targets[rank], source))
+        _copy_own(plan, targets[rank], source)
     if n == 1 or size == 0:
         return
     chunks = max(1, min(math.ceil(size / chunk_bytes), (MAX_SUB - 1) // (n - 1)))
