@@ -51,9 +51,13 @@ def segment_sum_pairwise(
     The rows of a segment, in input order, are summed level by level: rows ``2j`` and ``2j+1``
     of a level make row ``j`` of the next (an odd last row passes through). The tree's shape
     depends only on the segment's row count, and each level adds distinct pairs with no
-    atomics, so the result depends only on the segment's own rows and their order. A handful of
-    kernels per level and ``ceil(log2(most rows of a segment))`` levels: hot IDs cost a few
-    levels, not one launch per occurrence.
+    atomics, so the result depends only on the segment's own rows and their order.
+
+    The levels work in place on the segment-sorted rows: at level ``k`` the row at position
+    ``p`` of its segment (``p`` a multiple of ``2**(k+1)``) adds the row at ``p + 2**k`` if the
+    segment has one — the same pairs, in the same order, as compacting each level, but with
+    shapes fixed in advance: two reads back to the host in all (the levels, the result rows)
+    instead of two per level, each of which would wait for the GPU.
     """
     device = values.device
     out = torch.zeros(num_segments, *values.shape[1:], dtype=values.dtype, device=device)
@@ -65,24 +69,17 @@ def segment_sum_pairwise(
     counts = torch.bincount(segments, minlength=num_segments)
     starts = torch.cumsum(counts, 0) - counts
     position = torch.arange(segments.numel(), device=device) - starts.index_select(0, segments)
-    levels = max(int(counts.max()) - 1, 0).bit_length()
-    for _ in range(levels):
-        keep = (position % 2 == 0).nonzero().flatten()
-        partner = keep + 1
-        # The next row is the partner if it is the same segment's next row.
-        paired = (partner < segments.numel()) & (
-            segments.index_select(0, partner.clamp(max=segments.numel() - 1))
-            == segments.index_select(0, keep)
-        )
-        with_partner = paired.nonzero().flatten()
-        sums = values.index_select(0, keep.index_select(0, with_partner)) + values.index_select(
-            0, partner.index_select(0, with_partner)
-        )
-        values = values.index_select(0, keep).index_copy_(0, with_partner, sums)
-        segments = segments.index_select(0, keep)
-        position = position.index_select(0, keep) // 2
-    # One row per non-empty segment is left: distinct targets, so index_copy_ is exact.
-    return out.index_copy_(0, segments, values)
+    rows_of_segment = counts.index_select(0, segments)
+    last = segments.numel() - 1
+    shape = (-1,) + (1,) * (values.dim() - 1)
+    for level in range(max(int(counts.max()) - 1, 0).bit_length()):
+        stride = 1 << level
+        adds = (position % (2 * stride) == 0) & (position + stride < rows_of_segment)
+        partner = (torch.arange(segments.numel(), device=device) + stride).clamp(max=last)
+        values = torch.where(adds.view(shape), values + values.index_select(0, partner), values)
+    # Each segment's sum is its first row: distinct targets, so index_copy_ is exact.
+    heads = (position == 0).nonzero().flatten()
+    return out.index_copy_(0, segments.index_select(0, heads), values.index_select(0, heads))
 
 
 def row_sum(values: torch.Tensor) -> torch.Tensor:
