@@ -209,3 +209,19 @@ def runs_repeat(case: Case) -> bool:
     """Two sync runs of the same case give the same bits."""
     _bitwise_equal(train(case, "sync"), train(case, "sync"))
     return True
+
+
+def prefetch_group_options() -> list[Any]:
+    """A prioritized collection on a freescale subgroup with its own options: the prefetch
+    thread's group gets the same options."""
+    from freescale_comm import FreescaleOptions
+
+    options = FreescaleOptions(cuda_path="staged", chunk_bytes=1 << 20)
+    group = dist.new_group(backend="freescale", pg_options=options)
+    table = TableConfig("items", 64, 4, ["history"])
+    emb = ShardedEmbeddingCollection([table], group=group, mode="prioritized")
+    try:
+        return [emb._background_group.options == options, dist.get_backend(emb._background_group)]
+    finally:
+        emb.close()
+        dist.destroy_process_group(group)

@@ -135,3 +135,9 @@ def test_bad_input_raises_everywhere_on_freescale(local_groups, mode):
     messages = _group(local_groups, 2, "freescale").run(bad_batch, "too_large", mode)
     assert messages[0] == messages[1]
     assert "rank 1: feature 'category': ID 61 at position 0 is out of range" in messages[0]
+
+
+@FREESCALE
+def test_prefetch_group_keeps_the_freescale_options(local_groups):
+    results = _group(local_groups, 2, "freescale").run(ranks.prefetch_group_options)
+    assert results == [[True, "freescale"]] * 2

@@ -176,11 +176,15 @@ class ShardedEmbeddingCollection(nn.Module):
         self._background: Channel | None = None
         if mode == "prioritized":
             # The same backend as the training thread's: it moves the same tensors (CUDA ones
-            # cannot go through Gloo), and on ``freescale`` the prefetch stays off the SMs.
+            # cannot go through Gloo), and on ``freescale`` the prefetch stays off the SMs —
+            # with the group's own options (a staged CUDA path must stay staged).
+            backend = dist.get_backend(self.group)
+            group = self.group if self.group is not None else dist.group.WORLD
             self._background_group = dist.new_group(
                 ranks=dist.get_process_group_ranks(self.group),
-                backend=dist.get_backend(self.group),
+                backend=backend,
                 timeout=timeout,
+                pg_options=getattr(group, "options", None) if backend == "freescale" else None,
             )
             self._background = Channel(self._background_group, self.device)
             self._worker = Worker(timeout, stream_order(self.device))
