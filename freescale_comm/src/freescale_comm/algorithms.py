@@ -241,14 +241,13 @@ def all_to_all_single(
     out_row = output.element_size() * math.prod(output.shape[1:])
     send_bytes = [s * in_row for s in splits[0]]
     recv_bytes = [s * out_row for s in splits[1]]
+    if send_bytes[rank] != recv_bytes[rank]:
+        b.fail(f"sends {send_bytes[rank]} bytes to itself but expects {recv_bytes[rank]}")
     plan = Plan(b.signature(1, send_bytes, recv_bytes), result=[output])
     if b.error:
         return plan
     send = _pieces(b.source(input), send_bytes)
     recv = _pieces(b.target(output), recv_bytes)
-    if send_bytes[rank] != recv_bytes[rank]:
-        b.fail(f"sends {send_bytes[rank]} bytes to itself but expects {recv_bytes[rank]}")
-        return Plan(b.signature(1, send_bytes, recv_bytes), result=[output])
     _exchange(plan, rank, send, recv, sub=1)
     plan.copy_back = b.copy_back
     return plan

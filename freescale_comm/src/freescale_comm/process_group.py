@@ -90,12 +90,6 @@ class ProcessGroupFreescale(dist.ProcessGroup):
     def _rs(self) -> tuple[int, int]:
         return self.rank(), self.size()
 
-    def _run(self, name: str, plan: Plan, opts: Any) -> FreescaleWork:
-        op = Collective(self._ctx, name, plan)
-        # c10d sets asyncOp=False when it will wait at once; C++ callers leave the default.
-        self._ctx.launch(op, caller_waits=not getattr(opts, "asyncOp", True))
-        return FreescaleWork(op)
-
     def _staged(self) -> bool:
         """Whether CUDA tensors take the staged path (``cuda_path``, or what UCX can do)."""
         path = self.options.cuda_path
@@ -104,12 +98,15 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             path = "direct" if self._ctx.transport.cuda_support else "staged"
         return path == "staged"
 
-    def _own(self, name: str, build: Any, outputs: Any, inputs: Any, opts: Any) -> FreescaleWork:
-        plan = build(outputs, inputs)
+    def _own(self, plan: Plan, opts: Any) -> FreescaleWork:
+        """Starts ``plan`` (CUDA tensors on the staged path if so configured)."""
         if plan.signature.device == "cuda" and self._staged():
             plan.staged = True
             plan.signature = dataclasses.replace(plan.signature, device="cuda-staged")
-        return self._run(name, plan, opts)
+        op = Collective(self._ctx, plan.signature.op, plan)
+        # c10d sets asyncOp=False when it will wait at once; C++ callers leave the default.
+        self._ctx.launch(op, caller_waits=not getattr(opts, "asyncOp", True))
+        return FreescaleWork(op)
 
     # ----------------------------------------------------------------- AllGather
     def allgather(
@@ -119,10 +116,8 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         opts: Any = None,
     ) -> FreescaleWork:
         """``dist.all_gather``: ``output_tensors[0][p]`` receives rank p's ``input_tensors[0]``."""
-        def build(outs: Any, ins: Any) -> Plan:
-            return algorithms.all_gather("all_gather", *self._rs(), outs, ins, self.options)
-
-        return self._own("all_gather", build, output_tensors, input_tensors, opts)
+        return self._own(algorithms.all_gather(
+            "all_gather", *self._rs(), output_tensors, input_tensors, self.options), opts)
 
     def allgather_coalesced(
         self,
@@ -131,23 +126,15 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         opts: Any = None,
     ) -> FreescaleWork:
         """``dist.all_gather_coalesced``: one list AllGather per input, in one collective."""
-        def build(outs: Any, ins: Any) -> Plan:
-            return algorithms.all_gather(
-                "all_gather_coalesced", *self._rs(), outs, ins, self.options
-            )
-
-        return self._own("all_gather_coalesced", build, output_lists, input_list, opts)
+        return self._own(algorithms.all_gather(
+            "all_gather_coalesced", *self._rs(), output_lists, input_list, self.options), opts)
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> FreescaleWork:
         """``dist.all_gather_into_tensor`` (torch 2.13 name)."""
-        def build(outs: Any, ins: Any) -> Plan:
-            return algorithms.all_gather_into_tensor(
-                "all_gather_into_tensor", *self._rs(), outs, ins, self.options
-            )
-
-        return self._own("all_gather_into_tensor", build, [output], [input], opts)
+        return self._own(algorithms.all_gather_into_tensor(
+            "all_gather_into_tensor", *self._rs(), [output], [input], self.options), opts)
 
     def _allgather_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -162,14 +149,9 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         opts: Any = None,
     ) -> FreescaleWork:
         """Coalesced ``all_gather_into_tensor`` (functional collectives, torch.compile)."""
-        def build(outs: Any, ins: Any) -> Plan:
-            return algorithms.all_gather_into_tensor(
-                "all_gather_into_tensor_coalesced", *self._rs(), outs, ins, self.options
-            )
-
-        return self._own(
-            "all_gather_into_tensor_coalesced", build, list(outputs), list(inputs), opts
-        )
+        return self._own(algorithms.all_gather_into_tensor(
+            "all_gather_into_tensor_coalesced", *self._rs(), list(outputs), list(inputs),
+            self.options), opts)
 
     def allgather_into_tensor_coalesced(
         self,
@@ -190,13 +172,9 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         opts: Any = None,
     ) -> FreescaleWork:
         """``dist.all_to_all_single``; empty split lists mean even splits (torch 2.13 name)."""
-        def build(outs: Any, ins: Any) -> Plan:
-            return algorithms.all_to_all_single(
-                "all_to_all_single", *self._rs(), outs[0], ins[0], output_split_sizes,
-                input_split_sizes,
-            )
-
-        return self._own("all_to_all_single", build, [output], [input], opts)
+        return self._own(algorithms.all_to_all_single(
+            "all_to_all_single", *self._rs(), output, input, output_split_sizes,
+            input_split_sizes), opts)
 
     def alltoall_base(
         self,
@@ -216,10 +194,8 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         opts: Any = None,
     ) -> FreescaleWork:
         """``dist.all_to_all`` (lists): ``input_tensors[p]`` goes to rank p."""
-        def build(outs: Any, ins: Any) -> Plan:
-            return algorithms.all_to_all("all_to_all", *self._rs(), outs, ins)
-
-        return self._own("all_to_all", build, list(output_tensors), list(input_tensors), opts)
+        return self._own(algorithms.all_to_all(
+            "all_to_all", *self._rs(), list(output_tensors), list(input_tensors)), opts)
 
     # ----------------------------------------------------------------- lifecycle
     def shutdown(self) -> None:

@@ -68,14 +68,15 @@ def segment_sum_pairwise(
     values = values.index_select(0, order)
     counts = torch.bincount(segments, minlength=num_segments)
     starts = torch.cumsum(counts, 0) - counts
-    position = torch.arange(segments.numel(), device=device) - starts.index_select(0, segments)
+    index = torch.arange(segments.numel(), device=device)
+    position = index - starts.index_select(0, segments)
     rows_of_segment = counts.index_select(0, segments)
     last = segments.numel() - 1
     shape = (-1,) + (1,) * (values.dim() - 1)
     for level in range(max(int(counts.max()) - 1, 0).bit_length()):
         stride = 1 << level
         adds = (position % (2 * stride) == 0) & (position + stride < rows_of_segment)
-        partner = (torch.arange(segments.numel(), device=device) + stride).clamp(max=last)
+        partner = (index + stride).clamp(max=last)
         values = torch.where(adds.view(shape), values + values.index_select(0, partner), values)
     # Each segment's sum is its first row: distinct targets, so index_copy_ is exact.
     heads = (position == 0).nonzero().flatten()

@@ -26,26 +26,16 @@ from freescale_embed.tables import TableShard
 Masks = Sequence[torch.Tensor] | None
 
 
-def _request_counts(request: Request, mask: Masks) -> torch.Tensor:
+def _masked_counts(
+    counts: torch.Tensor, peers: Sequence[torch.Tensor], mask: Masks
+) -> torch.Tensor:
+    """``counts`` (entries per peer and table) of only the entries ``mask`` keeps, where
+    ``peers[t]`` is the peer of each entry of table ``t``."""
     if mask is None:
-        return request.counts
-    world = request.counts.shape[0]
-    columns = [
-        torch.bincount(owners[m], minlength=world)
-        for owners, m in zip(request.owners, mask, strict=True)
-    ]
-    return torch.stack(columns, dim=1) if columns else request.counts
-
-
-def _serve_counts(serve: Serve, mask: Masks) -> torch.Tensor:
-    if mask is None:
-        return serve.counts
-    world = serve.counts.shape[0]
-    columns = [
-        torch.bincount(sources[m], minlength=world)
-        for sources, m in zip(serve.sources, mask, strict=True)
-    ]
-    return torch.stack(columns, dim=1) if columns else serve.counts
+        return counts
+    world = counts.shape[0]
+    columns = [torch.bincount(p[m], minlength=world) for p, m in zip(peers, mask, strict=True)]
+    return torch.stack(columns, dim=1) if columns else counts
 
 
 def _select(tensor: torch.Tensor, masks: Masks, table: int) -> torch.Tensor:
@@ -134,8 +124,8 @@ def _send_rows(
     return _exchange(
         tables,
         rows,
-        _serve_counts(serve, entry_mask),
-        _request_counts(request, request_mask),
+        _masked_counts(serve.counts, serve.sources, entry_mask),
+        _masked_counts(request.counts, request.owners, request_mask),
         channel,
         header,
     )
@@ -188,8 +178,8 @@ def send_gradients(
     received, _ = _exchange(
         tables,
         gradients,
-        _request_counts(request, request_mask),
-        _serve_counts(serve, entry_mask),
+        _masked_counts(request.counts, request.owners, request_mask),
+        _masked_counts(serve.counts, serve.sources, entry_mask),
         channel,
     )
     return received
