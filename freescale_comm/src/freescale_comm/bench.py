@@ -254,7 +254,7 @@ def run_bench(config: BenchConfig, timeout_s: float = 1800) -> dict[str, Any]:
 def format_table(report: dict[str, Any]) -> str:
     """nccl-tests style columns, one group per backend; the ratio of freescale's time to the
     peer's (the last backend)."""
-    names = report.get("backends", ["freescale", "gloo"])
+    names = report["backends"]
     short = {"freescale": "fs", "freescale_direct": "direct", "freescale_staged": "staged"}
     ratio = f"{short.get(names[0], names[0])}/{short.get(names[-1], names[-1])}"
     head = f"{'op':<11}{'ranks':>6}{'size(B)':>12}"
@@ -294,7 +294,7 @@ def write_report(report: dict[str, Any], out: Path) -> list[Path]:
     for col, op in enumerate(ops):
         rows = [r for r in report["rows"] if r["op"] == op]
         sizes = [r["size"] for r in rows]
-        for name in report.get("backends", ["freescale", "gloo"]):
+        for name in report["backends"]:
             axes[0][col].plot(sizes, [r[name]["busbw"] for r in rows], marker="o", label=name)
             times = [r[name]["time_us"] for r in rows]
             spread = [[t - r[name]["min_us"] for t, r in zip(times, rows, strict=True)],
