@@ -968,8 +968,12 @@ def _embed(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
                           "backend yet (BenchConfig has no 'backend' field; its ranks use Gloo "
                           "on CPU)", "bench_config_fields": sorted(fields)}
     results: dict[str, Any] = {"status": "run", "bench_config_fields": sorted(fields)}
+    # On the GPUs the dense phase is bf16 matmuls on the training stream (the GPU busy, the CPU
+    # free), as in a real step; the dry run sleeps instead.
     wanted = {"world_size": args.nprocs, "steps": args.embed_steps, "warmup": 3,
-              "collision_rates": (0.0, 0.05, 0.2), "device": "cpu" if args.dry_run else "cuda"}
+              "collision_rates": (0.0, 0.01, 0.05, 0.2),
+              "device": "cpu" if args.dry_run else "cuda",
+              "dense": "sleep" if args.dry_run else "gpu", "dense_ms": 100.0}
     timeout_ok = "timeout_s" in inspect.signature(run).parameters
     for backend in ("freescale", "nccl"):
         left = deadline - time.time()
@@ -1325,7 +1329,18 @@ def _table(report: dict[str, Any]) -> str:
     embed = report.get("embed")
     if embed is not None:
         status = embed.get("status") if isinstance(embed, dict) else embed
-        lines.append(f"embed: {status}"[:200])
+        lines.append(f"embed: {status} (exposed ms per step, mean of ranks: sync / prioritized;"
+                     " '=' prioritized bitwise equal to sync)")
+        for backend in ("freescale", "nccl"):
+            result = embed.get(backend) if isinstance(embed, dict) else None
+            if not isinstance(result, dict):
+                continue
+            points = (result.get("report") or {}).get("points") or []
+            cells = [f"{p['collision_rate']:.0%} {p['sync']['exposed_ms']:.1f}/"
+                     f"{p['prioritized']['exposed_ms']:.1f}{'=' if p.get('exact') else '!'}"
+                     for p in points]
+            problem = result.get("error") or result.get("skipped")
+            lines.append(f"  {backend:<10} " + (", ".join(cells) or str(problem)[:150]))
     problems = [f"error: {report['error']}"] if report.get("error") else []
     for phase, record in report["phases"].items():
         for name, sec in record.get("sections", {}).items():
