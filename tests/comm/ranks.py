@@ -415,3 +415,85 @@ def threads_after_destroy() -> dict[str, Any]:
         "engine_during": sorted(during_python),
         "left": sorted({t.name for t in threading.enumerate()} - before_python),
     }
+
+
+def _bytes_near_eager(rng: random.Random, eager: int) -> int:
+    """A per-peer size: none, tiny, either side of the eager limit, or well past it."""
+    return rng.choice([0, 64, eager // 2, eager - 64, eager, eager + 64, 4 * eager])
+
+
+def _produce_late(values: torch.Tensor, dev: torch.device, sleep_cycles: int) -> torch.Tensor:
+    """``values`` on the GPU, written by the caller's stream after a GPU sleep."""
+    target = torch.empty(values.shape, dtype=values.dtype, device=dev)
+    torch.cuda._sleep(sleep_cycles)
+    target.copy_(values.pin_memory(), non_blocking=True)
+    return target
+
+
+def run_cuda_cases(seed: int, cases: int, cuda_path: str) -> int:
+    """Random AllGather / AllToAll cases on CUDA tensors over a group forced to ``cuda_path``.
+
+    Per-peer sizes straddle the eager limit (data folded into the header, through page-locked
+    host memory) and go well past it (UCX's device path, or the staged pipeline), often in one
+    uneven AllToAll; inputs are written on the caller's stream behind a GPU sleep, so a
+    collective that read them before that stream's work would see stale bytes.
+    """
+    from freescale_comm import FreescaleOptions
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    group = dist.new_group(backend="freescale", timeout=timedelta(seconds=60),
+                           pg_options=FreescaleOptions(cuda_path=cuda_path))
+    eager = FreescaleOptions().eager_bytes
+    width = 16
+    for case in range(cases):
+        rng = random.Random(seed * 7919 + case)
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.int64, torch.uint8])
+        row_bytes = width * dtype.itemsize
+
+        def rows_of(rng: random.Random = rng, row_bytes: int = row_bytes) -> int:
+            return _bytes_near_eager(rng, eager) // row_bytes
+
+        def seed_of(r: int, k: int = 0, case: int = case) -> int:
+            return seed * 1_000_003 + case * 1009 + r * 31 + k
+
+        def produce(values: torch.Tensor, rng: random.Random = rng) -> torch.Tensor:
+            return _produce_late(values, dev, int(rng.random() * 2_000_000))
+
+        kind = rng.choice(["ag_tensor", "ag_list", "a2a_even", "a2a_uneven", "a2a_list"])
+        what = f"{cuda_path} case {case} {kind} {dtype}"
+        if kind.startswith("ag"):
+            rows = rows_of()
+            inputs = [make_tensor((rows, width), dtype, seed_of(r)) for r in range(n)]
+            mine = produce(inputs[rank])
+            if kind == "ag_tensor":
+                out = torch.empty((n * rows, width), dtype=dtype, device=dev)
+                dist.all_gather_into_tensor(out, mine, group=group)
+                _same(out.cpu(), torch.cat(inputs), what)
+            else:
+                outs = [torch.empty((rows, width), dtype=dtype, device=dev) for _ in range(n)]
+                dist.all_gather(outs, mine, group=group)
+                for r in range(n):
+                    _same(outs[r].cpu(), inputs[r], f"{what} slot {r}")
+            continue
+        if kind == "a2a_even":
+            per = rows_of()
+            splits = [[per] * n for _ in range(n)]
+        else:
+            splits = [[rows_of() for _ in range(n)] for _ in range(n)]
+        inputs = [[make_tensor((splits[r][j], width), dtype, seed_of(r, j)) for j in range(n)]
+                  for r in range(n)]
+        want = torch.cat([inputs[j][rank] for j in range(n)])
+        if kind == "a2a_list":
+            outs = [torch.empty((splits[j][rank], width), dtype=dtype, device=dev)
+                    for j in range(n)]
+            dist.all_to_all(outs, [produce(t) for t in inputs[rank]], group=group)
+            _same(torch.cat([o.cpu() for o in outs]), want, what)
+        else:
+            out = torch.empty((len(want), width), dtype=dtype, device=dev)
+            dist.all_to_all_single(out, produce(torch.cat(inputs[rank])),
+                                   [splits[j][rank] for j in range(n)], splits[rank], group=group)
+            _same(out.cpu(), want, what)
+    dist.destroy_process_group(group)
+    return cases

@@ -9,7 +9,11 @@ starts it):
    CPU, data for a peer of at most ``eager_bytes`` (less in groups of more than 65 ranks: 4 MiB
    of header room per collective at most) travels inside the header message (into a receive
    buffer with that much room) and is copied to the outputs once the verdict is good: a small
-   collective is then one message per peer and one round trip, not two.
+   collective is then one message per peer and one round trip, not two. CUDA data folds the
+   same way through page-locked host memory: a copy engine moves it D2H once the caller's
+   stream has produced it, the header leaves when that copy is done, and the receiver's H2D
+   copies are queued with the data phase (so a small CUDA collective skips UCX's device-memory
+   rendezvous, which costs hundreds of microseconds per message).
 2. ``ready``: the direct CUDA path waits until the work queued on the caller's stream before the
    call has finished (UCX is not stream-aware and reads device memory itself); the staged path
    does not wait on the CPU: its copy streams wait for that work on the GPU.
@@ -77,6 +81,14 @@ class Collective:
         self._unposted: list[Transfer] = []
         self._headers: list[Any] = []
         self._folded: set[int] = set()  # ids of transfers that travel inside a header
+        # CUDA folding: headers waiting for their data's D2H copy (event, [(peer, message)]),
+        # the H2D copies of received folded data (device bytes, pinned host bytes), and the
+        # page-locked buffers, referenced until the collective's copies are done.
+        self._unloaded_headers: tuple[torch.cuda.Event, list[tuple[int, Any]]] | None = None
+        self._folded_loads: list[tuple[torch.Tensor, np.ndarray]] = []
+        self._folded_done: torch.cuda.Event | None = None
+        self._pinned: list[torch.Tensor] = []
+        self._loads: list[list[tuple[np.ndarray, torch.Tensor]]] = []
         self._ready: torch.cuda.Event | None = None
         self._cuda: CudaSupport | None = None
         self._streams: CopyStreams | None = None
@@ -119,25 +131,70 @@ class Collective:
         room = size + g.eager_per_peer
         self._headers = [None] * g.size
         self._headers[g.rank] = own
+        unloaded: list[tuple[int, Any]] = []
         for step in range(1, g.size):
             dst, src = (g.rank + step) % g.size, (g.rank - step) % g.size
-            buffer = np.empty(room, dtype=np.uint8)
-            self._headers[src] = buffer
-            self._post(Transfer(src, buffer, 0, send=False))
-            message = own
-            if dst in sends:
-                pieces = sends[dst]
-                message = np.concatenate([own, *(t.buffer for t in pieces)])
-                self._folded.update(id(t) for t in pieces)
-            self._post(Transfer(dst, message, 0, send=True))
+            self._headers[src] = self._header_buffer(room)
+            self._post(Transfer(src, self._headers[src], 0, send=False))
+            if dst not in sends:
+                self._post(Transfer(dst, own, 0, send=True))
+                continue
+            pieces = sends[dst]
+            self._folded.update(id(t) for t in pieces)
+            if self.plan.on_cuda:
+                unloaded.append((dst, self._load_header(own, pieces)))
+            else:
+                self._post(Transfer(dst, np.concatenate([own, *(t.buffer for t in pieces)]), 0,
+                                    send=True))
+        if unloaded:
+            copies = [pair for per_peer in self._loads for pair in per_peer]
+            self._loads = []
+            event = self._cuda.copy(self._streams.d2h, copies, self._cuda.d2h_watch)
+            self._unloaded_headers = (event, unloaded)
+
+    def _header_buffer(self, size: int) -> np.ndarray:
+        """A receive buffer for a peer's header (page-locked on CUDA: its folded data is
+        copied H2D from it)."""
+        if not self.plan.on_cuda:
+            return np.empty(size, dtype=np.uint8)
+        pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        self._pinned.append(pinned)
+        return pinned.numpy()
+
+    def _load_header(self, own: np.ndarray, pieces: list[Transfer]) -> np.ndarray:
+        """A page-locked header message for one peer, its device pieces queued to be copied
+        into it (D2H, ordered after the caller's stream; ``_unloaded_headers`` records the
+        copies' end)."""
+        if self._streams is None:
+            self._streams = self._cuda.streams()
+            self._streams.d2h.wait_event(self._ready)
+        pinned = torch.empty(len(own) + sum(len(t.buffer) for t in pieces), dtype=torch.uint8,
+                             pin_memory=True)
+        self._pinned.append(pinned)
+        message = pinned.numpy()
+        message[: len(own)] = own
+        copies, offset = [], len(own)
+        for transfer in pieces:
+            end = offset + len(transfer.buffer)
+            copies.append((message[offset:end], transfer.buffer))
+            offset = end
+        self._loads.append(copies)
+        return message
+
+    def _post_loaded_headers(self) -> bool:
+        """Posts the headers whose folded CUDA data has reached host memory."""
+        event, unloaded = self._unloaded_headers
+        if not event.query():
+            return False
+        for peer, message in unloaded:
+            self._post(Transfer(peer, message, 0, send=True))
+        self._unloaded_headers = None
+        self.group.transport.progress()
+        return True
 
     def _may_fold(self) -> bool:
-        """Whether this plan's data may travel in headers (CPU buffers, no ring forwarding)."""
-        return (
-            self.plan.device == "cpu"
-            and self.group.eager_per_peer > 0
-            and not self.plan.forwarding
-        )
+        """Whether this plan's data may travel in headers (no ring forwarding)."""
+        return self.group.eager_per_peer > 0 and not self.plan.forwarding
 
     def _foldable(self, send: bool) -> dict[int, list[Transfer]]:
         """Per peer, the sends (or receives) whose bytes fit in its header, in message order.
@@ -183,7 +240,9 @@ class Collective:
         progressed = self._poll()
         if self.finished:
             return True
-        if self._phase == "header" and not self._posted:
+        if self._phase == "header" and self._unloaded_headers is not None:
+            progressed |= self._post_loaded_headers()
+        if self._phase == "header" and not self._posted and self._unloaded_headers is None:
             self._judge()
             progressed = True
         if self._phase == "ready" and (
@@ -248,7 +307,10 @@ class Collective:
             offset = size
             for transfer in pieces:
                 end = offset + len(transfer.buffer)
-                transfer.buffer[:] = self._headers[peer][offset:end]
+                if self.plan.on_cuda:  # queued H2D with the data phase
+                    self._folded_loads.append((transfer.buffer, self._headers[peer][offset:end]))
+                else:
+                    transfer.buffer[:] = self._headers[peer][offset:end]
                 self._folded.add(id(transfer))
                 offset = end
         self._headers = []
@@ -277,16 +339,22 @@ class Collective:
         from freescale_comm.staged import StagedPipeline
 
         cuda = self._cuda
-        streams = self._streams = cuda.streams()
+        if self._streams is None:
+            self._streams = cuda.streams()
+        streams = self._streams
         # Ordered after the caller's stream on the GPU: inputs are read, and outputs written,
         # only once the work queued before the call is done.
         streams.d2h.wait_event(self._ready)
         streams.h2d.wait_event(self._ready)
         if self.plan.local_copies:
             self._local_done = cuda.copy(streams.d2h, self.plan.local_copies)
+        if self._folded_loads:
+            self._folded_done = cuda.copy(streams.h2d, self._folded_loads)
+            self._folded_loads = []
         if self.plan.staged:
+            unfolded = [t for t in self.plan.transfers if id(t) not in self._folded]
             self._pipeline = StagedPipeline(self.plan, cuda, streams, self._message,
-                                            self.group.options.chunk_bytes)
+                                            self.group.options.chunk_bytes, unfolded)
 
     def _post_forwards(self) -> bool:
         ready = [t for t in self._unposted if t.after is not None and t.after.done]
@@ -312,7 +380,8 @@ class Collective:
         """Enqueues the CUDA collective's last copies and its end event."""
         cuda = self._cuda
         with torch.cuda.stream(stream):
-            for event in (self._local_done, self._pipeline and self._pipeline.last_d2h):
+            for event in (self._local_done, self._folded_done,
+                          self._pipeline and self._pipeline.last_d2h):
                 if event is not None:
                     stream.wait_event(event)
             for dst, src in self.plan.copy_back:
@@ -326,6 +395,7 @@ class Collective:
 
     def _finish(self) -> None:
         self.finished = True
+        self._pinned = []
         self.future.set_result(self.plan.result)
         self.event.set()
 
@@ -380,7 +450,7 @@ class Collective:
             transfer.request = None
         if self._pipeline is not None:
             self._pipeline.cancel()
-        self.group.keep_alive(self.plan)
+        self.group.keep_alive(self.plan, self._pinned)
         self._posted, self._unposted = [], []
         if kind in ("timeout", "peer"):
             self._abort_reason = f"rank {self.group.rank}: {self.error}"

@@ -68,6 +68,9 @@ class _Driver:
         ptr, pptr = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
         self.stream_create = entry("cuStreamCreate", pptr, ctypes.c_uint)
         self.stream_destroy = entry("cuStreamDestroy", ptr)
+        # Unified addressing: one call copies between any two of device, pinned and pageable.
+        self.memcpy_async = entry("cuMemcpyAsync", ctypes.c_uint64, ctypes.c_uint64,
+                                  ctypes.c_size_t, ptr)
         self._device_get = entry("cuDeviceGet", ctypes.POINTER(ctypes.c_int), ctypes.c_int)
         self._primary = entry("cuDevicePrimaryCtxRetain", pptr, ctypes.c_int)
         self._get_current = entry("cuCtxGetCurrent", pptr)
@@ -78,8 +81,9 @@ class _Driver:
         if code != 0:
             raise FreescaleError(f"CUDA driver call {what} failed with CUresult {code}")
 
-    def bind(self, device: int) -> None:
-        """Makes ``device``'s primary context current on the calling thread.
+    def bind(self, device: int) -> ctypes.c_void_p | None:
+        """Makes ``device``'s primary context current on the calling thread; returns the
+        context it replaced (None if it was current already), for ``restore``.
 
         The driver API acts on the thread's current context, and a thread of ours may have
         none: ``torch.cuda.set_device`` skips ``cudaSetDevice`` when the index already matches
@@ -95,7 +99,15 @@ class _Driver:
             contexts[device] = context
         current = ctypes.c_void_p()
         self.check(self._get_current(ctypes.byref(current)), "cuCtxGetCurrent")
-        if current.value != context.value:
+        if current.value == context.value:
+            return None
+        self.check(self._set_current(context), "cuCtxSetCurrent")
+        return current
+
+    def restore(self, context: ctypes.c_void_p | None) -> None:
+        """Makes current again a context that ``bind`` replaced (a caller's thread keeps the
+        device it had)."""
+        if context is not None:
             self.check(self._set_current(context), "cuCtxSetCurrent")
 
 
@@ -295,16 +307,29 @@ class CudaSupport:
         pairs: Sequence[tuple[Any, Any]],
         watcher: StreamWatcher | None = None,
     ) -> torch.cuda.Event:
-        """Queues ``dst.copy_(src)`` for each pair on ``stream``; returns the end event.
+        """Queues the byte copy ``dst[:] = src`` for each pair on ``stream``; returns the end
+        event.
 
-        Either side may be host bytes (numpy, pinned) or a CUDA tensor. With a ``watcher``, the
-        engine is woken when the copies complete.
+        Each side is flat bytes: a numpy array (host, page-locked for an asynchronous copy) or
+        a contiguous uint8 CUDA or CPU tensor. The copies go straight to the driver
+        (``cuMemcpyAsync`` on the stream's handle): a small collective queues several, and
+        torch's copy through a stream context costs tens of microseconds each. Sources and
+        destinations must stay alive until the event completes (the collective holds them).
+        With a ``watcher``, the engine is woken when the copies complete.
         """
-        with torch.cuda.stream(stream):
+        cu = driver()
+        replaced = cu.bind(self.device)
+        try:
+            handle = ctypes.c_void_p(stream.cuda_stream)
             for dst, src in pairs:
-                _as_tensor(dst).copy_(_as_tensor(src), non_blocking=True)
-            event = torch.cuda.Event(blocking=True)
-            event.record(stream)
+                size = len(src)
+                if size:
+                    cu.check(cu.memcpy_async(_address(dst), _address(src), size, handle),
+                             "cuMemcpyAsync")
+        finally:
+            cu.restore(replaced)
+        event = torch.cuda.Event(blocking=True)
+        event.record(stream)
         if watcher is not None:
             watcher.watch(event)
         return event
@@ -320,5 +345,5 @@ class CudaSupport:
             self._region = self._pool = None
 
 
-def _as_tensor(buffer: Any) -> torch.Tensor:
-    return torch.from_numpy(buffer) if isinstance(buffer, np.ndarray) else buffer
+def _address(buffer: Any) -> int:
+    return buffer.ctypes.data if isinstance(buffer, np.ndarray) else buffer.data_ptr()

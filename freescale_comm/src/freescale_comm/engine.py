@@ -11,7 +11,8 @@ flight it sleeps on a condition and only wakes to write the liveness heartbeat.
 
 A synchronous collective (``async_op=False``: the caller waits at once) that finds the engine
 idle is *claimed* by its caller instead: ``Work.wait`` runs the same loop on the calling thread
-(``drive``), so the thread that sleeps in the epoll is the one that returns the result. That
+(``drive``; a CUDA one until its last copies are queued, the engine then waits for them), so
+the thread that sleeps in the epoll is the one that returns the result. That
 saves two thread hand-offs per collective (caller to engine, engine back to caller), each a
 scheduler wake-up that costs tens of microseconds on an idle machine and up to a time slice on a
 loaded one. A claimed collective that its caller does not drive within ``_CLAIM_GRACE_S``, or
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -140,11 +142,11 @@ class Engine:
             self._claimed, self._claimed_at, self._driving = op, time.monotonic(), False
             return True
 
-    def drive(self, op: Op, until: float) -> None:
+    def drive(self, op: Op, until: float, enough: Callable[[], bool] | None = None) -> None:
         """Progresses a claimed ``op`` on the calling thread until it finishes or ``until``.
 
         Returns at once if ``op`` is not (or no longer) claimed; an op still unfinished at
-        ``until`` is handed to the engine thread.
+        ``until``, or once ``enough()`` holds, is handed to the engine thread.
         """
         with self._cond:
             if self._claimed is not op:
@@ -152,10 +154,10 @@ class Engine:
             self._driving = True
         next_health = time.monotonic() + _HEALTH_PERIOD_S
         try:
-            while not op.finished:
+            while not op.finished and not (enough is not None and enough()):
                 progressed = self._step([op])
                 now = time.monotonic()
-                if op.finished or now >= until:
+                if op.finished or now >= until or (enough is not None and enough()):
                     break
                 if now >= next_health:
                     next_health = now + _HEALTH_PERIOD_S

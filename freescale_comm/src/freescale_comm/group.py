@@ -29,6 +29,8 @@ from freescale_comm.options import FreescaleOptions
 from freescale_comm.transport import MAX_GROUP_SIZE, Transport
 
 if TYPE_CHECKING:
+    import torch
+
     from freescale_comm.algorithms import Plan
     from freescale_comm.collective import Collective
     from freescale_comm.cuda import CudaSupport
@@ -80,7 +82,7 @@ class GroupContext:
         self.eager_per_peer = min(options.eager_bytes, _EAGER_ROOM_BYTES // max(1, size - 1))
         self.broken: str | None = None
         self._seq = itertools.count(1)
-        self._graveyard: list[Plan] = []
+        self._graveyard: list[tuple[Plan, list[torch.Tensor]]] = []
         self._inflight: list[Collective] = []
         self._cuda: dict[int, CudaSupport] = {}
         self._closed = False
@@ -129,18 +131,24 @@ class GroupContext:
         Args:
             op: the collective.
             caller_waits: the caller calls ``wait`` at once (``async_op=False``), so it may
-                progress a CPU collective itself (``Engine.claim``); a CUDA ``wait`` does not
-                block, so CUDA collectives always go to the engine.
+                progress the collective itself (``Engine.claim``): a CPU one to its end, a CUDA
+                one until its last copies are queued (its ``wait`` blocks until then anyway),
+                which saves the hand-offs between threads that dominate a small collective.
+                A CUDA caller must have the collective's device current (UCX's CUDA
+                transports use the progressing thread's context).
         """
         op.start()
         self._inflight = [c for c in self._inflight if not c.finished]
         self._inflight.append(op)
-        if not (caller_waits and not op.plan.on_cuda and self.engine.claim(op)):
+        may_drive = caller_waits and (
+            not op.plan.on_cuda or _current_cuda_device() == op.plan.cuda_index
+        )
+        if not (may_drive and self.engine.claim(op)):
             self.engine.submit(op)
 
-    def keep_alive(self, plan: Plan) -> None:
+    def keep_alive(self, plan: Plan, pinned: list[torch.Tensor]) -> None:
         """Keeps a failed collective's buffers alive: a cancelled UCX request may still read."""
-        self._graveyard.append(plan)
+        self._graveyard.append((plan, pinned))
 
     # ----------------------------------------------------------------- health
     def health_error(self) -> str | None:
@@ -210,4 +218,10 @@ def _cuda_device() -> int | None:
 
     if not torch.cuda.is_available():
         return None
+    return torch.cuda.current_device()
+
+
+def _current_cuda_device() -> int:
+    import torch
+
     return torch.cuda.current_device()

@@ -32,7 +32,7 @@ messages are already chunks (``chunk_bytes``) and keep their tags.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +43,7 @@ from freescale_comm.errors import FreescaleError
 from freescale_comm.transport import MAX_SUB
 
 if TYPE_CHECKING:
-    from freescale_comm.algorithms import Plan
+    from freescale_comm.algorithms import Plan, Transfer
     from freescale_comm.cuda import CopyStreams, CudaSupport
 
 
@@ -103,10 +103,14 @@ class StagedPipeline:
             request.
         chunk_bytes: the largest chunk (``FreescaleOptions.chunk_bytes``, the same on every
             rank, so that both sides of a pair cut it alike; a slot holds one).
+        transfers: the plan's messages this pipeline moves (default: all; a peer's messages
+            that travelled inside its header are left out whole, so the chunk numbering of the
+            other pairs is the same on both sides).
     """
 
     def __init__(
-        self, plan: Plan, cuda: CudaSupport, streams: CopyStreams, post: Post, chunk_bytes: int
+        self, plan: Plan, cuda: CudaSupport, streams: CopyStreams, post: Post, chunk_bytes: int,
+        transfers: Sequence[Transfer] | None = None,
     ) -> None:
         self._cuda = cuda
         self._pool = cuda.pool
@@ -114,7 +118,7 @@ class StagedPipeline:
         self._post = post
         self._loads: list[_Load] = []
         self._recvs: list[_Recv] = []
-        self._split(plan, chunk_bytes)
+        self._split(plan, plan.transfers if transfers is None else transfers, chunk_bytes)
         self._next_load = self._next_recv = 0
         self._loading: list[_Load] = []  # D2H enqueued, not yet sent (in stream order)
         self._sending: list[_Send] = []
@@ -125,12 +129,12 @@ class StagedPipeline:
         self._pool.enqueue(self, [k for k, items in (("send", self._loads),
                                                      ("recv", self._recvs)) if items])
 
-    def _split(self, plan: Plan, chunk_bytes: int) -> None:
+    def _split(self, plan: Plan, transfers: Sequence[Transfer], chunk_bytes: int) -> None:
         count: dict[tuple[int, bool], int] = {}
         chunks_of: dict[int, list[_Recv]] = {}
         loads: dict[tuple[int, int], _Load] = {}
         order: dict[int, tuple[int, int]] = {}  # id(load or receive) -> (chunk, plan position)
-        for position, transfer in enumerate(plan.transfers):
+        for position, transfer in enumerate(transfers):
             buffer = transfer.buffer
             size = len(buffer)
             if plan.forwarding:

@@ -75,7 +75,11 @@ class FreescaleWork(dist.Work):
     def _wait_stream(self, timeout: timedelta | None) -> bool:
         op = self._op
         limit, short = self._bound(timeout)
-        self._block(op.sealed, limit, short, time.monotonic() + limit)
+        until = time.monotonic() + limit
+        # A claimed collective is driven here until its last copies are queued; the engine
+        # thread waits for them (and frees the buffers) while the caller goes on.
+        op.group.engine.drive(op, until, op.sealed.is_set)
+        self._block(op.sealed, limit, short, until)
         torch.cuda.current_stream(op.plan.cuda_index).wait_event(op.final)
         return True
 
