@@ -388,10 +388,23 @@ class Collective:
                 dst.copy_(src, non_blocking=True)  # strided outputs: a copy kernel
             self.final = torch.cuda.Event(blocking=True)
             self.final.record(stream)
-        watcher.watch(self.final)
+        # Without a pipeline nothing but the end event is left: the watcher that waits for it
+        # finishes the collective, so a caller that drove it here hands nothing to the engine
+        # (whose thread, busy with it, would refuse the caller's next collective its claim).
+        watcher.watch(self.final, self._finish_after_final if self._pipeline is None else None)
         cuda.release_streams(self._streams)
         self._phase = "sealed"
         self.sealed.set()
+
+    @property
+    def needs_engine(self) -> bool:
+        """False once only the end event is left, which ``_finish_after_final`` awaits."""
+        return not (self._phase == "sealed" and self._pipeline is None)
+
+    def _finish_after_final(self) -> None:
+        with self._lock:
+            if not self.finished:
+                self._finish()
 
     def _finish(self) -> None:
         self.finished = True

@@ -155,24 +155,30 @@ class StreamWatcher:
     """A thread that waits for watched events in order and calls ``wake`` after each."""
 
     def __init__(self, name: str, device: int, wake: Callable[[], None]) -> None:
-        self._queue: queue.SimpleQueue[torch.cuda.Event | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[
+            tuple[torch.cuda.Event, Callable[[], None] | None] | None
+        ] = queue.SimpleQueue()
         self._wake = wake
         self._device = device
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def watch(self, event: torch.cuda.Event) -> None:
-        """Wakes the engine once ``event`` (a blocking-sync event) has completed."""
-        self._queue.put(event)
+    def watch(self, event: torch.cuda.Event, then: Callable[[], None] | None = None) -> None:
+        """Wakes the engine once ``event`` (a blocking-sync event) has completed, after calling
+        ``then`` (if given) on this thread."""
+        self._queue.put((event, then))
 
     def _run(self) -> None:
         torch.cuda.set_device(self._device)
         while True:
-            event = self._queue.get()
-            if event is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            event, then = item
             try:
                 event.synchronize()  # GIL released; the thread sleeps (blocking-sync event)
+                if then is not None:
+                    then()
             except RuntimeError:  # a CUDA error: the engine's own query reports it
                 logger.exception("freescale: waiting for a CUDA event failed")
             self._wake()

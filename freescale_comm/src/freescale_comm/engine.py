@@ -48,6 +48,7 @@ class Op(Protocol):
     group: GroupHealth
     deadline: float
     finished: bool
+    needs_engine: bool  # False: something else finishes it (a CUDA end event's watcher)
 
     def advance(self) -> bool:
         """Polls requests and posts what became possible; True if anything progressed."""
@@ -173,7 +174,7 @@ class Engine:
             if self._claimed is not op:
                 return
             self._claimed, self._driving = None, False
-            if op.finished:
+            if op.finished or not op.needs_engine:
                 return
             self._ops.append(op)
             self._cond.notify()

@@ -1,0 +1,140 @@
+"""Where one small freescale collective spends its time, CPU and CUDA tensors (2 local ranks).
+
+Per ``all_to_all_single`` of 8 B, 64 KiB and 1 MiB (medians of 30 calls after 10 warm-ups,
+rank 0), microseconds from the call to: ``started`` (headers posted), ``headers_out`` (CUDA data
+folded into the headers has reached host memory and the headers left), ``_judge`` (every peer's
+header arrived), ``_start_data``, ``_seal`` (CUDA: last copies queued), ``_finish`` and the call's
+return — each single call after a barrier (so a peer's late start shows in ``_judge``) — and the
+per-call time of 100 back-to-back calls. The marks wrap the collective's own methods: a
+diagnostic of this code, not a comparison (``multi_gpu_vs_nccl.py`` compares with NCCL).
+
+    python3 benchmarks/comm_latency.py --out $OUT     # one GPU (2 ranks share it) or CPU only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+SIZES = (8, 64 << 10, 1 << 20)
+MARKED = ("_judge", "_start_data", "_seal", "_finish")
+
+
+def _mark(marks: dict[str, float]) -> None:
+    """Wraps the collective's phase methods so that each records when it first ran."""
+    from freescale_comm import collective
+
+    cls = collective.Collective
+
+    def wrap(name: str, label: str, when: str = "enter") -> None:
+        """``when``: on entering the method, on leaving it, or on leaving it with a true result."""
+        original = getattr(cls, name)
+
+        def marked(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if when == "enter":
+                marks.setdefault(label, time.perf_counter())
+            result = original(self, *args, **kwargs)
+            if when == "exit" or (when == "true" and result):
+                marks.setdefault(label, time.perf_counter())
+            return result
+
+        setattr(cls, name, marked)
+
+    for name in MARKED:
+        wrap(name, name)
+    wrap("_post_loaded_headers", "headers_out", "true")
+    wrap("start", "started", "exit")
+
+
+def _rank(rank: int, port: int, queue: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import freescale_comm  # noqa: F401  (registers the backend)
+
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        devices.append("cuda")
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("freescale", store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    marks: dict[str, float] = {}
+    _mark(marks)
+    results: dict[str, Any] = {}
+    for device in devices:
+        for nbytes in SIZES:
+            inp = torch.ones(max(2, nbytes // 4 // 2 * 2), device=device)
+            out = torch.empty_like(inp)
+            rows = []
+            for call in range(40):
+                dist.barrier()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                marks.clear()
+                t0 = time.perf_counter()
+                dist.all_to_all_single(out, inp)
+                returned = time.perf_counter()
+                if call >= 10:
+                    rows.append({k: (v - t0) * 1e6 for k, v in marks.items()}
+                                | {"returned": (returned - t0) * 1e6})
+            keys = sorted({k for row in rows for k in row}, key=lambda k: statistics.median(
+                row[k] for row in rows if k in row))
+            single = {k: round(statistics.median(r[k] for r in rows if k in r), 1) for k in keys}
+            per_call = []
+            for _ in range(5):
+                dist.barrier()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(100):
+                    dist.all_to_all_single(out, inp)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                per_call.append((time.perf_counter() - t0) / 100 * 1e6)
+            results[f"{device} {nbytes} B"] = {
+                "single_call_us": single,
+                "back_to_back_us_per_call": round(statistics.median(per_call), 1)}
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put(results)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))
+    args = parser.parse_args()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    ranks = [context.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        results = queue.get(timeout=240)
+    finally:
+        for process in ranks:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "comm_latency.json").write_text(json.dumps(results, indent=1) + "\n")
+    for name, row in results.items():
+        marks = "  ".join(f"{k}={v}" for k, v in row["single_call_us"].items())
+        print(f"{name:>16}: back to back {row['back_to_back_us_per_call']} us/call; one call: "
+              f"{marks}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
