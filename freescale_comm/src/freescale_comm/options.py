@@ -26,9 +26,10 @@ class FreescaleOptions:
             before any data moves, so mismatched inputs fail on every rank with a clear error.
             Costs one round of tiny messages, which carries the data itself where it is small
             (``eager_bytes``). ``FREESCALE_VALIDATE``.
-        eager_bytes: CPU data of at most this many bytes per peer travels inside the validation
-            header (one message and one round trip per peer instead of two); every header
-            receive buffer has this much room. Must be the same on every rank.
+        eager_bytes: data (CPU, or CUDA staged through page-locked memory) of at most this many
+            bytes per peer travels inside the validation header (one message and one round trip
+            per peer instead of two); every header receive buffer has this much room. Must be
+            the same on every rank.
             ``FREESCALE_EAGER_BYTES``.
         allgather: ``direct`` (every rank sends its piece to every peer at once), ``ring``
             (chunk-pipelined ring) or ``auto`` (ring for pieces of at least
