@@ -352,6 +352,12 @@ def bad_inputs() -> list[str]:
     # A list all_to_all with a wrong-sized output somewhere.
     outs = [torch.empty(1 + (rank == n - 1 and j == 0)) for j in range(n)]
     expect(dist.all_to_all, outs, [torch.ones(1) for _ in range(n)])
+    # A coalesced AllGather whose per-rank total agrees but splits into tensors differently
+    # (small enough to travel inside the header, where it would be cut at the wrong place).
+    sizes = (2, 3) if rank == 1 else (3, 2)
+    coalesced = [torch.ones(k) for k in sizes]
+    expect(lambda: dist.group.WORLD.allgather_into_tensor_coalesced(
+        [torch.empty(n * k) for k in sizes], coalesced).wait())
     # The group still works.
     out = torch.empty(n)
     dist.all_gather_into_tensor(out, torch.tensor([float(rank)]))

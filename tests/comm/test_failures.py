@@ -15,7 +15,7 @@ def test_bad_inputs_fail_on_every_rank_before_data_moves(fs_group):
     per_rank = fs_group.run(ranks.bad_inputs)
     # Every rank reports the same problems (they judged the same table of signatures).
     for messages in per_rank:
-        assert len(messages) == 6
+        assert len(messages) == 7
         assert [m.split(": ", 1)[1] for m in messages] == [
             m.split(": ", 1)[1] for m in per_rank[0]
         ]
@@ -26,6 +26,7 @@ def test_bad_inputs_fail_on_every_rank_before_data_moves(fs_group):
     assert "split sizes disagree" in first[3]
     assert "do not add up" in first[4]
     assert "expects" in first[5]
+    assert "split into tensors of other sizes than it expects" in first[6]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

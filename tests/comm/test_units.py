@@ -9,7 +9,7 @@ import pytest
 
 from freescale_comm import FreescaleOptions
 from freescale_comm.transport import MAX_SUB, make_tag
-from freescale_comm.validation import Signature, verdict
+from freescale_comm.validation import Signature, judge, layout, verdict
 
 
 def test_options_from_env_and_explicit_values(monkeypatch):
@@ -55,6 +55,25 @@ def test_signature_round_trip_and_verdicts():
     mixed = [_sig([0], [0]), _sig([0], [0], dtype="torch.int64")]
     assert "rank 1 has dtype torch.int64" in verdict(mixed)
     assert Signature.decode(good[0].encode(2), 2, "all_gather").op.startswith("<another")
+
+
+def test_a_message_split_differently_is_rejected():
+    # Two tensors per message: rank 0 sends 8+12 bytes, rank 1 sends 12+8; each rank lists what
+    # it expects from rank 0, then from rank 1.
+    def side(sends, expects):
+        return _sig([20, 20], [20, 20], op="all_gather", count=2, send_layout=layout(sends),
+                    recv_layouts=[layout(e) for e in expects])
+
+    rank0 = side([8, 12], [[8, 12], [12, 8]])
+    rank1 = side([12, 8], [[8, 12], [12, 8]])
+    assert verdict([rank0, rank1]) is None
+    assert judge([s.encode(2) for s in (rank0, rank1)], 2, "all_gather") is None
+    wrong = side([8, 12], [[8, 12], [12, 8]])  # rank 1 now sends 8+12
+    problem = judge([s.encode(2) for s in (rank0, wrong)], 2, "all_gather")
+    assert "rank 1 sends rank 0 the same bytes split into tensors of other sizes" in problem
+    back = Signature.decode(wrong.encode(2), 2, "all_gather")
+    assert back.send_layout == wrong.send_layout
+    assert list(back.recv_layouts) == list(wrong.recv_layouts)
 
 
 def test_import_is_cheap_and_registers():

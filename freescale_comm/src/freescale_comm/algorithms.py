@@ -29,7 +29,7 @@ import torch
 
 from freescale_comm.options import FreescaleOptions
 from freescale_comm.transport import MAX_SUB
-from freescale_comm.validation import Signature
+from freescale_comm.validation import Signature, layout
 
 # Flat contiguous bytes: a numpy uint8 array in host memory, a torch uint8 tensor on CUDA.
 Bytes = np.ndarray | torch.Tensor
@@ -164,9 +164,17 @@ class _Builder:
         self.copy_back.append((tensor, staging))
         return flat_bytes(staging)
 
-    def signature(self, count: int, send: Sequence[int], recv: Sequence[int]) -> Signature:
+    def signature(
+        self,
+        count: int,
+        send: Sequence[int],
+        recv: Sequence[int],
+        send_layout: int = 0,
+        recv_layouts: Sequence[int] = (),
+    ) -> Signature:
         if self.error:
             send = recv = [0] * self.n
+            send_layout, recv_layouts = 0, ()
         return Signature(
             op=self.op,
             dtype=str(self.dtype),
@@ -175,6 +183,8 @@ class _Builder:
             send_bytes=list(send),
             recv_bytes=list(recv),
             error=self.error,
+            send_layout=send_layout,
+            recv_layouts=list(recv_layouts),
         )
 
 
@@ -347,7 +357,12 @@ def _gather(
     for k, slots in enumerate(slot_bytes):
         if slots[rank] != in_bytes[k]:
             b.fail(f"output slot {rank} holds {slots[rank]} bytes but the input has {in_bytes[k]}")
-    plan = Plan(b.signature(len(inputs), send_bytes, recv_bytes), result=result)
+    send_layout, recv_layouts = 0, []
+    if len(inputs) > 1:  # one message per peer carries every input: check how it splits
+        send_layout = layout(in_bytes)
+        recv_layouts = [layout([slots[p] for slots in slot_bytes]) for p in range(n)]
+    plan = Plan(b.signature(len(inputs), send_bytes, recv_bytes, send_layout, recv_layouts),
+                result=result)
     if b.error:
         return plan
     ring = len(inputs) == 1 and n > 2 and (

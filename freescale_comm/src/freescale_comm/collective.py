@@ -401,10 +401,18 @@ class Collective:
         """False once only the end event is left, which ``_finish_after_final`` awaits."""
         return not (self._phase == "sealed" and self._pipeline is None)
 
-    def _finish_after_final(self) -> None:
+    def _finish_after_final(self, error: str | None) -> None:
         with self._lock:
-            if not self.finished:
-                self._finish()
+            if self.finished:
+                return
+            if error is not None:
+                self._fail_locked(error, "internal")
+                return
+            self.finished = True
+            self._pinned = []
+        # Outside the lock: the future's callbacks run here, on the watcher's thread.
+        self.future.set_result(self.plan.result)
+        self.event.set()
 
     def _finish(self) -> None:
         self.finished = True
@@ -432,7 +440,7 @@ class Collective:
             parts.append(f"no data yet from {self.group.describe_peers(waiting)}")
         if unsent:
             parts.append(f"sends to ranks {unsent} not completed")
-        if self._phase == "ready":
+        if self._phase == "ready" or self._unloaded_headers is not None:
             parts.append("the CUDA work queued before the call has not finished")
         if self._phase == "sealed":
             parts.append("its last CUDA copies have not finished")
@@ -463,7 +471,13 @@ class Collective:
             transfer.request = None
         if self._pipeline is not None:
             self._pipeline.cancel()
-        self.group.keep_alive(self.plan, self._pinned)
+        if kind != "validation":
+            # A verdict comes after every header request and copy completed: nothing to keep.
+            self.group.keep_alive(self.plan, self._pinned)
+        if self._streams is not None and self._phase != "sealed":
+            # Copies still queued on them stay ahead of any later user's (stream order).
+            self._cuda.release_streams(self._streams)
+            self._streams = None
         self._posted, self._unposted = [], []
         if kind in ("timeout", "peer"):
             self._abort_reason = f"rank {self.group.rank}: {self.error}"

@@ -125,17 +125,25 @@ def driver() -> _Driver:
 
 
 def _new_stream(device: int) -> torch.cuda.ExternalStream:
+    # Also called on a caller's thread (a collective that folds data takes its streams in
+    # ``start``): that thread keeps the context it had.
     handle = ctypes.c_void_p()
-    driver().bind(device)
-    driver().check(driver().stream_create(ctypes.byref(handle), _CU_STREAM_NON_BLOCKING),
-                   "cuStreamCreate")
+    replaced = driver().bind(device)
+    try:
+        driver().check(driver().stream_create(ctypes.byref(handle), _CU_STREAM_NON_BLOCKING),
+                       "cuStreamCreate")
+    finally:
+        driver().restore(replaced)
     return torch.cuda.ExternalStream(handle.value or 0, device=device)
 
 
 def _destroy_stream(device: int, stream: torch.cuda.Stream) -> None:
     stream.synchronize()
-    driver().bind(device)
-    driver().stream_destroy(ctypes.c_void_p(stream.cuda_stream))
+    replaced = driver().bind(device)
+    try:
+        driver().stream_destroy(ctypes.c_void_p(stream.cuda_stream))
+    finally:
+        driver().restore(replaced)
 
 
 class CopyStreams:
@@ -156,16 +164,18 @@ class StreamWatcher:
 
     def __init__(self, name: str, device: int, wake: Callable[[], None]) -> None:
         self._queue: queue.SimpleQueue[
-            tuple[torch.cuda.Event, Callable[[], None] | None] | None
+            tuple[torch.cuda.Event, Callable[[str | None], None] | None] | None
         ] = queue.SimpleQueue()
         self._wake = wake
         self._device = device
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def watch(self, event: torch.cuda.Event, then: Callable[[], None] | None = None) -> None:
+    def watch(
+        self, event: torch.cuda.Event, then: Callable[[str | None], None] | None = None
+    ) -> None:
         """Wakes the engine once ``event`` (a blocking-sync event) has completed, after calling
-        ``then`` (if given) on this thread."""
+        ``then`` (if given) on this thread with None, or with the CUDA error of the wait."""
         self._queue.put((event, then))
 
     def _run(self) -> None:
@@ -175,12 +185,14 @@ class StreamWatcher:
             if item is None:
                 return
             event, then = item
+            error = None
             try:
                 event.synchronize()  # GIL released; the thread sleeps (blocking-sync event)
-                if then is not None:
-                    then()
-            except RuntimeError:  # a CUDA error: the engine's own query reports it
+            except RuntimeError as err:  # a CUDA error: the engine's own query reports it too
                 logger.exception("freescale: waiting for a CUDA event failed")
+                error = f"waiting for its CUDA copies failed: {err}"
+            if then is not None:
+                then(error)
             self._wake()
 
     def close(self) -> None:
@@ -290,9 +302,12 @@ class CudaSupport:
         return self._pool
 
     def streams(self) -> CopyStreams:
-        """A copy stream pair no unfinished collective still enqueues copies on."""
-        if self._idle:
+        """A copy stream pair no unfinished collective still enqueues copies on (callers'
+        threads and the engine's take pairs concurrently: ``list.pop`` is atomic)."""
+        try:
             return self._idle.pop()
+        except IndexError:
+            pass
         streams = CopyStreams(self.device)
         self._all.append(streams)
         return streams
