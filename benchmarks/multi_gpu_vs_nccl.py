@@ -1031,6 +1031,12 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, phase: dict[str, 
     if cuda:
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)
+        # Every backend is called from a stream of its own, not the legacy default stream:
+        # torch runs a synchronous NCCL collective on the caller's stream, and NCCL 2.28.9's
+        # copy-engine path hands that stream to cudaMemcpyBatchAsync, which rejects the legacy
+        # one ("Cuda failure 'invalid argument'", ce_coll.cc:341, in the first two-GPU runs;
+        # NCCL 2.30's ncclCeLaunchBatchOps falls back to per-copy cudaMemcpyAsync there).
+        torch.cuda.set_stream(torch.cuda.Stream(dev))
     else:
         dev = torch.device("cpu")
         torch.set_num_threads(1)
