@@ -88,7 +88,6 @@ class Collective:
         self._folded_loads: list[tuple[torch.Tensor, np.ndarray]] = []
         self._folded_done: torch.cuda.Event | None = None
         self._pinned: list[torch.Tensor] = []
-        self._loads: list[list[tuple[np.ndarray, torch.Tensor]]] = []
         self._ready: torch.cuda.Event | None = None
         self._cuda: CudaSupport | None = None
         self._streams: CopyStreams | None = None
@@ -131,7 +130,8 @@ class Collective:
         room = size + g.eager_per_peer
         self._headers = [None] * g.size
         self._headers[g.rank] = own
-        unloaded: list[tuple[int, Any]] = []
+        unloaded: list[tuple[int, Any]] = []  # (peer, header) waiting for its D2H copies
+        copies: list[tuple[np.ndarray, torch.Tensor]] = []
         for step in range(1, g.size):
             dst, src = (g.rank + step) % g.size, (g.rank - step) % g.size
             self._headers[src] = self._header_buffer(room)
@@ -142,13 +142,11 @@ class Collective:
             pieces = sends[dst]
             self._folded.update(id(t) for t in pieces)
             if self.plan.on_cuda:
-                unloaded.append((dst, self._load_header(own, pieces)))
+                unloaded.append((dst, self._load_header(own, pieces, copies)))
             else:
                 self._post(Transfer(dst, np.concatenate([own, *(t.buffer for t in pieces)]), 0,
                                     send=True))
         if unloaded:
-            copies = [pair for per_peer in self._loads for pair in per_peer]
-            self._loads = []
             event = self._cuda.copy(self._streams.d2h, copies, self._cuda.d2h_watch)
             self._unloaded_headers = (event, unloaded)
 
@@ -161,10 +159,14 @@ class Collective:
         self._pinned.append(pinned)
         return pinned.numpy()
 
-    def _load_header(self, own: np.ndarray, pieces: list[Transfer]) -> np.ndarray:
-        """A page-locked header message for one peer, its device pieces queued to be copied
-        into it (D2H, ordered after the caller's stream; ``_unloaded_headers`` records the
-        copies' end)."""
+    def _load_header(
+        self,
+        own: np.ndarray,
+        pieces: list[Transfer],
+        copies: list[tuple[np.ndarray, torch.Tensor]],
+    ) -> np.ndarray:
+        """A page-locked header message for one peer; appends to ``copies`` the D2H copies of
+        its device pieces into it (queued by the caller behind the caller's stream)."""
         if self._streams is None:
             self._streams = self._cuda.streams()
             self._streams.d2h.wait_event(self._ready)
@@ -173,12 +175,11 @@ class Collective:
         self._pinned.append(pinned)
         message = pinned.numpy()
         message[: len(own)] = own
-        copies, offset = [], len(own)
+        offset = len(own)
         for transfer in pieces:
             end = offset + len(transfer.buffer)
             copies.append((message[offset:end], transfer.buffer))
             offset = end
-        self._loads.append(copies)
         return message
 
     def _post_loaded_headers(self) -> bool:
