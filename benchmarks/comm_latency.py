@@ -17,7 +17,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import time
 from datetime import timedelta
@@ -64,7 +63,7 @@ def _rank(rank: int, port: int, queue: Any) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
         devices.append("cuda")
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("freescale", store=store, rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     marks: dict[str, float] = {}
@@ -112,12 +111,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))
     args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    import torch.distributed as dist
+
+    # The parent owns the store on a free port (no window in which another process takes it).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    ranks = [context.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
+    ranks = [context.Process(target=_rank, args=(r, store.port, queue)) for r in range(2)]
     for process in ranks:
         process.start()
     try:

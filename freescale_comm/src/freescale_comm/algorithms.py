@@ -83,11 +83,6 @@ class Plan:
     staged: bool = False
 
     @property
-    def device(self) -> str:
-        """The signature's device: ``cpu``, ``cuda`` (direct) or ``cuda-staged``."""
-        return self.signature.device
-
-    @property
     def on_cuda(self) -> bool:
         return self.signature.device != "cpu"
 
@@ -106,7 +101,8 @@ def flat_bytes(tensor: torch.Tensor) -> Bytes:
     return flat if flat.is_cuda else flat.numpy()
 
 
-def _address(buffer: Bytes) -> int:
+def address(buffer: Bytes) -> int:
+    """The first byte's address of host (numpy) or CUDA (torch) bytes."""
     return buffer.data_ptr() if isinstance(buffer, torch.Tensor) else buffer.ctypes.data
 
 
@@ -114,7 +110,7 @@ def _copy_own(plan: Plan, dst: Bytes, src: Bytes) -> None:
     """Queues the copy of this rank's own piece, unless it is already in place (an AllGather
     whose input is its slot of the output, as FSDP calls it): on a GPU that copy would be an
     HBM-bound DtoD copy beside the compute the collective overlaps."""
-    if len(dst) != len(src) or _address(dst) != _address(src):
+    if len(dst) != len(src) or address(dst) != address(src):
         plan.local_copies.append((dst, src))
 
 

@@ -236,17 +236,17 @@ def run_bench(config: BenchConfig, timeout_s: float = 1800) -> dict[str, Any]:
         raise RuntimeError(f"benchmark failed: {payload}")
     from freescale_comm.transport import ucx_version
 
-    backends = [name for name, value in payload[0].items() if isinstance(value, dict)]
+    gpus = torch.cuda.device_count() if config.device == "cuda" else 0
     return {
         "config": asdict(config),
-        "backends": backends,
+        "backends": list(config.backends(gpus)),
         "method": "per size: warm-up, then blocks of back-to-back calls, the backends' blocks "
                   "alternating (ABBA), barrier only between blocks; time = median over blocks of "
                   "the slowest rank's time per call (on CUDA until the device is done)",
         "versions": {"freescale_comm": freescale_comm.__version__, "torch": torch.__version__,
                      "ucx": ucx_version()},
         "host": {"cpus": os.cpu_count(), "load_avg_1m_at_end": os.getloadavg()[0],
-                 "gpus": torch.cuda.device_count() if config.device == "cuda" else 0},
+                 "gpus": gpus},
         "rows": payload,
     }
 

@@ -124,6 +124,11 @@ class Collective:
         size = Signature.size(g.size)
         own = self.plan.signature.encode(g.size)
         sends = self._foldable(send=True)
+        # CUDA: a peer's header is received into page-locked memory only if its data will be
+        # copied H2D from there (the receives this rank's sizes fold).
+        pinned_from = set(self._foldable(send=False)) if self.plan.on_cuda else set()
+        if sends and self.plan.on_cuda:
+            self._take_streams()
         # Room for any peer's folded data, whatever this rank expects: a peer folds by its own
         # sizes and device before anyone knows whether they agree, and a receive buffer that is
         # too small fails in UCX instead of reaching the verdict.
@@ -134,7 +139,7 @@ class Collective:
         copies: list[tuple[np.ndarray, torch.Tensor]] = []
         for step in range(1, g.size):
             dst, src = (g.rank + step) % g.size, (g.rank - step) % g.size
-            self._headers[src] = self._header_buffer(room)
+            self._headers[src] = self._header_buffer(room, src in pinned_from)
             self._post(Transfer(src, self._headers[src], 0, send=False))
             if dst not in sends:
                 self._post(Transfer(dst, own, 0, send=True))
@@ -150,10 +155,10 @@ class Collective:
             event = self._cuda.copy(self._streams.d2h, copies, self._cuda.d2h_watch)
             self._unloaded_headers = (event, unloaded)
 
-    def _header_buffer(self, size: int) -> np.ndarray:
-        """A receive buffer for a peer's header (page-locked on CUDA: its folded data is
-        copied H2D from it)."""
-        if not self.plan.on_cuda:
+    def _header_buffer(self, size: int, pinned: bool) -> np.ndarray:
+        """A receive buffer for a peer's header, page-locked if folded data will be copied H2D
+        from it."""
+        if not pinned:
             return np.empty(size, dtype=np.uint8)
         pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         self._pinned.append(pinned)
@@ -167,9 +172,6 @@ class Collective:
     ) -> np.ndarray:
         """A page-locked header message for one peer; appends to ``copies`` the D2H copies of
         its device pieces into it (queued by the caller behind the caller's stream)."""
-        if self._streams is None:
-            self._streams = self._cuda.streams()
-            self._streams.d2h.wait_event(self._ready)
         pinned = torch.empty(len(own) + sum(len(t.buffer) for t in pieces), dtype=torch.uint8,
                              pin_memory=True)
         self._pinned.append(pinned)
@@ -320,12 +322,11 @@ class Collective:
     def _start_data(self) -> None:
         g = self.group
         self._phase = "data"
+        unfolded = [t for t in self.plan.transfers if id(t) not in self._folded]
         if self.plan.on_cuda:
-            self._start_cuda_data()
+            self._start_cuda_data(unfolded)
         if self._pipeline is None:
-            for transfer in self.plan.transfers:
-                if id(transfer) in self._folded:
-                    continue
+            for transfer in unfolded:
                 if transfer.after is None:
                     self._post(transfer)
                 else:
@@ -336,26 +337,27 @@ class Collective:
             for dst, src in self.plan.local_copies:
                 host_copy(dst, src)
 
-    def _start_cuda_data(self) -> None:
+    def _start_cuda_data(self, unfolded: list[Transfer]) -> None:
         from freescale_comm.staged import StagedPipeline
 
         cuda = self._cuda
-        if self._streams is None:
-            self._streams = cuda.streams()
-        streams = self._streams
-        # Ordered after the caller's stream on the GPU: inputs are read, and outputs written,
-        # only once the work queued before the call is done.
-        streams.d2h.wait_event(self._ready)
-        streams.h2d.wait_event(self._ready)
+        streams = self._streams or self._take_streams()
         if self.plan.local_copies:
             self._local_done = cuda.copy(streams.d2h, self.plan.local_copies)
         if self._folded_loads:
             self._folded_done = cuda.copy(streams.h2d, self._folded_loads)
             self._folded_loads = []
         if self.plan.staged:
-            unfolded = [t for t in self.plan.transfers if id(t) not in self._folded]
             self._pipeline = StagedPipeline(self.plan, cuda, streams, self._message,
                                             self.group.options.chunk_bytes, unfolded)
+
+    def _take_streams(self) -> CopyStreams:
+        """This collective's copy streams, ordered after the caller's stream on the GPU: inputs
+        are read, and outputs written, only once the work queued before the call is done."""
+        streams = self._streams = self._cuda.streams()
+        streams.d2h.wait_event(self._ready)
+        streams.h2d.wait_event(self._ready)
+        return streams
 
     def _post_forwards(self) -> bool:
         ready = [t for t in self._unposted if t.after is not None and t.after.done]
@@ -410,13 +412,15 @@ class Collective:
                 self._fail_locked(error, "internal")
                 return
             self.finished = True
-            self._pinned = []
         # Outside the lock: the future's callbacks run here, on the watcher's thread.
-        self.future.set_result(self.plan.result)
-        self.event.set()
+        self._resolve()
 
     def _finish(self) -> None:
         self.finished = True
+        self._resolve()
+
+    def _resolve(self) -> None:
+        """Completes a finished collective: buffers released, future and event set."""
         self._pinned = []
         self.future.set_result(self.plan.result)
         self.event.set()

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from freescale_comm.algorithms import address
 from freescale_comm.errors import FreescaleError
 
 logger = logging.getLogger(__name__)
@@ -345,7 +346,7 @@ class CudaSupport:
             for dst, src in pairs:
                 size = len(src)
                 if size:
-                    cu.check(cu.memcpy_async(_address(dst), _address(src), size, handle),
+                    cu.check(cu.memcpy_async(address(dst), address(src), size, handle),
                              "cuMemcpyAsync")
         finally:
             cu.restore(replaced)
@@ -364,7 +365,3 @@ class CudaSupport:
         if self._region is not None:
             self._region.close()
             self._region = self._pool = None
-
-
-def _address(buffer: Any) -> int:
-    return buffer.ctypes.data if isinstance(buffer, np.ndarray) else buffer.data_ptr()

@@ -153,12 +153,15 @@ class Engine:
             if self._claimed is not op:
                 return
             self._driving = True
+        def done() -> bool:
+            return op.finished or (enough is not None and enough())
+
         next_health = time.monotonic() + _HEALTH_PERIOD_S
         try:
-            while not op.finished and not (enough is not None and enough()):
+            while not done():
                 progressed = self._step([op])
                 now = time.monotonic()
-                if op.finished or now >= until or (enough is not None and enough()):
+                if done() or now >= until:
                     break
                 if now >= next_health:
                     next_health = now + _HEALTH_PERIOD_S

@@ -141,7 +141,7 @@ class GroupContext:
         self._inflight = [c for c in self._inflight if not c.finished]
         self._inflight.append(op)
         may_drive = caller_waits and (
-            not op.plan.on_cuda or _current_cuda_device() == op.plan.cuda_index
+            not op.plan.on_cuda or _cuda_device() == op.plan.cuda_index
         )
         if not (may_drive and self.engine.claim(op)):
             self.engine.submit(op)
@@ -220,8 +220,3 @@ def _cuda_device() -> int | None:
         return None
     return torch.cuda.current_device()
 
-
-def _current_cuda_device() -> int:
-    import torch
-
-    return torch.cuda.current_device()

@@ -125,7 +125,8 @@ def judge(headers: Sequence[np.ndarray], world_size: int, op: str) -> str | None
     """
     n, first = world_size, _FIXED_INTS
     n_ints = _ints(n)
-    rows = [struct.Struct(f"<{n_ints}q").unpack_from(h) for h in headers]
+    unpack = struct.Struct(f"<{n_ints}q").unpack_from
+    rows = [unpack(h) for h in headers]
     # Version, op, device, count and dtype name must be byte-identical on every rank.
     name = slice(8 * n_ints, 8 * n_ints + _NAME_BYTES)
     shared = {h[:32].tobytes() + h[name].tobytes() for h in headers}
