@@ -112,8 +112,9 @@ def pack_by_peer(parts: Sequence[torch.Tensor], counts: torch.Tensor) -> torch.T
     """
     world, num_parts = counts.shape
     row_numel = [math.prod(part.shape[1:]) for part in parts]
+    rows = counts.tolist()  # one host read (on CUDA a sync) for every part
     pieces = [
-        part.reshape(-1).split((counts[:, j] * row_numel[j]).tolist())
+        part.reshape(-1).split([rows[peer][j] * row_numel[j] for peer in range(world)])
         for j, part in enumerate(parts)
     ]
     ordered = [pieces[j][peer] for peer in range(world) for j in range(num_parts)]
@@ -126,8 +127,7 @@ def pack_by_peer(parts: Sequence[torch.Tensor], counts: torch.Tensor) -> torch.T
 
 def peer_numel(counts: torch.Tensor, row_numel: Sequence[int]) -> list[int]:
     """Elements each peer's slice of a ``pack_by_peer`` buffer holds."""
-    sizes = torch.tensor(list(row_numel), dtype=torch.int64, device=counts.device)
-    return (counts * sizes[None, :]).sum(1).tolist()
+    return [sum(c * n for c, n in zip(row, row_numel, strict=True)) for row in counts.tolist()]
 
 
 def unpack_by_peer(
@@ -142,8 +142,7 @@ def unpack_by_peer(
     """
     world, num_parts = counts.shape
     row_numel = [math.prod(shape) for shape in row_shapes]
-    numel = torch.tensor(row_numel, dtype=torch.int64, device=counts.device)
-    sizes = (counts * numel[None, :]).reshape(-1).tolist()
+    sizes = [c * n for row in counts.tolist() for c, n in zip(row, row_numel, strict=True)]
     chunks = buffer.split(sizes)
     return [
         torch.cat([chunks[peer * num_parts + j] for peer in range(world)]).reshape(

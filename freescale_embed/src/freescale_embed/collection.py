@@ -161,6 +161,9 @@ class ShardedEmbeddingCollection(nn.Module):
             ]
         )
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=self.device))
+        # The buffer's value on the host: reading a CUDA buffer would wait for the GPU at the
+        # start of every step.
+        self._last_step = 0
         self.telemetry: deque[StepTelemetry] = deque(maxlen=_TELEMETRY_STEPS)
         self._channel = Channel(self.group, self.device)
         # A leaf that requires grad, so that the lookup joins the autograd graph.
@@ -228,7 +231,7 @@ class ShardedEmbeddingCollection(nn.Module):
         """
         self._channel.meter.take()
         problem = self._input_problem(batch, next_batch, final)
-        index = int(self.step) + 1
+        index = self._last_step + 1
         if self.mode == "sync":
             step = self._sync_lookup(batch, index, problem)
         else:
@@ -291,6 +294,7 @@ class ShardedEmbeddingCollection(nn.Module):
         self._prepared = None
         self._expected_next = None
         super()._load_from_state_dict(*args, **kwargs)
+        self._last_step = int(self.step)
 
     # -- forward ---------------------------------------------------------------------------------
 
@@ -391,7 +395,7 @@ class ShardedEmbeddingCollection(nn.Module):
         ):
             start = 0
             for name in shard.table.feature_names:
-                count = int(step.routes.request.lengths[name].sum())
+                count = step.routes.request.occurrences[name]
                 outputs.append(values.index_select(0, inverse[start : start + count]))
                 start += count
         return outputs
@@ -440,6 +444,7 @@ class ShardedEmbeddingCollection(nn.Module):
         else:
             self._prioritized_backward(step, per_table, optimizer)
         self.step.fill_(step.index)
+        self._last_step = step.index
         if self._awaiting_backward is step:
             self._awaiting_backward = None
         step.record.add_exposed(self._channel.meter.take())

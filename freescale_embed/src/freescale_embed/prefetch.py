@@ -119,11 +119,11 @@ def prepare_next(
         torch.isin(rows_n, rows_t)
         for rows_t, rows_n in zip(current.serve.rows, serve.rows, strict=True)
     ]
-    local_counts = torch.tensor(
-        [sum(int(m.sum()) for m in collided_rows), sum(r.numel() for r in serve.rows)],
-        dtype=torch.int64,
-        device=channel.device,
-    )
+    # Summed on the device: one host read for the gathered counts, not one per table.
+    collided = torch.zeros((), dtype=torch.int64, device=channel.device)
+    for mask in collided_rows:
+        collided = collided + mask.sum()
+    local_counts = torch.stack([collided, collided.new_tensor(sum(r.numel() for r in serve.rows))])
     collisions, unique_rows = channel.all_gather(local_counts).sum(0).tolist()
     fallback = max_collision_rate is not None and collisions > max_collision_rate * unique_rows
     dims = [table.shard.table.embedding_dim for table in tables]

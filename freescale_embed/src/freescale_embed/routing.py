@@ -41,14 +41,15 @@ class Request:
             table's feature order), its index in ``unique``.
         owners: per table, owning rank of each unique ID.
         counts: int64 ``[world, tables]``, unique IDs sent to each owner per table.
-        lengths: per feature, the lengths of the batch (to shape outputs).
+        occurrences: per feature, how many IDs the batch has (to cut the outputs; known on the
+            host, so no device read per feature).
     """
 
     unique: list[torch.Tensor]
     inverse: list[torch.Tensor]
     owners: list[torch.Tensor]
     counts: torch.Tensor
-    lengths: dict[str, torch.Tensor]
+    occurrences: dict[str, int]
 
     def nbytes(self) -> int:
         tensors = [*self.unique, *self.inverse, *self.owners, self.counts]
@@ -113,8 +114,8 @@ def build_request(
             if counts
             else torch.zeros(world, 0, dtype=torch.int64, device=device)
         ),
-        lengths={
-            name: features[name].lengths.to(torch.int64)
+        occurrences={
+            name: features[name].values.numel()
             for shard in shards
             for name in shard.table.feature_names
         },

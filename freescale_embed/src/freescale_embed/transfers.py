@@ -34,7 +34,12 @@ def _masked_counts(
     if mask is None:
         return counts
     world = counts.shape[0]
-    columns = [torch.bincount(p[m], minlength=world) for p, m in zip(peers, mask, strict=True)]
+    # Adding the mask per peer, rather than counting p[m], keeps the count on the device
+    # (boolean indexing reads its size back to the host).
+    columns = [
+        torch.zeros(world, dtype=torch.int64, device=p.device).index_add_(0, p, m.to(torch.int64))
+        for p, m in zip(peers, mask, strict=True)
+    ]
     return torch.stack(columns, dim=1) if columns else counts
 
 

@@ -15,15 +15,15 @@ class Worker:
 
     Args:
         timeout: bound on every wait for a task.
-        order: how tasks are ordered with the caller's GPU work (``streams``); none on CPU.
+        order: how tasks are ordered with the caller's GPU work (``streams.stream_order``).
     """
 
-    def __init__(self, timeout: timedelta, order: StreamOrder | None = None) -> None:
+    def __init__(self, timeout: timedelta, order: StreamOrder) -> None:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="freescale-embed-prefetch"
         )
         self._timeout = timeout.total_seconds()
-        self._order = order if order is not None else StreamOrder()
+        self._order = order
         self._futures: list[concurrent.futures.Future] = []
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
