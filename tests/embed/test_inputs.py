@@ -104,8 +104,26 @@ def test_bad_batches_raise_everywhere(local_groups, kind, expected, mode):
     assert expected in messages[0]
 
 
-def prioritized_misuse(kind: str) -> str:
-    """Prioritized-mode protocol errors on rank ``BAD_RANK``; training goes on afterwards."""
+def _raises_in_forward_or_backward(
+    emb: ShardedEmbeddingCollection, call: tuple, final: bool = False
+) -> tuple[str, str]:
+    """Where the call's ``EmbeddingInputError`` surfaced on this rank, and its message."""
+    try:
+        out = emb(*call, final=final)
+    except EmbeddingInputError as error:
+        return "forward", str(error)
+    with pytest.raises(EmbeddingInputError) as error:
+        _loss(out).backward()
+    return "backward", str(error.value)
+
+
+def prioritized_misuse(kind: str) -> tuple[str, str]:
+    """Prioritized-mode protocol errors on rank ``BAD_RANK``; training goes on afterwards.
+
+    A prioritized step's preflight rides on the next step's background routing: the rank with
+    the problem raises in forward, its peers (whose forward returned) in backward, and the step
+    is undone everywhere, so the corrected call trains on.
+    """
     rank = dist.get_rank()
     emb = ShardedEmbeddingCollection(TABLES, optimizer=RowWiseAdagrad(lr=0.1), mode="prioritized")
     batches = _batches(3)
@@ -121,14 +139,24 @@ def prioritized_misuse(kind: str) -> str:
         call = (changed if bad else batches[1], batches[2])
     elif kind == "bad_next":
         call = (batches[1], _spoil(batches[2], "too_large") if bad else batches[2])
+    elif kind == "final_disagrees":
+        call = (batches[1],) if bad else (batches[1], batches[2])
     else:
         raise AssertionError(kind)
-    with pytest.raises(EmbeddingInputError) as error:
-        emb(*call)
+    where, message = _raises_in_forward_or_backward(emb, call, kind == "final_disagrees" and bad)
     _loss(emb(batches[1], batches[2])).backward()
     _loss(emb(batches[2], final=True)).backward()
+    state = emb.state_dict(full=True)
     emb.close()
-    return str(error.value)
+    # The same training without the error, for comparison.
+    clean = ShardedEmbeddingCollection(TABLES, optimizer=RowWiseAdagrad(lr=0.1), mode="prioritized")
+    _loss(clean(batches[0], batches[1])).backward()
+    _loss(clean(batches[1], batches[2])).backward()
+    _loss(clean(batches[2], final=True)).backward()
+    expected = clean.state_dict(full=True)
+    clean.close()
+    assert all(torch.equal(state[key], expected[key]) for key in expected)
+    return where, message
 
 
 @pytest.mark.parametrize(
@@ -137,12 +165,18 @@ def prioritized_misuse(kind: str) -> str:
         ("no_next", "rank 1: prioritized mode needs next_batch"),
         ("different", "rank 1: the batch differs from the next_batch given at the previous step"),
         ("bad_next", "rank 1: next batch: feature 'category': ID 61 at position 0 is out of"),
+        ("final_disagrees", "ranks [1] passed final=True but the others a next_batch"),
     ],
 )
 def test_prioritized_protocol_errors_raise_everywhere(local_groups, kind, expected):
-    messages = local_groups.get(2).run(prioritized_misuse, kind)
-    assert messages[0] == messages[1]
-    assert expected in messages[0]
+    (where_good, good), (where_bad, bad) = local_groups.get(2).run(prioritized_misuse, kind)
+    assert good == bad
+    assert expected in good
+    if kind == "final_disagrees":
+        # Neither rank has a problem of its own: both learn it from the background exchange.
+        assert (where_good, where_bad) == ("backward", "backward")
+    else:
+        assert (where_good, where_bad) == ("backward", "forward")
 
 
 def forward_twice() -> str:

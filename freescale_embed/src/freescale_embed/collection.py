@@ -4,11 +4,13 @@ One training step on every rank, on the training thread::
 
     sync         forward:  [preflight flags + ID counts] -> IDs -> lookup on owners -> rows
                  backward: per-ID gradients -> gradients to owners -> per-row sum -> optimizer
-    prioritized  forward:  [preflight flags + collision rows]  (all other rows were prefetched)
+    prioritized  forward:  [collision rows]  (all other rows were prefetched; nothing without
+                           collisions)
                  backward: the same as sync, for the collision rows only
 
 where ``[...]`` is one AllToAll and the collision rows of step t are those step t+1 reads too.
-The prefetch thread does the rest (``prefetch``). Both modes produce the same bits.
+The prefetch thread does the rest (``prefetch``), the preflight of a prioritized step included
+(``inputs``). Both modes produce the same bits.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from freescale_balance import JaggedBatch, JaggedTensor
 from freescale_embed._ops import segment_sum
 from freescale_embed.channel import Channel
 from freescale_embed.config import MODES, POOLINGS, Mode, Pooling, TableConfig, check_tables
-from freescale_embed.inputs import as_batch, batch_problem, raise_if_flagged, same_ids
+from freescale_embed.inputs import EmbeddingInputError, as_batch, batch_problem, same_ids
 from freescale_embed.optim import SGD, Optimizer
 from freescale_embed.prefetch import Prepared, finish_gradients, prepare_next
 from freescale_embed.routing import Routes, route
@@ -41,7 +43,6 @@ from freescale_embed.transfers import (
     apply_gradients,
     send_gradients,
     send_rows,
-    send_rows_flagged,
     unique_gradients,
 )
 from freescale_embed.worker import Worker
@@ -57,7 +58,9 @@ class _Step:
     routes: Routes
     values: list[torch.Tensor]
     record: StepTelemetry
-    next_future: Any = None  # prioritized: the future of step t+1's ``Prepared``
+    next_future: Any = None  # prioritized: the future of step t+1's ``Prepared`` (or ``None``)
+    # prioritized: the prepared step and expected batch before this forward, for ``_undo``
+    undo: tuple[Prepared | None, JaggedBatch | None] = (None, None)
     done: bool = False
 
 
@@ -257,7 +260,12 @@ class ShardedEmbeddingCollection(nn.Module):
         """
         self._submit_deferred()
         if self._worker is not None:
-            self._worker.drain()
+            try:
+                self._worker.drain()
+            except EmbeddingInputError:
+                if self._awaiting_backward is not None:
+                    self._undo(self._awaiting_backward)
+                raise
 
     def close(self) -> None:
         """Finishes background work, stops the prefetch thread and frees its process group."""
@@ -348,43 +356,48 @@ class ShardedEmbeddingCollection(nn.Module):
     def _prioritized_lookup(
         self, batch: Any, next_batch: Any, final: bool, index: int, problem: str | None
     ) -> _Step:
-        prepared = self._prepared
+        prepared, expected = self._prepared, self._expected_next
         if prepared is None:
             step = self._sync_lookup(batch, index, problem)
         else:
-            # The collision rows, updated by the previous backward, are the only rows still
-            # to come; the preflight flags ride in front of them.
-            fresh, flags = send_rows_flagged(
-                self.shard_tables,
-                prepared.routes,
-                self._channel,
-                problem is not None,
-                entry_mask=prepared.pending_entries,
-                request_mask=prepared.pending,
-            )
+            if prepared.any_collision:
+                # The collision rows, updated by the previous backward, are the only rows still
+                # to come (with a problem too: every peer is in this exchange).
+                fresh = send_rows(
+                    self.shard_tables,
+                    prepared.routes,
+                    self._channel,
+                    entry_mask=prepared.pending_entries,
+                    request_mask=prepared.pending,
+                )
+                for values, mask, rows in zip(
+                    prepared.values, prepared.pending, fresh, strict=True
+                ):
+                    values.index_copy_(0, mask.nonzero().flatten(), rows)
             # Every rank got here, bad input or not: start the previous step's deferred sync.
             self._submit_deferred()
-            raise_if_flagged(self._channel, problem, flags)
-            for values, mask, rows in zip(prepared.values, prepared.pending, fresh, strict=True):
-                values.index_copy_(0, mask.nonzero().flatten(), rows)
-            self._prepared = None
             step = _Step(index, prepared.routes, prepared.values, prepared.record)
-        if final:
-            self._expected_next = None
-        else:
-            jagged_next = as_batch(next_batch)
-            self._expected_next = jagged_next
-            assert self._worker is not None and self._background is not None
-            step.next_future = self._worker.submit(
-                prepare_next,
-                self.shard_tables,
-                self.shards,
-                self._background,
-                jagged_next.features,
-                step.routes,
-                self.max_collision_rate,
-                StepTelemetry(step=index + 1),
-            )
+        # This step's preflight rides on the next step's ID exchange, in the background, so
+        # no collective of the critical path waits for it; a rank with a problem learns every
+        # rank's messages from it and raises now, its peers in their backward (``_await_next``).
+        jagged_next = None if final or problem is not None else as_batch(next_batch)
+        assert self._worker is not None and self._background is not None
+        step.next_future = self._worker.submit(
+            prepare_next,
+            self.shard_tables,
+            self.shards,
+            self._background,
+            None if jagged_next is None else jagged_next.features,
+            step.routes,
+            self.max_collision_rate,
+            StepTelemetry(step=index + 1),
+            problem,
+        )
+        if problem is not None:
+            self._worker.wait(step.next_future)
+            raise AssertionError("a flagged preflight returned")  # it raises on every rank
+        self._prepared, self._expected_next = None, jagged_next
+        step.undo = (prepared, expected)
         self._awaiting_backward = step
         return step
 
@@ -432,31 +445,52 @@ class ShardedEmbeddingCollection(nn.Module):
             per_table.append(parts[0] if count == 1 else torch.cat(parts))
             start += count
         optimizer = self.optimizer
-        if step.next_future is None:
-            if self._worker is not None:
-                # The last step of a prioritized run: earlier background updates finish first.
-                started = time.perf_counter()
-                self._worker.drain()
-                step.record.add_wait(time.perf_counter() - started)
+        prepared = None if step.next_future is None else self._await_next(step)
+        if prepared is None:
+            # Sync mode, or the last step of a prioritized run (whose earlier background
+            # updates finished in ``_await_next``).
             gradients = unique_gradients(step.routes.request, per_table)
             entry_gradients = send_gradients(tables, step.routes, gradients, self._channel)
             apply_gradients(tables, step.routes.serve, entry_gradients, optimizer, step.index)
         else:
-            self._prioritized_backward(step, per_table, optimizer)
+            self._prioritized_backward(step, per_table, optimizer, prepared)
         self.step.fill_(step.index)
         self._last_step = step.index
         if self._awaiting_backward is step:
             self._awaiting_backward = None
         step.record.add_exposed(self._channel.meter.take())
 
+    def _await_next(self, step: _Step) -> Prepared | None:
+        """The next step's ``Prepared`` (``None`` after the last step), which also carried this
+        step's preflight: if some rank's call was invalid, the step is undone and the error
+        raised here, as it was on that rank in forward."""
+        assert self._worker is not None
+        started = time.perf_counter()
+        try:
+            return self._worker.wait(step.next_future)
+        except EmbeddingInputError:
+            self._undo(step)
+            raise
+        finally:
+            step.record.add_wait(time.perf_counter() - started)
+
+    def _undo(self, step: _Step) -> None:
+        """Back to before ``step``'s forward, whose call may then be made again."""
+        self._prepared, self._expected_next = step.undo
+        if self._awaiting_backward is step:
+            self._awaiting_backward = None
+        if self.telemetry and self.telemetry[-1] is step.record:
+            self.telemetry.pop()
+
     def _prioritized_backward(
-        self, step: _Step, occurrence_gradients: list[torch.Tensor], optimizer: Optimizer
+        self,
+        step: _Step,
+        occurrence_gradients: list[torch.Tensor],
+        optimizer: Optimizer,
+        prepared: Prepared,
     ) -> None:
         assert self._worker is not None and self._background is not None
         tables = self.shard_tables
-        started = time.perf_counter()
-        prepared: Prepared = self._worker.wait(step.next_future)
-        step.record.add_wait(time.perf_counter() - started)
         if prepared.any_collision:
             # Only the collision rows' gradients are summed here; the rest, in the background.
             gradients = unique_gradients(

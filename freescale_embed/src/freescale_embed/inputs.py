@@ -1,10 +1,16 @@
 """Input checks, and the preflight that makes every rank raise the same error before any ID moves.
 
 A rank that finds a problem in its own input cannot just raise: its peers would block in the next
-collective. So the first collective of every step carries a "my input is bad" flag from each rank
-(in front of the ID counts in a synchronous lookup, in front of the collision rows in a
-prioritized one, so the preflight costs no extra round trip); if any rank raised the flag, every
+collective. So every ID exchange carries a status from each rank in front of the ID counts ("my
+input is bad", or in prioritized mode "I have no next step"); if any rank raised the flag, every
 rank gathers the messages and raises the same ``EmbeddingInputError`` before any ID moves.
+
+A synchronous lookup routes its batch on the critical path, so its own ID exchange carries the
+flag. A prioritized step has nothing to route on the critical path (its IDs were routed during
+the previous step): its flag rides on the prefetch thread's routing of the next step, and a rank
+with a problem raises in forward once that exchange has gathered every rank's messages, while
+its peers, whose forward already returned, raise the same error in their backward (the step is
+then undone on every rank, so the same call can be made again).
 """
 
 from __future__ import annotations
@@ -94,17 +100,17 @@ def same_ids(a: JaggedBatch, b: JaggedBatch, shards: Sequence[RowShard]) -> str 
     return None
 
 
-def raise_if_flagged(channel: Channel, problem: str | None, flags: torch.Tensor) -> None:
+def raise_if_flagged(channel: Channel, problem: str | None, flags: Sequence[bool]) -> None:
     """Raises the same ``EmbeddingInputError`` on every rank if any rank flagged a problem.
 
     Args:
-        channel: the training thread's channel (gathers the messages on the error path only).
+        channel: the channel whose collective carried the flags (it gathers the messages, on
+            the error path only).
         problem: this rank's problem, or ``None``.
-        flags: per rank, non-zero where that rank has a problem, as every rank received them in
-            the step's first collective (which carries them in front of data that is safe to
-            send before the check: counts, or rows of an already validated batch).
+        flags: per rank, whether that rank has a problem, as every rank received them in front
+            of the ID counts.
     """
-    if not bool((flags != 0).any()):
+    if not any(flags):
         return
     problems = channel.all_gather_object(problem)
     lines = [f"rank {rank}: {text}" for rank, text in enumerate(problems) if text]

@@ -102,14 +102,28 @@ def prepare_next(
     tables: Sequence[TableShard],
     shards: Sequence[RowShard],
     channel: Channel,
-    features: Mapping[str, JaggedTensor],
+    features: Mapping[str, JaggedTensor] | None,
     current: Routes,
     max_collision_rate: float | None,
     record: StepTelemetry,
-) -> Prepared:
-    """Routes step t+1, finds the collision rows of t, prefetches the rows of t+1 outside them."""
+    problem: str | None = None,
+) -> Prepared | None:
+    """Routes step t+1, finds the collision rows of t, prefetches the rows of t+1 outside them.
+
+    Its ID exchange carries step t's preflight: ``problem`` (this rank's, if its step-t call
+    was invalid) or ``features=None`` (step t is the last).
+
+    Returns:
+        ``None`` when every rank passed ``features=None``.
+
+    Raises:
+        EmbeddingInputError: on every rank, if a rank had a problem or the ranks disagree about
+            whether step t is the last.
+    """
     channel.meter.take()
-    routes = route(features, shards, channel)
+    routes = route(features, shards, channel, problem, final=features is None)
+    if routes is None:
+        return None
     serve, request = routes.serve, routes.request
     collided_rows = [
         torch.isin(rows_t, rows_n)

@@ -27,8 +27,11 @@ import torch
 from freescale_balance import JaggedTensor
 from freescale_embed._ops import pack_by_peer, unique_with_inverse, unpack_by_peer
 from freescale_embed.channel import Channel
-from freescale_embed.inputs import raise_if_flagged
+from freescale_embed.inputs import EmbeddingInputError, raise_if_flagged
 from freescale_embed.sharding import RowShard
+
+# Each rank's preflight status, in front of its ID counts.
+_ROUTE, _BAD, _FINAL = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -134,21 +137,44 @@ def exchange_ids(
     shards: Sequence[RowShard],
     channel: Channel,
     problem: str | None = None,
-) -> Serve:
-    """The ID AllToAll: counts first (with the preflight flags in front), then the unique IDs.
+    final: bool = False,
+) -> Serve | None:
+    """The ID AllToAll: counts first (each rank's preflight status in front), then the unique IDs.
+
+    Args:
+        request: what this rank looks up (empty with a ``problem`` or when ``final``).
+        shards: the tables' shards on this rank.
+        channel: where the collectives run.
+        problem: this rank's input problem, or ``None``.
+        final: this rank has no step to route (prioritized mode's last step): when every rank
+            says so, nothing more is sent and ``None`` is returned.
 
     Raises:
-        EmbeddingInputError: on every rank, before any ID moves, if some rank has a problem.
+        EmbeddingInputError: on every rank, before any ID moves, if some rank has a problem or
+            the ranks disagree about ``final``.
     """
     world, num_tables = request.counts.shape
-    flag = torch.full(
-        (world, 1), problem is not None, dtype=torch.int64, device=request.counts.device
+    status = _BAD if problem is not None else _FINAL if final else _ROUTE
+    header = torch.cat(
+        [
+            torch.full((world, 1), status, dtype=torch.int64, device=request.counts.device),
+            request.counts,
+        ],
+        dim=1,
     )
-    header = torch.cat([flag, request.counts], dim=1)
     received = channel.all_to_all(
         header.reshape(-1), [num_tables + 1] * world, [num_tables + 1] * world
     ).reshape(world, num_tables + 1)
-    raise_if_flagged(channel, problem, received[:, 0])
+    statuses = received[:, 0].tolist()
+    raise_if_flagged(channel, problem, [s == _BAD for s in statuses])
+    if _FINAL in statuses:
+        if all(s == _FINAL for s in statuses):
+            return None
+        last = [rank for rank, s in enumerate(statuses) if s == _FINAL]
+        raise EmbeddingInputError(
+            f"ranks {last} passed final=True but the others a next_batch: every rank must "
+            "end at the same step"
+        )
     recv_counts = received[:, 1:]
     send = pack_by_peer(request.unique, request.counts)
     recv = channel.all_to_all(send, request.counts.sum(1).tolist(), recv_counts.sum(1).tolist())
@@ -170,17 +196,21 @@ def route(
     shards: Sequence[RowShard],
     channel: Channel,
     problem: str | None = None,
-) -> Routes:
+    final: bool = False,
+) -> Routes | None:
     """``build_request`` then ``exchange_ids``; with a ``problem``, raises on every rank.
 
     Args:
-        features: this rank's features (ignored, may be ``None``, when it has a problem).
+        features: this rank's features (ignored, may be ``None``, with a problem or ``final``).
         shards: the tables' shards on this rank.
         channel: where the collectives run.
         problem: this rank's input problem, or ``None``.
+        final: nothing to route on this rank (see ``exchange_ids``); ``None`` is returned when
+            every rank says so.
     """
-    if problem is None and features is not None:
+    if problem is None and not final and features is not None:
         request = build_request(features, shards, channel.device)
     else:
         request = empty_request(shards, channel.world_size, channel.device)
-    return Routes(request, exchange_ids(request, shards, channel, problem))
+    serve = exchange_ids(request, shards, channel, problem, final)
+    return None if serve is None else Routes(request, serve)

@@ -54,27 +54,15 @@ def _exchange(
     send_counts: torch.Tensor,
     recv_counts: torch.Tensor,
     channel: Channel,
-    header: torch.Tensor | None = None,
-) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """One AllToAll of per-table ``[rows, dim]`` parts, optionally behind one header value per
-    peer; returns per table what arrived, and the header value each peer sent."""
+) -> list[torch.Tensor]:
+    """One AllToAll of per-table ``[rows, dim]`` parts; returns per table what arrived."""
     widths = [table.shard.table.embedding_dim for table in tables]
-    shapes: list[tuple[int, ...]] = [(width,) for width in widths]
-    if header is not None:
-        ones = torch.ones(send_counts.shape[0], 1, dtype=torch.int64, device=send_counts.device)
-        parts = [header.to(tables[0].weight.dtype), *parts]
-        send_counts = torch.cat([ones, send_counts], dim=1)
-        recv_counts = torch.cat([ones, recv_counts], dim=1)
-        widths, shapes = [1, *widths], [(), *shapes]
     recv = channel.all_to_all(
         pack_by_peer(parts, send_counts),
         peer_numel(send_counts, widths),
         peer_numel(recv_counts, widths),
     )
-    received = unpack_by_peer(recv, recv_counts, shapes)
-    if header is None:
-        return received, None
-    return received[1:], received[0]
+    return unpack_by_peer(recv, recv_counts, [(width,) for width in widths])
 
 
 def send_rows(
@@ -90,37 +78,6 @@ def send_rows(
         Per table, the rows of the requester's unique IDs selected by ``request_mask`` (all when
         ``None``), in sorted-ID order.
     """
-    rows, _ = _send_rows(tables, routes, channel, entry_mask, request_mask, None)
-    return rows
-
-
-def send_rows_flagged(
-    tables: Sequence[TableShard],
-    routes: Routes,
-    channel: Channel,
-    flag: bool,
-    entry_mask: Masks,
-    request_mask: Masks,
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """``send_rows`` with this rank's preflight flag in front of what it sends to each peer.
-
-    Returns:
-        The rows, and the flag of every rank.
-    """
-    header = torch.full((channel.world_size,), float(flag), device=channel.device)
-    rows, flags = _send_rows(tables, routes, channel, entry_mask, request_mask, header)
-    assert flags is not None
-    return rows, flags
-
-
-def _send_rows(
-    tables: Sequence[TableShard],
-    routes: Routes,
-    channel: Channel,
-    entry_mask: Masks,
-    request_mask: Masks,
-    header: torch.Tensor | None,
-) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     serve, request = routes.serve, routes.request
     rows = [
         table.weight.index_select(0, _select(local, entry_mask, t))
@@ -132,7 +89,6 @@ def _send_rows(
         _masked_counts(serve.counts, serve.sources, entry_mask),
         _masked_counts(request.counts, request.owners, request_mask),
         channel,
-        header,
     )
 
 
@@ -180,14 +136,13 @@ def send_gradients(
         Per table, the gradient of each owner entry selected by ``entry_mask``, source-major.
     """
     request, serve = routes.request, routes.serve
-    received, _ = _exchange(
+    return _exchange(
         tables,
         gradients,
         _masked_counts(request.counts, request.owners, request_mask),
         _masked_counts(serve.counts, serve.sources, entry_mask),
         channel,
     )
-    return received
 
 
 def apply_gradients(

@@ -45,6 +45,10 @@ class Worker:
                 raise TimeoutError(
                     f"an embedding prefetch task did not finish within {self._timeout:.0f} s"
                 ) from None
+            except BaseException:
+                # A failed task's error is raised once; the tasks after it still run.
+                self._futures.pop(0)
+                raise
             self._futures.pop(0)
             self._order.collect(result, done)
             if head is future:
