@@ -19,6 +19,7 @@ from freescale_embed._ops import (
     unique_with_inverse,
     unpack_by_peer,
 )
+from freescale_embed.collisions import pack_bits, unpack_bits
 from freescale_embed.optim import initial_state
 from freescale_embed.sharding import RowShard
 from freescale_embed.workload import WorkloadConfig, make_batch, row_set
@@ -193,3 +194,12 @@ def test_pairwise_segment_sum_is_a_fixed_tree_per_segment(rows, width, segments,
         rtol=1e-5,
         atol=1e-5 * float(values.abs().sum(0).max()) if rows else 0.0,
     )
+
+
+@pytest.mark.parametrize("world", [1, 2, 7, 8, 9, 64, 130])
+def test_rank_bits_round_trip(world):
+    matrix = torch.rand(33, world, generator=torch.Generator().manual_seed(world)) < 0.3
+    packed = pack_bits(matrix)
+    assert packed.dtype == torch.uint8 and packed.shape == (33, -(-world // 8))
+    assert torch.equal(unpack_bits(packed, world), matrix)
+    assert unpack_bits(pack_bits(matrix[:0]), world).shape == (0, world)

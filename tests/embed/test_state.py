@@ -137,11 +137,12 @@ def test_telemetry_reports_collisions_bytes_and_prefetch_memory(local_groups):
     assert all(r["lookup"] == "prefetched" for r in steady)
     assert all(18 <= r["collision_pct"] <= 28 for r in steady)
     assert all(r["prefetch_bytes"] > 0 and r["background_comm_s"] > 0 for r in steady)
-    # The training thread's critical path: collision rows, collision gradients; with no
-    # collisions nothing (the preflight rides on the background routing of the next step).
-    assert all(len(r["collective_spans"]) == 2 for r in steady)
+    # The training thread's critical path: the collision gradients (to owners and next-step
+    # requesters); with no collisions nothing (the preflight rides on the background routing).
+    assert all(len(r["collective_spans"]) == 1 for r in steady)
     assert all(len(r["collective_spans"]) == 0 for r in no_collisions[1:-1])
-    # Prioritized moves the same rows and gradients plus a byte of flags per ID.
+    # Prioritized moves the same rows and gradients, plus who-needs-what bits per ID and the
+    # collision rows' optimizer state and extra gradient copies.
     assert sum(r["bytes_sent"] for r in steady) >= sum(r["bytes_sent"] for r in sync[1:-1])
 
 

@@ -4,13 +4,15 @@ One training step on every rank, on the training thread::
 
     sync         forward:  [preflight flags + ID counts] -> IDs -> lookup on owners -> rows
                  backward: per-ID gradients -> gradients to owners -> per-row sum -> optimizer
-    prioritized  forward:  [collision rows]  (all other rows were prefetched; nothing without
-                           collisions)
-                 backward: the same as sync, for the collision rows only
+    prioritized  forward:  nothing (every row was prefetched, the collision rows updated in
+                           place by the previous backward)
+                 backward: collision rows' gradients to their owners and next-step requesters
+                           -> per-row sum -> optimizer, on the owners and on those copies
 
-where ``[...]`` is one AllToAll and the collision rows of step t are those step t+1 reads too.
-The prefetch thread does the rest (``prefetch``), the preflight of a prioritized step included
-(``inputs``). Both modes produce the same bits.
+where ``[...]`` and each arrow that crosses ranks is one AllToAll, and the collision rows of
+step t are those step t+1 reads too. The prefetch thread does the rest (``prefetch``,
+``collisions``), the preflight of a prioritized step included (``inputs``). Both modes produce
+the same bits.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 from freescale_balance import JaggedBatch, JaggedTensor
 from freescale_embed._ops import segment_sum
 from freescale_embed.channel import Channel
+from freescale_embed.collisions import apply_collisions
 from freescale_embed.config import MODES, POOLINGS, Mode, Pooling, TableConfig, check_tables
 from freescale_embed.inputs import EmbeddingInputError, as_batch, batch_problem, same_ids
 from freescale_embed.optim import SGD, Optimizer
@@ -360,20 +363,10 @@ class ShardedEmbeddingCollection(nn.Module):
         if prepared is None:
             step = self._sync_lookup(batch, index, problem)
         else:
-            if prepared.any_collision:
-                # The collision rows, updated by the previous backward, are the only rows still
-                # to come (with a problem too: every peer is in this exchange).
-                fresh = send_rows(
-                    self.shard_tables,
-                    prepared.routes,
-                    self._channel,
-                    entry_mask=prepared.pending_entries,
-                    request_mask=prepared.pending,
-                )
-                for values, mask, rows in zip(
-                    prepared.values, prepared.pending, fresh, strict=True
-                ):
-                    values.index_copy_(0, mask.nonzero().flatten(), rows)
+            if prepared.fallback:
+                # Every row is fetched now, after the previous backward updated them all (with a
+                # problem too: every peer is in this exchange).
+                prepared.values = send_rows(self.shard_tables, prepared.routes, self._channel)
             # Every rank got here, bad input or not: start the previous step's deferred sync.
             self._submit_deferred()
             step = _Step(index, prepared.routes, prepared.values, prepared.record)
@@ -446,12 +439,13 @@ class ShardedEmbeddingCollection(nn.Module):
             start += count
         optimizer = self.optimizer
         prepared = None if step.next_future is None else self._await_next(step)
-        if prepared is None:
-            # Sync mode, or the last step of a prioritized run (whose earlier background
-            # updates finished in ``_await_next``).
+        if prepared is None or prepared.fallback:
+            # Sync mode, the last step of a prioritized run (whose earlier background updates
+            # finished in ``_await_next``), or a step before a fallback: every row now.
             gradients = unique_gradients(step.routes.request, per_table)
             entry_gradients = send_gradients(tables, step.routes, gradients, self._channel)
             apply_gradients(tables, step.routes.serve, entry_gradients, optimizer, step.index)
+            self._prepared = prepared
         else:
             self._prioritized_backward(step, per_table, optimizer, prepared)
         self.step.fill_(step.index)
@@ -491,43 +485,33 @@ class ShardedEmbeddingCollection(nn.Module):
     ) -> None:
         assert self._worker is not None and self._background is not None
         tables = self.shard_tables
-        if prepared.any_collision:
-            # Only the collision rows' gradients are summed here; the rest, in the background.
-            gradients = unique_gradients(
-                step.routes.request, occurrence_gradients, prepared.collided
-            )
-            entry_gradients = send_gradients(
+        if prepared.plan is not None:
+            # Only the collision rows' gradients, applied on their owners and to the next
+            # step's prefetched copies; the rest, in the background.
+            apply_collisions(
                 tables,
-                step.routes,
-                gradients,
                 self._channel,
-                request_mask=prepared.collided,
-                entry_mask=prepared.collided_entries,
-            )
-            apply_gradients(
-                tables,
-                step.routes.serve,
-                entry_gradients,
-                optimizer,
-                step.index,
-                entry_mask=prepared.collided_entries,
-                row_mask=prepared.collided_rows,
-            )
-        if not prepared.fallback:
-            # Submitted at the start of the next step, so that this step's exchange of
-            # collision rows never queues behind it.
-            self._deferred = functools.partial(
-                self._worker.submit,
-                finish_gradients,
-                tables,
-                self._background,
-                step.routes,
+                step.routes.request,
                 occurrence_gradients,
-                prepared,
+                prepared.plan,
+                prepared.values,
                 optimizer,
                 step.index,
-                step.record,
             )
+        # Submitted at the start of the next step, so that it never competes with this step's
+        # collision exchange.
+        self._deferred = functools.partial(
+            self._worker.submit,
+            finish_gradients,
+            tables,
+            self._background,
+            step.routes,
+            occurrence_gradients,
+            prepared,
+            optimizer,
+            step.index,
+            step.record,
+        )
         self._prepared = prepared
 
     def _submit_deferred(self) -> None:

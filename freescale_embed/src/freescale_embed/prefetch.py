@@ -2,23 +2,26 @@
 
 With ``R_t`` the rows of step t over all ranks and ``C_t = R_t ∩ R_t+1`` its collision rows:
 
-- ``prepare_next`` (during step t, on the prefetch thread): routes step t+1's IDs, finds ``C_t``
-  on each owner, tells requesters which of their IDs of t are collision rows and which of t+1
-  are pending (waiting for t's update), and sends the rows of t+1 outside ``C_t``. Those rows are
-  not changed by step t, and every earlier update of them has already run on this same thread.
-- the training thread's backward of step t then syncs and applies the gradients of ``C_t``, and
-  its forward of step t+1 fetches their fresh rows (with the preflight flags in front), and
+- ``prepare_next`` (during step t, on the prefetch thread): routes step t+1's IDs (that exchange
+  carries step t's preflight), finds ``C_t`` on each owner, plans the collision update
+  (``collisions``: who sends which gradient to whom) and sends every row of t+1, with the
+  optimizer state of the rows of ``C_t``. Step t does not change those rows before its
+  backward, and every earlier update of them has already run.
+- the training thread's backward of step t then syncs the gradients of ``C_t`` in one AllToAll
+  and applies them on the owners and, identically, to the prefetched copies of t+1, so step
+  t+1's forward has every row at hand (no collective), and
 - ``finish_gradients`` (during step t+1, on the prefetch thread) syncs and applies the rest of
   step t's gradients, rows that step t+1 does not read, before step t+2's prefetch reads them.
 
-``finish_gradients`` of step t is submitted at the start of step t+1, right after that step's
-exchange of collision rows, so the critical-path collective never queues behind it.
+``finish_gradients`` of step t is submitted at the start of step t+1, so it never competes with
+step t's critical-path collective.
 
 One thread runs these tasks in submission order on its own process group, so they never
 interleave with the training thread's collectives. The two threads never touch the tables at
 the same time: the training thread reads or writes rows only when the prefetch thread has
 nothing left to do (it waits for the prefetch of the next step before applying collision
-updates; it reads collision rows at the start of a step, before the deferred sync is submitted).
+updates; a fallback step reads its rows at the start of its forward, before the deferred sync
+is submitted).
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from freescale_balance import JaggedTensor
-from freescale_embed._ops import pack_by_peer, unpack_by_peer
 from freescale_embed.channel import Channel
+from freescale_embed.collisions import CollisionPlan, plan_collisions
 from freescale_embed.optim import Optimizer
 from freescale_embed.routing import Routes, route
 from freescale_embed.sharding import RowShard
@@ -40,6 +43,7 @@ from freescale_embed.transfers import (
     apply_gradients,
     send_gradients,
     send_rows,
+    send_rows_with_state,
     unique_gradients,
 )
 
@@ -51,7 +55,8 @@ class Prepared:
     Attributes:
         routes: step t+1's routing.
         values: per table, the rows of t+1's unique IDs on this rank; rows marked ``pending``
-            are filled by step t+1's forward, after step t's backward updated them.
+            hold their values before step t's update until step t's backward applies it to
+            them (empty in a fallback, whose forward fetches every row).
         pending: per table, requester mask over t+1's unique IDs: collision rows of t.
         pending_entries: per table, owner mask over t+1's entries: collision rows of t.
         collided: per table, requester mask over t's unique IDs: rows t+1 also reads.
@@ -61,6 +66,8 @@ class Prepared:
         unique_rows: ``|R_t+1|`` over all ranks.
         fallback: the guardrail tripped: every row of t is synced in t's backward and every row
             of t+1 is fetched in t+1's forward.
+        plan: the update of the collision rows in step t's backward (``None`` without any, or
+            in a fallback).
         record: step t+1's telemetry.
     """
 
@@ -74,12 +81,8 @@ class Prepared:
     collisions: int
     unique_rows: int
     fallback: bool
+    plan: CollisionPlan | None
     record: StepTelemetry
-
-    @property
-    def any_collision(self) -> bool:
-        """Whether step t's backward has a collision part to sync (the same on every rank)."""
-        return self.fallback or self.collisions > 0
 
     def nbytes(self) -> int:
         """Bytes held between the steps: prefetched rows, routing and masks."""
@@ -91,7 +94,8 @@ class Prepared:
             *self.collided_entries,
             *self.collided_rows,
         ]
-        return self.routes.nbytes() + sum(t.numel() * t.element_size() for t in tensors)
+        planned = 0 if self.plan is None else self.plan.nbytes()
+        return self.routes.nbytes() + planned + sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _full(like: Sequence[torch.Tensor], value: bool) -> list[torch.Tensor]:
@@ -140,19 +144,18 @@ def prepare_next(
     local_counts = torch.stack([collided, collided.new_tensor(sum(r.numel() for r in serve.rows))])
     collisions, unique_rows = channel.all_gather(local_counts).sum(0).tolist()
     fallback = max_collision_rate is not None and collisions > max_collision_rate * unique_rows
-    dims = [table.shard.table.embedding_dim for table in tables]
-    values = [
-        torch.empty(u.numel(), d, dtype=tables[0].weight.dtype, device=channel.device)
-        for u, d in zip(request.unique, dims, strict=True)
-    ]
-
+    plan = None
     if fallback or collisions == 0:
         # Every rank knows the masks without asking: all rows (fallback) or none collide.
         pending, pending_entries = _full(request.unique, fallback), _full(serve.local, fallback)
         collided = _full(current.request.unique, fallback)
         collided_entries = _full(current.serve.local, fallback)
         collided_rows = _full(current.serve.rows, fallback)
+        # Without collisions every row is final now; a fallback step fetches all in forward.
+        values = [] if fallback else send_rows(tables, routes, channel)
     else:
+        plan = plan_collisions(tables, channel, current, routes, collided_rows, pending_rows)
+        pending, collided = plan.pending, plan.collided
         pending_entries = [
             m.index_select(0, inv) for m, inv in zip(pending_rows, serve.row_inverse, strict=True)
         ]
@@ -160,29 +163,11 @@ def prepare_next(
             m.index_select(0, inv)
             for m, inv in zip(collided_rows, current.serve.row_inverse, strict=True)
         ]
-        # One AllToAll tells each requester which of its IDs of t+1 are pending and which of
-        # its IDs of t collide, in the order it sent them.
-        parts = [m.to(torch.uint8) for m in (*pending_entries, *collided_entries)]
-        send_counts = torch.cat([serve.counts, current.serve.counts], dim=1)
-        recv_counts = torch.cat([request.counts, current.request.counts], dim=1)
-        flags = channel.all_to_all(
-            pack_by_peer(parts, send_counts),
-            send_counts.sum(1).tolist(),
-            recv_counts.sum(1).tolist(),
+        # Pending rows come as they are before step t's update, with their optimizer state:
+        # step t's backward applies the update to them here (``collisions``).
+        values, plan.states = send_rows_with_state(
+            tables, routes, channel, pending_entries, pending
         )
-        masks = [m.to(torch.bool) for m in unpack_by_peer(flags, recv_counts, [()] * len(parts))]
-        pending, collided = masks[: len(tables)], masks[len(tables) :]
-
-    if not fallback:
-        exclusive = send_rows(
-            tables,
-            routes,
-            channel,
-            entry_mask=[~m for m in pending_entries],
-            request_mask=[~m for m in pending],
-        )
-        for table_values, mask, rows in zip(values, pending, exclusive, strict=True):
-            table_values.index_copy_(0, (~mask).nonzero().flatten(), rows)
 
     record.collision_pct = 100.0 * collisions / unique_rows if unique_rows else 0.0
     record.lookup = "fallback" if fallback else "prefetched"
@@ -198,6 +183,7 @@ def prepare_next(
         collisions=collisions,
         unique_rows=unique_rows,
         fallback=fallback,
+        plan=plan,
         record=record,
     )
     record.prefetch_bytes = prepared.nbytes()

@@ -8,6 +8,7 @@ and keeps this rank's block of it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -39,6 +40,31 @@ class TableShard(nn.Module):
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.state_names}
+
+    @property
+    def state_width(self) -> int:
+        """Elements of optimizer state per row."""
+        return sum(self._width(name) for name in self.state_names)
+
+    def _width(self, name: str) -> int:
+        return math.prod(getattr(self, name).shape[1:])
+
+    def state_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The optimizer state of local ``rows``, each row's state tensors side by side."""
+        parts = [
+            getattr(self, name).index_select(0, rows).reshape(rows.numel(), self._width(name))
+            for name in self.state_names
+        ]
+        return torch.cat(parts, dim=1) if parts else self.weight.new_empty(rows.numel(), 0)
+
+    def split_state(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Inverse of ``state_rows``: per state name, ``[rows, *shape]`` (own memory)."""
+        state, start = {}, 0
+        for name in self.state_names:
+            shape, width = getattr(self, name).shape[1:], self._width(name)
+            state[name] = flat[:, start : start + width].reshape(-1, *shape).clone()
+            start += width
+        return state
 
     def apply(
         self, optimizer: Optimizer, rows: torch.Tensor, grads: torch.Tensor, step: int

@@ -48,15 +48,15 @@ def _select(tensor: torch.Tensor, masks: Masks, table: int) -> torch.Tensor:
     return tensor if masks is None else tensor.index_select(0, masks[table].nonzero().flatten())
 
 
-def _exchange(
-    tables: Sequence[TableShard],
+def exchange(
     parts: Sequence[torch.Tensor],
+    widths: Sequence[int],
     send_counts: torch.Tensor,
     recv_counts: torch.Tensor,
     channel: Channel,
 ) -> list[torch.Tensor]:
-    """One AllToAll of per-table ``[rows, dim]`` parts; returns per table what arrived."""
-    widths = [table.shard.table.embedding_dim for table in tables]
+    """One AllToAll of ``[rows, width]`` parts (``send_counts[p, j]`` rows of part ``j`` for
+    rank ``p``); returns per part what arrived, rank 0's rows first."""
     recv = channel.all_to_all(
         pack_by_peer(parts, send_counts),
         peer_numel(send_counts, widths),
@@ -83,13 +83,56 @@ def send_rows(
         table.weight.index_select(0, _select(local, entry_mask, t))
         for t, (table, local) in enumerate(zip(tables, serve.local, strict=True))
     ]
-    return _exchange(
-        tables,
+    return exchange(
         rows,
+        [table.shard.table.embedding_dim for table in tables],
         _masked_counts(serve.counts, serve.sources, entry_mask),
         _masked_counts(request.counts, request.owners, request_mask),
         channel,
     )
+
+
+def send_rows_with_state(
+    tables: Sequence[TableShard],
+    routes: Routes,
+    channel: Channel,
+    entry_mask: Sequence[torch.Tensor],
+    request_mask: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """``send_rows`` of every row, and in the same AllToAll the optimizer state of the rows the
+    masks select.
+
+    Returns:
+        Per table, the rows of the requester's unique IDs, and the optimizer state of those
+        ``request_mask`` selects.
+    """
+    serve, request = routes.serve, routes.request
+    rows = [
+        table.weight.index_select(0, local)
+        for table, local in zip(tables, serve.local, strict=True)
+    ]
+    widths = [table.shard.table.embedding_dim for table in tables]
+    send_counts, recv_counts = serve.counts, request.counts
+    stateful = bool(tables) and tables[0].state_names
+    if stateful:
+        rows += [
+            table.state_rows(_select(local, entry_mask, t))
+            for t, (table, local) in enumerate(zip(tables, serve.local, strict=True))
+        ]
+        widths += [table.state_width for table in tables]
+        send_counts = torch.cat(
+            [send_counts, _masked_counts(serve.counts, serve.sources, entry_mask)], dim=1
+        )
+        recv_counts = torch.cat(
+            [recv_counts, _masked_counts(request.counts, request.owners, request_mask)], dim=1
+        )
+    received = exchange(rows, widths, send_counts, recv_counts, channel)
+    if not stateful:
+        return received, [{} for _ in tables]
+    states = received[len(tables) :]
+    return received[: len(tables)], [
+        table.split_state(state) for table, state in zip(tables, states, strict=True)
+    ]
 
 
 def unique_gradients(
@@ -136,9 +179,9 @@ def send_gradients(
         Per table, the gradient of each owner entry selected by ``entry_mask``, source-major.
     """
     request, serve = routes.request, routes.serve
-    return _exchange(
-        tables,
+    return exchange(
         gradients,
+        [table.shard.table.embedding_dim for table in tables],
         _masked_counts(request.counts, request.owners, request_mask),
         _masked_counts(serve.counts, serve.sources, entry_mask),
         channel,

@@ -1,0 +1,273 @@
+"""Prioritized mode's collision rows: planned during step t, updated in its backward wherever they
+are needed, in one AllToAll.
+
+With ``C_t = R_t ∩ R_t+1``, step t+1 must read the rows of ``C_t`` as step t's update leaves them.
+Sending step t's gradients to the owners and the updated rows back would put two round trips on
+the critical path. Instead every rank that needs an updated row applies the update itself:
+
+- during step t, on the prefetch thread (``plan_collisions``), each owner tells the ranks that
+  read a row of ``C_t`` at step t (its *sources*) which ranks read it at step t+1 (its
+  *requesters*), and tells those requesters which sources will send a gradient for it; the
+  requesters then receive the row and its optimizer state as they are before step t's update
+  (nothing changes them before step t's backward);
+- in step t's backward, on the training thread (``apply_collisions``), each source sends its
+  gradient of each of its collision rows to the owner and to every requester of the row, in one
+  AllToAll; the owner (in its table) and every requester (in its prefetched copy) add the
+  sources' gradients in rank order and apply the same optimizer step. Same inputs, same
+  element-wise operations: every copy gets the owner's bits, which are synchronous training's.
+
+Between a pair of ranks, rows go table by table in ascending ID order, so both sides know the
+layout of every message without sending IDs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from freescale_embed._ops import pack_by_peer, peer_numel, segment_sum, unpack_by_peer
+from freescale_embed.channel import Channel
+from freescale_embed.optim import Optimizer
+from freescale_embed.routing import Request, Routes
+from freescale_embed.tables import TableShard
+from freescale_embed.transfers import exchange, unique_gradients
+
+
+@dataclass
+class CollisionPlan:
+    """Where step t's collision gradients go and where they apply, on this rank.
+
+    Attributes:
+        collided: per table, mask over this rank's unique IDs of t: rows of ``C_t``.
+        pending: per table, mask over this rank's unique IDs of t+1: rows of ``C_t``.
+        send_index: per table, rows of the collision gradients (the collided IDs, ascending) in
+            send order: by destination rank, then ID.
+        send_counts: int64 ``[world, tables]``, gradient rows sent to each rank.
+        recv_counts: int64 ``[world, tables]``, gradient rows received from each rank.
+        owned_rows: per table, the local rows of ``C_t`` this rank owns, ascending.
+        owned_take: per table, the received rows that are gradients of ``owned_rows``.
+        owned_segment: per table, the index in ``owned_rows`` of each of them.
+        pending_index: per table, positions of the pending IDs among the unique IDs of t+1.
+        pending_take: per table, the received rows that are gradients of pending IDs.
+        pending_segment: per table, the index in ``pending_index`` of each of them.
+        states: per table, the optimizer state of the pending IDs before step t's update
+            (filled by the prefetch's row exchange).
+    """
+
+    collided: list[torch.Tensor]
+    pending: list[torch.Tensor]
+    send_index: list[torch.Tensor]
+    send_counts: torch.Tensor
+    recv_counts: torch.Tensor
+    owned_rows: list[torch.Tensor]
+    owned_take: list[torch.Tensor]
+    owned_segment: list[torch.Tensor]
+    pending_index: list[torch.Tensor]
+    pending_take: list[torch.Tensor]
+    pending_segment: list[torch.Tensor]
+    states: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+    def nbytes(self) -> int:
+        tensors = [
+            *self.collided,
+            *self.pending,
+            *self.send_index,
+            self.send_counts,
+            self.recv_counts,
+            *self.owned_rows,
+            *self.owned_take,
+            *self.owned_segment,
+            *self.pending_index,
+            *self.pending_take,
+            *self.pending_segment,
+            *(t for state in self.states for t in state.values()),
+        ]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _peer_matrix(
+    peers: torch.Tensor, row_inverse: torch.Tensor, rows: int, world: int
+) -> torch.Tensor:
+    """bool ``[rows, world]``: which ranks sent an entry of each row."""
+    matrix = torch.zeros(rows, world, dtype=torch.bool, device=peers.device)
+    matrix[row_inverse, peers] = True
+    return matrix
+
+
+def pack_bits(matrix: torch.Tensor) -> torch.Tensor:
+    """bool ``[n, world]`` as uint8 ``[n, ceil(world / 8)]``: rank ``8j + b`` is bit ``b`` of
+    byte ``j``."""
+    rows, world = matrix.shape
+    width = -(-world // 8)
+    padded = torch.nn.functional.pad(matrix.to(torch.uint8), (0, 8 * width - world))
+    weights = torch.tensor([1 << b for b in range(8)], dtype=torch.int64, device=matrix.device)
+    return (padded.reshape(rows, width, 8) * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, world: int) -> torch.Tensor:
+    """Inverse of ``pack_bits``."""
+    shifts = torch.arange(8, device=packed.device)
+    bits = (packed.to(torch.int64)[..., None] >> shifts) & 1
+    return bits.reshape(packed.shape[0], 8 * packed.shape[1])[:, :world].to(torch.bool)
+
+
+def plan_collisions(
+    tables: Sequence[TableShard],
+    channel: Channel,
+    current: Routes,
+    routes: Routes,
+    collided_rows: Sequence[torch.Tensor],
+    pending_rows: Sequence[torch.Tensor],
+) -> CollisionPlan:
+    """Tells sources and requesters of ``C_t`` about each other (one AllToAll) and plans the
+    collision-gradient AllToAll of step t's backward.
+
+    Args:
+        tables: this rank's table shards.
+        channel: the prefetch thread's channel.
+        current: step t's routing; ``routes``: step t+1's.
+        collided_rows: per table, owner mask over step t's rows: rows of ``C_t``.
+        pending_rows: per table, owner mask over step t+1's rows: rows of ``C_t``.
+    """
+    world = channel.world_size
+    serve_t, serve_n = current.serve, routes.serve
+    to_requesters, to_sources, owned_sources = [], [], []
+    for k in range(len(tables)):
+        sources = _peer_matrix(
+            serve_t.sources[k], serve_t.row_inverse[k], serve_t.rows[k].numel(), world
+        )
+        requesters = _peer_matrix(
+            serve_n.sources[k], serve_n.row_inverse[k], serve_n.rows[k].numel(), world
+        )
+        # Both masks select C_t's rows in ascending order, so they pair up one to one.
+        at_t, at_n = collided_rows[k].nonzero().flatten(), pending_rows[k].nonzero().flatten()
+        owned_sources.append(sources.index_select(0, at_t))
+        sources_of_n = torch.zeros_like(requesters).index_copy_(0, at_n, owned_sources[-1])
+        requesters_of_t = torch.zeros_like(sources).index_copy_(
+            0, at_t, requesters.index_select(0, at_n)
+        )
+        to_requesters.append(pack_bits(sources_of_n.index_select(0, serve_n.row_inverse[k])))
+        to_sources.append(pack_bits(requesters_of_t.index_select(0, serve_t.row_inverse[k])))
+    width = -(-world // 8)
+    parts = [*to_requesters, *to_sources]
+    send_counts = torch.cat([serve_n.counts, serve_t.counts], dim=1)
+    recv_counts = torch.cat([routes.request.counts, current.request.counts], dim=1)
+    received = channel.all_to_all(
+        pack_by_peer(parts, send_counts),
+        peer_numel(send_counts, [width] * len(parts)),
+        peer_numel(recv_counts, [width] * len(parts)),
+    )
+    masks = [
+        unpack_bits(m, world)
+        for m in unpack_by_peer(received, recv_counts, [(width,)] * len(parts))
+    ]
+    sources_of_pending, requesters_of_collided = masks[: len(tables)], masks[len(tables) :]
+
+    names = (
+        "collided",
+        "pending",
+        "send_index",
+        "owned_rows",
+        "owned_take",
+        "owned_segment",
+        "pending_index",
+        "pending_take",
+        "pending_segment",
+    )
+    lists: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    send_counts_k, recv_counts_k = [], []
+    for k, table in enumerate(tables):
+        # Source side: each collided ID of t goes to its owner and to its requesters of t+1.
+        requesters = requesters_of_collided[k]
+        collided = requesters.any(1)
+        at = collided.nonzero().flatten()
+        destinations = requesters.index_select(0, at)
+        owners = current.request.owners[k].index_select(0, at)
+        destinations[torch.arange(at.numel(), device=at.device), owners] = True
+        peer, index = destinations.t().nonzero(as_tuple=True)  # by rank, then ID
+        lists["collided"].append(collided)
+        lists["send_index"].append(index)
+        send_counts_k.append(torch.bincount(peer, minlength=world))
+
+        # Receiver side: gradients of the C_t rows this rank owns and of its pending IDs, from
+        # each of their sources, in (source, ID) order.
+        sources = sources_of_pending[k]
+        pending = sources.any(1)
+        pending_index = pending.nonzero().flatten()
+        pending_ids = routes.request.unique[k].index_select(0, pending_index)
+        owned_rows = serve_t.rows[k].index_select(0, collided_rows[k].nonzero().flatten())
+        owned_ids = owned_rows + table.shard.start
+        ids, inverse = torch.unique(torch.cat([owned_ids, pending_ids]), return_inverse=True)
+        owned_at, pending_at = inverse[: owned_ids.numel()], inverse[owned_ids.numel() :]
+        senders = torch.zeros(ids.numel(), world, dtype=torch.bool, device=ids.device)
+        senders.index_copy_(0, owned_at, owned_sources[k])
+        senders.index_copy_(
+            0,
+            pending_at,
+            senders.index_select(0, pending_at) | sources.index_select(0, pending_index),
+        )
+        source, member = senders.t().nonzero(as_tuple=True)  # by source, then ID
+        recv_counts_k.append(torch.bincount(source, minlength=world))
+        for position, role in ((owned_at, "owned"), (pending_at, "pending")):
+            of_member = torch.full((ids.numel(),), -1, dtype=torch.int64, device=ids.device)
+            of_member.index_copy_(0, position, torch.arange(position.numel(), device=ids.device))
+            segment = of_member.index_select(0, member)
+            take = (segment >= 0).nonzero().flatten()
+            lists[f"{role}_take"].append(take)
+            lists[f"{role}_segment"].append(segment.index_select(0, take))
+        lists["pending"].append(pending)
+        lists["pending_index"].append(pending_index)
+        lists["owned_rows"].append(owned_rows)
+    return CollisionPlan(
+        send_counts=torch.stack(send_counts_k, dim=1),
+        recv_counts=torch.stack(recv_counts_k, dim=1),
+        **lists,
+    )
+
+
+def apply_collisions(
+    tables: Sequence[TableShard],
+    channel: Channel,
+    request: Request,
+    occurrence_gradients: Sequence[torch.Tensor],
+    plan: CollisionPlan,
+    values: Sequence[torch.Tensor],
+    optimizer: Optimizer,
+    step: int,
+) -> None:
+    """Step t's backward for the rows of ``C_t``: one AllToAll of their gradients, then the
+    update on their owners' tables and in every requester's prefetched ``values`` of t+1.
+
+    Args:
+        request: step t's routing on this rank.
+        occurrence_gradients: per table, step t's gradients of this rank's ID occurrences.
+        values: per table, the prefetched rows of step t+1's unique IDs; its pending rows hold
+            their pre-update values and are updated in place.
+        optimizer, step: step t's optimizer and step count.
+    """
+    gradients = unique_gradients(request, occurrence_gradients, plan.collided)
+    received = exchange(
+        [g.index_select(0, index) for g, index in zip(gradients, plan.send_index, strict=True)],
+        [table.shard.table.embedding_dim for table in tables],
+        plan.send_counts,
+        plan.recv_counts,
+        channel,
+    )
+    for k, table in enumerate(tables):
+        rows = received[k]
+        owned = plan.owned_rows[k]
+        per_row = segment_sum(
+            rows.index_select(0, plan.owned_take[k]), plan.owned_segment[k], owned.numel()
+        )
+        table.apply(optimizer, owned, per_row, step)
+        index = plan.pending_index[k]
+        if index.numel():
+            per_id = segment_sum(
+                rows.index_select(0, plan.pending_take[k]), plan.pending_segment[k], index.numel()
+            )
+            copy = values[k].index_select(0, index)
+            positions = torch.arange(index.numel(), device=index.device)
+            optimizer.update(copy, plan.states[k], positions, per_id, step)
+            values[k].index_copy_(0, index, copy)
