@@ -188,6 +188,10 @@ def test_pairwise_segment_sum_is_a_fixed_tree_per_segment(rows, width, segments,
         assert torch.equal(got[s], expected), s
     keep = ids % 2 == 0
     assert torch.equal(segment_sum_pairwise(values[keep], ids[keep], segments)[::2], got[::2])
+    # A bound on the segment sizes (no read of the largest) only adds levels that add nothing.
+    largest = int(torch.bincount(ids, minlength=segments).max()) if rows else 0
+    for bound in (largest, largest + 5, 4 * largest + 1):
+        assert torch.equal(segment_sum_pairwise(values, ids, segments, bound), got)
     torch.testing.assert_close(
         got,
         segment_sum(values, ids, segments),

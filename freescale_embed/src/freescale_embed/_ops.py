@@ -21,7 +21,12 @@ def unique_with_inverse(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return unique, inverse
 
 
-def segment_sum(values: torch.Tensor, segments: torch.Tensor, num_segments: int) -> torch.Tensor:
+def segment_sum(
+    values: torch.Tensor,
+    segments: torch.Tensor,
+    num_segments: int,
+    max_rows: int | None = None,
+) -> torch.Tensor:
     """Sums rows of ``values`` by segment id: ``out[s]`` is the sum of ``values[i]`` with
     ``segments[i] == s`` (zero for a segment without rows).
 
@@ -33,10 +38,12 @@ def segment_sum(values: torch.Tensor, segments: torch.Tensor, num_segments: int)
         values: ``[n, d]`` rows.
         segments: int64 ``[n]``, segment of each row, in ``[0, num_segments)``.
         num_segments: number of output rows.
+        max_rows: a bound on the rows of any segment, if the caller knows one (spares the
+            pairwise tree a read of the largest segment's size from the device).
     """
     if values.device.type != "cpu":
         # CUDA's index_add_ adds with atomics, in an order that changes from run to run.
-        return segment_sum_pairwise(values, segments, num_segments)
+        return segment_sum_pairwise(values, segments, num_segments, max_rows)
     out = torch.zeros(num_segments, *values.shape[1:], dtype=values.dtype)
     # CPU index_add_ walks the index sequentially (each step a vectorized row add), which is
     # exactly the documented order; tests/embed/test_ops.py checks it bitwise against a loop.
@@ -44,7 +51,10 @@ def segment_sum(values: torch.Tensor, segments: torch.Tensor, num_segments: int)
 
 
 def segment_sum_pairwise(
-    values: torch.Tensor, segments: torch.Tensor, num_segments: int
+    values: torch.Tensor,
+    segments: torch.Tensor,
+    num_segments: int,
+    max_rows: int | None = None,
 ) -> torch.Tensor:
     """``segment_sum`` by a pairwise tree per segment, on any device, deterministically.
 
@@ -56,8 +66,9 @@ def segment_sum_pairwise(
     The levels work in place on the segment-sorted rows: at level ``k`` the row at position
     ``p`` of its segment (``p`` a multiple of ``2**(k+1)``) adds the row at ``p + 2**k`` if the
     segment has one — the same pairs, in the same order, as compacting each level, but with
-    shapes fixed in advance: two reads back to the host in all (the levels, the result rows)
-    instead of two per level, each of which would wait for the GPU.
+    shapes fixed in advance. With ``max_rows`` nothing is read back to the host (levels past
+    the largest segment add nothing); without it, one read gives the number of levels. Every
+    read waits for the GPU, which on a GPU shared by processes can mean a whole time slice.
     """
     device = values.device
     out = torch.zeros(num_segments, *values.shape[1:], dtype=values.dtype, device=device)
@@ -66,21 +77,27 @@ def segment_sum_pairwise(
     # A stable sort keeps each segment's rows in input order.
     segments, order = torch.sort(segments, stable=True)
     values = values.index_select(0, order)
-    counts = torch.bincount(segments, minlength=num_segments)
+    # Integer index_add_ is exact in any order (bincount would read its size back).
+    counts = torch.zeros(num_segments, dtype=torch.int64, device=device).index_add_(
+        0, segments, torch.ones_like(segments)
+    )
     starts = torch.cumsum(counts, 0) - counts
     index = torch.arange(segments.numel(), device=device)
     position = index - starts.index_select(0, segments)
     rows_of_segment = counts.index_select(0, segments)
     last = segments.numel() - 1
     shape = (-1,) + (1,) * (values.dim() - 1)
-    for level in range(max(int(counts.max()) - 1, 0).bit_length()):
+    largest = int(counts.max()) if max_rows is None else min(max_rows, segments.numel())
+    for level in range(max(largest - 1, 0).bit_length()):
         stride = 1 << level
         adds = (position % (2 * stride) == 0) & (position + stride < rows_of_segment)
         partner = (index + stride).clamp(max=last)
         values = torch.where(adds.view(shape), values + values.index_select(0, partner), values)
-    # Each segment's sum is its first row: distinct targets, so index_copy_ is exact.
-    heads = (position == 0).nonzero().flatten()
-    return out.index_copy_(0, segments.index_select(0, heads), values.index_select(0, heads))
+    # Each segment's sum is its first row; the other rows go to a spare row past the end, so
+    # the copy needs no read of how many heads there are (the heads' targets are distinct).
+    target = torch.where(position == 0, segments, num_segments)
+    spare = torch.zeros(1, *values.shape[1:], dtype=values.dtype, device=device)
+    return torch.cat([out, spare]).index_copy_(0, target, values)[:num_segments]
 
 
 def row_sum(values: torch.Tensor) -> torch.Tensor:
@@ -99,20 +116,27 @@ def row_sum(values: torch.Tensor) -> torch.Tensor:
     return values[:, 0]
 
 
-def pack_by_peer(parts: Sequence[torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
+def counts_on_host(counts: torch.Tensor | list[list[int]]) -> list[list[int]]:
+    """A ``[world, J]`` count table as lists (one read of a device tensor)."""
+    return counts.tolist() if isinstance(counts, torch.Tensor) else counts
+
+
+def pack_by_peer(
+    parts: Sequence[torch.Tensor], counts: torch.Tensor | list[list[int]]
+) -> torch.Tensor:
     """Interleaves per-part rows into one flat AllToAll buffer, peer-major then part-major.
 
     Args:
         parts: ``J`` tensors of one dtype; ``parts[j]`` holds ``counts[:, j].sum()`` rows, those
             for peer 0 first, then peer 1, ...
-        counts: int64 ``[world, J]``, rows of each part for each peer.
+        counts: int64 ``[world, J]`` (or the same as lists), rows of each part for each peer.
 
     Returns:
         1-D buffer: for each peer, ``parts[0]``'s rows for it, then ``parts[1]``'s, ...
     """
-    world, num_parts = counts.shape
+    rows = counts_on_host(counts)
+    world, num_parts = len(rows), len(parts)
     row_numel = [math.prod(part.shape[1:]) for part in parts]
-    rows = counts.tolist()  # one host read (on CUDA a sync) for every part
     pieces = [
         part.reshape(-1).split([rows[peer][j] * row_numel[j] for peer in range(world)])
         for j, part in enumerate(parts)
@@ -120,29 +144,35 @@ def pack_by_peer(parts: Sequence[torch.Tensor], counts: torch.Tensor) -> torch.T
     ordered = [pieces[j][peer] for peer in range(world) for j in range(num_parts)]
     if not ordered:
         if not parts:
-            return torch.empty(0, dtype=torch.float32, device=counts.device)
+            device = counts.device if isinstance(counts, torch.Tensor) else "cpu"
+            return torch.empty(0, dtype=torch.float32, device=device)
         return torch.empty(0, dtype=parts[0].dtype, device=parts[0].device)
     return torch.cat(ordered)
 
 
-def peer_numel(counts: torch.Tensor, row_numel: Sequence[int]) -> list[int]:
+def peer_numel(counts: torch.Tensor | list[list[int]], row_numel: Sequence[int]) -> list[int]:
     """Elements each peer's slice of a ``pack_by_peer`` buffer holds."""
-    return [sum(c * n for c, n in zip(row, row_numel, strict=True)) for row in counts.tolist()]
+    return [
+        sum(c * n for c, n in zip(row, row_numel, strict=True)) for row in counts_on_host(counts)
+    ]
 
 
 def unpack_by_peer(
-    buffer: torch.Tensor, counts: torch.Tensor, row_shapes: Sequence[tuple[int, ...]]
+    buffer: torch.Tensor,
+    counts: torch.Tensor | list[list[int]],
+    row_shapes: Sequence[tuple[int, ...]],
 ) -> list[torch.Tensor]:
     """Inverse of ``pack_by_peer``: per part, its rows from peer 0, then peer 1, ...
 
     Args:
         buffer: 1-D buffer laid out as ``pack_by_peer`` lays it out.
-        counts: int64 ``[world, J]``, rows of each part from each peer.
+        counts: int64 ``[world, J]`` (or the same as lists), rows of each part from each peer.
         row_shapes: shape of one row of each part (``()`` for scalars).
     """
-    world, num_parts = counts.shape
+    rows = counts_on_host(counts)
+    world, num_parts = len(rows), len(row_shapes)
     row_numel = [math.prod(shape) for shape in row_shapes]
-    sizes = [c * n for row in counts.tolist() for c, n in zip(row, row_numel, strict=True)]
+    sizes = [c * n for row in rows for c, n in zip(row, row_numel, strict=True)]
     chunks = buffer.split(sizes)
     return [
         torch.cat([chunks[peer * num_parts + j] for peer in range(world)]).reshape(

@@ -258,14 +258,21 @@ def apply_collisions(
     for k, table in enumerate(tables):
         rows = received[k]
         owned = plan.owned_rows[k]
+        # One gradient per source and row: at most ``world`` rows per segment.
         per_row = segment_sum(
-            rows.index_select(0, plan.owned_take[k]), plan.owned_segment[k], owned.numel()
+            rows.index_select(0, plan.owned_take[k]),
+            plan.owned_segment[k],
+            owned.numel(),
+            channel.world_size,
         )
         table.apply(optimizer, owned, per_row, step)
         index = plan.pending_index[k]
         if index.numel():
             per_id = segment_sum(
-                rows.index_select(0, plan.pending_take[k]), plan.pending_segment[k], index.numel()
+                rows.index_select(0, plan.pending_take[k]),
+                plan.pending_segment[k],
+                index.numel(),
+                channel.world_size,
             )
             copy = values[k].index_select(0, index)
             positions = torch.arange(index.numel(), device=index.device)

@@ -46,6 +46,8 @@ class Request:
         counts: int64 ``[world, tables]``, unique IDs sent to each owner per table.
         occurrences: per feature, how many IDs the batch has (to cut the outputs; known on the
             host, so no device read per feature).
+        max_occurrences: per table, the most occurrences of one ID (bounds the gradient
+            sums' trees without a device read).
     """
 
     unique: list[torch.Tensor]
@@ -53,6 +55,7 @@ class Request:
     owners: list[torch.Tensor]
     counts: torch.Tensor
     occurrences: dict[str, int]
+    max_occurrences: list[int]
 
     def nbytes(self) -> int:
         tensors = [*self.unique, *self.inverse, *self.owners, self.counts]
@@ -98,16 +101,24 @@ def build_request(
 ) -> Request:
     """Deduplicates one step's IDs per table and groups them by owner (local work only)."""
     world = shards[0].world_size if shards else 1
-    unique, inverse, owners, counts = [], [], [], []
+    unique, inverse, owners, counts, largest = [], [], [], [], []
     for shard in shards:
         ids = [features[name].values.to(torch.int64) for name in shard.table.feature_names]
         table_ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device=device)
-        table_unique, table_inverse = unique_with_inverse(table_ids)
+        table_unique, table_inverse, table_counts = torch.unique(
+            table_ids, sorted=True, return_inverse=True, return_counts=True
+        )
         table_owners = shard.owners(table_unique)
         unique.append(table_unique)
         inverse.append(table_inverse)
         owners.append(table_owners)
-        counts.append(torch.bincount(table_owners, minlength=world))
+        # Integer index_add_ is exact in any order (bincount would read its size back).
+        counts.append(
+            torch.zeros(world, dtype=torch.int64, device=device).index_add_(
+                0, table_owners, torch.ones_like(table_owners)
+            )
+        )
+        largest.append(table_counts.max() if table_counts.numel() else table_counts.new_zeros(()))
     return Request(
         unique=unique,
         inverse=inverse,
@@ -122,6 +133,7 @@ def build_request(
             for shard in shards
             for name in shard.table.feature_names
         },
+        max_occurrences=torch.stack(largest).tolist() if largest else [],
     )
 
 
@@ -129,7 +141,7 @@ def empty_request(shards: Sequence[RowShard], world: int, device: torch.device) 
     """A request for no IDs (what a rank with invalid input sends in the preflight)."""
     nothing = [torch.empty(0, dtype=torch.int64, device=device) for _ in shards]
     counts = torch.zeros(world, len(shards), dtype=torch.int64, device=device)
-    return Request(nothing, nothing, nothing, counts, {})
+    return Request(nothing, nothing, nothing, counts, {}, [0] * len(shards))
 
 
 def exchange_ids(
@@ -165,7 +177,9 @@ def exchange_ids(
     received = channel.all_to_all(
         header.reshape(-1), [num_tables + 1] * world, [num_tables + 1] * world
     ).reshape(world, num_tables + 1)
-    statuses = received[:, 0].tolist()
+    # One read of both headers: statuses, and the counts that size every message below.
+    sent_header, received_header = torch.stack([header, received]).tolist()
+    statuses = [row[0] for row in received_header]
     raise_if_flagged(channel, problem, [s == _BAD for s in statuses])
     if _FINAL in statuses:
         if all(s == _FINAL for s in statuses):
@@ -175,20 +189,28 @@ def exchange_ids(
             f"ranks {last} passed final=True but the others a next_batch: every rank must "
             "end at the same step"
         )
-    recv_counts = received[:, 1:]
-    send = pack_by_peer(request.unique, request.counts)
-    recv = channel.all_to_all(send, request.counts.sum(1).tolist(), recv_counts.sum(1).tolist())
-    received = unpack_by_peer(recv, recv_counts, [()] * num_tables)
+    send_counts = [row[1:] for row in sent_header]
+    recv_counts = [row[1:] for row in received_header]
+    recv = channel.all_to_all(
+        pack_by_peer(request.unique, send_counts),
+        [sum(row) for row in send_counts],
+        [sum(row) for row in recv_counts],
+    )
+    ids = unpack_by_peer(recv, recv_counts, [()] * num_tables)
     local, sources, rows, row_inverse = [], [], [], []
-    peers = torch.arange(world, device=recv_counts.device)
+    peers = torch.arange(world, device=header.device)
     for t, shard in enumerate(shards):
-        table_local = received[t] - shard.start
+        table_local = ids[t] - shard.start
         table_rows, table_inverse = unique_with_inverse(table_local)
         local.append(table_local)
-        sources.append(torch.repeat_interleave(peers, recv_counts[:, t]))
+        sources.append(
+            torch.repeat_interleave(
+                peers, received[:, 1 + t], output_size=sum(row[t] for row in recv_counts)
+            )
+        )
         rows.append(table_rows)
         row_inverse.append(table_inverse)
-    return Serve(recv_counts, local, sources, rows, row_inverse)
+    return Serve(received[:, 1:], local, sources, rows, row_inverse)
 
 
 def route(

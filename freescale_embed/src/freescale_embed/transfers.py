@@ -57,12 +57,16 @@ def exchange(
 ) -> list[torch.Tensor]:
     """One AllToAll of ``[rows, width]`` parts (``send_counts[p, j]`` rows of part ``j`` for
     rank ``p``); returns per part what arrived, rank 0's rows first."""
+    # One read of both count tables (each read of a device tensor waits for the GPU).
+    both = torch.cat([send_counts, recv_counts], dim=1).tolist()
+    send_rows = [row[: len(parts)] for row in both]
+    recv_rows = [row[len(parts) :] for row in both]
     recv = channel.all_to_all(
-        pack_by_peer(parts, send_counts),
-        peer_numel(send_counts, widths),
-        peer_numel(recv_counts, widths),
+        pack_by_peer(parts, send_rows),
+        peer_numel(send_rows, widths),
+        peer_numel(recv_rows, widths),
     )
-    return unpack_by_peer(recv, recv_counts, [(width,) for width in widths])
+    return unpack_by_peer(recv, recv_rows, [(width,) for width in widths])
 
 
 def send_rows(
@@ -151,13 +155,13 @@ def unique_gradients(
         Per table, ``[selected IDs, dim]`` in sorted-ID order.
     """
     out = []
-    for t, (g, inverse, unique) in enumerate(
-        zip(grads, request.inverse, request.unique, strict=True)
+    for t, (g, inverse, unique, largest) in enumerate(
+        zip(grads, request.inverse, request.unique, request.max_occurrences, strict=True)
     ):
         if mask is not None:
             wanted = mask[t].index_select(0, inverse).nonzero().flatten()
             g, inverse = g.index_select(0, wanted), inverse.index_select(0, wanted)
-        out.append(_select(segment_sum(g, inverse, unique.numel()), mask, t))
+        out.append(_select(segment_sum(g, inverse, unique.numel(), largest), mask, t))
     return out
 
 
@@ -206,7 +210,10 @@ def apply_gradients(
     """
     for t, table in enumerate(tables):
         inverse = _select(serve.row_inverse[t], entry_mask, t)
-        per_row = segment_sum(entry_gradients[t], inverse, serve.rows[t].numel())
+        # A rank sends each of its IDs once: a row has at most one entry per rank.
+        per_row = segment_sum(
+            entry_gradients[t], inverse, serve.rows[t].numel(), serve.counts.shape[0]
+        )
         table.apply(
             optimizer, _select(serve.rows[t], row_mask, t), _select(per_row, row_mask, t), step
         )
