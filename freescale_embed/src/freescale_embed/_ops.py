@@ -77,10 +77,7 @@ def segment_sum_pairwise(
     # A stable sort keeps each segment's rows in input order.
     segments, order = torch.sort(segments, stable=True)
     values = values.index_select(0, order)
-    # Integer index_add_ is exact in any order (bincount would read its size back).
-    counts = torch.zeros(num_segments, dtype=torch.int64, device=device).index_add_(
-        0, segments, torch.ones_like(segments)
-    )
+    counts = counts_per_bin(segments, num_segments)
     starts = torch.cumsum(counts, 0) - counts
     index = torch.arange(segments.numel(), device=device)
     position = index - starts.index_select(0, segments)
@@ -114,6 +111,14 @@ def row_sum(values: torch.Tensor) -> torch.Tensor:
         half = values.shape[1] // 2
         values = values[:, :half] + values[:, half:]
     return values[:, 0]
+
+
+def counts_per_bin(values: torch.Tensor, bins: int) -> torch.Tensor:
+    """``bincount(values, minlength=bins)`` for values below ``bins``, without reading anything
+    back from the device (CUDA's bincount reads the largest value first); integer adds are
+    exact in any order."""
+    counts = torch.zeros(bins, dtype=torch.int64, device=values.device)
+    return counts.index_add_(0, values, torch.ones_like(values, dtype=torch.int64))
 
 
 def counts_on_host(counts: torch.Tensor | list[list[int]]) -> list[list[int]]:

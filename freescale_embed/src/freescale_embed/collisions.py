@@ -27,12 +27,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from freescale_embed._ops import pack_by_peer, peer_numel, segment_sum, unpack_by_peer
+from freescale_embed._ops import (
+    counts_per_bin,
+    pack_by_peer,
+    peer_numel,
+    segment_sum,
+    unpack_by_peer,
+)
 from freescale_embed.channel import Channel
 from freescale_embed.optim import Optimizer
 from freescale_embed.routing import Request, Routes
 from freescale_embed.tables import TableShard
-from freescale_embed.transfers import exchange, unique_gradients
+from freescale_embed.transfers import Part, exchange, indices, unique_gradients
 
 
 @dataclass
@@ -40,8 +46,10 @@ class CollisionPlan:
     """Where step t's collision gradients go and where they apply, on this rank.
 
     Attributes:
-        collided: per table, mask over this rank's unique IDs of t: rows of ``C_t``.
-        pending: per table, mask over this rank's unique IDs of t+1: rows of ``C_t``.
+        collided: the rows of ``C_t`` in step t's routing (this rank's IDs and occurrences of
+            them; the entries and rows of them it owns).
+        others: the rows of step t outside ``C_t`` (synced in the background during step t+1).
+        pending: the rows of ``C_t`` in step t+1's routing.
         send_index: per table, rows of the collision gradients (the collided IDs, ascending) in
             send order: by destination rank, then ID.
         send_counts: int64 ``[world, tables]``, gradient rows sent to each rank.
@@ -49,42 +57,40 @@ class CollisionPlan:
         owned_rows: per table, the local rows of ``C_t`` this rank owns, ascending.
         owned_take: per table, the received rows that are gradients of ``owned_rows``.
         owned_segment: per table, the index in ``owned_rows`` of each of them.
-        pending_index: per table, positions of the pending IDs among the unique IDs of t+1.
         pending_take: per table, the received rows that are gradients of pending IDs.
-        pending_segment: per table, the index in ``pending_index`` of each of them.
+        pending_segment: per table, the index in ``pending.ids`` of each of them.
         states: per table, the optimizer state of the pending IDs before step t's update
             (filled by the prefetch's row exchange).
     """
 
-    collided: list[torch.Tensor]
-    pending: list[torch.Tensor]
+    collided: Part
+    others: Part
+    pending: Part
     send_index: list[torch.Tensor]
     send_counts: torch.Tensor
     recv_counts: torch.Tensor
     owned_rows: list[torch.Tensor]
     owned_take: list[torch.Tensor]
     owned_segment: list[torch.Tensor]
-    pending_index: list[torch.Tensor]
     pending_take: list[torch.Tensor]
     pending_segment: list[torch.Tensor]
     states: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
     def nbytes(self) -> int:
         tensors = [
-            *self.collided,
-            *self.pending,
             *self.send_index,
             self.send_counts,
             self.recv_counts,
             *self.owned_rows,
             *self.owned_take,
             *self.owned_segment,
-            *self.pending_index,
             *self.pending_take,
             *self.pending_segment,
             *(t for state in self.states for t in state.values()),
         ]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        own = sum(t.numel() * t.element_size() for t in tensors)
+        parts = (self.collided, self.others, self.pending)
+        return own + sum(part.nbytes() for part in parts)
 
 
 def _peer_matrix(
@@ -133,6 +139,7 @@ def plan_collisions(
     """
     world = channel.world_size
     serve_t, serve_n = current.serve, routes.serve
+    owner_rows = indices([*collided_rows, *pending_rows])
     to_requesters, to_sources, owned_sources = [], [], []
     for k in range(len(tables)):
         sources = _peer_matrix(
@@ -141,8 +148,8 @@ def plan_collisions(
         requesters = _peer_matrix(
             serve_n.sources[k], serve_n.row_inverse[k], serve_n.rows[k].numel(), world
         )
-        # Both masks select C_t's rows in ascending order, so they pair up one to one.
-        at_t, at_n = collided_rows[k].nonzero().flatten(), pending_rows[k].nonzero().flatten()
+        # Both select C_t's rows in ascending order, so they pair up one to one.
+        at_t, at_n = owner_rows[k], owner_rows[len(tables) + k]
         owned_sources.append(sources.index_select(0, at_t))
         sources_of_n = torch.zeros_like(requesters).index_copy_(0, at_n, owned_sources[-1])
         requesters_of_t = torch.zeros_like(sources).index_copy_(
@@ -164,40 +171,47 @@ def plan_collisions(
         for m in unpack_by_peer(received, recv_counts, [(width,)] * len(parts))
     ]
     sources_of_pending, requesters_of_collided = masks[: len(tables)], masks[len(tables) :]
-
-    names = (
-        "collided",
-        "pending",
-        "send_index",
-        "owned_rows",
-        "owned_take",
-        "owned_segment",
-        "pending_index",
-        "pending_take",
-        "pending_segment",
+    collided_ids = [requesters.any(1) for requesters in requesters_of_collided]
+    collided_entries = [
+        m.index_select(0, inverse)
+        for m, inverse in zip(collided_rows, serve_t.row_inverse, strict=True)
+    ]
+    collided = Part.of(current, collided_ids, collided_entries, collided_rows)
+    others = Part.of(
+        current,
+        [~m for m in collided_ids],
+        [~m for m in collided_entries],
+        [~m for m in collided_rows],
     )
+    pending = Part.of(
+        routes,
+        [sources.any(1) for sources in sources_of_pending],
+        [
+            m.index_select(0, inverse)
+            for m, inverse in zip(pending_rows, serve_n.row_inverse, strict=True)
+        ],
+        pending_rows,
+    )
+
+    names = ("send_index", "owned_rows", "owned_take", "owned_segment")
+    names += ("pending_take", "pending_segment")
     lists: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     send_counts_k, recv_counts_k = [], []
     for k, table in enumerate(tables):
         # Source side: each collided ID of t goes to its owner and to its requesters of t+1.
-        requesters = requesters_of_collided[k]
-        collided = requesters.any(1)
-        at = collided.nonzero().flatten()
-        destinations = requesters.index_select(0, at)
+        at = collided.ids[k]
+        destinations = requesters_of_collided[k].index_select(0, at)
         owners = current.request.owners[k].index_select(0, at)
         destinations[torch.arange(at.numel(), device=at.device), owners] = True
         peer, index = destinations.t().nonzero(as_tuple=True)  # by rank, then ID
-        lists["collided"].append(collided)
         lists["send_index"].append(index)
-        send_counts_k.append(torch.bincount(peer, minlength=world))
+        send_counts_k.append(counts_per_bin(peer, world))
 
         # Receiver side: gradients of the C_t rows this rank owns and of its pending IDs, from
         # each of their sources, in (source, ID) order.
-        sources = sources_of_pending[k]
-        pending = sources.any(1)
-        pending_index = pending.nonzero().flatten()
+        pending_index = pending.ids[k]
         pending_ids = routes.request.unique[k].index_select(0, pending_index)
-        owned_rows = serve_t.rows[k].index_select(0, collided_rows[k].nonzero().flatten())
+        owned_rows = serve_t.rows[k].index_select(0, collided.rows[k])
         owned_ids = owned_rows + table.shard.start
         ids, inverse = torch.unique(torch.cat([owned_ids, pending_ids]), return_inverse=True)
         owned_at, pending_at = inverse[: owned_ids.numel()], inverse[owned_ids.numel() :]
@@ -206,10 +220,11 @@ def plan_collisions(
         senders.index_copy_(
             0,
             pending_at,
-            senders.index_select(0, pending_at) | sources.index_select(0, pending_index),
+            senders.index_select(0, pending_at)
+            | sources_of_pending[k].index_select(0, pending_index),
         )
         source, member = senders.t().nonzero(as_tuple=True)  # by source, then ID
-        recv_counts_k.append(torch.bincount(source, minlength=world))
+        recv_counts_k.append(counts_per_bin(source, world))
         for position, role in ((owned_at, "owned"), (pending_at, "pending")):
             of_member = torch.full((ids.numel(),), -1, dtype=torch.int64, device=ids.device)
             of_member.index_copy_(0, position, torch.arange(position.numel(), device=ids.device))
@@ -217,10 +232,11 @@ def plan_collisions(
             take = (segment >= 0).nonzero().flatten()
             lists[f"{role}_take"].append(take)
             lists[f"{role}_segment"].append(segment.index_select(0, take))
-        lists["pending"].append(pending)
-        lists["pending_index"].append(pending_index)
         lists["owned_rows"].append(owned_rows)
     return CollisionPlan(
+        collided=collided,
+        others=others,
+        pending=pending,
         send_counts=torch.stack(send_counts_k, dim=1),
         recv_counts=torch.stack(recv_counts_k, dim=1),
         **lists,
@@ -266,7 +282,7 @@ def apply_collisions(
             channel.world_size,
         )
         table.apply(optimizer, owned, per_row, step)
-        index = plan.pending_index[k]
+        index = plan.pending.ids[k]
         if index.numel():
             per_id = segment_sum(
                 rows.index_select(0, plan.pending_take[k]),

@@ -40,6 +40,7 @@ from freescale_embed.sharding import RowShard
 from freescale_embed.tables import TableShard
 from freescale_embed.telemetry import StepTelemetry
 from freescale_embed.transfers import (
+    Part,
     apply_gradients,
     send_gradients,
     send_rows,
@@ -54,52 +55,33 @@ class Prepared:
 
     Attributes:
         routes: step t+1's routing.
-        values: per table, the rows of t+1's unique IDs on this rank; rows marked ``pending``
-            hold their values before step t's update until step t's backward applies it to
-            them (empty in a fallback, whose forward fetches every row).
-        pending: per table, requester mask over t+1's unique IDs: collision rows of t.
-        pending_entries: per table, owner mask over t+1's entries: collision rows of t.
-        collided: per table, requester mask over t's unique IDs: rows t+1 also reads.
-        collided_entries: per table, owner mask over t's entries.
-        collided_rows: per table, owner mask over t's rows.
+        values: per table, the rows of t+1's unique IDs on this rank; the rows of ``C_t`` hold
+            their values before step t's update until step t's backward applies it to them
+            (empty in a fallback, whose forward fetches every row).
         collisions: ``|C_t|`` over all ranks.
         unique_rows: ``|R_t+1|`` over all ranks.
         fallback: the guardrail tripped: every row of t is synced in t's backward and every row
             of t+1 is fetched in t+1's forward.
         plan: the update of the collision rows in step t's backward (``None`` without any, or
             in a fallback).
+        rest: the part of step t that ``finish_gradients`` syncs (``None``: all of it).
         record: step t+1's telemetry.
     """
 
     routes: Routes
     values: list[torch.Tensor]
-    pending: list[torch.Tensor]
-    pending_entries: list[torch.Tensor]
-    collided: list[torch.Tensor]
-    collided_entries: list[torch.Tensor]
-    collided_rows: list[torch.Tensor]
     collisions: int
     unique_rows: int
     fallback: bool
     plan: CollisionPlan | None
+    rest: Part | None
     record: StepTelemetry
 
     def nbytes(self) -> int:
-        """Bytes held between the steps: prefetched rows, routing and masks."""
-        tensors = [
-            *self.values,
-            *self.pending,
-            *self.pending_entries,
-            *self.collided,
-            *self.collided_entries,
-            *self.collided_rows,
-        ]
+        """Bytes held between the steps: prefetched rows, routing and plans."""
         planned = 0 if self.plan is None else self.plan.nbytes()
-        return self.routes.nbytes() + planned + sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _full(like: Sequence[torch.Tensor], value: bool) -> list[torch.Tensor]:
-    return [torch.full((t.numel(),), value, dtype=torch.bool, device=t.device) for t in like]
+        rows = sum(t.numel() * t.element_size() for t in self.values)
+        return self.routes.nbytes() + planned + rows
 
 
 def prepare_next(
@@ -128,7 +110,7 @@ def prepare_next(
     routes = route(features, shards, channel, problem, final=features is None)
     if routes is None:
         return None
-    serve, request = routes.serve, routes.request
+    serve = routes.serve
     collided_rows = [
         torch.isin(rows_t, rows_n)
         for rows_t, rows_n in zip(current.serve.rows, serve.rows, strict=True)
@@ -144,30 +126,18 @@ def prepare_next(
     local_counts = torch.stack([collided, collided.new_tensor(sum(r.numel() for r in serve.rows))])
     collisions, unique_rows = channel.all_gather(local_counts).sum(0).tolist()
     fallback = max_collision_rate is not None and collisions > max_collision_rate * unique_rows
-    plan = None
-    if fallback or collisions == 0:
-        # Every rank knows the masks without asking: all rows (fallback) or none collide.
-        pending, pending_entries = _full(request.unique, fallback), _full(serve.local, fallback)
-        collided = _full(current.request.unique, fallback)
-        collided_entries = _full(current.serve.local, fallback)
-        collided_rows = _full(current.serve.rows, fallback)
-        # Without collisions every row is final now; a fallback step fetches all in forward.
-        values = [] if fallback else send_rows(tables, routes, channel)
+    plan: CollisionPlan | None = None
+    rest: Part | None = None
+    if fallback:
+        values: list[torch.Tensor] = []  # step t+1's forward fetches every row
+    elif collisions == 0:
+        values = send_rows(tables, routes, channel)  # every row is final already
     else:
         plan = plan_collisions(tables, channel, current, routes, collided_rows, pending_rows)
-        pending, collided = plan.pending, plan.collided
-        pending_entries = [
-            m.index_select(0, inv) for m, inv in zip(pending_rows, serve.row_inverse, strict=True)
-        ]
-        collided_entries = [
-            m.index_select(0, inv)
-            for m, inv in zip(collided_rows, current.serve.row_inverse, strict=True)
-        ]
         # Pending rows come as they are before step t's update, with their optimizer state:
         # step t's backward applies the update to them here (``collisions``).
-        values, plan.states = send_rows_with_state(
-            tables, routes, channel, pending_entries, pending
-        )
+        values, plan.states = send_rows_with_state(tables, routes, channel, plan.pending)
+        rest = plan.others
 
     record.collision_pct = 100.0 * collisions / unique_rows if unique_rows else 0.0
     record.lookup = "fallback" if fallback else "prefetched"
@@ -175,15 +145,11 @@ def prepare_next(
     prepared = Prepared(
         routes=routes,
         values=values,
-        pending=pending,
-        pending_entries=pending_entries,
-        collided=collided,
-        collided_entries=collided_entries,
-        collided_rows=collided_rows,
         collisions=collisions,
         unique_rows=unique_rows,
         fallback=fallback,
         plan=plan,
+        rest=rest,
         record=record,
     )
     record.prefetch_bytes = prepared.nbytes()
@@ -206,19 +172,8 @@ def finish_gradients(
     rate changed since then does not leak into this update.
     """
     channel.meter.take()
-    request_mask = [~m for m in prepared.collided]
-    entry_mask = [~m for m in prepared.collided_entries]
-    gradients = unique_gradients(routes.request, occurrence_gradients, request_mask)
-    entry_gradients = send_gradients(
-        tables, routes, gradients, channel, request_mask=request_mask, entry_mask=entry_mask
-    )
-    apply_gradients(
-        tables,
-        routes.serve,
-        entry_gradients,
-        optimizer,
-        step,
-        entry_mask=entry_mask,
-        row_mask=[~m for m in prepared.collided_rows],
-    )
+    part = prepared.rest
+    gradients = unique_gradients(routes.request, occurrence_gradients, part)
+    entry_gradients = send_gradients(tables, routes, gradients, channel, part)
+    apply_gradients(tables, routes.serve, entry_gradients, optimizer, step, part)
     record.add_background(channel.meter.take())

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from freescale_balance import JaggedTensor
-from freescale_embed._ops import pack_by_peer, unique_with_inverse, unpack_by_peer
+from freescale_embed._ops import counts_per_bin, pack_by_peer, unique_with_inverse, unpack_by_peer
 from freescale_embed.channel import Channel
 from freescale_embed.inputs import EmbeddingInputError, raise_if_flagged
 from freescale_embed.sharding import RowShard
@@ -112,12 +112,7 @@ def build_request(
         unique.append(table_unique)
         inverse.append(table_inverse)
         owners.append(table_owners)
-        # Integer index_add_ is exact in any order (bincount would read its size back).
-        counts.append(
-            torch.zeros(world, dtype=torch.int64, device=device).index_add_(
-                0, table_owners, torch.ones_like(table_owners)
-            )
-        )
+        counts.append(counts_per_bin(table_owners, world))
         largest.append(table_counts.max() if table_counts.numel() else table_counts.new_zeros(()))
     return Request(
         unique=unique,

@@ -1,9 +1,10 @@
-"""The embedding and gradient AllToAlls of one step, for all of its rows or a masked part.
+"""The embedding and gradient AllToAlls of one step, for all of its rows or a selected part.
 
-Masks select the same rows on both sides: a requester mask over its unique IDs (per table) and
-the owner's entry mask over what it received. The owner decides them (collision or not) and tells
-the requesters, so both sides agree, and the selected rows keep their relative order (owner,
-table, ID). With no masks every row of the step moves: that is synchronous training.
+A part is selected on both sides by ascending indices per table (``Part``): the requester's
+unique IDs and their occurrences, the owner's entries (what requesters sent it) and rows. The
+owner decides the part (collision or not) and tells the requesters, so both sides agree, and the
+selected rows keep their relative order (owner, table, ID). With no part every row of the step
+moves: that is synchronous training.
 
 Gradients are aggregated twice, each time in a fixed order: over a rank's occurrences of an ID
 (in the order of the table's features, then position), then, on the owner, over the ranks that
@@ -14,38 +15,94 @@ with all others or in the collision part first.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from freescale_embed._ops import pack_by_peer, peer_numel, segment_sum, unpack_by_peer
+from freescale_embed._ops import (
+    counts_per_bin,
+    pack_by_peer,
+    peer_numel,
+    segment_sum,
+    unpack_by_peer,
+)
 from freescale_embed.channel import Channel
 from freescale_embed.optim import Optimizer
 from freescale_embed.routing import Request, Routes, Serve
 from freescale_embed.tables import TableShard
 
-Masks = Sequence[torch.Tensor] | None
+
+def indices(masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per mask, the ascending indices of its set elements.
+
+    One read from the device for all of them (a ``nonzero`` per mask would read each size back,
+    and each read waits for the GPU).
+    """
+    if not masks or masks[0].device.type == "cpu":
+        return [m.nonzero().flatten() for m in masks]
+    sizes = torch.stack([m.sum() for m in masks]).tolist()
+    return [
+        torch.nonzero_static(m, size=size).flatten() for m, size in zip(masks, sizes, strict=True)
+    ]
 
 
-def _masked_counts(
-    counts: torch.Tensor, peers: Sequence[torch.Tensor], mask: Masks
+@dataclass(frozen=True)
+class Part:
+    """A part of one step's rows, as ascending indices per table on both sides.
+
+    Attributes:
+        ids: requester: indices into ``Request.unique``.
+        occurrences: requester: indices of the ID occurrences whose ID is in ``ids``.
+        entries: owner: indices of the received entries of those IDs.
+        rows: owner: indices into ``Serve.rows`` of those IDs.
+    """
+
+    ids: list[torch.Tensor]
+    occurrences: list[torch.Tensor]
+    entries: list[torch.Tensor]
+    rows: list[torch.Tensor]
+
+    @staticmethod
+    def of(
+        routes: Routes,
+        id_masks: Sequence[torch.Tensor],
+        entry_masks: Sequence[torch.Tensor],
+        row_masks: Sequence[torch.Tensor],
+    ) -> Part:
+        """The part that masks over the requester's unique IDs and the owner's entries and rows
+        select (one read from the device)."""
+        occurrence_masks = [
+            m.index_select(0, inverse)
+            for m, inverse in zip(id_masks, routes.request.inverse, strict=True)
+        ]
+        count = len(id_masks)
+        found = indices([*id_masks, *occurrence_masks, *entry_masks, *row_masks])
+        return Part(*(found[i * count : (i + 1) * count] for i in range(4)))
+
+    def nbytes(self) -> int:
+        tensors = [*self.ids, *self.occurrences, *self.entries, *self.rows]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _selected_counts(
+    counts: torch.Tensor, peers: Sequence[torch.Tensor], selected: Sequence[torch.Tensor] | None
 ) -> torch.Tensor:
-    """``counts`` (entries per peer and table) of only the entries ``mask`` keeps, where
+    """``counts`` (entries per peer and table) of only the ``selected`` entries, where
     ``peers[t]`` is the peer of each entry of table ``t``."""
-    if mask is None:
+    if selected is None:
         return counts
     world = counts.shape[0]
-    # Adding the mask per peer, rather than counting p[m], keeps the count on the device
-    # (boolean indexing reads its size back to the host).
     columns = [
-        torch.zeros(world, dtype=torch.int64, device=p.device).index_add_(0, p, m.to(torch.int64))
-        for p, m in zip(peers, mask, strict=True)
+        counts_per_bin(p.index_select(0, index), world)
+        for p, index in zip(peers, selected, strict=True)
     ]
     return torch.stack(columns, dim=1) if columns else counts
 
 
-def _select(tensor: torch.Tensor, masks: Masks, table: int) -> torch.Tensor:
-    # index_select copies whole rows; boolean indexing is several times slower on CPU.
-    return tensor if masks is None else tensor.index_select(0, masks[table].nonzero().flatten())
+def _select(
+    tensor: torch.Tensor, selected: Sequence[torch.Tensor] | None, table: int
+) -> torch.Tensor:
+    return tensor if selected is None else tensor.index_select(0, selected[table])
 
 
 def exchange(
@@ -69,46 +126,28 @@ def exchange(
     return unpack_by_peer(recv, recv_rows, [(width,) for width in widths])
 
 
-def send_rows(
-    tables: Sequence[TableShard],
-    routes: Routes,
-    channel: Channel,
-    entry_mask: Masks = None,
-    request_mask: Masks = None,
-) -> list[torch.Tensor]:
+def send_rows(tables: Sequence[TableShard], routes: Routes, channel: Channel) -> list[torch.Tensor]:
     """The embedding AllToAll: owners send current rows, requesters receive them.
 
     Returns:
-        Per table, the rows of the requester's unique IDs selected by ``request_mask`` (all when
-        ``None``), in sorted-ID order.
+        Per table, the rows of the requester's unique IDs, in sorted-ID order.
     """
-    serve, request = routes.serve, routes.request
-    rows = [
-        table.weight.index_select(0, _select(local, entry_mask, t))
-        for t, (table, local) in enumerate(zip(tables, serve.local, strict=True))
-    ]
-    return exchange(
-        rows,
-        [table.shard.table.embedding_dim for table in tables],
-        _masked_counts(serve.counts, serve.sources, entry_mask),
-        _masked_counts(request.counts, request.owners, request_mask),
-        channel,
-    )
+    rows, _ = send_rows_with_state(tables, routes, channel, None)
+    return rows
 
 
 def send_rows_with_state(
     tables: Sequence[TableShard],
     routes: Routes,
     channel: Channel,
-    entry_mask: Sequence[torch.Tensor],
-    request_mask: Sequence[torch.Tensor],
+    stateful: Part | None,
 ) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
-    """``send_rows`` of every row, and in the same AllToAll the optimizer state of the rows the
-    masks select.
+    """``send_rows``, and in the same AllToAll the optimizer state of the ``stateful`` part's
+    rows (its ``ids`` and ``entries``).
 
     Returns:
-        Per table, the rows of the requester's unique IDs, and the optimizer state of those
-        ``request_mask`` selects.
+        Per table, the rows of the requester's unique IDs, and the optimizer state of those in
+        ``stateful.ids`` (empty without a part or with a stateless optimizer).
     """
     serve, request = routes.serve, routes.request
     rows = [
@@ -117,22 +156,22 @@ def send_rows_with_state(
     ]
     widths = [table.shard.table.embedding_dim for table in tables]
     send_counts, recv_counts = serve.counts, request.counts
-    stateful = bool(tables) and tables[0].state_names
-    if stateful:
+    with_state = stateful is not None and bool(tables) and bool(tables[0].state_names)
+    if with_state:
         rows += [
-            table.state_rows(_select(local, entry_mask, t))
-            for t, (table, local) in enumerate(zip(tables, serve.local, strict=True))
+            table.state_rows(local.index_select(0, entries))
+            for table, local, entries in zip(tables, serve.local, stateful.entries, strict=True)
         ]
         widths += [table.state_width for table in tables]
         send_counts = torch.cat(
-            [send_counts, _masked_counts(serve.counts, serve.sources, entry_mask)], dim=1
+            [send_counts, _selected_counts(serve.counts, serve.sources, stateful.entries)], dim=1
         )
         recv_counts = torch.cat(
-            [recv_counts, _masked_counts(request.counts, request.owners, request_mask)], dim=1
+            [recv_counts, _selected_counts(request.counts, request.owners, stateful.ids)], dim=1
         )
     received = exchange(rows, widths, send_counts, recv_counts, channel)
-    if not stateful:
-        return received, [{} for _ in tables]
+    if not with_state:
+        return received[: len(tables)], [{} for _ in tables]
     states = received[len(tables) :]
     return received[: len(tables)], [
         table.split_state(state) for table, state in zip(tables, states, strict=True)
@@ -140,16 +179,16 @@ def send_rows_with_state(
 
 
 def unique_gradients(
-    request: Request, grads: Sequence[torch.Tensor], mask: Masks = None
+    request: Request, grads: Sequence[torch.Tensor], part: Part | None = None
 ) -> list[torch.Tensor]:
     """Per table, the gradient of each unique ID: its occurrences' gradients summed in order.
 
     Args:
         request: the step's routing on this rank.
         grads: per table, ``[occurrences, dim]`` gradients, in the order of ``request.inverse``.
-        mask: per table, the unique IDs wanted (all when ``None``). Only their occurrences are
-            summed, which gives the same bits as summing all and selecting (``segment_sum``
-            adds a segment's rows in order, apart from other segments).
+        part: the unique IDs wanted (all when ``None``). Only their occurrences are summed,
+            which gives the same bits as summing all and selecting (``segment_sum`` adds a
+            segment's rows in order, apart from other segments).
 
     Returns:
         Per table, ``[selected IDs, dim]`` in sorted-ID order.
@@ -158,10 +197,11 @@ def unique_gradients(
     for t, (g, inverse, unique, largest) in enumerate(
         zip(grads, request.inverse, request.unique, request.max_occurrences, strict=True)
     ):
-        if mask is not None:
-            wanted = mask[t].index_select(0, inverse).nonzero().flatten()
+        if part is not None:
+            wanted = part.occurrences[t]
             g, inverse = g.index_select(0, wanted), inverse.index_select(0, wanted)
-        out.append(_select(segment_sum(g, inverse, unique.numel(), largest), mask, t))
+        summed = segment_sum(g, inverse, unique.numel(), largest)
+        out.append(_select(summed, None if part is None else part.ids, t))
     return out
 
 
@@ -170,24 +210,23 @@ def send_gradients(
     routes: Routes,
     gradients: Sequence[torch.Tensor],
     channel: Channel,
-    request_mask: Masks = None,
-    entry_mask: Masks = None,
+    part: Part | None = None,
 ) -> list[torch.Tensor]:
     """The gradient AllToAll: requesters send per-ID gradients to owners.
 
     Args:
-        gradients: per table, the gradients of the unique IDs ``request_mask`` selects (as
-            ``unique_gradients`` returns them with that mask).
+        gradients: per table, the gradients of the part's unique IDs (as ``unique_gradients``
+            returns them for that part).
 
     Returns:
-        Per table, the gradient of each owner entry selected by ``entry_mask``, source-major.
+        Per table, the gradient of each of the part's owner entries, source-major.
     """
     request, serve = routes.request, routes.serve
     return exchange(
         gradients,
         [table.shard.table.embedding_dim for table in tables],
-        _masked_counts(request.counts, request.owners, request_mask),
-        _masked_counts(serve.counts, serve.sources, entry_mask),
+        _selected_counts(request.counts, request.owners, None if part is None else part.ids),
+        _selected_counts(serve.counts, serve.sources, None if part is None else part.entries),
         channel,
     )
 
@@ -198,22 +237,19 @@ def apply_gradients(
     entry_gradients: Sequence[torch.Tensor],
     optimizer: Optimizer,
     step: int,
-    entry_mask: Masks = None,
-    row_mask: Masks = None,
+    part: Part | None = None,
 ) -> None:
     """Aggregates entry gradients per row (rank 0's first) and applies the optimizer in place.
 
     Args:
-        entry_gradients: per table, gradients of the entries selected by ``entry_mask``.
-        row_mask: per table, which of ``serve.rows`` to update (those the selected entries
-            cover); all when ``None``.
+        entry_gradients: per table, gradients of the part's entries (all when ``None``).
+        part: the entries received and the rows they cover.
     """
+    entries, rows = (None, None) if part is None else (part.entries, part.rows)
     for t, table in enumerate(tables):
-        inverse = _select(serve.row_inverse[t], entry_mask, t)
+        inverse = _select(serve.row_inverse[t], entries, t)
         # A rank sends each of its IDs once: a row has at most one entry per rank.
         per_row = segment_sum(
             entry_gradients[t], inverse, serve.rows[t].numel(), serve.counts.shape[0]
         )
-        table.apply(
-            optimizer, _select(serve.rows[t], row_mask, t), _select(per_row, row_mask, t), step
-        )
+        table.apply(optimizer, _select(serve.rows[t], rows, t), _select(per_row, rows, t), step)
