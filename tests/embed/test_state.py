@@ -131,7 +131,7 @@ def test_telemetry_reports_collisions_bytes_and_prefetch_memory(local_groups):
         assert record["lookup"] == "sync" and record["collision_pct"] is None
         assert record["exposed_comm_s"] > 0 and record["bytes_sent"] > 0
         assert record["background_comm_s"] == 0 and record["prefetch_bytes"] == 0
-        # Counts (with the preflight flags), IDs, rows, gradients.
+        # Counts (with the preflight statuses), IDs, rows, gradients.
         assert len(record["collective_spans"]) == 4
     steady = prioritized[1:-1]  # the first step starts cold, the last one is final
     assert all(r["lookup"] == "prefetched" for r in steady)

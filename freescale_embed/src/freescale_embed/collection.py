@@ -2,7 +2,7 @@
 
 One training step on every rank, on the training thread::
 
-    sync         forward:  [preflight flags + ID counts] -> IDs -> lookup on owners -> rows
+    sync         forward:  [preflight statuses + ID counts] -> IDs -> lookup on owners -> rows
                  backward: per-ID gradients -> gradients to owners -> per-row sum -> optimizer
     prioritized  forward:  nothing (every row was prefetched, the collision rows updated in
                            place by the previous backward)
