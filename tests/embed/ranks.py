@@ -201,6 +201,7 @@ def modes_agree_with_pairwise_sums(case: Case) -> dict[str, Any]:
     with (
         mock.patch("freescale_embed.transfers.segment_sum", segment_sum_pairwise),
         mock.patch("freescale_embed.collection.segment_sum", segment_sum_pairwise),
+        mock.patch("freescale_embed.collisions.segment_sum", segment_sum_pairwise),
     ):
         return modes_agree(case)
 

@@ -102,8 +102,11 @@ def test_two_threads_and_pooling(local_groups):
 def test_cuda_segment_sums_keep_the_modes_bitwise_equal(local_groups):
     # CUDA tables sum gradients by segment_sum_pairwise; its contract, not the device, is what
     # exactness needs, so it is checked here on CPU (Zipf traffic: hot rows, many levels).
+    # 4 ranks: a collision row's requesters are then not only its owner, so the copies the
+    # requesters update must match the owner's tree sums too.
     case = ranks.Case(optimizer=RowWiseAdagrad(lr=0.1), collision_rate=None)
     local_groups.get(2).run(ranks.modes_agree_with_pairwise_sums, case, timeout_s=240)
+    local_groups.get(4).run(ranks.modes_agree_with_pairwise_sums, case, timeout_s=240)
 
 
 def test_sync_runs_repeat_bit_for_bit(local_groups):

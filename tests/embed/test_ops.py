@@ -207,3 +207,12 @@ def test_rank_bits_round_trip(world):
     assert packed.dtype == torch.uint8 and packed.shape == (33, -(-world // 8))
     assert torch.equal(unpack_bits(packed, world), matrix)
     assert unpack_bits(pack_bits(matrix[:0]), world).shape == (0, world)
+
+
+def test_pairwise_segment_sum_of_no_rows_stays_in_the_autograd_graph():
+    # A rank whose features are all empty must still run its backward (and its collectives).
+    values = torch.zeros(0, 3, requires_grad=True)
+    summed = segment_sum_pairwise(values, torch.zeros(0, dtype=torch.int64), 2)
+    assert torch.equal(summed, torch.zeros(2, 3)) and summed.grad_fn is not None
+    summed.sum().backward()
+    assert values.grad is not None and values.grad.shape == (0, 3)

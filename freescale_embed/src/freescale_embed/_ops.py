@@ -73,7 +73,9 @@ def segment_sum_pairwise(
     device = values.device
     out = torch.zeros(num_segments, *values.shape[1:], dtype=values.dtype, device=device)
     if not segments.numel():
-        return out
+        # Still a function of ``values``, so that a backward through it reaches their producer
+        # (a rank with no rows must run its backward's collectives like every other rank).
+        return out + values.sum(0)
     # A stable sort keeps each segment's rows in input order.
     segments, order = torch.sort(segments, stable=True)
     values = values.index_select(0, order)

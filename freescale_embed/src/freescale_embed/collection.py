@@ -63,7 +63,14 @@ class _Step:
     record: StepTelemetry
     next_future: Any = None  # prioritized: the future of step t+1's ``Prepared`` (or ``None``)
     # prioritized: the prepared step and expected batch before this forward, for ``_undo``
-    undo: tuple[Prepared | None, JaggedBatch | None] = (None, None)
+    # and what its telemetry held then.
+    undo: tuple[Prepared | None, JaggedBatch | None, tuple[float, int, int]] = (
+        None,
+        None,
+        (0.0, 0, 0),
+    )
+    # prioritized: the batch the step was routed for (announced at the previous step)
+    batch: JaggedBatch | None = None
     done: bool = False
 
 
@@ -231,9 +238,14 @@ class ShardedEmbeddingCollection(nn.Module):
             lengths; with pooling, a ``[batch, dim]`` tensor per feature.
 
         Raises:
-            EmbeddingInputError: on every rank, before any ID moves, if some rank's input is
-                invalid (IDs out of range, values/lengths mismatch, missing feature, missing or
-                inconsistent next batch).
+            EmbeddingInputError: on every rank, before any ID of the invalid input moves, if
+                some rank's input is invalid (IDs out of range, values/lengths mismatch, missing
+                feature, missing or inconsistent next batch). In a synchronous lookup (sync
+                mode, a prioritized run's first step) forward raises; in a prioritized step the
+                check runs in the background, forward returns on every rank and the step's
+                backward (or ``synchronize``) raises on every rank, after which the step is
+                undone and the call can be made again. Outputs of such a step are not to be
+                used.
         """
         self._channel.meter.take()
         problem = self._input_problem(batch, next_batch, final)
@@ -242,7 +254,7 @@ class ShardedEmbeddingCollection(nn.Module):
             step = self._sync_lookup(batch, index, problem)
         else:
             step = self._prioritized_lookup(batch, next_batch, final, index, problem)
-        batch = as_batch(batch)
+        batch = step.batch if step.batch is not None else as_batch(batch)
         step.record.add_exposed(self._channel.meter.take())
         self.telemetry.append(step.record)
         outputs = _Lookup.apply(self._dummy, self, step)
@@ -369,10 +381,12 @@ class ShardedEmbeddingCollection(nn.Module):
                 prepared.values = send_rows(self.shard_tables, prepared.routes, self._channel)
             # Every rank got here, bad input or not: start the previous step's deferred sync.
             self._submit_deferred()
-            step = _Step(index, prepared.routes, prepared.values, prepared.record)
+            step = _Step(index, prepared.routes, prepared.values, prepared.record, batch=expected)
         # This step's preflight rides on the next step's ID exchange, in the background, so
-        # no collective of the critical path waits for it; a rank with a problem learns every
-        # rank's messages from it and raises now, its peers in their backward (``_await_next``).
+        # no collective of the critical path waits for it. Every rank, the one with the problem
+        # too, returns outputs (that rank: the rows prefetched for the batch it announced) and
+        # raises in its backward (``_await_next``), so that collectives the caller runs between
+        # forward and backward (DDP's, metrics) pair up on every rank.
         jagged_next = None if final or problem is not None else as_batch(next_batch)
         assert self._worker is not None and self._background is not None
         step.next_future = self._worker.submit(
@@ -386,11 +400,12 @@ class ShardedEmbeddingCollection(nn.Module):
             StepTelemetry(step=index + 1),
             problem,
         )
-        if problem is not None:
+        if problem is not None and not torch.is_grad_enabled():
+            # No backward will follow: the error is raised now (it raises on every rank).
             self._worker.wait(step.next_future)
-            raise AssertionError("a flagged preflight returned")  # it raises on every rank
+            raise AssertionError("a flagged preflight returned")
         self._prepared, self._expected_next = None, jagged_next
-        step.undo = (prepared, expected)
+        step.undo = (prepared, expected, step.record.training_mark())
         self._awaiting_backward = step
         return step
 
@@ -470,7 +485,8 @@ class ShardedEmbeddingCollection(nn.Module):
 
     def _undo(self, step: _Step) -> None:
         """Back to before ``step``'s forward, whose call may then be made again."""
-        self._prepared, self._expected_next = step.undo
+        self._prepared, self._expected_next, mark = step.undo
+        step.record.rewind(mark)
         if self._awaiting_backward is step:
             self._awaiting_backward = None
         if self.telemetry and self.telemetry[-1] is step.record:

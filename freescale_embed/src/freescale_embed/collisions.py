@@ -29,10 +29,7 @@ import torch
 
 from freescale_embed._ops import (
     counts_per_bin,
-    pack_by_peer,
-    peer_numel,
     segment_sum,
-    unpack_by_peer,
 )
 from freescale_embed.channel import Channel
 from freescale_embed.optim import Optimizer
@@ -52,8 +49,8 @@ class CollisionPlan:
         pending: the rows of ``C_t`` in step t+1's routing.
         send_index: per table, rows of the collision gradients (the collided IDs, ascending) in
             send order: by destination rank, then ID.
-        send_counts: int64 ``[world, tables]``, gradient rows sent to each rank.
-        recv_counts: int64 ``[world, tables]``, gradient rows received from each rank.
+        send_counts: ``[world][tables]``, gradient rows sent to each rank (on the host).
+        recv_counts: ``[world][tables]``, gradient rows received from each rank.
         owned_rows: per table, the local rows of ``C_t`` this rank owns, ascending.
         owned_take: per table, the received rows that are gradients of ``owned_rows``.
         owned_segment: per table, the index in ``owned_rows`` of each of them.
@@ -67,8 +64,8 @@ class CollisionPlan:
     others: Part
     pending: Part
     send_index: list[torch.Tensor]
-    send_counts: torch.Tensor
-    recv_counts: torch.Tensor
+    send_counts: list[list[int]]
+    recv_counts: list[list[int]]
     owned_rows: list[torch.Tensor]
     owned_take: list[torch.Tensor]
     owned_segment: list[torch.Tensor]
@@ -79,8 +76,6 @@ class CollisionPlan:
     def nbytes(self) -> int:
         tensors = [
             *self.send_index,
-            self.send_counts,
-            self.recv_counts,
             *self.owned_rows,
             *self.owned_take,
             *self.owned_segment,
@@ -159,17 +154,14 @@ def plan_collisions(
         to_sources.append(pack_bits(requesters_of_t.index_select(0, serve_t.row_inverse[k])))
     width = -(-world // 8)
     parts = [*to_requesters, *to_sources]
-    send_counts = torch.cat([serve_n.counts, serve_t.counts], dim=1)
-    recv_counts = torch.cat([routes.request.counts, current.request.counts], dim=1)
-    received = channel.all_to_all(
-        pack_by_peer(parts, send_counts),
-        peer_numel(send_counts, [width] * len(parts)),
-        peer_numel(recv_counts, [width] * len(parts)),
+    received = exchange(
+        parts,
+        [width] * len(parts),
+        torch.cat([serve_n.counts, serve_t.counts], dim=1),
+        torch.cat([routes.request.counts, current.request.counts], dim=1),
+        channel,
     )
-    masks = [
-        unpack_bits(m, world)
-        for m in unpack_by_peer(received, recv_counts, [(width,)] * len(parts))
-    ]
+    masks = [unpack_bits(m, world) for m in received]
     sources_of_pending, requesters_of_collided = masks[: len(tables)], masks[len(tables) :]
     collided_ids = [requesters.any(1) for requesters in requesters_of_collided]
     collided_entries = [
@@ -233,12 +225,16 @@ def plan_collisions(
             lists[f"{role}_take"].append(take)
             lists[f"{role}_segment"].append(segment.index_select(0, take))
         lists["owned_rows"].append(owned_rows)
+    # Read here, on the prefetch thread, so that the backward's exchange reads nothing back.
+    send_counts, recv_counts = torch.stack(
+        [torch.stack(send_counts_k, dim=1), torch.stack(recv_counts_k, dim=1)]
+    ).tolist()
     return CollisionPlan(
         collided=collided,
         others=others,
         pending=pending,
-        send_counts=torch.stack(send_counts_k, dim=1),
-        recv_counts=torch.stack(recv_counts_k, dim=1),
+        send_counts=send_counts,
+        recv_counts=recv_counts,
         **lists,
     )
 

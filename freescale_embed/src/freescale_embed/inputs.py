@@ -1,16 +1,18 @@
-"""Input checks, and the preflight that makes every rank raise the same error before any ID moves.
+"""Input checks, and the preflight that makes every rank raise the same error.
 
 A rank that finds a problem in its own input cannot just raise: its peers would block in the next
 collective. So every ID exchange carries a status from each rank in front of the ID counts ("my
 input is bad", or in prioritized mode "I have no next step"); if any rank raised the flag, every
-rank gathers the messages and raises the same ``EmbeddingInputError`` before any ID moves.
+rank gathers the messages and raises the same ``EmbeddingInputError`` before any ID of the
+invalid input moves.
 
 A synchronous lookup routes its batch on the critical path, so its own ID exchange carries the
-flag. A prioritized step has nothing to route on the critical path (its IDs were routed during
-the previous step): its flag rides on the prefetch thread's routing of the next step, and a rank
-with a problem raises in forward once that exchange has gathered every rank's messages, while
-its peers, whose forward already returned, raise the same error in their backward (the step is
-then undone on every rank, so the same call can be made again).
+flag and every rank raises in forward. A prioritized step has nothing to route on the critical
+path (its IDs were routed during the previous step): its flag rides on the prefetch thread's
+routing of the next step, every rank's forward returns (the rank with the problem returns the
+rows prefetched for the batch it announced), and every rank raises in the step's backward, after
+which the step is undone, so the same call can be made again. Raising at the same point on every
+rank keeps collectives the caller runs between forward and backward paired.
 """
 
 from __future__ import annotations

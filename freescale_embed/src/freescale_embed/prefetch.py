@@ -94,7 +94,7 @@ def prepare_next(
     record: StepTelemetry,
     problem: str | None = None,
 ) -> Prepared | None:
-    """Routes step t+1, finds the collision rows of t, prefetches the rows of t+1 outside them.
+    """Routes step t+1, finds the collision rows of t, plans their update, sends t+1's rows.
 
     Its ID exchange carries step t's preflight: ``problem`` (this rank's, if its step-t call
     was invalid) or ``features=None`` (step t is the last).

@@ -64,6 +64,18 @@ class StepTelemetry:
             self.background_comm_s += measured.seconds
             self.bytes_sent += measured.bytes_sent
 
+    def training_mark(self) -> tuple[float, int, int]:
+        """What the training thread has added so far (for ``rewind``)."""
+        with self._lock:
+            return self.exposed_comm_s, self.bytes_sent, len(self.collective_spans)
+
+    def rewind(self, mark: tuple[float, int, int]) -> None:
+        """Drops what the training thread added since ``mark`` (a step that was undone, so
+        that its retry is not counted twice)."""
+        with self._lock:
+            self.exposed_comm_s, self.bytes_sent, spans = mark
+            del self.collective_spans[spans:]
+
     def as_dict(self) -> dict[str, object]:
         with self._lock:
             return {

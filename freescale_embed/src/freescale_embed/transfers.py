@@ -108,22 +108,26 @@ def _select(
 def exchange(
     parts: Sequence[torch.Tensor],
     widths: Sequence[int],
-    send_counts: torch.Tensor,
-    recv_counts: torch.Tensor,
+    send_counts: torch.Tensor | list[list[int]],
+    recv_counts: torch.Tensor | list[list[int]],
     channel: Channel,
 ) -> list[torch.Tensor]:
-    """One AllToAll of ``[rows, width]`` parts (``send_counts[p, j]`` rows of part ``j`` for
-    rank ``p``); returns per part what arrived, rank 0's rows first."""
-    # One read of both count tables (each read of a device tensor waits for the GPU).
-    both = torch.cat([send_counts, recv_counts], dim=1).tolist()
-    send_rows = [row[: len(parts)] for row in both]
-    recv_rows = [row[len(parts) :] for row in both]
+    """One AllToAll of ``[rows, width]`` parts (``send_counts[p][j]`` rows of part ``j`` for
+    rank ``p``); returns per part what arrived, rank 0's rows first.
+
+    The count tables may be tensors (both read back at once: each read of a device tensor
+    waits for the GPU) or lists already on the host.
+    """
+    if isinstance(send_counts, torch.Tensor):
+        both = torch.cat([send_counts, torch.as_tensor(recv_counts)], dim=1).tolist()
+        send_counts = [row[: len(parts)] for row in both]
+        recv_counts = [row[len(parts) :] for row in both]
     recv = channel.all_to_all(
-        pack_by_peer(parts, send_rows),
-        peer_numel(send_rows, widths),
-        peer_numel(recv_rows, widths),
+        pack_by_peer(parts, send_counts),
+        peer_numel(send_counts, widths),
+        peer_numel(recv_counts, widths),
     )
-    return unpack_by_peer(recv, recv_rows, [(width,) for width in widths])
+    return unpack_by_peer(recv, recv_counts, [(width,) for width in widths])
 
 
 def send_rows(tables: Sequence[TableShard], routes: Routes, channel: Channel) -> list[torch.Tensor]:

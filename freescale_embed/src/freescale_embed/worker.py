@@ -46,8 +46,10 @@ class Worker:
                     f"an embedding prefetch task did not finish within {self._timeout:.0f} s"
                 ) from None
             except BaseException:
-                # A failed task's error is raised once; the tasks after it still run.
-                self._futures.pop(0)
+                # A failed task's error is raised once; the tasks after it still run. (A
+                # KeyboardInterrupt here leaves a running task queued, to be waited for.)
+                if head.done():
+                    self._futures.pop(0)
                 raise
             self._futures.pop(0)
             self._order.collect(result, done)
