@@ -111,8 +111,9 @@ class ShardedEmbeddingCollection(nn.Module):
         group: process group whose ranks share the tables (default: the world).
         optimizer: ``SGD``, ``RowWiseAdagrad`` or ``Adam``; applied to the rows a step touched,
             inside backward.
-        mode: ``"sync"``, or ``"prioritized"``: the next batch's rows outside the current step's
-            rows are prefetched during the current step; the same bits as ``"sync"``.
+        mode: ``"sync"``, or ``"prioritized"``: the next batch's rows are prefetched during the
+            current step, and the rows both steps read are updated in place by the current
+            step's backward; the same bits as ``"sync"``.
         pooling: ``"none"`` (per-item sequence embeddings), ``"sum"`` or ``"mean"`` per sample.
         max_collision_rate: prioritized mode's guardrail: a step whose share of rows shared with
             the previous step is above this fraction is looked up synchronously instead

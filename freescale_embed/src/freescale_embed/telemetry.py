@@ -21,9 +21,10 @@ class StepTelemetry:
     Attributes:
         step: the optimizer step (1-based).
         lookup: how the step's rows were obtained: ``"sync"`` (looked up in its own forward),
-            ``"prefetched"`` (exclusive rows during the previous step, collision rows fresh from
-            its backward), or ``"fallback"`` (the guardrail found too many collisions, so the
-            previous step's backward synced all of its gradients and sent all of this step's rows).
+            ``"prefetched"`` (during the previous step, the rows both steps read then updated
+            in place by its backward), or ``"fallback"`` (the guardrail found too many
+            collisions, so the previous step's backward synced all of its gradients and this
+            step's forward fetched all of its rows).
         collision_pct: share of this step's unique rows (over all ranks) that the previous step
             also touched, in percent; ``None`` when not measured (sync mode, first step).
         exposed_comm_s: seconds the training thread spent in embedding collectives or waiting for
