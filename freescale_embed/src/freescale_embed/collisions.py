@@ -157,8 +157,11 @@ def plan_collisions(
     received = exchange(
         parts,
         [width] * len(parts),
-        torch.cat([serve_n.counts, serve_t.counts], dim=1),
-        torch.cat([routes.request.counts, current.request.counts], dim=1),
+        [n + t for n, t in zip(serve_n.host_counts, serve_t.host_counts, strict=True)],
+        [
+            n + t
+            for n, t in zip(routes.request.host_counts, current.request.host_counts, strict=True)
+        ],
         channel,
     )
     masks = [unpack_bits(m, world) for m in received]

@@ -48,6 +48,7 @@ class Request:
             host, so no device read per feature).
         max_occurrences: per table, the most occurrences of one ID (bounds the gradient
             sums' trees without a device read).
+        host_counts: ``counts`` on the host (sizes every message of the step without a read).
     """
 
     unique: list[torch.Tensor]
@@ -56,6 +57,7 @@ class Request:
     counts: torch.Tensor
     occurrences: dict[str, int]
     max_occurrences: list[int]
+    host_counts: list[list[int]]
 
     def nbytes(self) -> int:
         tensors = [*self.unique, *self.inverse, *self.owners, self.counts]
@@ -68,6 +70,7 @@ class Serve:
 
     Attributes:
         counts: int64 ``[world, tables]``, entries received from each rank per table.
+        host_counts: ``counts`` on the host.
         local: per table, the local row of each entry (entries of rank 0 first, then rank 1, ...).
         sources: per table, the rank each entry came from.
         rows: per table, sorted unique local rows the step touches on this rank.
@@ -75,6 +78,7 @@ class Serve:
     """
 
     counts: torch.Tensor
+    host_counts: list[list[int]]
     local: list[torch.Tensor]
     sources: list[torch.Tensor]
     rows: list[torch.Tensor]
@@ -114,21 +118,26 @@ def build_request(
         owners.append(table_owners)
         counts.append(counts_per_bin(table_owners, world))
         largest.append(table_counts.max() if table_counts.numel() else table_counts.new_zeros(()))
+    table = (
+        torch.stack(counts, dim=1)
+        if counts
+        else torch.zeros(world, 0, dtype=torch.int64, device=device)
+    )
+    # One read for the count table and the largest counts.
+    read = torch.cat([table.flatten(), *(m.reshape(1) for m in largest)]).tolist()
+    tables = len(shards)
     return Request(
         unique=unique,
         inverse=inverse,
         owners=owners,
-        counts=(
-            torch.stack(counts, dim=1)
-            if counts
-            else torch.zeros(world, 0, dtype=torch.int64, device=device)
-        ),
+        counts=table,
         occurrences={
             name: features[name].values.numel()
             for shard in shards
             for name in shard.table.feature_names
         },
-        max_occurrences=torch.stack(largest).tolist() if largest else [],
+        max_occurrences=read[world * tables :],
+        host_counts=[read[r * tables : (r + 1) * tables] for r in range(world)],
     )
 
 
@@ -136,7 +145,8 @@ def empty_request(shards: Sequence[RowShard], world: int, device: torch.device) 
     """A request for no IDs (what a rank with invalid input sends in the preflight)."""
     nothing = [torch.empty(0, dtype=torch.int64, device=device) for _ in shards]
     counts = torch.zeros(world, len(shards), dtype=torch.int64, device=device)
-    return Request(nothing, nothing, nothing, counts, {}, [0] * len(shards))
+    host_counts = [[0] * len(shards) for _ in range(world)]
+    return Request(nothing, nothing, nothing, counts, {}, [0] * len(shards), host_counts)
 
 
 def exchange_ids(
@@ -172,8 +182,8 @@ def exchange_ids(
     received = channel.all_to_all(
         header.reshape(-1), [num_tables + 1] * world, [num_tables + 1] * world
     ).reshape(world, num_tables + 1)
-    # One read of both headers: statuses, and the counts that size every message below.
-    sent_header, received_header = torch.stack([header, received]).tolist()
+    # One read: the statuses, and the counts that size every message below.
+    received_header = received.tolist()
     statuses = [row[0] for row in received_header]
     raise_if_flagged(channel, problem, [s == _BAD for s in statuses])
     if _FINAL in statuses:
@@ -184,7 +194,7 @@ def exchange_ids(
             f"ranks {last} passed final=True but the others a next_batch: every rank must "
             "end at the same step"
         )
-    send_counts = [row[1:] for row in sent_header]
+    send_counts = request.host_counts
     recv_counts = [row[1:] for row in received_header]
     recv = channel.all_to_all(
         pack_by_peer(request.unique, send_counts),
@@ -205,7 +215,7 @@ def exchange_ids(
         )
         rows.append(table_rows)
         row_inverse.append(table_inverse)
-    return Serve(received[:, 1:], local, sources, rows, row_inverse)
+    return Serve(received[:, 1:], recv_counts, local, sources, rows, row_inverse)
 
 
 def route(

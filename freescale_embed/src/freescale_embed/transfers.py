@@ -85,12 +85,10 @@ class Part:
 
 
 def _selected_counts(
-    counts: torch.Tensor, peers: Sequence[torch.Tensor], selected: Sequence[torch.Tensor] | None
+    counts: torch.Tensor, peers: Sequence[torch.Tensor], selected: Sequence[torch.Tensor]
 ) -> torch.Tensor:
     """``counts`` (entries per peer and table) of only the ``selected`` entries, where
     ``peers[t]`` is the peer of each entry of table ``t``."""
-    if selected is None:
-        return counts
     world = counts.shape[0]
     columns = [
         counts_per_bin(p.index_select(0, index), world)
@@ -173,6 +171,8 @@ def send_rows_with_state(
         recv_counts = torch.cat(
             [recv_counts, _selected_counts(request.counts, request.owners, stateful.ids)], dim=1
         )
+    if not with_state:
+        send_counts, recv_counts = serve.host_counts, request.host_counts
     received = exchange(rows, widths, send_counts, recv_counts, channel)
     if not with_state:
         return received[: len(tables)], [{} for _ in tables]
@@ -226,11 +226,14 @@ def send_gradients(
         Per table, the gradient of each of the part's owner entries, source-major.
     """
     request, serve = routes.request, routes.serve
+    widths = [table.shard.table.embedding_dim for table in tables]
+    if part is None:
+        return exchange(gradients, widths, request.host_counts, serve.host_counts, channel)
     return exchange(
         gradients,
-        [table.shard.table.embedding_dim for table in tables],
-        _selected_counts(request.counts, request.owners, None if part is None else part.ids),
-        _selected_counts(serve.counts, serve.sources, None if part is None else part.entries),
+        widths,
+        _selected_counts(request.counts, request.owners, part.ids),
+        _selected_counts(serve.counts, serve.sources, part.entries),
         channel,
     )
 
