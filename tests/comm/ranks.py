@@ -7,6 +7,7 @@ the same processes where Gloo takes the dtype.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import random
@@ -73,6 +74,11 @@ def _same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         raise AssertionError(f"{what}: got {got.flatten()[:8]} want {want.flatten()[:8]}")
 
 
+def _tensor_seed(seed: int, case: int, rank: int, part: int = 0) -> int:
+    """Seed of ``rank``'s input ``part`` in ``case`` of a run seeded ``seed``."""
+    return seed * 1_000_003 + case * 1009 + rank * 31 + part
+
+
 def run_random_cases(seed: int, cases: int, compare_gloo: bool = True) -> int:
     """Random AllGather / AllToAll cases (shapes, dtypes, splits, strides); returns the count."""
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -84,9 +90,7 @@ def run_random_cases(seed: int, cases: int, compare_gloo: bool = True) -> int:
                            "ag_coalesced"])
         rest = tuple(rng.randint(1, 3) for _ in range(rng.randint(0, 2)))
 
-        def seed_of(r: int, k: int = 0, case: int = case) -> int:
-            return seed * 1_000_003 + case * 1009 + r * 31 + k
-
+        seed_of = functools.partial(_tensor_seed, seed, case)
         what = f"case {case} {kind} {dtype} rest={rest}"
         if kind in ("ag_tensor", "ag_list"):
             rows = rng.randint(0, 4)
@@ -461,8 +465,7 @@ def run_cuda_cases(seed: int, cases: int, cuda_path: str) -> int:
         def rows_of(rng: random.Random = rng, row_bytes: int = row_bytes) -> int:
             return _bytes_near_eager(rng, eager) // row_bytes
 
-        def seed_of(r: int, k: int = 0, case: int = case) -> int:
-            return seed * 1_000_003 + case * 1009 + r * 31 + k
+        seed_of = functools.partial(_tensor_seed, seed, case)
 
         def produce(values: torch.Tensor, rng: random.Random = rng) -> torch.Tensor:
             return _produce_late(values, dev, int(rng.random() * 2_000_000))

@@ -15,10 +15,13 @@ from collections.abc import Sequence
 import torch
 
 
-def unique_with_inverse(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted unique values of a 1-D tensor and, per input item, the index of its value."""
-    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-    return unique, inverse
+def unique_with_inverse(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sorted unique values of a 1-D tensor, per input item the index of its value, and how
+    many items hold each value."""
+    unique, inverse, counts = torch.unique(
+        ids, sorted=True, return_inverse=True, return_counts=True
+    )
+    return unique, inverse, counts
 
 
 def segment_sum(
@@ -123,66 +126,62 @@ def counts_per_bin(values: torch.Tensor, bins: int) -> torch.Tensor:
     return counts.index_add_(0, values, torch.ones_like(values, dtype=torch.int64))
 
 
-def counts_on_host(counts: torch.Tensor | list[list[int]]) -> list[list[int]]:
-    """A ``[world, J]`` count table as lists (one read of a device tensor)."""
-    return counts.tolist() if isinstance(counts, torch.Tensor) else counts
+def indices(masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per mask, the ascending indices of its set elements.
+
+    One read from the device for all of them (a ``nonzero`` per mask would read each size back,
+    and each read waits for the GPU).
+    """
+    if not masks or masks[0].device.type == "cpu":
+        return [m.nonzero().flatten() for m in masks]
+    sizes = torch.stack([m.sum() for m in masks]).tolist()
+    return [
+        torch.nonzero_static(m, size=size).flatten() for m, size in zip(masks, sizes, strict=True)
+    ]
 
 
-def pack_by_peer(
-    parts: Sequence[torch.Tensor], counts: torch.Tensor | list[list[int]]
-) -> torch.Tensor:
+def pack_by_peer(parts: Sequence[torch.Tensor], counts: Sequence[Sequence[int]]) -> torch.Tensor:
     """Interleaves per-part rows into one flat AllToAll buffer, peer-major then part-major.
 
     Args:
-        parts: ``J`` tensors of one dtype; ``parts[j]`` holds ``counts[:, j].sum()`` rows, those
-            for peer 0 first, then peer 1, ...
-        counts: int64 ``[world, J]`` (or the same as lists), rows of each part for each peer.
+        parts: ``J >= 1`` tensors of one dtype; ``parts[j]`` holds ``sum(counts[p][j])`` rows,
+            those for peer 0 first, then peer 1, ...
+        counts: ``[world][J]`` on the host, rows of each part for each peer.
 
     Returns:
         1-D buffer: for each peer, ``parts[0]``'s rows for it, then ``parts[1]``'s, ...
     """
-    rows = counts_on_host(counts)
-    world, num_parts = len(rows), len(parts)
     row_numel = [math.prod(part.shape[1:]) for part in parts]
     pieces = [
-        part.reshape(-1).split([rows[peer][j] * row_numel[j] for peer in range(world)])
+        part.reshape(-1).split([row[j] * row_numel[j] for row in counts])
         for j, part in enumerate(parts)
     ]
-    ordered = [pieces[j][peer] for peer in range(world) for j in range(num_parts)]
-    if not ordered:
-        if not parts:
-            device = counts.device if isinstance(counts, torch.Tensor) else "cpu"
-            return torch.empty(0, dtype=torch.float32, device=device)
-        return torch.empty(0, dtype=parts[0].dtype, device=parts[0].device)
-    return torch.cat(ordered)
+    return torch.cat([pieces[j][peer] for peer in range(len(counts)) for j in range(len(parts))])
 
 
-def peer_numel(counts: torch.Tensor | list[list[int]], row_numel: Sequence[int]) -> list[int]:
+def peer_numel(counts: Sequence[Sequence[int]], row_numel: Sequence[int]) -> list[int]:
     """Elements each peer's slice of a ``pack_by_peer`` buffer holds."""
-    return [
-        sum(c * n for c, n in zip(row, row_numel, strict=True)) for row in counts_on_host(counts)
-    ]
+    return [sum(c * n for c, n in zip(row, row_numel, strict=True)) for row in counts]
 
 
 def unpack_by_peer(
     buffer: torch.Tensor,
-    counts: torch.Tensor | list[list[int]],
+    counts: Sequence[Sequence[int]],
     row_shapes: Sequence[tuple[int, ...]],
 ) -> list[torch.Tensor]:
     """Inverse of ``pack_by_peer``: per part, its rows from peer 0, then peer 1, ...
 
     Args:
         buffer: 1-D buffer laid out as ``pack_by_peer`` lays it out.
-        counts: int64 ``[world, J]`` (or the same as lists), rows of each part from each peer.
+        counts: ``[world][J]`` on the host, rows of each part from each peer.
         row_shapes: shape of one row of each part (``()`` for scalars).
     """
-    rows = counts_on_host(counts)
-    world, num_parts = len(rows), len(row_shapes)
+    num_parts = len(row_shapes)
     row_numel = [math.prod(shape) for shape in row_shapes]
-    sizes = [c * n for row in rows for c, n in zip(row, row_numel, strict=True)]
+    sizes = [c * n for row in counts for c, n in zip(row, row_numel, strict=True)]
     chunks = buffer.split(sizes)
     return [
-        torch.cat([chunks[peer * num_parts + j] for peer in range(world)]).reshape(
+        torch.cat([chunks[peer * num_parts + j] for peer in range(len(counts))]).reshape(
             -1, *row_shapes[j]
         )
         for j in range(num_parts)

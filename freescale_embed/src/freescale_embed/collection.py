@@ -62,13 +62,9 @@ class _Step:
     values: list[torch.Tensor]
     record: StepTelemetry
     next_future: Any = None  # prioritized: the future of step t+1's ``Prepared`` (or ``None``)
-    # prioritized: the prepared step and expected batch before this forward, for ``_undo``
-    # and what its telemetry held then.
-    undo: tuple[Prepared | None, JaggedBatch | None, tuple[float, int, int]] = (
-        None,
-        None,
-        (0.0, 0, 0),
-    )
+    # prioritized: the prepared step and expected batch before this forward, and what its
+    # telemetry held then (for ``_undo``)
+    undo: tuple[Prepared | None, JaggedBatch | None, tuple[float, int, int]] | None = None
     # prioritized: the batch the step was routed for (announced at the previous step)
     batch: JaggedBatch | None = None
     done: bool = False
@@ -473,7 +469,7 @@ class ShardedEmbeddingCollection(nn.Module):
     def _await_next(self, step: _Step) -> Prepared | None:
         """The next step's ``Prepared`` (``None`` after the last step), which also carried this
         step's preflight: if some rank's call was invalid, the step is undone and the error
-        raised here, as it was on that rank in forward."""
+        raised here, on every rank."""
         assert self._worker is not None
         started = time.perf_counter()
         try:
@@ -486,6 +482,7 @@ class ShardedEmbeddingCollection(nn.Module):
 
     def _undo(self, step: _Step) -> None:
         """Back to before ``step``'s forward, whose call may then be made again."""
+        assert step.undo is not None  # set by every prioritized forward
         self._prepared, self._expected_next, mark = step.undo
         step.record.rewind(mark)
         if self._awaiting_backward is step:

@@ -29,13 +29,14 @@ import torch
 
 from freescale_embed._ops import (
     counts_per_bin,
+    indices,
     segment_sum,
 )
 from freescale_embed.channel import Channel
 from freescale_embed.optim import Optimizer
 from freescale_embed.routing import Request, Routes
 from freescale_embed.tables import TableShard
-from freescale_embed.transfers import Part, exchange, indices, unique_gradients
+from freescale_embed.transfers import Part, exchange, unique_gradients
 
 
 @dataclass
@@ -171,27 +172,30 @@ def plan_collisions(
         m.index_select(0, inverse)
         for m, inverse in zip(collided_rows, serve_t.row_inverse, strict=True)
     ]
-    collided = Part.of(current, collided_ids, collided_entries, collided_rows)
-    others = Part.of(
-        current,
-        [~m for m in collided_ids],
-        [~m for m in collided_entries],
-        [~m for m in collided_rows],
-    )
-    pending = Part.of(
-        routes,
-        [sources.any(1) for sources in sources_of_pending],
+    pending_entries = [
+        m.index_select(0, inverse)
+        for m, inverse in zip(pending_rows, serve_n.row_inverse, strict=True)
+    ]
+    collided, others, pending = Part.many(
         [
-            m.index_select(0, inverse)
-            for m, inverse in zip(pending_rows, serve_n.row_inverse, strict=True)
-        ],
-        pending_rows,
+            (current, collided_ids, collided_entries, collided_rows),
+            (
+                current,
+                [~m for m in collided_ids],
+                [~m for m in collided_entries],
+                [~m for m in collided_rows],
+            ),
+            (
+                routes,
+                [sources.any(1) for sources in sources_of_pending],
+                pending_entries,
+                pending_rows,
+            ),
+        ]
     )
 
-    names = ("send_index", "owned_rows", "owned_take", "owned_segment")
-    names += ("pending_take", "pending_segment")
-    lists: dict[str, list[torch.Tensor]] = {name: [] for name in names}
-    send_counts_k, recv_counts_k = [], []
+    send_index, owned_rows_k, send_counts_k, recv_counts_k = [], [], [], []
+    owned_take, owned_segment, pending_take, pending_segment = [], [], [], []
     for k, table in enumerate(tables):
         # Source side: each collided ID of t goes to its owner and to its requesters of t+1.
         at = collided.ids[k]
@@ -199,7 +203,7 @@ def plan_collisions(
         owners = current.request.owners[k].index_select(0, at)
         destinations[torch.arange(at.numel(), device=at.device), owners] = True
         peer, index = destinations.t().nonzero(as_tuple=True)  # by rank, then ID
-        lists["send_index"].append(index)
+        send_index.append(index)
         send_counts_k.append(counts_per_bin(peer, world))
 
         # Receiver side: gradients of the C_t rows this rank owns and of its pending IDs, from
@@ -220,14 +224,13 @@ def plan_collisions(
         )
         source, member = senders.t().nonzero(as_tuple=True)  # by source, then ID
         recv_counts_k.append(counts_per_bin(source, world))
-        for position, role in ((owned_at, "owned"), (pending_at, "pending")):
-            of_member = torch.full((ids.numel(),), -1, dtype=torch.int64, device=ids.device)
-            of_member.index_copy_(0, position, torch.arange(position.numel(), device=ids.device))
-            segment = of_member.index_select(0, member)
-            take = (segment >= 0).nonzero().flatten()
-            lists[f"{role}_take"].append(take)
-            lists[f"{role}_segment"].append(segment.index_select(0, take))
-        lists["owned_rows"].append(owned_rows)
+        take, segment = _segments(owned_at, member, ids.numel())
+        owned_take.append(take)
+        owned_segment.append(segment)
+        take, segment = _segments(pending_at, member, ids.numel())
+        pending_take.append(take)
+        pending_segment.append(segment)
+        owned_rows_k.append(owned_rows)
     # Read here, on the prefetch thread, so that the backward's exchange reads nothing back.
     send_counts, recv_counts = torch.stack(
         [torch.stack(send_counts_k, dim=1), torch.stack(recv_counts_k, dim=1)]
@@ -236,10 +239,27 @@ def plan_collisions(
         collided=collided,
         others=others,
         pending=pending,
+        send_index=send_index,
         send_counts=send_counts,
         recv_counts=recv_counts,
-        **lists,
+        owned_rows=owned_rows_k,
+        owned_take=owned_take,
+        owned_segment=owned_segment,
+        pending_take=pending_take,
+        pending_segment=pending_segment,
     )
+
+
+def _segments(
+    position: torch.Tensor, member: torch.Tensor, members: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of received rows ``member`` (indices into ``members`` IDs), those whose ID is one of
+    ``position``'s, and the index in ``position`` of each (its segment)."""
+    of_member = torch.full((members,), -1, dtype=torch.int64, device=member.device)
+    of_member.index_copy_(0, position, torch.arange(position.numel(), device=member.device))
+    segment = of_member.index_select(0, member)
+    take = (segment >= 0).nonzero().flatten()
+    return take, segment.index_select(0, take)
 
 
 def apply_collisions(

@@ -64,7 +64,6 @@ class Prepared:
             of t+1 is fetched in t+1's forward.
         plan: the update of the collision rows in step t's backward (``None`` without any, or
             in a fallback).
-        rest: the part of step t that ``finish_gradients`` syncs (``None``: all of it).
         record: step t+1's telemetry.
     """
 
@@ -74,8 +73,12 @@ class Prepared:
     unique_rows: int
     fallback: bool
     plan: CollisionPlan | None
-    rest: Part | None
     record: StepTelemetry
+
+    @property
+    def rest(self) -> Part | None:
+        """The part of step t that ``finish_gradients`` syncs (``None``: all of it)."""
+        return None if self.plan is None else self.plan.others
 
     def nbytes(self) -> int:
         """Bytes held between the steps: prefetched rows, routing and plans."""
@@ -127,7 +130,6 @@ def prepare_next(
     collisions, unique_rows = channel.all_gather(local_counts).sum(0).tolist()
     fallback = max_collision_rate is not None and collisions > max_collision_rate * unique_rows
     plan: CollisionPlan | None = None
-    rest: Part | None = None
     if fallback:
         values: list[torch.Tensor] = []  # step t+1's forward fetches every row
     elif collisions == 0:
@@ -137,7 +139,6 @@ def prepare_next(
         # Pending rows come as they are before step t's update, with their optimizer state:
         # step t's backward applies the update to them here (``collisions``).
         values, plan.states = send_rows_with_state(tables, routes, channel, plan.pending)
-        rest = plan.others
 
     record.collision_pct = 100.0 * collisions / unique_rows if unique_rows else 0.0
     record.lookup = "fallback" if fallback else "prefetched"
@@ -149,7 +150,6 @@ def prepare_next(
         unique_rows=unique_rows,
         fallback=fallback,
         plan=plan,
-        rest=rest,
         record=record,
     )
     record.prefetch_bytes = prepared.nbytes()

@@ -109,9 +109,7 @@ def build_request(
     for shard in shards:
         ids = [features[name].values.to(torch.int64) for name in shard.table.feature_names]
         table_ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device=device)
-        table_unique, table_inverse, table_counts = torch.unique(
-            table_ids, sorted=True, return_inverse=True, return_counts=True
-        )
+        table_unique, table_inverse, table_counts = unique_with_inverse(table_ids)
         table_owners = shard.owners(table_unique)
         unique.append(table_unique)
         inverse.append(table_inverse)
@@ -206,7 +204,7 @@ def exchange_ids(
     peers = torch.arange(world, device=header.device)
     for t, shard in enumerate(shards):
         table_local = ids[t] - shard.start
-        table_rows, table_inverse = unique_with_inverse(table_local)
+        table_rows, table_inverse, _ = unique_with_inverse(table_local)
         local.append(table_local)
         sources.append(
             torch.repeat_interleave(

@@ -21,6 +21,7 @@ import torch
 
 from freescale_embed._ops import (
     counts_per_bin,
+    indices,
     pack_by_peer,
     peer_numel,
     segment_sum,
@@ -30,20 +31,6 @@ from freescale_embed.channel import Channel
 from freescale_embed.optim import Optimizer
 from freescale_embed.routing import Request, Routes, Serve
 from freescale_embed.tables import TableShard
-
-
-def indices(masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Per mask, the ascending indices of its set elements.
-
-    One read from the device for all of them (a ``nonzero`` per mask would read each size back,
-    and each read waits for the GPU).
-    """
-    if not masks or masks[0].device.type == "cpu":
-        return [m.nonzero().flatten() for m in masks]
-    sizes = torch.stack([m.sum() for m in masks]).tolist()
-    return [
-        torch.nonzero_static(m, size=size).flatten() for m, size in zip(masks, sizes, strict=True)
-    ]
 
 
 @dataclass(frozen=True)
@@ -63,21 +50,26 @@ class Part:
     rows: list[torch.Tensor]
 
     @staticmethod
-    def of(
-        routes: Routes,
-        id_masks: Sequence[torch.Tensor],
-        entry_masks: Sequence[torch.Tensor],
-        row_masks: Sequence[torch.Tensor],
-    ) -> Part:
-        """The part that masks over the requester's unique IDs and the owner's entries and rows
-        select (one read from the device)."""
-        occurrence_masks = [
-            m.index_select(0, inverse)
-            for m, inverse in zip(id_masks, routes.request.inverse, strict=True)
+    def many(
+        selections: Sequence[
+            tuple[Routes, Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]]
+        ],
+    ) -> list[Part]:
+        """Per ``(routes, id_masks, entry_masks, row_masks)``, the part that masks over the
+        requester's unique IDs and the owner's entries and rows select; one read from the
+        device for all of them."""
+        masks: list[torch.Tensor] = []
+        for routes, id_masks, entry_masks, row_masks in selections:
+            occurrence_masks = [
+                m.index_select(0, inverse)
+                for m, inverse in zip(id_masks, routes.request.inverse, strict=True)
+            ]
+            masks += [*id_masks, *occurrence_masks, *entry_masks, *row_masks]
+        found = iter(indices(masks))
+        return [
+            Part(*([next(found) for _ in id_masks] for _ in range(4)))
+            for _, id_masks, _, _ in selections
         ]
-        count = len(id_masks)
-        found = indices([*id_masks, *occurrence_masks, *entry_masks, *row_masks])
-        return Part(*(found[i * count : (i + 1) * count] for i in range(4)))
 
     def nbytes(self) -> int:
         tensors = [*self.ids, *self.occurrences, *self.entries, *self.rows]
@@ -157,28 +149,28 @@ def send_rows_with_state(
         for table, local in zip(tables, serve.local, strict=True)
     ]
     widths = [table.shard.table.embedding_dim for table in tables]
-    send_counts, recv_counts = serve.counts, request.counts
-    with_state = stateful is not None and bool(tables) and bool(tables[0].state_names)
-    if with_state:
-        rows += [
-            table.state_rows(local.index_select(0, entries))
-            for table, local, entries in zip(tables, serve.local, stateful.entries, strict=True)
-        ]
-        widths += [table.state_width for table in tables]
-        send_counts = torch.cat(
-            [send_counts, _selected_counts(serve.counts, serve.sources, stateful.entries)], dim=1
-        )
-        recv_counts = torch.cat(
-            [recv_counts, _selected_counts(request.counts, request.owners, stateful.ids)], dim=1
-        )
-    if not with_state:
-        send_counts, recv_counts = serve.host_counts, request.host_counts
-    received = exchange(rows, widths, send_counts, recv_counts, channel)
-    if not with_state:
-        return received[: len(tables)], [{} for _ in tables]
-    states = received[len(tables) :]
-    return received[: len(tables)], [
-        table.split_state(state) for table, state in zip(tables, states, strict=True)
+    if stateful is None or not tables[0].state_names:
+        received = exchange(rows, widths, serve.host_counts, request.host_counts, channel)
+        return received, [{} for _ in tables]
+    states = [
+        table.state_rows(local.index_select(0, entries))
+        for table, local, entries in zip(tables, serve.local, stateful.entries, strict=True)
+    ]
+    received = exchange(
+        [*rows, *states],
+        [*widths, *(table.state_width for table in tables)],
+        torch.cat(
+            [serve.counts, _selected_counts(serve.counts, serve.sources, stateful.entries)], dim=1
+        ),
+        torch.cat(
+            [request.counts, _selected_counts(request.counts, request.owners, stateful.ids)],
+            dim=1,
+        ),
+        channel,
+    )
+    count = len(tables)
+    return received[:count], [
+        table.split_state(state) for table, state in zip(tables, received[count:], strict=True)
     ]
 
 
