@@ -217,6 +217,7 @@ def _bench_config(args: argparse.Namespace) -> BenchConfig:
         dense=args.dense if cuda else "sleep",
         dense_ms=args.dense_ms,
         matmul_size=8192 if cuda else 512,
+        optimizer_params=args.optimizer_params,
         device=args.device,
         backend=args.backend,
     )
@@ -258,6 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         default="gpu",
         help="dense compute on CUDA: bf16 matmuls, or a sleep that leaves the GPU to the "
         "embeddings (a control: the two ranks' processes then do not time-slice the GPU)",
+    )
+    parser.add_argument(
+        "--optimizer-params",
+        type=int,
+        default=0,
+        help="dense parameters of a fused Adam step after each backward (0: none)",
     )
     parser.add_argument("--quick", action="store_true", help="a small dry run of every part")
     parser.add_argument("--timeout", type=float, default=420, help="seconds per part")

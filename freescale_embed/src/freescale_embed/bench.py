@@ -3,7 +3,9 @@
 The bench starts ``world_size`` local ranks itself (a TCPStore on loopback; Gloo, or the
 ``freescale`` backend), and for each collision rate trains the same synthetic steps once in each
 mode: embedding forward, a simulated dense compute (a sleep or CPU matmuls; on CUDA, bf16 matmuls
-on the training stream that the training thread waits for), backward through the embeddings.
+on the training stream that the training thread waits for), backward through the embeddings, and
+optionally a dense optimizer step (a real Adam over ``optimizer_params`` parameters: the work a
+training loop does between a backward and the next forward).
 It reports the median over the timed steps of the training thread's exposed embedding
 communication (``StepTelemetry``), the step time, the bytes moved, the prefetch memory, and
 whether the two modes ended with bitwise the same tables and optimizer state.
@@ -13,7 +15,9 @@ waiting for the prefetch thread. A rank that reaches a collective first also wai
 slowest peer's local work (or for the scheduler, on a shared machine), so each step is reported
 twice: the mean over ranks (what training sees) and the collectives' time after the last rank
 joined each (the communication itself; the ranks share one host, hence one monotonic clock).
-Ranks are aligned by uncounted barriers (on a Gloo group) before forward and backward.
+Ranks are aligned by an uncounted barrier (on a Gloo group) before backward, and run the steps
+back to back otherwise: nothing uncounted lies between a backward and the next forward, where
+prioritized mode's collision AllToAll is in flight.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ class BenchConfig:
         dense_ms: length of a sleep or of the GPU matmuls.
         matmul_size: side of the square matmuls of ``"matmul"``.
         matmul_repeats: matmuls per step.
+        optimizer_params: dense parameters updated by an Adam step after every backward (fused
+            on CUDA, where the training thread then waits for the GPU); 0: no such step.
         threads: intra-op threads per rank.
         seed: workload seed.
         device: ``"cpu"`` or ``"cuda"`` (rank r uses GPU ``r % device count``).
@@ -80,6 +86,7 @@ class BenchConfig:
     dense_ms: float = 250.0
     matmul_size: int = 512
     matmul_repeats: int = 8
+    optimizer_params: int = 0
     threads: int = 1
     seed: int = 0
     device: Literal["cpu", "cuda"] = "cpu"
@@ -101,6 +108,13 @@ class _Dense:
         if config.dense == "gpu":
             self.state = self.state.to(device, torch.bfloat16)
             self.repeats = self._calibrate(control)
+        self.optimizer: torch.optim.Adam | None = None
+        if config.optimizer_params:
+            parameters = torch.zeros(config.optimizer_params, device=device, requires_grad=True)
+            parameters.grad = torch.randn(config.optimizer_params, generator=generator).to(device)
+            self.optimizer = torch.optim.Adam(
+                [parameters], lr=1e-4, fused=True if device.type == "cuda" else None
+            )
 
     def _calibrate(self, control: Any) -> int:
         """Matmuls per step so that they last ``dense_ms`` while every rank computes at once."""
@@ -127,6 +141,14 @@ class _Dense:
         self._matmuls(self.repeats)
         if self.config.dense == "gpu":
             # The training thread waits for the GPU, as a real step's does before backward.
+            torch.cuda.current_stream().synchronize()
+
+    def step_optimizer(self) -> None:
+        """The dense optimizer step after a backward (if configured); returns when it is done."""
+        if self.optimizer is None:
+            return
+        self.optimizer.step()
+        if self.config.dense == "gpu":
             torch.cuda.current_stream().synchronize()
 
 
@@ -160,12 +182,9 @@ def _run_mode(
     # Seeded, so that both modes see the same losses and must end with the same bits.
     generator = torch.Generator().manual_seed(config.seed + rank + 1)
     weights = torch.randn(config.embedding_dim, generator=generator).to(device)
-    step_times = []
+    step_times, optimizer_times = [], []
+    dist.barrier(group=control)
     for step in range(total):
-        # Ranks start forward and backward together (uncounted barriers), so that what one rank
-        # did before (dense compute, the previous step) does not show up as the other's wait in
-        # an embedding collective.
-        dist.barrier(group=control)
         started = time.perf_counter()
         if mode == "sync":
             out = emb(batches[step])
@@ -174,10 +193,15 @@ def _run_mode(
             out = emb(batches[step], None if last else batches[step + 1], final=last)
         dense.run()
         loss = (out["history"].values * weights).sum()
+        # Ranks start backward together (an uncounted barrier), so that the dense compute's
+        # different lengths on the ranks do not show up as waits in the gradient collectives.
         paused = time.perf_counter()
         dist.barrier(group=control)
         resumed = time.perf_counter()
         loss.backward()
+        optimized = time.perf_counter()
+        dense.step_optimizer()
+        optimizer_times.append(time.perf_counter() - optimized)
         step_times.append(time.perf_counter() - started - (resumed - paused))
     emb.synchronize()
     timed = [t.as_dict() for t in emb.telemetry][config.warmup : config.warmup + config.steps]
@@ -192,6 +216,7 @@ def _run_mode(
         "collision_pct": [t["collision_pct"] for t in timed],
         "fallback": [t["lookup"] == "fallback" for t in timed],
         "step_s": step_times[config.warmup : config.warmup + config.steps],
+        "optimizer_s": optimizer_times[config.warmup : config.warmup + config.steps],
         "dense_repeats": dense.repeats,
         "state": state_dict,
     }
@@ -287,6 +312,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "background_ms": 1000 * statistics.median(per_step("background_s", statistics.fmean)),
         # A step lasts as long as its slowest rank.
         "step_ms": 1000 * statistics.median(per_step("step_s", max)),
+        "optimizer_ms": 1000 * statistics.median(per_step("optimizer_s", statistics.fmean)),
         "mb_per_step": statistics.median(per_step("bytes", statistics.fmean)) / 1e6,
         "prefetch_mb": max(max(r["prefetch_bytes"]) for r in runs) / 1e6,
         "collision_pct": statistics.median(collisions) if collisions else None,
@@ -364,7 +390,7 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         "collision %  exposed ms: sync  prioritized  ratio | after last arrival: sync  prioritized"
         "  ratio"
-        " | step ms: sync  prioritized | MB/step  prefetch MB  exact"
+        " | step ms: sync  prioritized | optimizer ms | MB/step  prefetch MB  exact"
     ]
     for point in report["points"]:
         sync, prio = point["sync"], point["prioritized"]
@@ -373,7 +399,8 @@ def format_table(report: dict[str, Any]) -> str:
             f"{measured:>11.1f}  {sync['exposed_ms']:>16.2f}  {prio['exposed_ms']:>11.2f}  "
             f"{point['ratio']:>5.3f} | {sync['collective_ms']:>24.2f}  "
             f"{prio['collective_ms']:>11.2f}  {point['ratio_collective']:>5.3f} | "
-            f"{sync['step_ms']:>13.1f}  {prio['step_ms']:>11.1f} | {sync['mb_per_step']:>7.2f}  "
+            f"{sync['step_ms']:>13.1f}  {prio['step_ms']:>11.1f} | {prio['optimizer_ms']:>12.2f} | "
+            f"{sync['mb_per_step']:>7.2f}  "
             f"{prio['prefetch_mb']:>11.2f}  {'yes' if point['exact'] else 'NO'}"
         )
     return "\n".join(lines)

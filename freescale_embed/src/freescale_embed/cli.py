@@ -50,6 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--matmul-size", type=int, default=defaults.matmul_size)
     bench.add_argument("--matmul-repeats", type=int, default=defaults.matmul_repeats)
+    bench.add_argument(
+        "--optimizer-params",
+        type=int,
+        default=defaults.optimizer_params,
+        help="dense parameters of an Adam step after each backward (0: none)",
+    )
     bench.add_argument("--threads", type=int, default=defaults.threads, help="threads per rank")
     bench.add_argument("--seed", type=int, default=defaults.seed)
     bench.add_argument(
@@ -90,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dense_ms=args.dense_ms,
         matmul_size=args.matmul_size,
         matmul_repeats=args.matmul_repeats,
+        optimizer_params=args.optimizer_params,
         threads=args.threads,
         seed=args.seed,
         device=args.device,

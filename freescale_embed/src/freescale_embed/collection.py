@@ -4,13 +4,16 @@ One training step on every rank, on the training thread::
 
     sync         forward:  [preflight statuses + ID counts] -> IDs -> lookup on owners -> rows
                  backward: per-ID gradients -> gradients to owners -> per-row sum -> optimizer
-    prioritized  forward:  nothing (every row was prefetched, the collision rows updated in
-                           place by the previous backward)
-                 backward: collision rows' gradients to their owners and next-step requesters
-                           -> per-row sum -> optimizer, on the owners and on those copies
+    prioritized  backward: collision rows' gradients to their owners and next-step requesters
+                           (started, not waited for)
+                 forward:  the previous backward's collision gradients arrive -> per-row sum
+                           -> optimizer, on the owners and on the prefetched copies (every
+                           other row was prefetched)
 
 where ``[...]`` and each arrow that crosses ranks is one AllToAll, and the collision rows of
-step t are those step t+1 reads too. The prefetch thread does the rest (``prefetch``,
+step t are those step t+1 reads too. The collision AllToAll moves while the caller does what
+comes between a backward and the next forward (the dense optimizer step, the next batch);
+``synchronize`` finishes it too. The prefetch thread does the rest (``prefetch``,
 ``collisions``), the preflight of a prioritized step included (``inputs``). Both modes produce
 the same bits.
 """
@@ -32,7 +35,11 @@ from torch import nn
 from freescale_balance import JaggedBatch, JaggedTensor
 from freescale_embed._ops import segment_sum
 from freescale_embed.channel import Channel
-from freescale_embed.collisions import apply_collisions
+from freescale_embed.collisions import (
+    CollisionUpdate,
+    apply_collisions,
+    send_collision_gradients,
+)
 from freescale_embed.config import MODES, POOLINGS, Mode, Pooling, TableConfig, check_tables
 from freescale_embed.inputs import EmbeddingInputError, as_batch, batch_problem, same_ids
 from freescale_embed.optim import SGD, Optimizer
@@ -183,6 +190,8 @@ class ShardedEmbeddingCollection(nn.Module):
         # The rest of the last backward's gradient sync, submitted at the start of the next
         # step (after its critical-path collective) or by ``synchronize``.
         self._deferred: functools.partial | None = None
+        # The last backward's collision gradients on their way (prioritized mode).
+        self._collision_update: CollisionUpdate | None = None
         self._expected_next: JaggedBatch | None = None
         self._worker: Worker | None = None
         self._background_group: dist.ProcessGroup | None = None
@@ -270,6 +279,7 @@ class ShardedEmbeddingCollection(nn.Module):
         collectives on the prefetch group: call it (and ``state_dict``, ``load_state_dict``,
         ``close``) on every rank.
         """
+        self._finish_collisions()
         self._submit_deferred()
         if self._worker is not None:
             try:
@@ -372,6 +382,7 @@ class ShardedEmbeddingCollection(nn.Module):
         if prepared is None:
             step = self._sync_lookup(batch, index, problem)
         else:
+            self._finish_collisions()
             if prepared.fallback:
                 # Every row is fetched now, after the previous backward updated them all (with a
                 # problem too: every peer is in this exchange).
@@ -501,8 +512,8 @@ class ShardedEmbeddingCollection(nn.Module):
         tables = self.shard_tables
         if prepared.plan is not None:
             # Only the collision rows' gradients, applied on their owners and to the next
-            # step's prefetched copies; the rest, in the background.
-            apply_collisions(
+            # step's prefetched copies at the next forward; the rest, in the background.
+            self._collision_update = send_collision_gradients(
                 tables,
                 self._channel,
                 step.routes.request,
@@ -527,6 +538,12 @@ class ShardedEmbeddingCollection(nn.Module):
             step.record,
         )
         self._prepared = prepared
+
+    def _finish_collisions(self) -> None:
+        """Applies the last backward's collision update (before anything reads those rows)."""
+        if self._collision_update is not None:
+            update, self._collision_update = self._collision_update, None
+            apply_collisions(self.shard_tables, update)
 
     def _submit_deferred(self) -> None:
         if self._deferred is not None:

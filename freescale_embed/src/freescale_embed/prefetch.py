@@ -7,9 +7,9 @@ With ``R_t`` the rows of step t over all ranks and ``C_t = R_t ∩ R_t+1`` its c
   (``collisions``: who sends which gradient to whom) and sends every row of t+1, with the
   optimizer state of the rows of ``C_t``. Step t does not change those rows before its
   backward, and every earlier update of them has already run.
-- the training thread's backward of step t then syncs the gradients of ``C_t`` in one AllToAll
-  and applies them on the owners and, identically, to the prefetched copies of t+1, so step
-  t+1's forward has every row at hand (no collective), and
+- the training thread's backward of step t then sends the gradients of ``C_t`` in one AllToAll,
+  and step t+1's forward applies them on the owners and, identically, to the prefetched copies
+  of t+1, so it has every row at hand, and
 - ``finish_gradients`` (during step t+1, on the prefetch thread) syncs and applies the rest of
   step t's gradients, rows that step t+1 does not read, before step t+2's prefetch reads them.
 
@@ -56,13 +56,13 @@ class Prepared:
     Attributes:
         routes: step t+1's routing.
         values: per table, the rows of t+1's unique IDs on this rank; the rows of ``C_t`` hold
-            their values before step t's update until step t's backward applies it to them
+            their values before step t's update until step t+1's forward applies it to them
             (empty in a fallback, whose forward fetches every row).
         collisions: ``|C_t|`` over all ranks.
         unique_rows: ``|R_t+1|`` over all ranks.
         fallback: the guardrail tripped: every row of t is synced in t's backward and every row
             of t+1 is fetched in t+1's forward.
-        plan: the update of the collision rows in step t's backward (``None`` without any, or
+        plan: the update of the collision rows sent in step t's backward (``None`` without any, or
             in a fallback).
         record: step t+1's telemetry.
     """
@@ -137,7 +137,7 @@ def prepare_next(
     else:
         plan = plan_collisions(tables, channel, current, routes, collided_rows, pending_rows)
         # Pending rows come as they are before step t's update, with their optimizer state:
-        # step t's backward applies the update to them here (``collisions``).
+        # step t+1's forward applies step t's update to them here (``collisions``).
         values, plan.states = send_rows_with_state(tables, routes, channel, plan.pending)
 
     record.collision_pct = 100.0 * collisions / unique_rows if unique_rows else 0.0

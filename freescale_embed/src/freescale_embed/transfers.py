@@ -27,7 +27,7 @@ from freescale_embed._ops import (
     segment_sum,
     unpack_by_peer,
 )
-from freescale_embed.channel import Channel
+from freescale_embed.channel import Channel, PendingAllToAll
 from freescale_embed.optim import Optimizer
 from freescale_embed.routing import Request, Routes, Serve
 from freescale_embed.tables import TableShard
@@ -118,6 +118,36 @@ def exchange(
         peer_numel(recv_counts, widths),
     )
     return unpack_by_peer(recv, recv_counts, [(width,) for width in widths])
+
+
+@dataclass
+class PendingExchange:
+    """An ``exchange`` under way (``start_exchange``)."""
+
+    pending: PendingAllToAll
+    recv_counts: list[list[int]]
+    widths: Sequence[int]
+
+    def wait(self) -> list[torch.Tensor]:
+        """Per part, what arrived (see ``PendingAllToAll.wait``)."""
+        recv = self.pending.wait()
+        return unpack_by_peer(recv, self.recv_counts, [(width,) for width in self.widths])
+
+
+def start_exchange(
+    parts: Sequence[torch.Tensor],
+    widths: Sequence[int],
+    send_counts: list[list[int]],
+    recv_counts: list[list[int]],
+    channel: Channel,
+) -> PendingExchange:
+    """``exchange`` (count tables on the host) without waiting for it."""
+    pending = channel.start_all_to_all(
+        pack_by_peer(parts, send_counts),
+        peer_numel(send_counts, widths),
+        peer_numel(recv_counts, widths),
+    )
+    return PendingExchange(pending, recv_counts, widths)
 
 
 def send_rows(tables: Sequence[TableShard], routes: Routes, channel: Channel) -> list[torch.Tensor]:
