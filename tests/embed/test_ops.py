@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from freescale_embed import SGD, Adam, RowWiseAdagrad, TableConfig
 from freescale_embed._ops import (
+    indices_and_values,
+    isin_sorted,
     pack_by_peer,
     peer_numel,
     row_sum,
@@ -19,7 +21,7 @@ from freescale_embed._ops import (
     unique_with_inverse,
     unpack_by_peer,
 )
-from freescale_embed.collisions import pack_bits, unpack_bits
+from freescale_embed.collisions import _merge_positions, pack_bits, unpack_bits
 from freescale_embed.optim import initial_state
 from freescale_embed.sharding import RowShard
 from freescale_embed.workload import WorkloadConfig, make_batch, row_set
@@ -216,3 +218,42 @@ def test_pairwise_segment_sum_of_no_rows_stays_in_the_autograd_graph():
     assert torch.equal(summed, torch.zeros(2, 3)) and summed.grad_fn is not None
     summed.sum().backward()
     assert values.grad is not None and values.grad.shape == (0, 3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    elements=st.lists(st.integers(-5, 60), max_size=40),
+    test=st.sets(st.integers(-5, 60), max_size=40),
+)
+def test_isin_sorted_matches_isin(elements, test):
+    elements_t = torch.tensor(elements, dtype=torch.int64)
+    test_t = torch.tensor(sorted(test), dtype=torch.int64)
+    assert torch.equal(isin_sorted(elements_t, test_t), torch.isin(elements_t, test_t))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    first=st.sets(st.integers(0, 80), max_size=30), second=st.sets(st.integers(0, 80), max_size=30)
+)
+def test_merge_positions_orders_the_union_like_unique(first, second):
+    first_t = torch.tensor(sorted(first), dtype=torch.int64)
+    second_t = torch.tensor(sorted(second), dtype=torch.int64)
+    at_first, at_second = _merge_positions(first_t, second_t)
+    union = sorted(first | second)
+    # The same ID gets the same position, and positions rank IDs as the sorted union does.
+    by_position = dict(zip(at_first.tolist(), sorted(first), strict=True)) | dict(
+        zip(at_second.tolist(), sorted(second), strict=True)
+    )
+    assert len(by_position) == len(union)
+    assert [by_position[p] for p in sorted(by_position)] == union
+    shared = {x: p for x, p in zip(sorted(first), at_first.tolist(), strict=True)}
+    for x, p in zip(sorted(second), at_second.tolist(), strict=True):
+        assert shared.get(x, p) == p
+    assert all(p < len(first) + len(second) for p in by_position)
+
+
+def test_indices_and_values_reads_masks_and_values():
+    masks = [torch.tensor([False, True, True]), torch.zeros(0, dtype=torch.bool)]
+    found, values = indices_and_values(masks, [torch.tensor([[1, 2], [3, 4]]), torch.tensor([5])])
+    assert [f.tolist() for f in found] == [[1, 2], []]
+    assert values == [[1, 2, 3, 4], [5]]

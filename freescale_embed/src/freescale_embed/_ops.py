@@ -118,6 +118,15 @@ def row_sum(values: torch.Tensor) -> torch.Tensor:
     return values[:, 0]
 
 
+def isin_sorted(elements: torch.Tensor, test: torch.Tensor) -> torch.Tensor:
+    """``torch.isin(elements, test)`` for an ascending ``test``, reading nothing back from the
+    device (CUDA's ``isin`` sorts with a size read)."""
+    if test.numel() == 0:
+        return torch.zeros_like(elements, dtype=torch.bool)
+    at = torch.searchsorted(test, elements).clamp_(max=test.numel() - 1)
+    return test.index_select(0, at) == elements
+
+
 def counts_per_bin(values: torch.Tensor, bins: int) -> torch.Tensor:
     """``bincount(values, minlength=bins)`` for values below ``bins``, without reading anything
     back from the device (CUDA's bincount reads the largest value first); integer adds are
@@ -132,12 +141,27 @@ def indices(masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     One read from the device for all of them (a ``nonzero`` per mask would read each size back,
     and each read waits for the GPU).
     """
+    found, _ = indices_and_values(masks, [])
+    return found
+
+
+def indices_and_values(
+    masks: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """``indices(masks)``, and the integer ``values`` (1-D) as host lists, in one read."""
+    flat = [v.reshape(-1) for v in values]
     if not masks or masks[0].device.type == "cpu":
-        return [m.nonzero().flatten() for m in masks]
-    sizes = torch.stack([m.sum() for m in masks]).tolist()
-    return [
+        return [m.nonzero().flatten() for m in masks], [v.tolist() for v in flat]
+    read = torch.cat([torch.stack([m.sum() for m in masks]), *flat]).tolist()
+    sizes, rest = read[: len(masks)], read[len(masks) :]
+    found = [
         torch.nonzero_static(m, size=size).flatten() for m, size in zip(masks, sizes, strict=True)
     ]
+    host, start = [], 0
+    for v in flat:
+        host.append(rest[start : start + v.numel()])
+        start += v.numel()
+    return found, host
 
 
 def pack_by_peer(parts: Sequence[torch.Tensor], counts: Sequence[Sequence[int]]) -> torch.Tensor:

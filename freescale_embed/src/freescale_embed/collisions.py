@@ -32,6 +32,7 @@ import torch
 from freescale_embed._ops import (
     counts_per_bin,
     indices,
+    indices_and_values,
     segment_sum,
 )
 from freescale_embed.channel import Channel
@@ -102,7 +103,8 @@ def _peer_matrix(
 ) -> torch.Tensor:
     """bool ``[rows, world]``: which ranks sent an entry of each row."""
     matrix = torch.zeros(rows, world, dtype=torch.bool, device=peers.device)
-    matrix[row_inverse, peers] = True
+    # Values made on the device: a host ``True`` would be copied over, waiting for the stream.
+    matrix.index_put_((row_inverse, peers), torch.ones_like(peers, dtype=torch.bool))
     return matrix
 
 
@@ -112,7 +114,9 @@ def pack_bits(matrix: torch.Tensor) -> torch.Tensor:
     rows, world = matrix.shape
     width = -(-world // 8)
     padded = torch.nn.functional.pad(matrix.to(torch.uint8), (0, 8 * width - world))
-    weights = torch.tensor([1 << b for b in range(8)], dtype=torch.int64, device=matrix.device)
+    weights = torch.ones(8, dtype=torch.int64, device=matrix.device) << torch.arange(
+        8, device=matrix.device
+    )
     return (padded.reshape(rows, width, 8) * weights).sum(-1).to(torch.uint8)
 
 
@@ -202,27 +206,29 @@ def plan_collisions(
         ]
     )
 
-    send_index, owned_rows_k, send_counts_k, recv_counts_k = [], [], [], []
-    owned_take, owned_segment, pending_take, pending_segment = [], [], [], []
+    # Two reads from the device for every table: the nonzeros of both sides' peer matrices,
+    # then the segments of received rows with the message sizes.
+    destination_masks, sender_masks, owned_at_k, pending_at_k, members_k = [], [], [], [], []
+    owned_rows_k = []
     for k, table in enumerate(tables):
         # Source side: each collided ID of t goes to its owner and to its requesters of t+1.
         at = collided.ids[k]
         destinations = requesters_of_collided[k].index_select(0, at)
         owners = current.request.owners[k].index_select(0, at)
-        destinations[torch.arange(at.numel(), device=at.device), owners] = True
-        peer, index = destinations.t().nonzero(as_tuple=True)  # by rank, then ID
-        send_index.append(index)
-        send_counts_k.append(counts_per_bin(peer, world))
+        destinations.index_put_(
+            (torch.arange(at.numel(), device=at.device), owners),
+            torch.ones_like(owners, dtype=torch.bool),
+        )
+        destination_masks.append(destinations.t().reshape(-1))  # by rank, then ID
 
         # Receiver side: gradients of the C_t rows this rank owns and of its pending IDs, from
         # each of their sources, in (source, ID) order.
         pending_index = pending.ids[k]
         pending_ids = routes.request.unique[k].index_select(0, pending_index)
         owned_rows = serve_t.rows[k].index_select(0, collided.rows[k])
-        owned_ids = owned_rows + table.shard.start
-        ids, inverse = torch.unique(torch.cat([owned_ids, pending_ids]), return_inverse=True)
-        owned_at, pending_at = inverse[: owned_ids.numel()], inverse[owned_ids.numel() :]
-        senders = torch.zeros(ids.numel(), world, dtype=torch.bool, device=ids.device)
+        owned_at, pending_at = _merge_positions(owned_rows + table.shard.start, pending_ids)
+        members = owned_at.numel() + pending_at.numel()
+        senders = torch.zeros(members, world, dtype=torch.bool, device=owned_at.device)
         senders.index_copy_(0, owned_at, owned_sources[k])
         senders.index_copy_(
             0,
@@ -230,19 +236,33 @@ def plan_collisions(
             senders.index_select(0, pending_at)
             | sources_of_pending[k].index_select(0, pending_index),
         )
-        source, member = senders.t().nonzero(as_tuple=True)  # by source, then ID
-        recv_counts_k.append(counts_per_bin(source, world))
-        take, segment = _segments(owned_at, member, ids.numel())
-        owned_take.append(take)
-        owned_segment.append(segment)
-        take, segment = _segments(pending_at, member, ids.numel())
-        pending_take.append(take)
-        pending_segment.append(segment)
+        sender_masks.append(senders.t().reshape(-1))  # by source, then ID
+        owned_at_k.append(owned_at)
+        pending_at_k.append(pending_at)
+        members_k.append(members)
         owned_rows_k.append(owned_rows)
+    found = indices([*destination_masks, *sender_masks])
+    send_index, send_counts_k, recv_counts_k, segment_masks, segments = [], [], [], [], []
+    for k in range(len(tables)):
+        sent = max(1, collided.ids[k].numel())
+        send_index.append(found[k] % sent)
+        send_counts_k.append(counts_per_bin(found[k] // sent, world))
+        members = max(1, members_k[k])
+        source, member = found[len(tables) + k] // members, found[len(tables) + k] % members
+        recv_counts_k.append(counts_per_bin(source, world))
+        for position in (owned_at_k[k], pending_at_k[k]):
+            segment = _segment_of(position, member, members_k[k])
+            segment_masks.append(segment >= 0)
+            segments.append(segment)
     # Read here, on the prefetch thread, so that the backward's exchange reads nothing back.
-    send_counts, recv_counts = torch.stack(
-        [torch.stack(send_counts_k, dim=1), torch.stack(recv_counts_k, dim=1)]
-    ).tolist()
+    takes, (send_flat, recv_flat) = indices_and_values(
+        segment_masks,
+        [torch.stack(send_counts_k, dim=1), torch.stack(recv_counts_k, dim=1)],
+    )
+    width = len(tables)
+    send_counts = [send_flat[p * width : (p + 1) * width] for p in range(world)]
+    recv_counts = [recv_flat[p * width : (p + 1) * width] for p in range(world)]
+    segments = [s.index_select(0, take) for s, take in zip(segments, takes, strict=True)]
     return CollisionPlan(
         collided=collided,
         others=others,
@@ -251,23 +271,35 @@ def plan_collisions(
         send_counts=send_counts,
         recv_counts=recv_counts,
         owned_rows=owned_rows_k,
-        owned_take=owned_take,
-        owned_segment=owned_segment,
-        pending_take=pending_take,
-        pending_segment=pending_segment,
+        owned_take=takes[0::2],
+        owned_segment=segments[0::2],
+        pending_take=takes[1::2],
+        pending_segment=segments[1::2],
     )
 
 
-def _segments(
-    position: torch.Tensor, member: torch.Tensor, members: int
+def _merge_positions(
+    first: torch.Tensor, second: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Of received rows ``member`` (indices into ``members`` IDs), those whose ID is one of
-    ``position``'s, and the index in ``position`` of each (its segment)."""
+    """Positions of two ascending sets of IDs in their sorted concatenation, an ID in both at
+    the same position: the order of their union, without reading its size back (``unique``
+    would). The positions are ascending in ID; some positions are nobody's."""
+    merged, order = torch.sort(torch.cat([first, second]), stable=True)
+    count = merged.numel()
+    span = torch.arange(count, device=merged.device)
+    starts = torch.ones(count, dtype=torch.bool, device=merged.device)
+    starts[1:] = merged[1:] != merged[:-1]
+    head = torch.where(starts, span, torch.zeros_like(span)).cummax(0).values
+    position = torch.empty_like(span).index_copy_(0, order, head)
+    return position[: first.numel()], position[first.numel() :]
+
+
+def _segment_of(position: torch.Tensor, member: torch.Tensor, members: int) -> torch.Tensor:
+    """For each received row ``member`` (a position among ``members``), its index in
+    ``position`` (its segment), or -1 if its position is not one of ``position``'s."""
     of_member = torch.full((members,), -1, dtype=torch.int64, device=member.device)
     of_member.index_copy_(0, position, torch.arange(position.numel(), device=member.device))
-    segment = of_member.index_select(0, member)
-    take = (segment >= 0).nonzero().flatten()
-    return take, segment.index_select(0, take)
+    return of_member.index_select(0, member)
 
 
 @dataclass

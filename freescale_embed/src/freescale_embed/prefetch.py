@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from freescale_balance import JaggedTensor
+from freescale_embed._ops import isin_sorted
 from freescale_embed.channel import Channel
 from freescale_embed.collisions import CollisionPlan, plan_collisions
 from freescale_embed.optim import Optimizer
@@ -114,19 +115,23 @@ def prepare_next(
     if routes is None:
         return None
     serve = routes.serve
+    # Both sides' rows are sorted and unique.
     collided_rows = [
-        torch.isin(rows_t, rows_n)
+        isin_sorted(rows_t, rows_n)
         for rows_t, rows_n in zip(current.serve.rows, serve.rows, strict=True)
     ]
     pending_rows = [
-        torch.isin(rows_n, rows_t)
+        isin_sorted(rows_n, rows_t)
         for rows_t, rows_n in zip(current.serve.rows, serve.rows, strict=True)
     ]
     # Summed on the device: one host read for the gathered counts, not one per table.
     collided = torch.zeros((), dtype=torch.int64, device=channel.device)
     for mask in collided_rows:
         collided = collided + mask.sum()
-    local_counts = torch.stack([collided, collided.new_tensor(sum(r.numel() for r in serve.rows))])
+    # torch.full launches a fill: a tensor made from a host value would wait for the stream.
+    local_counts = torch.stack(
+        [collided, torch.full_like(collided, sum(r.numel() for r in serve.rows))]
+    )
     collisions, unique_rows = channel.all_gather(local_counts).sum(0).tolist()
     fallback = max_collision_rate is not None and collisions > max_collision_rate * unique_rows
     plan: CollisionPlan | None = None
