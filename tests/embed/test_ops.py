@@ -256,4 +256,4 @@ def test_indices_and_values_reads_masks_and_values():
     masks = [torch.tensor([False, True, True]), torch.zeros(0, dtype=torch.bool)]
     found, values = indices_and_values(masks, [torch.tensor([[1, 2], [3, 4]]), torch.tensor([5])])
     assert [f.tolist() for f in found] == [[1, 2], []]
-    assert values == [[1, 2, 3, 4], [5]]
+    assert values == [[[1, 2], [3, 4]], [5]]

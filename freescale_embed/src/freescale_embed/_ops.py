@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -147,19 +148,20 @@ def indices(masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def indices_and_values(
     masks: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
-) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """``indices(masks)``, and the integer ``values`` (1-D) as host lists, in one read."""
-    flat = [v.reshape(-1) for v in values]
+) -> tuple[list[torch.Tensor], list[list[Any]]]:
+    """``indices(masks)``, and the integer tensors ``values`` as (nested) host lists, in one
+    read."""
     if not masks or masks[0].device.type == "cpu":
-        return [m.nonzero().flatten() for m in masks], [v.tolist() for v in flat]
-    read = torch.cat([torch.stack([m.sum() for m in masks]), *flat]).tolist()
-    sizes, rest = read[: len(masks)], read[len(masks) :]
+        return [m.nonzero().flatten() for m in masks], [v.tolist() for v in values]
+    sizes = torch.stack([m.sum() for m in masks])
+    read = torch.cat([sizes, *(v.reshape(-1).to(torch.int64) for v in values)]).cpu()
     found = [
-        torch.nonzero_static(m, size=size).flatten() for m, size in zip(masks, sizes, strict=True)
+        torch.nonzero_static(m, size=int(size)).flatten()
+        for m, size in zip(masks, read[: len(masks)], strict=True)
     ]
-    host, start = [], 0
-    for v in flat:
-        host.append(rest[start : start + v.numel()])
+    host, start = [], len(masks)
+    for v in values:
+        host.append(read[start : start + v.numel()].reshape(v.shape).tolist())
         start += v.numel()
     return found, host
 

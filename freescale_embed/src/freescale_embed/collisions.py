@@ -255,13 +255,10 @@ def plan_collisions(
             segment_masks.append(segment >= 0)
             segments.append(segment)
     # Read here, on the prefetch thread, so that the backward's exchange reads nothing back.
-    takes, (send_flat, recv_flat) = indices_and_values(
+    takes, (send_counts, recv_counts) = indices_and_values(
         segment_masks,
         [torch.stack(send_counts_k, dim=1), torch.stack(recv_counts_k, dim=1)],
     )
-    width = len(tables)
-    send_counts = [send_flat[p * width : (p + 1) * width] for p in range(world)]
-    recv_counts = [recv_flat[p * width : (p + 1) * width] for p in range(world)]
     segments = [s.index_select(0, take) for s, take in zip(segments, takes, strict=True)]
     return CollisionPlan(
         collided=collided,

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from freescale_embed._ops import (
-    counts_per_bin,
-    indices,
+    indices_and_values,
     pack_by_peer,
     peer_numel,
     segment_sum,
@@ -42,12 +41,16 @@ class Part:
         occurrences: requester: indices of the ID occurrences whose ID is in ``ids``.
         entries: owner: indices of the received entries of those IDs.
         rows: owner: indices into ``Serve.rows`` of those IDs.
+        request_counts: ``[world][tables]``, requester: IDs of ``ids`` per owner (on the host).
+        serve_counts: ``[world][tables]``, owner: entries of ``entries`` per source.
     """
 
     ids: list[torch.Tensor]
     occurrences: list[torch.Tensor]
     entries: list[torch.Tensor]
     rows: list[torch.Tensor]
+    request_counts: list[list[int]]
+    serve_counts: list[list[int]]
 
     @staticmethod
     def many(
@@ -57,17 +60,24 @@ class Part:
     ) -> list[Part]:
         """Per ``(routes, id_masks, entry_masks, row_masks)``, the part that masks over the
         requester's unique IDs and the owner's entries and rows select; one read from the
-        device for all of them."""
+        device for all of them (their counts per peer included)."""
         masks: list[torch.Tensor] = []
+        counts: list[torch.Tensor] = []
         for routes, id_masks, entry_masks, row_masks in selections:
+            request, serve = routes.request, routes.serve
             occurrence_masks = [
                 m.index_select(0, inverse)
-                for m, inverse in zip(id_masks, routes.request.inverse, strict=True)
+                for m, inverse in zip(id_masks, request.inverse, strict=True)
             ]
             masks += [*id_masks, *occurrence_masks, *entry_masks, *row_masks]
-        found = iter(indices(masks))
+            counts.append(_counts_of(id_masks, request.owners, len(request.host_counts)))
+            counts.append(_counts_of(entry_masks, serve.sources, len(serve.host_counts)))
+        found_list, host_counts = indices_and_values(masks, counts)
+        found, per_peer = iter(found_list), iter(host_counts)
         return [
-            Part(*([next(found) for _ in id_masks] for _ in range(4)))
+            Part(
+                *([next(found) for _ in id_masks] for _ in range(4)), next(per_peer), next(per_peer)
+            )
             for _, id_masks, _, _ in selections
         ]
 
@@ -76,17 +86,16 @@ class Part:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _selected_counts(
-    counts: torch.Tensor, peers: Sequence[torch.Tensor], selected: Sequence[torch.Tensor]
+def _counts_of(
+    masks: Sequence[torch.Tensor], peers: Sequence[torch.Tensor], world: int
 ) -> torch.Tensor:
-    """``counts`` (entries per peer and table) of only the ``selected`` entries, where
-    ``peers[t]`` is the peer of each entry of table ``t``."""
-    world = counts.shape[0]
+    """``[world, tables]``: per peer, the set elements of each table's mask, where
+    ``peers[t]`` is the peer of each element of table ``t``."""
     columns = [
-        counts_per_bin(p.index_select(0, index), world)
-        for p, index in zip(peers, selected, strict=True)
+        torch.zeros(world, dtype=torch.int64, device=m.device).index_add_(0, p, m.to(torch.int64))
+        for m, p in zip(masks, peers, strict=True)
     ]
-    return torch.stack(columns, dim=1) if columns else counts
+    return torch.stack(columns, dim=1)
 
 
 def _select(
@@ -98,20 +107,12 @@ def _select(
 def exchange(
     parts: Sequence[torch.Tensor],
     widths: Sequence[int],
-    send_counts: torch.Tensor | list[list[int]],
-    recv_counts: torch.Tensor | list[list[int]],
+    send_counts: list[list[int]],
+    recv_counts: list[list[int]],
     channel: Channel,
 ) -> list[torch.Tensor]:
     """One AllToAll of ``[rows, width]`` parts (``send_counts[p][j]`` rows of part ``j`` for
-    rank ``p``); returns per part what arrived, rank 0's rows first.
-
-    The count tables may be tensors (both read back at once: each read of a device tensor
-    waits for the GPU) or lists already on the host.
-    """
-    if isinstance(send_counts, torch.Tensor):
-        both = torch.cat([send_counts, torch.as_tensor(recv_counts)], dim=1).tolist()
-        send_counts = [row[: len(parts)] for row in both]
-        recv_counts = [row[len(parts) :] for row in both]
+    rank ``p``, on the host); returns per part what arrived, rank 0's rows first."""
     recv = channel.all_to_all(
         pack_by_peer(parts, send_counts),
         peer_numel(send_counts, widths),
@@ -189,13 +190,8 @@ def send_rows_with_state(
     received = exchange(
         [*rows, *states],
         [*widths, *(table.state_width for table in tables)],
-        torch.cat(
-            [serve.counts, _selected_counts(serve.counts, serve.sources, stateful.entries)], dim=1
-        ),
-        torch.cat(
-            [request.counts, _selected_counts(request.counts, request.owners, stateful.ids)],
-            dim=1,
-        ),
+        [s + p for s, p in zip(serve.host_counts, stateful.serve_counts, strict=True)],
+        [r + p for r, p in zip(request.host_counts, stateful.request_counts, strict=True)],
         channel,
     )
     count = len(tables)
@@ -254,8 +250,8 @@ def send_gradients(
     return exchange(
         gradients,
         widths,
-        _selected_counts(request.counts, request.owners, part.ids),
-        _selected_counts(serve.counts, serve.sources, part.entries),
+        part.request_counts,
+        part.serve_counts,
         channel,
     )
 
