@@ -135,6 +135,9 @@ def _train(case: Case, mode: str, batches: Sequence[JaggedBatch]) -> Run:
             last = step + 1 == len(batches)
             out = emb(batch, None if last else batches[step + 1], final=last)
         _loss(out, rank, step).backward()
+        # A caller's collective on the same group (DDP, metrics) while prioritized mode's
+        # collision gradients are still on their way: both must pair up on every rank.
+        dist.all_reduce(torch.ones(1))
         outputs.append({k: _values(v).detach().clone() for k, v in out.items()})
     state = {k: v.clone() for k, v in emb.state_dict().items()}
     full = emb.state_dict(full=True)
