@@ -209,6 +209,7 @@ def _run_mode(
     emb.close()
     return {
         "exposed_s": [t["exposed_comm_s"] for t in timed],
+        "prefetch_wait_s": [t["prefetch_wait_s"] for t in timed],
         "spans": [t["collective_spans"] for t in timed],
         "background_s": [t["background_comm_s"] for t in timed],
         "bytes": [t["bytes_sent"] for t in timed],
@@ -308,6 +309,8 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         # What a rank's training thread waits (averaged over ranks), and the collectives' time
         # after every rank had joined them (the waiting for a peer's local work removed).
         "exposed_ms": 1000 * statistics.median(per_step("exposed_s", statistics.fmean)),
+        # The part of it spent waiting for the prefetch thread (the rest: collectives).
+        "prefetch_wait_ms": 1000 * statistics.median(per_step("prefetch_wait_s", statistics.fmean)),
         "collective_ms": 1000 * statistics.median(per_step("spans", _after_last_arrival)),
         "background_ms": 1000 * statistics.median(per_step("background_s", statistics.fmean)),
         # A step lasts as long as its slowest rank.

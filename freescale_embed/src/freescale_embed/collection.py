@@ -71,7 +71,7 @@ class _Step:
     next_future: Any = None  # prioritized: the future of step t+1's ``Prepared`` (or ``None``)
     # prioritized: the prepared step and expected batch before this forward, and what its
     # telemetry held then (for ``_undo``)
-    undo: tuple[Prepared | None, JaggedBatch | None, tuple[float, int, int]] | None = None
+    undo: tuple[Prepared | None, JaggedBatch | None, tuple[float, float, int, int]] | None = None
     # prioritized: the batch the step was routed for (announced at the previous step)
     batch: JaggedBatch | None = None
     done: bool = False

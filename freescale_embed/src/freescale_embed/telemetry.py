@@ -21,14 +21,15 @@ class StepTelemetry:
     Attributes:
         step: the optimizer step (1-based).
         lookup: how the step's rows were obtained: ``"sync"`` (looked up in its own forward),
-            ``"prefetched"`` (during the previous step, the rows both steps read then updated
-            in place by its backward), or ``"fallback"`` (the guardrail found too many
+            ``"prefetched"`` (during the previous step; the rows both steps read are updated
+            in place at this step's forward), or ``"fallback"`` (the guardrail found too many
             collisions, so the previous step's backward synced all of its gradients and this
             step's forward fetched all of its rows).
         collision_pct: share of this step's unique rows (over all ranks) that the previous step
             also touched, in percent; ``None`` when not measured (sync mode, first step).
         exposed_comm_s: seconds the training thread spent in embedding collectives or waiting for
             the prefetch thread, forward and backward of this step together.
+        prefetch_wait_s: the part of ``exposed_comm_s`` spent waiting for the prefetch thread.
         background_comm_s: seconds of this step's collectives on the prefetch thread.
         bytes_sent: bytes this rank sent for this step, both threads.
         prefetch_bytes: bytes held from the previous step for this one (prefetched rows and
@@ -41,6 +42,7 @@ class StepTelemetry:
     lookup: str = "sync"
     collision_pct: float | None = None
     exposed_comm_s: float = 0.0
+    prefetch_wait_s: float = 0.0
     background_comm_s: float = 0.0
     bytes_sent: int = 0
     prefetch_bytes: int = 0
@@ -58,6 +60,7 @@ class StepTelemetry:
         """Adds time the training thread waited for the prefetch thread."""
         with self._lock:
             self.exposed_comm_s += seconds
+            self.prefetch_wait_s += seconds
 
     def add_background(self, measured: Measured) -> None:
         """Adds the prefetch thread's collectives."""
@@ -65,16 +68,21 @@ class StepTelemetry:
             self.background_comm_s += measured.seconds
             self.bytes_sent += measured.bytes_sent
 
-    def training_mark(self) -> tuple[float, int, int]:
+    def training_mark(self) -> tuple[float, float, int, int]:
         """What the training thread has added so far (for ``rewind``)."""
         with self._lock:
-            return self.exposed_comm_s, self.bytes_sent, len(self.collective_spans)
+            return (
+                self.exposed_comm_s,
+                self.prefetch_wait_s,
+                self.bytes_sent,
+                len(self.collective_spans),
+            )
 
-    def rewind(self, mark: tuple[float, int, int]) -> None:
+    def rewind(self, mark: tuple[float, float, int, int]) -> None:
         """Drops what the training thread added since ``mark`` (a step that was undone, so
         that its retry is not counted twice)."""
         with self._lock:
-            self.exposed_comm_s, self.bytes_sent, spans = mark
+            self.exposed_comm_s, self.prefetch_wait_s, self.bytes_sent, spans = mark
             del self.collective_spans[spans:]
 
     def as_dict(self) -> dict[str, object]:
@@ -84,6 +92,7 @@ class StepTelemetry:
                 "lookup": self.lookup,
                 "collision_pct": self.collision_pct,
                 "exposed_comm_s": self.exposed_comm_s,
+                "prefetch_wait_s": self.prefetch_wait_s,
                 "background_comm_s": self.background_comm_s,
                 "bytes_sent": self.bytes_sent,
                 "prefetch_bytes": self.prefetch_bytes,
