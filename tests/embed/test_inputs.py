@@ -14,6 +14,7 @@ from freescale_embed import (
     TableConfig,
 )
 from freescale_embed.config import check_tables
+from freescale_embed.transfers import PendingExchange
 from freescale_embed.workload import make_batch
 from tests.embed.ranks import TABLES, Case
 
@@ -200,6 +201,40 @@ def forward_twice() -> str:
 def test_prioritized_needs_each_backward_before_the_next_forward(local_groups):
     messages = local_groups.get(2).run(forward_twice)
     assert "step 1 has not run its backward" in messages[0]
+
+
+def failed_collision_update() -> list[str]:
+    """Every rank's wait for step 1's collision gradients fails (after the data arrived, so
+    nobody hangs): the collection must refuse to go on rather than train on stale rows."""
+    emb = ShardedEmbeddingCollection(TABLES, mode="prioritized")
+    batches = _batches(3)
+    wait = PendingExchange.wait
+
+    def failing_wait(self: PendingExchange) -> list[torch.Tensor]:
+        wait(self)
+        raise RuntimeError("injected: the collision AllToAll failed")
+
+    _loss(emb(batches[0], batches[1])).backward()
+    assert emb.telemetry[-1].collision_pct is None  # the first step is looked up in forward
+    PendingExchange.wait = failing_wait  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            emb(batches[1], batches[2])
+    finally:
+        PendingExchange.wait = wait  # type: ignore[method-assign]
+    messages = []
+    for call in (lambda: emb(batches[1], batches[2]), emb.synchronize, emb.close):
+        with pytest.raises(RuntimeError) as error:
+            call()
+        messages.append(str(error.value))
+    assert emb._worker is None and emb._background_group is None  # close freed them anyway
+    return messages
+
+
+def test_a_failed_collision_update_stops_the_collection(local_groups):
+    for messages in local_groups.get(2).run(failed_collision_update):
+        assert all("collision gradients of step 1 failed" in m for m in messages)
+        assert all("load a checkpoint" in m for m in messages)
 
 
 def test_configuration_errors():

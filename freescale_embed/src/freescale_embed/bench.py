@@ -148,7 +148,7 @@ class _Dense:
         if self.optimizer is None:
             return
         self.optimizer.step()
-        if self.config.dense == "gpu":
+        if self.config.device == "cuda":
             torch.cuda.current_stream().synchronize()
 
 
@@ -393,7 +393,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         "collision %  exposed ms: sync  prioritized  ratio | after last arrival: sync  prioritized"
         "  ratio"
-        " | step ms: sync  prioritized | optimizer ms | MB/step  prefetch MB  exact"
+        " | step ms: sync  prioritized | optimizer ms: sync  prioritized | MB/step  prefetch MB"
+        "  exact"
     ]
     for point in report["points"]:
         sync, prio = point["sync"], point["prioritized"]
@@ -402,7 +403,8 @@ def format_table(report: dict[str, Any]) -> str:
             f"{measured:>11.1f}  {sync['exposed_ms']:>16.2f}  {prio['exposed_ms']:>11.2f}  "
             f"{point['ratio']:>5.3f} | {sync['collective_ms']:>24.2f}  "
             f"{prio['collective_ms']:>11.2f}  {point['ratio_collective']:>5.3f} | "
-            f"{sync['step_ms']:>13.1f}  {prio['step_ms']:>11.1f} | {prio['optimizer_ms']:>12.2f} | "
+            f"{sync['step_ms']:>13.1f}  {prio['step_ms']:>11.1f} | {sync['optimizer_ms']:>18.2f}  "
+            f"{prio['optimizer_ms']:>11.2f} | "
             f"{sync['mb_per_step']:>7.2f}  "
             f"{prio['prefetch_mb']:>11.2f}  {'yes' if point['exact'] else 'NO'}"
         )

@@ -74,7 +74,8 @@ class PendingAllToAll:
 
 
 class Channel:
-    """Blocking collectives on ``group``, each measured into ``meter``.
+    """Collectives on ``group``, each measured into ``meter`` (blocking ones from the call, a
+    started AllToAll from its wait).
 
     Args:
         group: the process group; its ranks are the peers.

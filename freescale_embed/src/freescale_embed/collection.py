@@ -113,10 +113,12 @@ class ShardedEmbeddingCollection(nn.Module):
         tables: the tables and the features that read them.
         group: process group whose ranks share the tables (default: the world).
         optimizer: ``SGD``, ``RowWiseAdagrad`` or ``Adam``; applied to the rows a step touched,
-            inside backward.
+            in its backward (prioritized mode: partly in the background and at the next
+            forward; ``synchronize`` finishes it).
         mode: ``"sync"``, or ``"prioritized"``: the next batch's rows are prefetched during the
-            current step, and the rows both steps read are updated in place by the current
-            step's backward; the same bits as ``"sync"``.
+            current step; the current step's backward sends the gradients of the rows both
+            steps read, and the next forward applies them to the tables and the prefetched
+            rows; the same bits as ``"sync"``.
         pooling: ``"none"`` (per-item sequence embeddings), ``"sum"`` or ``"mean"`` per sample.
         max_collision_rate: prioritized mode's guardrail: a step whose share of rows shared with
             the previous step is above this fraction is looked up synchronously instead
@@ -190,8 +192,10 @@ class ShardedEmbeddingCollection(nn.Module):
         # The rest of the last backward's gradient sync, submitted at the start of the next
         # step (after its critical-path collective) or by ``synchronize``.
         self._deferred: functools.partial | None = None
-        # The last backward's collision gradients on their way (prioritized mode).
+        # The last backward's collision gradients on their way (prioritized mode), and why
+        # the collection cannot go on if applying such an update failed.
         self._collision_update: CollisionUpdate | None = None
+        self._failed: str | None = None
         self._expected_next: JaggedBatch | None = None
         self._worker: Worker | None = None
         self._background_group: dist.ProcessGroup | None = None
@@ -253,6 +257,7 @@ class ShardedEmbeddingCollection(nn.Module):
                 undone and the call can be made again. Outputs of such a step are not to be
                 used.
         """
+        self._check_usable()
         self._channel.meter.take()
         problem = self._input_problem(batch, next_batch, final)
         index = self._last_step + 1
@@ -279,7 +284,8 @@ class ShardedEmbeddingCollection(nn.Module):
         collectives on the prefetch group: call it (and ``state_dict``, ``load_state_dict``,
         ``close``) on every rank.
         """
-        self._finish_collisions()
+        self._check_usable()
+        self._finish_collisions(self.telemetry[-1] if self.telemetry else None)
         self._submit_deferred()
         if self._worker is not None:
             try:
@@ -290,14 +296,17 @@ class ShardedEmbeddingCollection(nn.Module):
                 raise
 
     def close(self) -> None:
-        """Finishes background work, stops the prefetch thread and frees its process group."""
-        self.synchronize()
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
-        if self._background_group is not None:
-            dist.destroy_process_group(self._background_group)
-            self._background_group = None
+        """Finishes background work, stops the prefetch thread and frees its process group
+        (also when finishing fails, which it raises)."""
+        try:
+            self.synchronize()
+        finally:
+            if self._worker is not None:
+                self._worker.close()
+                self._worker = None
+            if self._background_group is not None:
+                dist.destroy_process_group(self._background_group)
+                self._background_group = None
 
     def state_dict(self, *args: Any, full: bool = False, **kwargs: Any) -> dict[str, Any]:
         """Tables, optimizer state and step count.
@@ -382,7 +391,7 @@ class ShardedEmbeddingCollection(nn.Module):
         if prepared is None:
             step = self._sync_lookup(batch, index, problem)
         else:
-            self._finish_collisions()
+            self._finish_collisions(prepared.record)
             if prepared.fallback:
                 # Every row is fetched now, after the previous backward updated them all (with a
                 # problem too: every peer is in this exchange).
@@ -461,6 +470,7 @@ class ShardedEmbeddingCollection(nn.Module):
             per_table.append(parts[0] if count == 1 else torch.cat(parts))
             start += count
         optimizer = self.optimizer
+        assert self._collision_update is None  # applied by this step's forward
         prepared = None if step.next_future is None else self._await_next(step)
         if prepared is None or prepared.fallback:
             # Sync mode, the last step of a prioritized run (whose earlier background updates
@@ -539,11 +549,32 @@ class ShardedEmbeddingCollection(nn.Module):
         )
         self._prepared = prepared
 
-    def _finish_collisions(self) -> None:
-        """Applies the last backward's collision update (before anything reads those rows)."""
-        if self._collision_update is not None:
-            update, self._collision_update = self._collision_update, None
-            apply_collisions(self.shard_tables, update)
+    def _finish_collisions(self, record: StepTelemetry | None) -> None:
+        """Applies the last backward's collision update (before anything reads those rows);
+        its wait counts in ``record``."""
+        update, self._collision_update = self._collision_update, None
+        if update is None:
+            return
+        try:
+            # Whatever the caller's forward runs under: an optimizer step is no autograd op
+            # and keeps its dtypes.
+            with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
+                apply_collisions(self.shard_tables, update)
+        except BaseException as error:
+            # The update cannot be made again (its collective is gone): training on would
+            # read rows that miss it.
+            self._failed = (
+                f"applying the collision gradients of step {update.step} failed "
+                f"({type(error).__name__}: {error}); the tables are incomplete: build a new "
+                "collection and load a checkpoint"
+            )
+            raise
+        if record is not None:
+            record.add_exposed(self._channel.meter.take())
+
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(self._failed)
 
     def _submit_deferred(self) -> None:
         if self._deferred is not None:

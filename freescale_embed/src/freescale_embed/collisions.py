@@ -206,7 +206,7 @@ def plan_collisions(
         ]
     )
 
-    # Two reads from the device for every table: the nonzeros of both sides' peer matrices,
+    # Two reads from the device for all tables: the nonzeros of both sides' peer matrices,
     # then the segments of received rows with the message sizes.
     destination_masks, sender_masks, owned_at_k, pending_at_k, members_k = [], [], [], [], []
     owned_rows_k = []

@@ -31,7 +31,9 @@ class StepTelemetry:
             the prefetch thread, forward and backward of this step together.
         prefetch_wait_s: the part of ``exposed_comm_s`` spent waiting for the prefetch thread.
         background_comm_s: seconds of this step's collectives on the prefetch thread.
-        bytes_sent: bytes this rank sent for this step, both threads.
+        bytes_sent: bytes this rank sent during this step's calls, both threads (prioritized
+            mode: the previous backward's collision gradients count in the step whose forward
+            waits for them).
         prefetch_bytes: bytes held from the previous step for this one (prefetched rows and
             routing), the extra memory prioritized mode costs.
         collective_spans: ``(start, end)`` of each of the training thread's collectives of this
