@@ -69,15 +69,13 @@ class Serve:
     """The owner side of one step on this rank.
 
     Attributes:
-        counts: int64 ``[world, tables]``, entries received from each rank per table.
-        host_counts: ``counts`` on the host.
+        host_counts: ``[world][tables]``, entries received from each rank per table.
         local: per table, the local row of each entry (entries of rank 0 first, then rank 1, ...).
         sources: per table, the rank each entry came from.
         rows: per table, sorted unique local rows the step touches on this rank.
         row_inverse: per table, each entry's index in ``rows``.
     """
 
-    counts: torch.Tensor
     host_counts: list[list[int]]
     local: list[torch.Tensor]
     sources: list[torch.Tensor]
@@ -85,7 +83,7 @@ class Serve:
     row_inverse: list[torch.Tensor]
 
     def nbytes(self) -> int:
-        tensors = [*self.local, *self.sources, *self.rows, *self.row_inverse, self.counts]
+        tensors = [*self.local, *self.sources, *self.rows, *self.row_inverse]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -213,7 +211,7 @@ def exchange_ids(
         )
         rows.append(table_rows)
         row_inverse.append(table_inverse)
-    return Serve(received[:, 1:], recv_counts, local, sources, rows, row_inverse)
+    return Serve(recv_counts, local, sources, rows, row_inverse)
 
 
 def route(

@@ -275,6 +275,6 @@ def apply_gradients(
         inverse = _select(serve.row_inverse[t], entries, t)
         # A rank sends each of its IDs once: a row has at most one entry per rank.
         per_row = segment_sum(
-            entry_gradients[t], inverse, serve.rows[t].numel(), serve.counts.shape[0]
+            entry_gradients[t], inverse, serve.rows[t].numel(), len(serve.host_counts)
         )
         table.apply(optimizer, _select(serve.rows[t], rows, t), _select(per_row, rows, t), step)
