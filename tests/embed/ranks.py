@@ -138,6 +138,10 @@ def _train(case: Case, mode: str, batches: Sequence[JaggedBatch]) -> Run:
         # A caller's collective on the same group (DDP, metrics) while prioritized mode's
         # collision gradients are still on their way: both must pair up on every rank.
         dist.all_reduce(torch.ones(1))
+        if step == 2:
+            # Finishing background work between steps (as state_dict does) applies the
+            # pending collision update early; the next forward must not apply it again.
+            emb.synchronize()
         outputs.append({k: _values(v).detach().clone() for k, v in out.items()})
     state = {k: v.clone() for k, v in emb.state_dict().items()}
     full = emb.state_dict(full=True)
