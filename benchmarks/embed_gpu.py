@@ -26,14 +26,11 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
-import multiprocessing
 import os
 import platform
-import queue as queue_module
 import time
 import traceback
 from dataclasses import asdict
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +43,7 @@ from freescale_embed.bench import (
     BenchConfig,
     format_table,
     init_group,
+    launch_ranks,
     on_device,
     rank_device,
     run_bench,
@@ -142,7 +140,7 @@ def _exactness(device: torch.device, control: Any, rates: list[float], steps: in
     return rows
 
 
-def _exact_rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
+def _exact_rank(rank: int, port: int, queue: Any, args: argparse.Namespace) -> None:
     faulthandler.dump_traceback_later(max(10.0, args.timeout - 15), exit=False)
     config = BenchConfig(world_size=WORLD, device=args.device, backend=args.backend)
     try:
@@ -159,37 +157,15 @@ def _exact_rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> N
 
 
 def _run_exactness(args: argparse.Namespace) -> Any:
-    spawn = multiprocessing.get_context("spawn")
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
-    queue = spawn.Queue()
-    procs = [
-        spawn.Process(target=_exact_rank, args=(r, store.port, args, queue), daemon=True)
-        for r in range(WORLD)
-    ]
-    for proc in procs:
-        proc.start()
-    replies: dict[int, Any] = {}
-    deadline = time.monotonic() + args.timeout
-    try:
-        while len(replies) < WORLD and time.monotonic() < deadline:
-            try:
-                rank, kind, payload = queue.get(timeout=1)
-            except queue_module.Empty:
-                if not any(p.is_alive() for p in procs):
-                    break
-                continue
-            replies[rank] = payload if kind == "ok" else {"error": payload[-3000:]}
-    finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-    if len(replies) < WORLD:
-        replies["missing"] = f"ranks {sorted(set(range(WORLD)) - set(replies))} gave no answer"
+    replies = launch_ranks(_exact_rank, WORLD, (args,), args.timeout)
+    results: dict[Any, Any] = {
+        rank: payload if kind == "ok" else {"error": payload[-3000:]}
+        for rank, (kind, payload) in replies.items()
+    }
+    if len(results) < WORLD:
+        results["missing"] = f"ranks {sorted(set(range(WORLD)) - set(results))} gave no answer"
     return (
-        replies.get(0) if all(isinstance(replies.get(r), list) for r in range(WORLD)) else replies
+        results.get(0) if all(isinstance(results.get(r), list) for r in range(WORLD)) else results
     )
 
 

@@ -27,9 +27,11 @@ import json
 import multiprocessing
 import os
 import platform
+import queue as queue_module
 import statistics
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -272,7 +274,7 @@ def init_group(config: BenchConfig, rank: int, port: int) -> Any:
     return None if config.backend == "gloo" else dist.new_group(backend="gloo")
 
 
-def _rank_main(rank: int, config: BenchConfig, port: int, queue: Any, timeout_s: float) -> None:
+def _rank_main(rank: int, port: int, queue: Any, config: BenchConfig, timeout_s: float) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(config.threads))
     torch.set_num_threads(config.threads)
     # Every thread's stack on stderr if this rank is still running near the parent's deadline.
@@ -350,39 +352,67 @@ def _combine(config: BenchConfig, per_rank: list[list[dict[str, Any]]]) -> dict[
     }
 
 
-def run_bench(config: BenchConfig, timeout_s: float = 1800.0) -> dict[str, Any]:
-    """Starts the ranks, runs every (rate, mode) and returns the combined report."""
-    load_before = os.getloadavg()
+def launch_ranks(
+    target: Callable[..., None],
+    world_size: int,
+    args: tuple[Any, ...],
+    timeout_s: float,
+    stop_on_error: bool = False,
+) -> dict[int, tuple[str, Any]]:
+    """Runs ``target(rank, port, queue, *args)`` in ``world_size`` spawned processes around a
+    TCPStore on loopback that this process owns, and collects each rank's one reply
+    ``(rank, kind, payload)`` from ``queue`` (``kind`` ``"ok"`` or ``"error"``).
+
+    Returns the replies by rank once every rank replied, every process has exited, ``timeout_s``
+    passed, or (``stop_on_error``) a rank replied with an error; the processes are then joined
+    and killed if still alive.
+    """
     context = multiprocessing.get_context("spawn")
+    # The parent owns the store on a free port: no window in which another process takes it.
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
     )
     queue = context.Queue()
     processes = [
-        context.Process(
-            target=_rank_main, args=(rank, config, store.port, queue, timeout_s), daemon=True
-        )
-        for rank in range(config.world_size)
+        context.Process(target=target, args=(rank, store.port, queue, *args), daemon=True)
+        for rank in range(world_size)
     ]
     for process in processes:
         process.start()
-    replies: dict[int, Any] = {}
+    replies: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout_s
     try:
-        while len(replies) < config.world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"the bench ranks did not finish within {timeout_s:.0f} s")
-            rank, kind, payload = queue.get(timeout=remaining)
-            if kind != "ok":
-                raise RuntimeError(f"bench rank {rank} failed:\n{payload}")
-            replies[rank] = payload
+        while len(replies) < world_size and time.monotonic() < deadline:
+            try:
+                rank, kind, payload = queue.get(timeout=1)
+            except queue_module.Empty:
+                if not any(p.is_alive() for p in processes):
+                    break
+                continue
+            replies[rank] = (kind, payload)
+            if stop_on_error and kind != "ok":
+                break
     finally:
         for process in processes:
             process.join(10)
             if process.is_alive():
                 process.kill()
-    report = _combine(config, [replies[rank] for rank in range(config.world_size)])
+    return replies
+
+
+def run_bench(config: BenchConfig, timeout_s: float = 1800.0) -> dict[str, Any]:
+    """Starts the ranks, runs every (rate, mode) and returns the combined report."""
+    load_before = os.getloadavg()
+    replies = launch_ranks(
+        _rank_main, config.world_size, (config, timeout_s), timeout_s, stop_on_error=True
+    )
+    for rank, (kind, payload) in replies.items():
+        if kind != "ok":
+            raise RuntimeError(f"bench rank {rank} failed:\n{payload}")
+    missing = sorted(set(range(config.world_size)) - set(replies))
+    if missing:
+        raise TimeoutError(f"bench ranks {missing} did not finish within {timeout_s:.0f} s")
+    report = _combine(config, [replies[rank][1] for rank in range(config.world_size)])
     # The machine may be shared: its load says how much the timings can be trusted.
     report["environment"]["load_average_1min"] = [load_before[0], os.getloadavg()[0]]
     return report
