@@ -49,6 +49,7 @@ class Case:
         tables: the tables.
         seed: workload seed.
         threads: intra-op threads of each rank during the run.
+        synchronize_after: ``synchronize()`` runs after this step's backward (``None``: never).
     """
 
     optimizer: Optimizer = field(default_factory=lambda: SGD(lr=0.1))
@@ -60,6 +61,7 @@ class Case:
     tables: tuple[TableConfig, ...] = TABLES
     seed: int = 7
     threads: int = 1
+    synchronize_after: int | None = 2
 
     def workload(self, world: int) -> WorkloadConfig:
         return WorkloadConfig(
@@ -138,7 +140,7 @@ def _train(case: Case, mode: str, batches: Sequence[JaggedBatch]) -> Run:
         # A caller's collective on the same group (DDP, metrics) while prioritized mode's
         # collision gradients are still on their way: both must pair up on every rank.
         dist.all_reduce(torch.ones(1))
-        if step == 2:
+        if step == case.synchronize_after:
             # Finishing background work between steps (as state_dict does) applies the
             # pending collision update early; the next forward must not apply it again.
             emb.synchronize()

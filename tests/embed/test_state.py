@@ -120,13 +120,19 @@ def test_keyed_jagged_tensor_input_and_pooling(local_groups):
 def telemetry() -> list[list[dict]]:
     runs = []
     for rate in (0.2, 0.0):
-        case = Case(optimizer=RowWiseAdagrad(lr=0.1), collision_rate=rate, steps=8)
+        case = Case(
+            optimizer=RowWiseAdagrad(lr=0.1), collision_rate=rate, steps=8, synchronize_after=None
+        )
         runs += [train(case, "sync").telemetry, train(case, "prioritized").telemetry]
+    # synchronize() between steps applies the pending collision update: its wait counts in the
+    # step whose backward started it, not in the next one.
+    case = Case(optimizer=RowWiseAdagrad(lr=0.1), collision_rate=0.2, steps=8, synchronize_after=2)
+    runs.append(train(case, "prioritized").telemetry)
     return runs
 
 
 def test_telemetry_reports_collisions_bytes_and_prefetch_memory(local_groups):
-    (sync, prioritized, _, no_collisions), _ = local_groups.get(2).run(telemetry)
+    (sync, prioritized, _, no_collisions, synchronized), _ = local_groups.get(2).run(telemetry)
     for record in sync:
         assert record["lookup"] == "sync" and record["collision_pct"] is None
         assert record["exposed_comm_s"] > 0 and record["bytes_sent"] > 0
@@ -141,6 +147,7 @@ def test_telemetry_reports_collisions_bytes_and_prefetch_memory(local_groups):
     # requesters); with no collisions nothing (the preflight rides on the background routing).
     assert all(len(r["collective_spans"]) == 1 for r in steady)
     assert all(len(r["collective_spans"]) == 0 for r in no_collisions[1:-1])
+    assert [len(r["collective_spans"]) for r in synchronized[1:-1]] == [1, 2, 0, 1, 1, 1]
     # Prioritized moves the same rows and gradients, plus who-needs-what bits per ID and the
     # collision rows' optimizer state and extra gradient copies.
     assert sum(r["bytes_sent"] for r in steady) >= sum(r["bytes_sent"] for r in sync[1:-1])

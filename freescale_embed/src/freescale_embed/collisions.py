@@ -134,6 +134,7 @@ def plan_collisions(
     routes: Routes,
     collided_rows: Sequence[torch.Tensor],
     pending_rows: Sequence[torch.Tensor],
+    owner_rows: Sequence[torch.Tensor],
 ) -> CollisionPlan:
     """Tells sources and requesters of ``C_t`` about each other (one AllToAll) and plans the
     collision-gradient AllToAll of step t's backward.
@@ -144,10 +145,10 @@ def plan_collisions(
         current: step t's routing; ``routes``: step t+1's.
         collided_rows: per table, owner mask over step t's rows: rows of ``C_t``.
         pending_rows: per table, owner mask over step t+1's rows: rows of ``C_t``.
+        owner_rows: the indices of both masks' set elements, ``collided_rows``' first.
     """
     world = channel.world_size
     serve_t, serve_n = current.serve, routes.serve
-    owner_rows = indices([*collided_rows, *pending_rows])
     to_requesters, to_sources, owned_sources = [], [], []
     for k in range(len(tables)):
         sources = _peer_matrix(

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from freescale_balance import JaggedTensor
-from freescale_embed._ops import isin_sorted
+from freescale_embed._ops import indices_and_values, isin_sorted
 from freescale_embed.channel import Channel
 from freescale_embed.collisions import CollisionPlan, plan_collisions
 from freescale_embed.optim import Optimizer
@@ -132,7 +132,11 @@ def prepare_next(
     local_counts = torch.stack(
         [collided, torch.full_like(collided, sum(r.numel() for r in serve.rows))]
     )
-    collisions, unique_rows = channel.all_gather(local_counts).sum(0).tolist()
+    # One read for the gathered counts and the owner's collision rows (which the plan needs).
+    owner_rows, (totals,) = indices_and_values(
+        [*collided_rows, *pending_rows], [channel.all_gather(local_counts).sum(0)]
+    )
+    collisions, unique_rows = totals
     fallback = max_collision_rate is not None and collisions > max_collision_rate * unique_rows
     plan: CollisionPlan | None = None
     if fallback:
@@ -140,7 +144,9 @@ def prepare_next(
     elif collisions == 0:
         values = send_rows(tables, routes, channel)  # every row is final already
     else:
-        plan = plan_collisions(tables, channel, current, routes, collided_rows, pending_rows)
+        plan = plan_collisions(
+            tables, channel, current, routes, collided_rows, pending_rows, owner_rows
+        )
         # Pending rows come as they are before step t's update, with their optimizer state:
         # step t+1's forward applies step t's update to them here (``collisions``).
         values, plan.states = send_rows_with_state(tables, routes, channel, plan.pending)
