@@ -128,12 +128,17 @@ def isin_sorted(elements: torch.Tensor, test: torch.Tensor) -> torch.Tensor:
     return test.index_select(0, at) == elements
 
 
-def counts_per_bin(values: torch.Tensor, bins: int) -> torch.Tensor:
-    """``bincount(values, minlength=bins)`` for values below ``bins``, without reading anything
-    back from the device (CUDA's bincount reads the largest value first); integer adds are
-    exact in any order."""
+def counts_per_bin(
+    values: torch.Tensor, bins: int, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``bincount(values, weights, minlength=bins)`` as int64 for values below ``bins`` (integer
+    or bool ``weights``, 1 each by default), without reading anything back from the device
+    (CUDA's bincount reads the largest value first); integer adds are exact in any order."""
     counts = torch.zeros(bins, dtype=torch.int64, device=values.device)
-    return counts.index_add_(0, values, torch.ones_like(values, dtype=torch.int64))
+    added = (
+        torch.ones_like(values, dtype=torch.int64) if weights is None else weights.to(torch.int64)
+    )
+    return counts.index_add_(0, values, added)
 
 
 def indices(masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -97,8 +97,7 @@ class Channel:
         Returns:
             What arrives: runs of ``recv_splits`` elements from ranks 0, 1, ..., as one 1-D tensor.
         """
-        recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
-        send = send.contiguous()
+        send, recv, sent = self._buffers(send, send_splits, recv_splits)
         start = time.monotonic()
         # Blocking (not a started call waited for at once): the freescale backend then lets the
         # calling thread drive the collective itself, which saves two thread hand-offs.
@@ -109,8 +108,7 @@ class Channel:
             input_split_sizes=send_splits,
             group=self.group,
         )
-        own = send_splits[self.rank] if send_splits else 0
-        self.meter.record(start, time.monotonic(), (send.numel() - own) * send.element_size())
+        self.meter.record(start, time.monotonic(), sent)
         return recv
 
     def start_all_to_all(
@@ -121,8 +119,7 @@ class Channel:
         Only the time spent in ``PendingAllToAll.wait`` counts as this thread's, so work done
         between the two calls hides the transfer.
         """
-        recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
-        send = send.contiguous()
+        send, recv, sent = self._buffers(send, send_splits, recv_splits)
         work = dist.all_to_all_single(
             recv,
             send,
@@ -131,8 +128,15 @@ class Channel:
             group=self.group,
             async_op=True,
         )
+        return PendingAllToAll(self, work, send, recv, sent)
+
+    def _buffers(
+        self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """An AllToAll's contiguous input, its output, and the bytes it sends to other ranks."""
+        recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
         own = send_splits[self.rank] if send_splits else 0
-        return PendingAllToAll(self, work, send, recv, (send.numel() - own) * send.element_size())
+        return send.contiguous(), recv, (send.numel() - own) * send.element_size()
 
     def all_gather(self, local: torch.Tensor) -> torch.Tensor:
         """``[world, *local.shape]``: every rank's ``local``."""

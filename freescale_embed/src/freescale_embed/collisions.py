@@ -113,11 +113,9 @@ def pack_bits(matrix: torch.Tensor) -> torch.Tensor:
     byte ``j``."""
     rows, world = matrix.shape
     width = -(-world // 8)
-    padded = torch.nn.functional.pad(matrix.to(torch.uint8), (0, 8 * width - world))
-    weights = torch.ones(8, dtype=torch.int64, device=matrix.device) << torch.arange(
-        8, device=matrix.device
-    )
-    return (padded.reshape(rows, width, 8) * weights).sum(-1).to(torch.uint8)
+    padded = torch.nn.functional.pad(matrix.to(torch.int64), (0, 8 * width - world))
+    shifts = torch.arange(8, device=matrix.device)
+    return (padded.reshape(rows, width, 8) << shifts).sum(-1).to(torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, world: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from freescale_embed._ops import (
+    counts_per_bin,
     indices_and_values,
     pack_by_peer,
     peer_numel,
@@ -91,10 +92,7 @@ def _counts_of(
 ) -> torch.Tensor:
     """``[world, tables]``: per peer, the set elements of each table's mask, where
     ``peers[t]`` is the peer of each element of table ``t``."""
-    columns = [
-        torch.zeros(world, dtype=torch.int64, device=m.device).index_add_(0, p, m.to(torch.int64))
-        for m, p in zip(masks, peers, strict=True)
-    ]
+    columns = [counts_per_bin(p, world, m) for m, p in zip(masks, peers, strict=True)]
     return torch.stack(columns, dim=1)
 
 
@@ -113,11 +111,24 @@ def exchange(
 ) -> list[torch.Tensor]:
     """One AllToAll of ``[rows, width]`` parts (``send_counts[p][j]`` rows of part ``j`` for
     rank ``p``, on the host); returns per part what arrived, rank 0's rows first."""
-    recv = channel.all_to_all(
-        pack_by_peer(parts, send_counts),
-        peer_numel(send_counts, widths),
-        peer_numel(recv_counts, widths),
-    )
+    recv = channel.all_to_all(*_packed(parts, widths, send_counts, recv_counts))
+    return _unpacked(recv, recv_counts, widths)
+
+
+def _packed(
+    parts: Sequence[torch.Tensor],
+    widths: Sequence[int],
+    send_counts: list[list[int]],
+    recv_counts: list[list[int]],
+) -> tuple[torch.Tensor, list[int], list[int]]:
+    """An exchange's AllToAll buffer and its send and receive splits."""
+    send_splits, recv_splits = peer_numel(send_counts, widths), peer_numel(recv_counts, widths)
+    return pack_by_peer(parts, send_counts), send_splits, recv_splits
+
+
+def _unpacked(
+    recv: torch.Tensor, recv_counts: list[list[int]], widths: Sequence[int]
+) -> list[torch.Tensor]:
     return unpack_by_peer(recv, recv_counts, [(width,) for width in widths])
 
 
@@ -131,8 +142,7 @@ class PendingExchange:
 
     def wait(self) -> list[torch.Tensor]:
         """Per part, what arrived (see ``PendingAllToAll.wait``)."""
-        recv = self.pending.wait()
-        return unpack_by_peer(recv, self.recv_counts, [(width,) for width in self.widths])
+        return _unpacked(self.pending.wait(), self.recv_counts, self.widths)
 
 
 def start_exchange(
@@ -143,11 +153,7 @@ def start_exchange(
     channel: Channel,
 ) -> PendingExchange:
     """``exchange`` (count tables on the host) without waiting for it."""
-    pending = channel.start_all_to_all(
-        pack_by_peer(parts, send_counts),
-        peer_numel(send_counts, widths),
-        peer_numel(recv_counts, widths),
-    )
+    pending = channel.start_all_to_all(*_packed(parts, widths, send_counts, recv_counts))
     return PendingExchange(pending, recv_counts, widths)
 
 
@@ -246,14 +252,10 @@ def send_gradients(
     request, serve = routes.request, routes.serve
     widths = [table.shard.table.embedding_dim for table in tables]
     if part is None:
-        return exchange(gradients, widths, request.host_counts, serve.host_counts, channel)
-    return exchange(
-        gradients,
-        widths,
-        part.request_counts,
-        part.serve_counts,
-        channel,
-    )
+        send_counts, recv_counts = request.host_counts, serve.host_counts
+    else:
+        send_counts, recv_counts = part.request_counts, part.serve_counts
+    return exchange(gradients, widths, send_counts, recv_counts, channel)
 
 
 def apply_gradients(
