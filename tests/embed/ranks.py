@@ -231,7 +231,8 @@ def prefetch_group_options() -> list[Any]:
     table = TableConfig("items", 64, 4, ["history"])
     emb = ShardedEmbeddingCollection([table], group=group, mode="prioritized")
     try:
-        return [emb._background_group.options == options, dist.get_backend(emb._background_group)]
+        background = emb._background.group
+        return [background.options == options, dist.get_backend(background)]
     finally:
         emb.close()
         dist.destroy_process_group(group)

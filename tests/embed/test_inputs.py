@@ -227,7 +227,7 @@ def failed_collision_update() -> list[str]:
         with pytest.raises(RuntimeError) as error:
             call()
         messages.append(str(error.value))
-    assert emb._worker is None and emb._background_group is None  # close freed them anyway
+    assert emb._worker is None and not emb._own_groups  # close freed them anyway
     return messages
 
 

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import pytest
 import torch
 
-from freescale_embed.streams import StreamOrder, stream_order, tensors
+from freescale_embed.streams import StreamOrder, _replaced, stream_order, tensors, to_device
 from freescale_embed.worker import Worker
 
 
@@ -74,3 +75,43 @@ def test_every_tensor_of_a_task_is_found():
 
 def test_cpu_tables_need_no_stream_order():
     assert type(stream_order(torch.device("cpu"))) is StreamOrder
+
+
+def _metadata() -> tuple[_Outer, torch.Tensor]:
+    shared = torch.arange(3)
+    outer = _Outer(
+        _Inner([shared, torch.tensor([[1, 2], [3, 4]])], 3),
+        {"x": torch.tensor([True, False]), "y": shared},
+        (torch.tensor([0.5]), "name"),
+    )
+    return outer, shared
+
+
+def test_replacing_tensors_keeps_the_structure_and_every_other_value():
+    outer, shared = _metadata()
+    moved = {id(t): t + 10 for t in tensors(outer)}
+    rebuilt = _replaced(outer, moved)
+    assert isinstance(rebuilt, _Outer) and isinstance(rebuilt.inner, _Inner)
+    assert rebuilt.inner.count == 3 and rebuilt.pair[1] == "name"
+    assert isinstance(rebuilt.pair, tuple) and isinstance(rebuilt.inner.rows, list)
+    assert torch.equal(rebuilt.inner.rows[0], shared + 10)
+    assert torch.equal(rebuilt.masks["y"], shared + 10)  # a tensor met twice, replaced twice
+    assert torch.equal(rebuilt.inner.rows[1], torch.tensor([[11, 12], [13, 14]]))
+    assert torch.equal(outer.inner.rows[0], shared)  # the original is left alone
+
+
+def test_metadata_for_cpu_tables_stays_where_it_is():
+    outer, _ = _metadata()
+    assert to_device(outer, torch.device("cpu")) is outer
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_metadata_moves_to_cuda_with_its_values_dtypes_and_shapes():
+    outer, _ = _metadata()
+    moved = to_device(outer, torch.device("cuda"))
+    pairs = list(zip(tensors(outer), tensors(moved), strict=True))
+    assert len(pairs) == 6
+    for host, device in pairs:
+        assert device.is_cuda and device.dtype == host.dtype and device.shape == host.shape
+        assert torch.equal(device.cpu(), host)
+    assert moved.inner.count == 3 and moved.pair[1] == "name"

@@ -3,9 +3,10 @@
 The training thread and the prefetch thread each own a ``Channel`` on their own process group,
 so their collectives never interleave on one group (which would pair up the wrong calls).
 
-A channel runs only AllToAll and AllGather, on tensors of the tables' device: the collectives
-every backend has (NCCL moves no CPU tensors) and the ones the ``freescale`` backend runs itself
-(two ranks sharing a GPU cannot use NCCL, which the freescale group delegates everything else to).
+A channel runs only AllToAll and AllGather, on tensors of one device: the collectives every
+backend has and the ones the ``freescale`` backend runs itself (two ranks sharing a GPU cannot use
+NCCL, which the freescale group delegates everything else to). Rows and gradients travel on the
+tables' device; IDs and plans on the host (``host_group``), so that routing never waits for a GPU.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import pickle
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,17 @@ class Measured:
     seconds: float = 0.0
     bytes_sent: int = 0
     spans: list[tuple[float, float]] = field(default_factory=list)
+
+
+def host_group(
+    group: dist.ProcessGroup, device: torch.device, timeout: timedelta
+) -> dist.ProcessGroup:
+    """A group of ``group``'s ranks that moves CPU tensors: ``group`` itself unless its backend
+    moves CUDA tensors only (NCCL), then a new Gloo group (collective: every rank calls it)."""
+    if device.type == "cpu" or dist.get_backend(group) != dist.Backend.NCCL:
+        return group
+    ranks = dist.get_process_group_ranks(group)
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
 
 
 class Meter:
@@ -80,14 +93,17 @@ class Channel:
     Args:
         group: the process group; its ranks are the peers.
         device: where the tensors it sends and receives live.
+        meter: where to measure (a new one by default; channels of one thread share theirs).
     """
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, device: torch.device, meter: Meter | None = None
+    ) -> None:
         self.group = group
         self.device = device
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.meter = Meter()
+        self.meter = Meter() if meter is None else meter
 
     def all_to_all(
         self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]

@@ -21,7 +21,6 @@ the same bits.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -34,7 +33,7 @@ from torch import nn
 
 from freescale_balance import JaggedBatch, JaggedTensor
 from freescale_embed._ops import segment_sum
-from freescale_embed.channel import Channel
+from freescale_embed.channel import Channel, host_group
 from freescale_embed.collisions import (
     CollisionUpdate,
     apply_collisions,
@@ -43,10 +42,10 @@ from freescale_embed.collisions import (
 from freescale_embed.config import MODES, POOLINGS, Mode, Pooling, TableConfig, check_tables
 from freescale_embed.inputs import EmbeddingInputError, as_batch, batch_problem, same_ids
 from freescale_embed.optim import SGD, Optimizer
-from freescale_embed.prefetch import Prepared, finish_gradients, prepare_next
-from freescale_embed.routing import Routes, route
+from freescale_embed.prefetch import DeferredGradients, Prepared, finish_gradients, prepare_next
+from freescale_embed.routing import Routes, host_ids, route
 from freescale_embed.sharding import RowShard
-from freescale_embed.streams import stream_order
+from freescale_embed.streams import stream_order, to_device
 from freescale_embed.tables import TableShard, TableShards
 from freescale_embed.telemetry import StepTelemetry
 from freescale_embed.transfers import (
@@ -65,7 +64,9 @@ class _Step:
     """One forward awaiting its backward."""
 
     index: int
-    routes: Routes
+    routes: Routes  # on the tables' device
+    # prioritized: the same on the host (the next step's prefetch plans with it)
+    host_routes: Routes | None
     values: list[torch.Tensor]
     record: StepTelemetry
     next_future: Any = None  # prioritized: the future of step t+1's ``Prepared`` (or ``None``)
@@ -185,34 +186,41 @@ class ShardedEmbeddingCollection(nn.Module):
         self._last_step = 0
         self.telemetry: deque[StepTelemetry] = deque(maxlen=_TELEMETRY_STEPS)
         self._channel = Channel(self.group, self.device)
+        # Groups the collection made itself, destroyed by ``close``.
+        self._own_groups: list[dist.ProcessGroup] = []
+        # Prioritized mode routes IDs on the host, on groups whose backend moves CPU tensors.
+        self._host_channel: Channel | None = None
         # A leaf that requires grad, so that the lookup joins the autograd graph.
         self._dummy = torch.zeros(0, requires_grad=True)
         self._awaiting_backward: _Step | None = None
         self._prepared: Prepared | None = None
         # The rest of the last backward's gradient sync, submitted at the start of the next
-        # step (after its critical-path collective) or by ``synchronize``.
-        self._deferred: functools.partial | None = None
+        # step (after its critical-path collective, with its prefetch) or by ``synchronize``.
+        self._deferred: DeferredGradients | None = None
         # The last backward's collision gradients on their way (prioritized mode), and why
         # the collection cannot go on if applying such an update failed.
         self._collision_update: CollisionUpdate | None = None
         self._failed: str | None = None
         self._expected_next: JaggedBatch | None = None
         self._worker: Worker | None = None
-        self._background_group: dist.ProcessGroup | None = None
         self._background: Channel | None = None
+        self._background_host: Channel | None = None
         if mode == "prioritized":
             # The same backend as the training thread's: it moves the same tensors (CUDA ones
             # cannot go through Gloo), and on ``freescale`` the prefetch stays off the SMs —
             # with the group's own options (a staged CUDA path must stay staged).
             backend = dist.get_backend(self.group)
             group = self.group if self.group is not None else dist.group.WORLD
-            self._background_group = dist.new_group(
+            background_group = dist.new_group(
                 ranks=dist.get_process_group_ranks(self.group),
                 backend=backend,
                 timeout=timeout,
                 pg_options=getattr(group, "options", None) if backend == "freescale" else None,
             )
-            self._background = Channel(self._background_group, self.device)
+            self._own_groups.append(background_group)
+            self._host_channel = self._host_channel_of(self._channel, timeout)
+            self._background = Channel(background_group, self.device)
+            self._background_host = self._host_channel_of(self._background, timeout)
             self._worker = Worker(timeout, stream_order(self.device))
 
     # -- public ----------------------------------------------------------------------------------
@@ -296,17 +304,17 @@ class ShardedEmbeddingCollection(nn.Module):
                 raise
 
     def close(self) -> None:
-        """Finishes background work, stops the prefetch thread and frees its process group
-        (also when finishing fails, which it raises)."""
+        """Finishes background work, stops the prefetch thread and frees the process groups the
+        collection made (also when finishing fails, which it raises)."""
         try:
             self.synchronize()
         finally:
             if self._worker is not None:
                 self._worker.close()
                 self._worker = None
-            if self._background_group is not None:
-                dist.destroy_process_group(self._background_group)
-                self._background_group = None
+            for group in self._own_groups:
+                dist.destroy_process_group(group)
+            self._own_groups.clear()
 
     def state_dict(self, *args: Any, full: bool = False, **kwargs: Any) -> dict[str, Any]:
         """Tables, optimizer state and step count.
@@ -378,11 +386,23 @@ class ShardedEmbeddingCollection(nn.Module):
         return None if problem is None else f"next batch: {problem}"
 
     def _sync_lookup(self, batch: Any, index: int, problem: str | None) -> _Step:
-        """Routes and looks up ``batch`` now; the preflight rides on the ID counts."""
+        """Routes and looks up ``batch`` now; the preflight rides on the ID counts.
+
+        Sync mode routes on the tables' device (idle at this point, and faster); prioritized
+        mode's first step on the host, where the next step's prefetch plans with it.
+        """
         features = as_batch(batch).features if problem is None else None
-        routes = route(features, self.shards, self._channel, problem)
+        host_routes: Routes | None = None
+        if self._host_channel is None:
+            ids = None if features is None else {n: f.values for n, f in features.items()}
+            routes = route(ids, self.shards, self._channel, problem)
+        else:
+            ids = None if features is None else host_ids(features, self.shards)
+            host_routes = route(ids, self.shards, self._host_channel, problem)
+            routes = to_device(host_routes, self.device)
+        assert routes is not None  # not final
         values = send_rows(self.shard_tables, routes, self._channel)
-        return _Step(index, routes, values, StepTelemetry(step=index))
+        return _Step(index, routes, host_routes, values, StepTelemetry(step=index))
 
     def _prioritized_lookup(
         self, batch: Any, next_batch: Any, final: bool, index: int, problem: str | None
@@ -396,26 +416,37 @@ class ShardedEmbeddingCollection(nn.Module):
                 # Every row is fetched now, after the previous backward updated them all (with a
                 # problem too: every peer is in this exchange).
                 prepared.values = send_rows(self.shard_tables, prepared.routes, self._channel)
-            # Every rank got here, bad input or not: start the previous step's deferred sync.
-            self._submit_deferred()
-            step = _Step(index, prepared.routes, prepared.values, prepared.record, batch=expected)
+            step = _Step(
+                index,
+                prepared.routes,
+                prepared.host_routes,
+                prepared.values,
+                prepared.record,
+                batch=expected,
+            )
         # This step's preflight rides on the next step's ID exchange, in the background, so
         # no collective of the critical path waits for it. Every rank, the one with the problem
         # too, returns outputs (that rank: the rows prefetched for the batch it announced) and
         # raises in its backward (``_await_next``), so that collectives the caller runs between
         # forward and backward (DDP's, metrics) pair up on every rank.
         jagged_next = None if final or problem is not None else as_batch(next_batch)
-        assert self._worker is not None and self._background is not None
+        assert self._worker is not None
+        assert self._background is not None and self._background_host is not None
+        assert step.host_routes is not None  # routed on the host in prioritized mode
+        # Every rank got here, bad input or not: the previous step's deferred sync goes with it.
+        deferred, self._deferred = self._deferred, None
         step.next_future = self._worker.submit(
             prepare_next,
             self.shard_tables,
             self.shards,
             self._background,
+            self._background_host,
             None if jagged_next is None else jagged_next.features,
-            step.routes,
+            step.host_routes,
             self.max_collision_rate,
             StepTelemetry(step=index + 1),
             problem,
+            deferred,
         )
         if problem is not None and not torch.is_grad_enabled():
             # No backward will follow: the error is raised now (it raises on every rank).
@@ -535,17 +566,8 @@ class ShardedEmbeddingCollection(nn.Module):
             )
         # Submitted at the start of the next step, so that it never competes with this step's
         # collision exchange.
-        self._deferred = functools.partial(
-            self._worker.submit,
-            finish_gradients,
-            tables,
-            self._background,
-            step.routes,
-            occurrence_gradients,
-            prepared,
-            optimizer,
-            step.index,
-            step.record,
+        self._deferred = DeferredGradients(
+            step.routes, occurrence_gradients, prepared.rest, optimizer, step.index, step.record
         )
         self._prepared = prepared
 
@@ -572,14 +594,22 @@ class ShardedEmbeddingCollection(nn.Module):
         if record is not None:
             record.add_exposed(self._channel.meter.take())
 
+    def _host_channel_of(self, channel: Channel, timeout: timedelta) -> Channel:
+        """A channel on the host for the thread that uses ``channel`` (measured with it)."""
+        group = host_group(channel.group, self.device, timeout)
+        if group is not channel.group:
+            self._own_groups.append(group)
+        return Channel(group, torch.device("cpu"), channel.meter)
+
     def _check_usable(self) -> None:
         if self._failed is not None:
             raise RuntimeError(self._failed)
 
     def _submit_deferred(self) -> None:
         if self._deferred is not None:
+            assert self._worker is not None and self._background is not None
             deferred, self._deferred = self._deferred, None
-            deferred()
+            self._worker.submit(finish_gradients, self.shard_tables, self._background, deferred)
 
     # -- state -------------------------------------------------------------------------------------
 

@@ -10,18 +10,21 @@ With ``R_t`` the rows of step t over all ranks and ``C_t = R_t ∩ R_t+1`` its c
 - the training thread's backward of step t then sends the gradients of ``C_t`` in one AllToAll,
   and step t+1's forward applies them on the owners and, identically, to the prefetched copies
   of t+1, so it has every row at hand, and
-- ``finish_gradients`` (during step t+1, on the prefetch thread) syncs and applies the rest of
-  step t's gradients, rows that step t+1 does not read, before step t+2's prefetch reads them.
+- during step t+1, on the prefetch thread, the rest of step t's gradients (rows that step t+1
+  does not read) are synced and applied before step t+2's prefetch reads any row: their
+  AllToAll is started first in step t+2's ``prepare_next`` and travels while step t+2 is routed
+  and planned (IDs only), then applied before its rows are sent (``finish_gradients`` does the
+  same alone, for ``synchronize``).
 
-``finish_gradients`` of step t is submitted at the start of step t+1, so it never competes with
-step t's critical-path collective.
+That task is submitted at the start of step t+1, so it never competes with step t's
+critical-path collective.
 
 One thread runs these tasks in submission order on its own process group, so they never
 interleave with the training thread's collectives. The two threads never touch the tables at
 the same time: the training thread reads or writes rows only when the prefetch thread has
 nothing left to do (it waits for the prefetch of the next step before applying collision
-updates; a fallback step reads its rows at the start of its forward, before the deferred sync
-is submitted).
+updates; a fallback step reads its rows at the start of its forward, before the next task,
+which carries the deferred sync, is submitted).
 """
 
 from __future__ import annotations
@@ -36,16 +39,18 @@ from freescale_embed._ops import indices_and_values, isin_sorted
 from freescale_embed.channel import Channel
 from freescale_embed.collisions import CollisionPlan, plan_collisions
 from freescale_embed.optim import Optimizer
-from freescale_embed.routing import Routes, route
+from freescale_embed.routing import Routes, host_ids, route
 from freescale_embed.sharding import RowShard
+from freescale_embed.streams import to_device
 from freescale_embed.tables import TableShard
 from freescale_embed.telemetry import StepTelemetry
 from freescale_embed.transfers import (
     Part,
+    PendingExchange,
     apply_gradients,
-    send_gradients,
     send_rows,
     send_rows_with_state,
+    start_gradients,
     unique_gradients,
 )
 
@@ -55,7 +60,8 @@ class Prepared:
     """Step t+1 as prepared during step t.
 
     Attributes:
-        routes: step t+1's routing.
+        routes: step t+1's routing, on the tables' device.
+        host_routes: the same on the host (step t+2's prefetch plans with it).
         values: per table, the rows of t+1's unique IDs on this rank; the rows of ``C_t`` hold
             their values before step t's update until step t+1's forward applies it to them
             (empty in a fallback, whose forward fetches every row).
@@ -69,6 +75,7 @@ class Prepared:
     """
 
     routes: Routes
+    host_routes: Routes
     values: list[torch.Tensor]
     collisions: int
     unique_rows: int
@@ -82,26 +89,95 @@ class Prepared:
         return None if self.plan is None else self.plan.others
 
     def nbytes(self) -> int:
-        """Bytes held between the steps: prefetched rows, routing and plans."""
+        """Bytes held between the steps: prefetched rows, routing (on the device and the
+        host) and plans."""
         planned = 0 if self.plan is None else self.plan.nbytes()
         rows = sum(t.numel() * t.element_size() for t in self.values)
-        return self.routes.nbytes() + planned + rows
+        routing = self.routes.nbytes()
+        if self.host_routes is not self.routes:
+            routing += self.host_routes.nbytes()
+        return routing + planned + rows
+
+
+@dataclass(frozen=True)
+class DeferredGradients:
+    """Step t's gradients of the rows outside ``C_t``, synced during step t+1.
+
+    ``optimizer`` and ``step`` are those of step t, captured when its backward ran, so a learning
+    rate changed since then does not leak into this update.
+
+    Attributes:
+        routes: step t's routing.
+        occurrence_gradients: per table, step t's gradient of each ID occurrence.
+        part: the rows outside ``C_t`` (``None``: every row of step t).
+        optimizer: step t's optimizer.
+        step: step t's index.
+        record: step t's telemetry (the sync counts as its background communication).
+    """
+
+    routes: Routes
+    occurrence_gradients: Sequence[torch.Tensor]
+    part: Part | None
+    optimizer: Optimizer
+    step: int
+    record: StepTelemetry
+
+
+@dataclass(frozen=True)
+class _StartedGradients:
+    """``DeferredGradients`` whose AllToAll is under way."""
+
+    deferred: DeferredGradients
+    exchange: PendingExchange
+
+    def finish(self, tables: Sequence[TableShard], channel: Channel) -> None:
+        """Waits for the gradients and applies them on their owners."""
+        deferred = self.deferred
+        entry_gradients = self.exchange.wait()
+        apply_gradients(
+            tables,
+            deferred.routes.serve,
+            entry_gradients,
+            deferred.optimizer,
+            deferred.step,
+            deferred.part,
+        )
+        deferred.record.add_background(channel.meter.take())
+
+
+def _start_gradients(
+    tables: Sequence[TableShard], channel: Channel, deferred: DeferredGradients
+) -> _StartedGradients:
+    routes, part = deferred.routes, deferred.part
+    gradients = unique_gradients(routes.request, deferred.occurrence_gradients, part)
+    return _StartedGradients(deferred, start_gradients(tables, routes, gradients, channel, part))
 
 
 def prepare_next(
     tables: Sequence[TableShard],
     shards: Sequence[RowShard],
     channel: Channel,
+    host_channel: Channel,
     features: Mapping[str, JaggedTensor] | None,
     current: Routes,
     max_collision_rate: float | None,
     record: StepTelemetry,
     problem: str | None = None,
+    deferred: DeferredGradients | None = None,
 ) -> Prepared | None:
     """Routes step t+1, finds the collision rows of t, plans their update, sends t+1's rows.
 
     Its ID exchange carries step t's preflight: ``problem`` (this rank's, if its step-t call
     was invalid) or ``features=None`` (step t is the last).
+
+    Args:
+        channel: moves rows and gradients, on the tables' device.
+        host_channel: moves IDs and plans, on the host: routing and planning read only IDs,
+            and on the host nothing they do waits for the GPU (``routing.host_ids``).
+        current: step t's routing, on the host.
+        deferred: step t-1's gradients outside ``C_t-1``: their AllToAll travels while step t+1
+            is routed and planned, and they are applied before any row of step t+1 is read;
+            also when routing raises.
 
     Returns:
         ``None`` when every rank passed ``features=None``.
@@ -111,42 +187,34 @@ def prepare_next(
             whether step t is the last.
     """
     channel.meter.take()
-    routes = route(features, shards, channel, problem, final=features is None)
-    if routes is None:
-        return None
-    serve = routes.serve
-    # Both sides' rows are sorted and unique.
-    collided_rows = [
-        isin_sorted(rows_t, rows_n)
-        for rows_t, rows_n in zip(current.serve.rows, serve.rows, strict=True)
-    ]
-    pending_rows = [
-        isin_sorted(rows_n, rows_t)
-        for rows_t, rows_n in zip(current.serve.rows, serve.rows, strict=True)
-    ]
-    # Summed on the device: one host read for the gathered counts, not one per table.
-    collided = torch.zeros((), dtype=torch.int64, device=channel.device)
-    for mask in collided_rows:
-        collided = collided + mask.sum()
-    # torch.full launches a fill: a tensor made from a host value would wait for the stream.
-    local_counts = torch.stack(
-        [collided, torch.full_like(collided, sum(r.numel() for r in serve.rows))]
-    )
-    # One read for the gathered counts and the owner's collision rows (which the plan needs).
-    owner_rows, (totals,) = indices_and_values(
-        [*collided_rows, *pending_rows], [channel.all_gather(local_counts).sum(0)]
-    )
-    collisions, unique_rows = totals
-    fallback = max_collision_rate is not None and collisions > max_collision_rate * unique_rows
-    plan: CollisionPlan | None = None
+    # The IDs' copy first: on a GPU busy with dense kernels, every kernel queued in front of it
+    # on this stream (the gradients') would wait for one of them to end.
+    ids = None if features is None else host_ids(features, shards)
+    started = None if deferred is None else _start_gradients(tables, channel, deferred)
+    try:
+        host_routes = route(ids, shards, host_channel, problem, final=features is None)
+        if host_routes is None:
+            return None
+        collided_rows, pending_rows, owner_rows, collisions, unique_rows = _collisions(
+            host_channel, current, host_routes
+        )
+        fallback = max_collision_rate is not None and collisions > max_collision_rate * unique_rows
+        host_plan: CollisionPlan | None = None
+        if not fallback and collisions:
+            host_plan = plan_collisions(
+                tables, host_channel, current, host_routes, collided_rows, pending_rows, owner_rows
+            )
+        # One copy per dtype of everything the device needs.
+        routes, plan = to_device((host_routes, host_plan), channel.device)
+    finally:
+        record.add_background(channel.meter.take())
+        if started is not None:
+            started.finish(tables, channel)
     if fallback:
         values: list[torch.Tensor] = []  # step t+1's forward fetches every row
-    elif collisions == 0:
+    elif plan is None:
         values = send_rows(tables, routes, channel)  # every row is final already
     else:
-        plan = plan_collisions(
-            tables, channel, current, routes, collided_rows, pending_rows, owner_rows
-        )
         # Pending rows come as they are before step t's update, with their optimizer state:
         # step t+1's forward applies step t's update to them here (``collisions``).
         values, plan.states = send_rows_with_state(tables, routes, channel, plan.pending)
@@ -156,6 +224,7 @@ def prepare_next(
     record.add_background(channel.meter.take())
     prepared = Prepared(
         routes=routes,
+        host_routes=host_routes,
         values=values,
         collisions=collisions,
         unique_rows=unique_rows,
@@ -167,24 +236,39 @@ def prepare_next(
     return prepared
 
 
-def finish_gradients(
-    tables: Sequence[TableShard],
-    channel: Channel,
-    routes: Routes,
-    occurrence_gradients: Sequence[torch.Tensor],
-    prepared: Prepared,
-    optimizer: Optimizer,
-    step: int,
-    record: StepTelemetry,
-) -> None:
-    """Syncs and applies step t's gradients of rows outside ``C_t`` (step t+1 does not read them).
+def _collisions(
+    channel: Channel, current: Routes, routes: Routes
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], int, int]:
+    """The owner's masks of ``C_t`` over step t's and step t+1's rows, the indices of both
+    (collided first), and ``|C_t|`` and ``|R_t+1|`` over all ranks."""
+    # Both sides' rows are sorted and unique.
+    collided_rows = [
+        isin_sorted(rows_t, rows_n)
+        for rows_t, rows_n in zip(current.serve.rows, routes.serve.rows, strict=True)
+    ]
+    pending_rows = [
+        isin_sorted(rows_n, rows_t)
+        for rows_t, rows_n in zip(current.serve.rows, routes.serve.rows, strict=True)
+    ]
+    # Summed on the device: one host read for the gathered counts, not one per table.
+    collided = torch.zeros((), dtype=torch.int64, device=channel.device)
+    for mask in collided_rows:
+        collided = collided + mask.sum()
+    # torch.full launches a fill: a tensor made from a host value would wait for the stream.
+    local_counts = torch.stack(
+        [collided, torch.full_like(collided, sum(r.numel() for r in routes.serve.rows))]
+    )
+    # One read for the gathered counts and the owner's collision rows (which the plan needs).
+    owner_rows, (totals,) = indices_and_values(
+        [*collided_rows, *pending_rows], [channel.all_gather(local_counts).sum(0)]
+    )
+    collisions, unique_rows = totals
+    return collided_rows, pending_rows, owner_rows, collisions, unique_rows
 
-    ``optimizer`` and ``step`` are those of step t, captured when its backward ran, so a learning
-    rate changed since then does not leak into this update.
-    """
+
+def finish_gradients(
+    tables: Sequence[TableShard], channel: Channel, deferred: DeferredGradients
+) -> None:
+    """Syncs and applies ``deferred`` on its own (when no step t+1 is prepared with it)."""
     channel.meter.take()
-    part = prepared.rest
-    gradients = unique_gradients(routes.request, occurrence_gradients, part)
-    entry_gradients = send_gradients(tables, routes, gradients, channel, part)
-    apply_gradients(tables, routes.serve, entry_gradients, optimizer, step, part)
-    record.add_background(channel.meter.take())
+    _start_gradients(tables, channel, deferred).finish(tables, channel)

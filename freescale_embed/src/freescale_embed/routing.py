@@ -98,15 +98,30 @@ class Routes:
         return self.request.nbytes() + self.serve.nbytes()
 
 
+def host_ids(
+    features: Mapping[str, JaggedTensor], shards: Sequence[RowShard]
+) -> dict[str, torch.Tensor]:
+    """The IDs of every table feature as int64 on the host, in one copy from the device (one
+    wait for it) for all features: routing reads only IDs, and on the host nothing it does
+    waits for the GPU."""
+    names = [name for shard in shards for name in shard.table.feature_names]
+    values = [features[name].values.to(torch.int64) for name in names]
+    if not values or values[0].device.type == "cpu":
+        return dict(zip(names, values, strict=True))
+    host = torch.cat(values).cpu().split([v.numel() for v in values])
+    return dict(zip(names, host, strict=True))
+
+
 def build_request(
-    features: Mapping[str, JaggedTensor], shards: Sequence[RowShard], device: torch.device
+    ids: Mapping[str, torch.Tensor], shards: Sequence[RowShard], device: torch.device
 ) -> Request:
-    """Deduplicates one step's IDs per table and groups them by owner (local work only)."""
+    """Deduplicates one step's IDs (per feature, on ``device``) per table and groups them by
+    owner (local work only)."""
     world = shards[0].world_size if shards else 1
     unique, inverse, owners, counts, largest = [], [], [], [], []
     for shard in shards:
-        ids = [features[name].values.to(torch.int64) for name in shard.table.feature_names]
-        table_ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device=device)
+        parts = [ids[name].to(torch.int64) for name in shard.table.feature_names]
+        table_ids = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=device)
         table_unique, table_inverse, table_counts = unique_with_inverse(table_ids)
         table_owners = shard.owners(table_unique)
         unique.append(table_unique)
@@ -128,9 +143,7 @@ def build_request(
         owners=owners,
         counts=table,
         occurrences={
-            name: features[name].values.numel()
-            for shard in shards
-            for name in shard.table.feature_names
+            name: ids[name].numel() for shard in shards for name in shard.table.feature_names
         },
         max_occurrences=read[world * tables :],
         host_counts=[read[r * tables : (r + 1) * tables] for r in range(world)],
@@ -215,7 +228,7 @@ def exchange_ids(
 
 
 def route(
-    features: Mapping[str, JaggedTensor] | None,
+    ids: Mapping[str, torch.Tensor] | None,
     shards: Sequence[RowShard],
     channel: Channel,
     problem: str | None = None,
@@ -224,15 +237,16 @@ def route(
     """``build_request`` then ``exchange_ids``; with a ``problem``, raises on every rank.
 
     Args:
-        features: this rank's features (ignored, may be ``None``, with a problem or ``final``).
+        ids: this rank's IDs per feature, on ``channel``'s device (ignored, may be ``None``,
+            with a problem or ``final``).
         shards: the tables' shards on this rank.
-        channel: where the collectives run.
+        channel: where the collectives run (on the host: see ``host_ids``).
         problem: this rank's input problem, or ``None``.
         final: nothing to route on this rank (see ``exchange_ids``); ``None`` is returned when
             every rank says so.
     """
-    if problem is None and not final and features is not None:
-        request = build_request(features, shards, channel.device)
+    if problem is None and not final and ids is not None:
+        request = build_request(ids, shards, channel.device)
     else:
         request = empty_request(shards, channel.world_size, channel.device)
     serve = exchange_ids(request, shards, channel, problem, final)

@@ -12,6 +12,9 @@ compute, and three things keep the result exactly that of one stream:
   it: ``record_stream`` on every CUDA tensor of a task's arguments (for the side stream) and of
   its result (for the training stream), whichever thread drops the last reference.
 
+Routing and collision plans are made on the host (IDs only: no GPU wait) and moved to the device
+in one copy per dtype (``to_device``).
+
 ``torch.cuda`` is touched only when the collection's device is a CUDA device.
 """
 
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -42,6 +45,49 @@ def tensors(obj: object) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for value in vars(obj).values():
             yield from tensors(value)
+
+
+_T = TypeVar("_T")
+
+
+def to_device(obj: _T, device: torch.device) -> _T:
+    """``obj`` (host tensors inside dataclasses, mappings, lists and tuples) with its tensors on
+    ``device``: one non-blocking copy per dtype from page-locked memory, so that the host never
+    waits for the device's queued work (a copy from pageable memory would)."""
+    if device.type == "cpu":
+        return obj
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors(obj):
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    moved: dict[int, torch.Tensor] = {}
+    for dtype, group in by_dtype.items():
+        sizes = [t.numel() for t in group]
+        staged = torch.empty(sum(sizes), dtype=dtype, pin_memory=True)
+        torch.cat([t.reshape(-1) for t in group], out=staged)
+        for tensor, copy in zip(
+            group, staged.to(device, non_blocking=True).split(sizes), strict=True
+        ):
+            moved[id(tensor)] = copy.view(tensor.shape)
+    return _replaced(obj, moved)
+
+
+def _replaced(obj: Any, moved: Mapping[int, torch.Tensor]) -> Any:
+    """``obj`` rebuilt with each tensor ``t`` replaced by ``moved[id(t)]`` (as ``tensors``
+    walks it)."""
+    if isinstance(obj, torch.Tensor):
+        return moved[id(obj)]
+    if isinstance(obj, list | tuple):
+        return type(obj)(_replaced(item, moved) for item in obj)
+    if isinstance(obj, Mapping):
+        return {key: _replaced(value, moved) for key, value in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {
+            f.name: _replaced(getattr(obj, f.name), moved)
+            for f in dataclasses.fields(obj)
+            if f.init
+        }
+        return dataclasses.replace(obj, **changes)
+    return obj
 
 
 class StreamOrder:

@@ -249,13 +249,29 @@ def send_gradients(
     Returns:
         Per table, the gradient of each of the part's owner entries, source-major.
     """
+    return exchange(gradients, *_gradient_layout(tables, routes, part), channel)
+
+
+def start_gradients(
+    tables: Sequence[TableShard],
+    routes: Routes,
+    gradients: Sequence[torch.Tensor],
+    channel: Channel,
+    part: Part | None = None,
+) -> PendingExchange:
+    """``send_gradients`` without waiting for it."""
+    return start_exchange(gradients, *_gradient_layout(tables, routes, part), channel)
+
+
+def _gradient_layout(
+    tables: Sequence[TableShard], routes: Routes, part: Part | None
+) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    """A gradient exchange's widths and its send and receive count tables."""
     request, serve = routes.request, routes.serve
     widths = [table.shard.table.embedding_dim for table in tables]
     if part is None:
-        send_counts, recv_counts = request.host_counts, serve.host_counts
-    else:
-        send_counts, recv_counts = part.request_counts, part.serve_counts
-    return exchange(gradients, widths, send_counts, recv_counts, channel)
+        return widths, request.host_counts, serve.host_counts
+    return widths, part.request_counts, part.serve_counts
 
 
 def apply_gradients(
