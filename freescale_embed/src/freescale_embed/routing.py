@@ -15,6 +15,10 @@ Example, 2 ranks, one table of 10 rows (rank 0 owns 0-4, rank 1 owns 5-9)::
     rank 0 looks up [7, 1, 7]  -> unique [1, 7], sends [1] to rank 0 and [7] to rank 1
     rank 1 looks up [7, 8]     -> unique [7, 8], sends [] to rank 0 and [7, 8] to rank 1
     rank 1's entries: [7 (from rank 0), 7, 8 (from rank 1)] -> rows [2, 3], row_inverse [0, 0, 1]
+
+Routing works on the device of the channel it is given. Sync mode routes on the tables' device;
+prioritized mode on the host (``host_ids``), where nothing waits for a GPU busy with dense
+compute, and moves the result to the device afterwards (``streams.to_device``).
 """
 
 from __future__ import annotations
