@@ -215,6 +215,37 @@ def modes_agree_with_pairwise_sums(case: Case) -> dict[str, Any]:
         return modes_agree(case)
 
 
+def modes_agree_with_separate_host_groups(case: Case) -> dict[str, Any]:
+    """``modes_agree`` with IDs and plans on Gloo groups of their own, as when the collection's
+    group is NCCL (which moves no CPU tensors)."""
+
+    def separate(group: dist.ProcessGroup, device: torch.device, timeout: Any) -> Any:
+        ranks = dist.get_process_group_ranks(group)
+        return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+
+    made = []
+    with (
+        mock.patch("freescale_embed.collection.host_group", separate),
+        mock.patch.object(ShardedEmbeddingCollection, "close", _recording_close(made)),
+    ):
+        result = modes_agree(case, check_reference=False)
+    # A prioritized collection made its prefetch group and two host groups, and freed them.
+    assert made == [3], made
+    return result
+
+
+def _recording_close(made: list[int]) -> Any:
+    close = ShardedEmbeddingCollection.close
+
+    def recording_close(self: ShardedEmbeddingCollection) -> None:
+        if self.mode == "prioritized":
+            made.append(len(self._own_groups))
+        close(self)
+        assert not self._own_groups
+
+    return recording_close
+
+
 def runs_repeat(case: Case) -> bool:
     """Two sync runs of the same case give the same bits."""
     _bitwise_equal(train(case, "sync"), train(case, "sync"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,6 +16,7 @@ from freescale_embed import (
     TableConfig,
 )
 from freescale_embed.config import check_tables
+from freescale_embed.prefetch import UpdateLost
 from freescale_embed.transfers import PendingExchange
 from freescale_embed.workload import make_batch
 from tests.embed.ranks import TABLES, Case
@@ -235,6 +238,35 @@ def test_a_failed_collision_update_stops_the_collection(local_groups):
     for messages in local_groups.get(2).run(failed_collision_update):
         assert all("collision gradients of step 1 failed" in m for m in messages)
         assert all("load a checkpoint" in m for m in messages)
+
+
+def lost_deferred_update() -> list[str]:
+    """Every rank fails to apply step 1's gradients outside its collision rows (in step 3's
+    prefetch, on the prefetch thread): the collection must refuse to go on."""
+    emb = ShardedEmbeddingCollection(TABLES, mode="prioritized")
+    batches = _batches(3)
+
+    def failing_apply(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected: out of memory")
+
+    _loss(emb(batches[0], batches[1])).backward()
+    with mock.patch("freescale_embed.prefetch.apply_gradients", failing_apply):
+        out = emb(batches[1], batches[2])
+        with pytest.raises(UpdateLost, match="gradients of step 1 outside its collision rows"):
+            _loss(out).backward()
+    messages = []
+    for call in (lambda: emb(batches[2], final=True), emb.synchronize, emb.close):
+        with pytest.raises(RuntimeError) as error:
+            call()
+        messages.append(str(error.value))
+    assert emb._worker is None and not emb._own_groups  # close freed them anyway
+    return messages
+
+
+def test_a_lost_deferred_update_stops_the_collection(local_groups):
+    for messages in local_groups.get(2).run(lost_deferred_update):
+        assert all("injected: out of memory" in m for m in messages)
+        assert all("tables are incomplete" in m for m in messages)
 
 
 def test_configuration_errors():

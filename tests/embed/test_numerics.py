@@ -92,6 +92,12 @@ def test_guardrail_falls_back_per_step_with_the_same_bits(local_groups):
         assert (lookup == "fallback") == (pct > 50.0)
 
 
+def test_ids_and_plans_on_groups_of_their_own(local_groups):
+    # As when the collection's group is NCCL: host collectives then get Gloo groups of their own.
+    case = ranks.Case(optimizer=RowWiseAdagrad(lr=0.1), collision_rate=0.2)
+    local_groups.get(2).run(ranks.modes_agree_with_separate_host_groups, case, timeout_s=240)
+
+
 def test_two_threads_and_pooling(local_groups):
     case = ranks.Case(
         optimizer=RowWiseAdagrad(lr=0.1), collision_rate=0.2, threads=2, pooling="mean"

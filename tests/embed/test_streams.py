@@ -33,6 +33,9 @@ class _Recording(StreamOrder):
     def collect(self, result: Any, done: Any) -> None:
         self.log.append(("collect", result, done))
 
+    def collect_failed(self) -> None:
+        self.log.append(("collect_failed",))
+
 
 def test_tasks_take_a_ticket_on_submit_and_are_collected_in_order():
     order = _Recording()
@@ -52,6 +55,24 @@ def test_tasks_take_a_ticket_on_submit_and_are_collected_in_order():
         ("collect", 50, "done 2"),
     ]
     assert first.done()
+
+
+def test_a_failed_task_is_ordered_before_the_callers_later_work():
+    # Its table updates queued before it raised must not race the caller's reads.
+    order = _Recording()
+    worker = Worker(timedelta(seconds=10), order)
+
+    def failing() -> None:
+        raise ValueError("bad input")
+
+    failed = worker.submit(failing)
+    later = worker.submit(lambda: 7)
+    with pytest.raises(ValueError, match="bad input"):
+        worker.wait(later)
+    assert worker.wait(later) == 7
+    worker.close()
+    assert [e[0] for e in order.log if e[0].startswith("collect")] == ["collect_failed", "collect"]
+    assert failed.done()
 
 
 @dataclass(frozen=True)

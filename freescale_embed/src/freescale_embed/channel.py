@@ -1,12 +1,14 @@
 """The collectives of one thread on one process group, timed and counted for telemetry.
 
-The training thread and the prefetch thread each own a ``Channel`` on their own process group,
-so their collectives never interleave on one group (which would pair up the wrong calls).
+The training thread and the prefetch thread each own their channels on their own process groups,
+so their collectives never interleave on one group (which would pair up the wrong calls); a
+thread's channels for device and host tensors share one group where its backend moves both.
 
 A channel runs only AllToAll and AllGather, on tensors of one device: the collectives every
 backend has and the ones the ``freescale`` backend runs itself (two ranks sharing a GPU cannot use
 NCCL, which the freescale group delegates everything else to). Rows and gradients travel on the
-tables' device; IDs and plans on the host (``host_group``), so that routing never waits for a GPU.
+tables' device; in prioritized mode IDs and plans travel on the host (``host_group``), so that
+routing and planning never wait for a GPU busy with dense compute.
 """
 
 from __future__ import annotations
@@ -42,12 +44,20 @@ class Measured:
 def host_group(
     group: dist.ProcessGroup, device: torch.device, timeout: timedelta
 ) -> dist.ProcessGroup:
-    """A group of ``group``'s ranks that moves CPU tensors: ``group`` itself unless its backend
-    moves CUDA tensors only (NCCL), then a new Gloo group (collective: every rank calls it)."""
-    if device.type == "cpu" or dist.get_backend(group) != dist.Backend.NCCL:
+    """A group of ``group``'s ranks that moves CPU tensors: ``group`` itself if it has a backend
+    for them, else (NCCL, ``"cuda:nccl"``) a new Gloo group (collective: every rank calls it)."""
+    if device.type == "cpu" or _moves_cpu_tensors(group):
         return group
     ranks = dist.get_process_group_ranks(group)
     return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+
+
+def _moves_cpu_tensors(group: dist.ProcessGroup) -> bool:
+    try:
+        group._get_backend(torch.device("cpu"))
+    except RuntimeError:  # no backend for CPU tensors
+        return False
+    return True
 
 
 class Meter:

@@ -20,6 +20,7 @@ the same bits.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from collections import deque
@@ -42,7 +43,13 @@ from freescale_embed.collisions import (
 from freescale_embed.config import MODES, POOLINGS, Mode, Pooling, TableConfig, check_tables
 from freescale_embed.inputs import EmbeddingInputError, as_batch, batch_problem, same_ids
 from freescale_embed.optim import SGD, Optimizer
-from freescale_embed.prefetch import DeferredGradients, Prepared, finish_gradients, prepare_next
+from freescale_embed.prefetch import (
+    DeferredGradients,
+    Prepared,
+    UpdateLost,
+    finish_gradients,
+    prepare_next,
+)
 from freescale_embed.routing import Routes, host_ids, route
 from freescale_embed.sharding import RowShard
 from freescale_embed.streams import stream_order, to_device
@@ -101,14 +108,16 @@ class ShardedEmbeddingCollection(nn.Module):
     """Embedding tables sharded row-wise over a process group, trained by a fused optimizer.
 
     Every rank constructs the collection at the same point (prioritized mode creates a process
-    group for its prefetch thread, with ``group``'s backend, which is collective over the
+    group for its prefetch thread, with ``group``'s backend, and, when that backend moves no CPU
+    tensors (NCCL), a Gloo group for each thread's host collectives: each collective over the
     default group), and every rank of ``group`` runs ``forward`` and a backward through its
     outputs for every training step.
 
     Tables, optimizer state and batches live on ``device``. On a CUDA device the embedding
     collectives are AllToAlls and AllGathers of CUDA tensors on ``group``'s backend (NCCL or
-    ``freescale``), and prioritized mode's prefetch thread queues its work on a side stream,
-    ordered with the caller's current stream by events.
+    ``freescale``); prioritized mode routes and plans with CPU tensors (IDs only) and its
+    prefetch thread queues its device work on a side stream, ordered with the caller's current
+    stream by events.
 
     Args:
         tables: the tables and the features that read them.
@@ -297,7 +306,7 @@ class ShardedEmbeddingCollection(nn.Module):
         self._submit_deferred()
         if self._worker is not None:
             try:
-                self._worker.drain()
+                self._wait_worker()
             except EmbeddingInputError:
                 if self._awaiting_backward is not None:
                     self._undo(self._awaiting_backward)
@@ -450,7 +459,7 @@ class ShardedEmbeddingCollection(nn.Module):
         )
         if problem is not None and not torch.is_grad_enabled():
             # No backward will follow: the error is raised now (it raises on every rank).
-            self._worker.wait(step.next_future)
+            self._wait_worker(step.next_future)
             raise AssertionError("a flagged preflight returned")
         self._prepared, self._expected_next = None, jagged_next
         step.undo = (prepared, expected, step.record.training_mark())
@@ -525,7 +534,7 @@ class ShardedEmbeddingCollection(nn.Module):
         assert self._worker is not None
         started = time.perf_counter()
         try:
-            return self._worker.wait(step.next_future)
+            return self._wait_worker(step.next_future)
         except EmbeddingInputError:
             self._undo(step)
             raise
@@ -600,6 +609,18 @@ class ShardedEmbeddingCollection(nn.Module):
         if group is not channel.group:
             self._own_groups.append(group)
         return Channel(group, torch.device("cpu"), channel.meter)
+
+    def _wait_worker(self, future: concurrent.futures.Future | None = None) -> Any:
+        """``future``'s result (without one: every task's); a lost deferred update leaves the
+        collection unusable."""
+        assert self._worker is not None
+        try:
+            return self._worker.drain() if future is None else self._worker.wait(future)
+        except UpdateLost as error:
+            self._failed = (
+                f"{error}; the tables are incomplete: build a new collection and load a checkpoint"
+            )
+            raise
 
     def _check_usable(self) -> None:
         if self._failed is not None:

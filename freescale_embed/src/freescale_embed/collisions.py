@@ -103,7 +103,6 @@ def _peer_matrix(
 ) -> torch.Tensor:
     """bool ``[rows, world]``: which ranks sent an entry of each row."""
     matrix = torch.zeros(rows, world, dtype=torch.bool, device=peers.device)
-    # Values made on the device: a host ``True`` would be copied over, waiting for the stream.
     matrix.index_put_((row_inverse, peers), torch.ones_like(peers, dtype=torch.bool))
     return matrix
 
@@ -205,7 +204,7 @@ def plan_collisions(
         ]
     )
 
-    # Two reads from the device for all tables: the nonzeros of both sides' peer matrices,
+    # Two passes for all tables: the nonzeros of both sides' peer matrices,
     # then the segments of received rows with the message sizes.
     destination_masks, sender_masks, owned_at_k, pending_at_k, members_k = [], [], [], [], []
     owned_rows_k = []

@@ -19,8 +19,9 @@ With ``R_t`` the rows of step t over all ranks and ``C_t = R_t ∩ R_t+1`` its c
 That task is submitted at the start of step t+1, so it never competes with step t's
 critical-path collective.
 
-One thread runs these tasks in submission order on its own process group, so they never
-interleave with the training thread's collectives. The two threads never touch the tables at
+One thread runs these tasks in submission order on its own process group (and, for CPU tensors
+where that group's backend moves none, a Gloo group of its own), so they never interleave with
+the training thread's collectives. The two threads never touch the tables at
 the same time: the training thread reads or writes rows only when the prefetch thread has
 nothing left to do (it waits for the prefetch of the next step before applying collision
 updates; a fallback step reads its rows at the start of its forward, before the next task,
@@ -29,7 +30,8 @@ which carries the deferred sync, is submitted).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +87,7 @@ class Prepared:
 
     @property
     def rest(self) -> Part | None:
-        """The part of step t that ``finish_gradients`` syncs (``None``: all of it)."""
+        """The part of step t synced in the background (``None``: all of it)."""
         return None if self.plan is None else self.plan.others
 
     def nbytes(self) -> int:
@@ -123,6 +125,21 @@ class DeferredGradients:
     record: StepTelemetry
 
 
+class UpdateLost(RuntimeError):
+    """Syncing or applying a step's deferred gradients failed: the tables miss that update."""
+
+
+@contextlib.contextmanager
+def _updating(deferred: DeferredGradients) -> Iterator[None]:
+    try:
+        yield
+    except Exception as error:
+        raise UpdateLost(
+            f"syncing the gradients of step {deferred.step} outside its collision rows failed "
+            f"({type(error).__name__}: {error})"
+        ) from error
+
+
 @dataclass(frozen=True)
 class _StartedGradients:
     """``DeferredGradients`` whose AllToAll is under way."""
@@ -131,17 +148,22 @@ class _StartedGradients:
     exchange: PendingExchange
 
     def finish(self, tables: Sequence[TableShard], channel: Channel) -> None:
-        """Waits for the gradients and applies them on their owners."""
+        """Waits for the gradients and applies them on their owners.
+
+        Raises:
+            UpdateLost: if that fails.
+        """
         deferred = self.deferred
-        entry_gradients = self.exchange.wait()
-        apply_gradients(
-            tables,
-            deferred.routes.serve,
-            entry_gradients,
-            deferred.optimizer,
-            deferred.step,
-            deferred.part,
-        )
+        with _updating(deferred):
+            entry_gradients = self.exchange.wait()
+            apply_gradients(
+                tables,
+                deferred.routes.serve,
+                entry_gradients,
+                deferred.optimizer,
+                deferred.step,
+                deferred.part,
+            )
         deferred.record.add_background(channel.meter.take())
 
 
@@ -149,8 +171,10 @@ def _start_gradients(
     tables: Sequence[TableShard], channel: Channel, deferred: DeferredGradients
 ) -> _StartedGradients:
     routes, part = deferred.routes, deferred.part
-    gradients = unique_gradients(routes.request, deferred.occurrence_gradients, part)
-    return _StartedGradients(deferred, start_gradients(tables, routes, gradients, channel, part))
+    with _updating(deferred):
+        gradients = unique_gradients(routes.request, deferred.occurrence_gradients, part)
+        exchange = start_gradients(tables, routes, gradients, channel, part)
+    return _StartedGradients(deferred, exchange)
 
 
 def prepare_next(
@@ -185,6 +209,7 @@ def prepare_next(
     Raises:
         EmbeddingInputError: on every rank, if a rank had a problem or the ranks disagree about
             whether step t is the last.
+        UpdateLost: if ``deferred`` could not be synced or applied (before any other error).
     """
     channel.meter.take()
     # The IDs' copy first: on a GPU busy with dense kernels, every kernel queued in front of it
@@ -250,11 +275,10 @@ def _collisions(
         isin_sorted(rows_n, rows_t)
         for rows_t, rows_n in zip(current.serve.rows, routes.serve.rows, strict=True)
     ]
-    # Summed on the device: one host read for the gathered counts, not one per table.
+    # Summed over the tables first: one gather for all of them.
     collided = torch.zeros((), dtype=torch.int64, device=channel.device)
     for mask in collided_rows:
         collided = collided + mask.sum()
-    # torch.full launches a fill: a tensor made from a host value would wait for the stream.
     local_counts = torch.stack(
         [collided, torch.full_like(collided, sum(r.numel() for r in routes.serve.rows))]
     )
@@ -269,6 +293,10 @@ def _collisions(
 def finish_gradients(
     tables: Sequence[TableShard], channel: Channel, deferred: DeferredGradients
 ) -> None:
-    """Syncs and applies ``deferred`` on its own (when no step t+1 is prepared with it)."""
+    """Syncs and applies ``deferred`` on its own (when no step t+1 is prepared with it).
+
+    Raises:
+        UpdateLost: if that fails.
+    """
     channel.meter.take()
     _start_gradients(tables, channel, deferred).finish(tables, channel)

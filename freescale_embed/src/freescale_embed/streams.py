@@ -104,6 +104,10 @@ class StreamOrder:
     def collect(self, result: Any, done: Any) -> None:
         """Orders the caller's later work after the task that returned ``result``."""
 
+    def collect_failed(self) -> None:
+        """Orders the caller's later work after a task that raised (its work done so far, such
+        as table updates it queued before raising)."""
+
 
 class CudaStreamOrder(StreamOrder):
     """Tasks on one side stream of ``device``, ordered with the caller's current stream by events.
@@ -140,11 +144,21 @@ class CudaStreamOrder(StreamOrder):
         stream.wait_event(done)
         _record(result, stream)
 
+    def collect_failed(self) -> None:
+        # The task has ended: everything it queued is on the side stream already.
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
 
 def _record(obj: object, stream: torch.cuda.Stream) -> None:
+    # Once per allocation: the stream is recorded for the memory block, which views share
+    # (``to_device`` makes many views of one copy).
+    recorded: set[int] = set()
     for tensor in tensors(obj):
         if tensor.is_cuda:
-            tensor.record_stream(stream)
+            block = tensor if tensor._base is None else tensor._base
+            if id(block) not in recorded:
+                recorded.add(id(block))
+                block.record_stream(stream)
 
 
 def stream_order(device: torch.device) -> StreamOrder:

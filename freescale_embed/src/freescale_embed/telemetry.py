@@ -30,7 +30,8 @@ class StepTelemetry:
         exposed_comm_s: seconds the training thread spent in embedding collectives or waiting for
             the prefetch thread, forward and backward of this step together.
         prefetch_wait_s: the part of ``exposed_comm_s`` spent waiting for the prefetch thread.
-        background_comm_s: seconds of this step's collectives on the prefetch thread.
+        background_comm_s: seconds of this step's collectives on the prefetch thread (the
+            deferred gradient sync, started before the next step is planned, from its wait).
         bytes_sent: bytes this rank sent during this step's calls, both threads (prioritized
             mode: the previous backward's collision gradients count in the step whose forward
             waits for them).

@@ -50,6 +50,7 @@ class Worker:
                 # KeyboardInterrupt here leaves a running task queued, to be waited for.)
                 if head.done():
                     self._futures.pop(0)
+                    self._order.collect_failed()
                 raise
             self._futures.pop(0)
             self._order.collect(result, done)
