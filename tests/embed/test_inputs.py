@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from unittest import mock
 
 import pytest
@@ -206,6 +207,18 @@ def test_prioritized_needs_each_backward_before_the_next_forward(local_groups):
     assert "step 1 has not run its backward" in messages[0]
 
 
+def _refusals(emb: ShardedEmbeddingCollection, forward: Callable[[], object]) -> list[str]:
+    """The errors of ``forward``, ``synchronize`` and ``close`` of a collection that must refuse
+    to go on; ``close`` still frees its thread and groups."""
+    messages = []
+    for call in (forward, emb.synchronize, emb.close):
+        with pytest.raises(RuntimeError) as error:
+            call()
+        messages.append(str(error.value))
+    assert emb._worker is None and not emb._own_groups
+    return messages
+
+
 def failed_collision_update() -> list[str]:
     """Every rank's wait for step 1's collision gradients fails (after the data arrived, so
     nobody hangs): the collection must refuse to go on rather than train on stale rows."""
@@ -225,13 +238,7 @@ def failed_collision_update() -> list[str]:
             emb(batches[1], batches[2])
     finally:
         PendingExchange.wait = wait  # type: ignore[method-assign]
-    messages = []
-    for call in (lambda: emb(batches[1], batches[2]), emb.synchronize, emb.close):
-        with pytest.raises(RuntimeError) as error:
-            call()
-        messages.append(str(error.value))
-    assert emb._worker is None and not emb._own_groups  # close freed them anyway
-    return messages
+    return _refusals(emb, lambda: emb(batches[1], batches[2]))
 
 
 def test_a_failed_collision_update_stops_the_collection(local_groups):
@@ -254,13 +261,7 @@ def lost_deferred_update() -> list[str]:
         out = emb(batches[1], batches[2])
         with pytest.raises(UpdateLost, match="gradients of step 1 outside its collision rows"):
             _loss(out).backward()
-    messages = []
-    for call in (lambda: emb(batches[2], final=True), emb.synchronize, emb.close):
-        with pytest.raises(RuntimeError) as error:
-            call()
-        messages.append(str(error.value))
-    assert emb._worker is None and not emb._own_groups  # close freed them anyway
-    return messages
+    return _refusals(emb, lambda: emb(batches[2], final=True))
 
 
 def test_a_lost_deferred_update_stops_the_collection(local_groups):

@@ -594,10 +594,9 @@ class ShardedEmbeddingCollection(nn.Module):
         except BaseException as error:
             # The update cannot be made again (its collective is gone): training on would
             # read rows that miss it.
-            self._failed = (
+            self._fail(
                 f"applying the collision gradients of step {update.step} failed "
-                f"({type(error).__name__}: {error}); the tables are incomplete: build a new "
-                "collection and load a checkpoint"
+                f"({type(error).__name__}: {error})"
             )
             raise
         if record is not None:
@@ -617,10 +616,14 @@ class ShardedEmbeddingCollection(nn.Module):
         try:
             return self._worker.drain() if future is None else self._worker.wait(future)
         except UpdateLost as error:
-            self._failed = (
-                f"{error}; the tables are incomplete: build a new collection and load a checkpoint"
-            )
+            self._fail(str(error))
             raise
+
+    def _fail(self, reason: str) -> None:
+        """Leaves the collection unusable: an update of its tables was lost."""
+        self._failed = (
+            f"{reason}; the tables are incomplete: build a new collection and load a checkpoint"
+        )
 
     def _check_usable(self) -> None:
         if self._failed is not None:

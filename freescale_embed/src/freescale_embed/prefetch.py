@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from freescale_balance import JaggedTensor
-from freescale_embed._ops import indices_and_values, isin_sorted
+from freescale_embed._ops import indices, isin_sorted
 from freescale_embed.channel import Channel
 from freescale_embed.collisions import CollisionPlan, plan_collisions
 from freescale_embed.optim import Optimizer
@@ -262,10 +262,10 @@ def prepare_next(
 
 
 def _collisions(
-    channel: Channel, current: Routes, routes: Routes
+    host_channel: Channel, current: Routes, routes: Routes
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], int, int]:
-    """The owner's masks of ``C_t`` over step t's and step t+1's rows, the indices of both
-    (collided first), and ``|C_t|`` and ``|R_t+1|`` over all ranks."""
+    """The owner's masks of ``C_t`` over step t's and step t+1's rows (host routes), the
+    indices of both (collided first), and ``|C_t|`` and ``|R_t+1|`` over all ranks."""
     # Both sides' rows are sorted and unique.
     collided_rows = [
         isin_sorted(rows_t, rows_n)
@@ -275,18 +275,11 @@ def _collisions(
         isin_sorted(rows_n, rows_t)
         for rows_t, rows_n in zip(current.serve.rows, routes.serve.rows, strict=True)
     ]
-    # Summed over the tables first: one gather for all of them.
-    collided = torch.zeros((), dtype=torch.int64, device=channel.device)
-    for mask in collided_rows:
-        collided = collided + mask.sum()
-    local_counts = torch.stack(
-        [collided, torch.full_like(collided, sum(r.numel() for r in routes.serve.rows))]
+    local_counts = torch.tensor(
+        [sum(int(m.sum()) for m in collided_rows), sum(r.numel() for r in routes.serve.rows)]
     )
-    # One read for the gathered counts and the owner's collision rows (which the plan needs).
-    owner_rows, (totals,) = indices_and_values(
-        [*collided_rows, *pending_rows], [channel.all_gather(local_counts).sum(0)]
-    )
-    collisions, unique_rows = totals
+    collisions, unique_rows = host_channel.all_gather(local_counts).sum(0).tolist()
+    owner_rows = indices([*collided_rows, *pending_rows])
     return collided_rows, pending_rows, owner_rows, collisions, unique_rows
 
 
