@@ -116,6 +116,26 @@ def test_async_shuffles_run_in_order_and_match_sync(local_groups):
     assert local_groups.get(2).run(async_steps, 4) == [True, True]
 
 
+def overlapped_steps(steps: int) -> bool:
+    """The README's loop: step t's synchronous unshuffle while t+1's shuffle is in flight."""
+    rank = dist.get_rank()
+    balancer = Balancer(BalancerConfig(policy="fbs"))
+    batches = [random_batch(rank, 200 + s, 8 + 3 * rank + s % 5) for s in range(steps)]
+    future = balancer.shuffle_async(batches[0])
+    for step in range(steps):
+        moved, plan = future.wait()
+        if step + 1 < steps:
+            future = balancer.shuffle_async(batches[step + 1])
+        assert balancer.unshuffle(moved, plan).equal(batches[step])
+        balancer.report_step_time(plan, 1e-3 * (rank + 1))
+    balancer.close()
+    return True
+
+
+def test_synchronous_calls_run_after_asynchronous_ones_on_every_rank(local_groups):
+    assert local_groups.get(2).run(overlapped_steps, 12) == [True, True]
+
+
 def tune_vbs() -> float:
     rank = dist.get_rank()
     balancer = Balancer(BalancerConfig(policy="vbs"))

@@ -15,8 +15,10 @@ samples were loaded on, in their original order. Samples never leave their globa
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,6 +35,8 @@ from freescale_balance.partition import (
     straggler_fraction,
     vbs_weights,
 )
+
+_T = TypeVar("_T")
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there); 2.11 only has the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -116,6 +120,11 @@ class BalanceFuture:
 
 class Balancer:
     """Balances jagged batches across the ranks of a process group.
+
+    Every collective of a balancer runs on its one thread, in the order the calls were made,
+    whichever thread makes them and whether they are asynchronous or not: a synchronous
+    ``unshuffle`` of step t issued while step t+1's ``shuffle_async`` is in flight runs after it
+    on every rank, so the ranks' collectives always pair.
 
     Args:
         config: policy, cost model and timeouts.
@@ -210,6 +219,9 @@ class Balancer:
 
     def plan(self, batch: JaggedBatch) -> ShufflePlan:
         """Preflight, stages I+II and the partition: where every sample goes (no samples move)."""
+        return self._in_order(self._plan, batch)
+
+    def _plan(self, batch: JaggedBatch) -> ShufflePlan:
         problem = self._local_problem(batch)
         local_counts = self._preflight(problem, batch.schema_digest(), batch.batch_size)
         local = self._sequence_lengths(batch)
@@ -243,7 +255,10 @@ class Balancer:
         Returns:
             The samples this rank computes (in global-batch order) and the plan to undo it.
         """
-        plan = self.plan(batch)
+        return self._in_order(self._shuffle, batch)
+
+    def _shuffle(self, batch: JaggedBatch) -> tuple[JaggedBatch, ShufflePlan]:
+        plan = self._plan(batch)
         return exchange_samples(batch, plan.destinations, plan.recv_counts, self.group), plan
 
     def unshuffle(
@@ -255,6 +270,11 @@ class Balancer:
             outputs: one row (tensor) or one sample (batch) per sample this rank received.
             plan: the plan ``shuffle`` returned for that batch.
         """
+        return self._in_order(self._unshuffle, outputs, plan)
+
+    def _unshuffle(
+        self, outputs: JaggedBatch | torch.Tensor, plan: ShufflePlan
+    ) -> JaggedBatch | torch.Tensor:
         batch = outputs if isinstance(outputs, JaggedBatch) else JaggedBatch(dense={"": outputs})
         expected = int(plan.recv_counts.sum())
         problem = None
@@ -278,14 +298,14 @@ class Balancer:
 
         Steps run in submission order; ``wait()`` gives ``(batch, plan)``.
         """
-        return BalanceFuture(self._executor.submit(self.shuffle, batch), self.config.timeout)
+        return BalanceFuture(self._executor.submit(self._shuffle, batch), self.config.timeout)
 
     def unshuffle_async(
         self, outputs: JaggedBatch | torch.Tensor, plan: ShufflePlan
     ) -> BalanceFuture:
         """``unshuffle`` on the balancer's thread, after every step submitted before it."""
         return BalanceFuture(
-            self._executor.submit(self.unshuffle, outputs, plan), self.config.timeout
+            self._executor.submit(self._unshuffle, outputs, plan), self.config.timeout
         )
 
     def report_step_time(self, plan: ShufflePlan, seconds: float) -> float:
@@ -294,9 +314,16 @@ class Balancer:
         Returns:
             The exponent the next ``vbs`` plan uses.
         """
+        return self._in_order(self._report_step_time, plan, seconds)
+
+    def _report_step_time(self, plan: ShufflePlan, seconds: float) -> float:
         times = self._all_gather(torch.tensor([seconds], dtype=torch.float64)).flatten()
         groups = [plan.sequence_lengths[plan.partition.ranks == r] for r in range(self.world_size)]
         return self.tuner.update(groups, times)
+
+    def _in_order(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Runs ``fn`` on the balancer's thread after every call submitted before it."""
+        return BalanceFuture(self._executor.submit(fn, *args), self.config.timeout).wait()
 
     def close(self) -> None:
         """Finishes pending steps and stops the balancer's thread."""
