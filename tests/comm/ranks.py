@@ -369,6 +369,36 @@ def bad_inputs() -> list[str]:
     return messages
 
 
+def new_user_mistakes() -> list[str]:
+    """A meta tensor on one rank and a negative split: the same validation error on every rank
+    at once (no rank left waiting for the timeout), and the group still works afterwards."""
+    from freescale_comm import FreescaleValidationError
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    messages = []
+    meta = torch.device("meta") if rank == 0 else torch.device("cpu")
+    calls = [
+        lambda: dist.all_to_all_single(torch.empty(n, device=meta), torch.ones(n, device=meta)),
+        lambda: dist.all_gather_into_tensor(torch.empty(n, device=meta),
+                                            torch.ones(1, device=meta)),
+        lambda: dist.all_gather([torch.empty(1) for _ in range(n)], torch.ones(1, device=meta)),
+        lambda: dist.all_to_all_single(torch.empty(n), torch.ones(n), [1] * n,
+                                       [n + 1, -1] + [0] * (n - 2)),
+    ]
+    for call in calls:
+        start = time.monotonic()
+        try:
+            call()
+        except FreescaleValidationError as err:
+            messages.append(f"{time.monotonic() - start:.3f} {err}")
+            continue
+        raise AssertionError("a bad call was accepted")
+    out = torch.empty(n)
+    dist.all_gather_into_tensor(out, torch.tensor([float(rank)]))
+    _same(out, torch.arange(n, dtype=torch.float32), "after the mistakes")
+    return messages
+
+
 def die_during_collective(victim: int, delay_s: float) -> float:
     """The victim exits mid-way; the survivors' collective must raise (they re-raise it)."""
     rank, n = dist.get_rank(), dist.get_world_size()

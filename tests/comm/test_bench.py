@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from freescale_comm.bench import BenchConfig
 from freescale_comm.cli import main
 
@@ -25,3 +27,11 @@ def test_small_sweep_is_correct_and_reported(tmp_path, capsys):
         ("all_gather", 4096), ("all_gather", 16384), ("all_to_all", 4096), ("all_to_all", 16384)]
     assert all(r["correct"] for r in report["rows"])
     assert "fs/gloo" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value", ["0", "1", "2,0", "x", ""])
+def test_bad_world_sizes_are_refused(value, capsys):
+    with pytest.raises(SystemExit) as refused:
+        main(["bench", "--world-sizes", value])
+    assert refused.value.code == 2
+    assert "--world-sizes" in capsys.readouterr().err

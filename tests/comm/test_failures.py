@@ -29,6 +29,18 @@ def test_bad_inputs_fail_on_every_rank_before_data_moves(fs_group):
     assert "split into tensors of other sizes than it expects" in first[6]
 
 
+def test_meta_tensor_and_negative_split_fail_on_every_rank_at_once(fs_group):
+    per_rank = fs_group.run(ranks.new_user_mistakes, timeout_s=30)
+    for messages in per_rank:
+        assert len(messages) == 4
+        # At once: well inside the group timeout (60 s), not after it.
+        assert all(float(m.split(" ", 1)[0]) < 5 for m in messages), messages
+        for m in messages[:2]:
+            assert "rank 0: " in m and "got a tensor on meta" in m, m
+        assert "rank 0: all_gather mixes devices meta and cpu" in messages[2]
+        assert "contain a negative size" in messages[3] and "add up" not in messages[3]
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_killed_peer_makes_every_survivor_raise(world_size):
     group = LocalGroup(world_size, backend="freescale", setup=SETUP, init_timeout_s=20,

@@ -84,7 +84,9 @@ class Plan:
 
     @property
     def on_cuda(self) -> bool:
-        return self.signature.device != "cpu"
+        # Not "not cpu": a plan that refused another device (meta, ...) is judged like a CPU
+        # one, so that its error reaches every rank through the headers.
+        return self.signature.device in ("cuda", "cuda-staged")
 
     @property
     def cuda_index(self) -> int:
@@ -240,7 +242,9 @@ def all_to_all_single(
             given = [rows // world_size] * world_size
         elif len(given) != world_size:
             b.fail(f"got {len(given)} {name} split sizes for a group of {world_size} ranks")
-        elif min(given) < 0 or sum(given) != rows:
+        elif min(given) < 0:
+            b.fail(f"{name} split sizes {given} contain a negative size")
+        elif sum(given) != rows:
             b.fail(f"{name} split sizes {given} do not add up to {name}.size(0)={rows}")
         splits.append(given if len(given) == world_size else [0] * world_size)
     in_row = input.element_size() * math.prod(input.shape[1:])

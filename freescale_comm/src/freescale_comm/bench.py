@@ -69,6 +69,14 @@ class BenchConfig:
     env: dict[str, str] = field(default_factory=dict)
     device: str = "cpu"
 
+    def __post_init__(self) -> None:
+        if self.world_size < 2:
+            raise ValueError(f"world_size must be at least 2, got {self.world_size}")
+        if self.min_bytes <= 0 or self.max_bytes < self.min_bytes or self.factor < 2:
+            raise ValueError("need 0 < min_bytes <= max_bytes and factor >= 2")
+        if self.blocks < 1 or self.warmup < 1 or self.target_s <= 0:
+            raise ValueError("blocks and warmup must be >= 1 and target_s > 0")
+
     def sizes(self) -> list[int]:
         """The sweep, ``min_bytes`` to ``max_bytes`` by ``factor``."""
         sizes, size = [], self.min_bytes
@@ -226,7 +234,7 @@ def run_bench(config: BenchConfig, timeout_s: float = 1800) -> dict[str, Any]:
     for proc in procs:
         proc.start()
     try:
-        kind, payload = queue.get(timeout=timeout_s)
+        kind, payload = _first_report(queue, procs, timeout_s)
     finally:
         for proc in procs:
             proc.join(30)
@@ -249,6 +257,25 @@ def run_bench(config: BenchConfig, timeout_s: float = 1800) -> dict[str, Any]:
                  "gpus": gpus},
         "rows": payload,
     }
+
+
+def _first_report(queue: Any, procs: list[Any], timeout_s: float) -> tuple[str, Any]:
+    """The first (kind, payload) a rank reports; ("error", why) once every rank has exited
+    without reporting, or when ``timeout_s`` has passed."""
+    import queue as queues
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=1.0)
+        except queues.Empty:
+            if not any(proc.is_alive() for proc in procs):
+                try:
+                    return queue.get(timeout=1.0)  # a report sent just before the exit
+                except queues.Empty:
+                    codes = [proc.exitcode for proc in procs]
+                    return "error", f"every rank exited without a report (exit codes {codes})"
+    return "error", f"no report within {timeout_s:g} s"
 
 
 def format_table(report: dict[str, Any]) -> str:

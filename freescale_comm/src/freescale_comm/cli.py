@@ -17,6 +17,26 @@ def _size(text: str) -> int:
     return int(text)
 
 
+def _world_sizes(text: str) -> list[int]:
+    """``--world-sizes``: comma-separated rank counts, each at least 2."""
+    try:
+        sizes = [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers") from None
+    if not sizes or min(sizes) < 2:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: every world size must be at least 2 (a collective needs two ranks)")
+    return sizes
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="freescale comm")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -27,13 +47,14 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                        help="cuda: freescale's direct and staged paths, NCCL where every rank "
                        "has a GPU of its own")
-    bench.add_argument("--world-sizes", default="2", help="comma-separated, e.g. 2,4")
+    bench.add_argument("--world-sizes", type=_world_sizes, default="2",
+                       help="comma-separated, each >= 2, e.g. 2,4")
     bench.add_argument("--min-bytes", type=_size, default="4K")
     bench.add_argument("--max-bytes", type=_size, default="64M", help="up to 1G")
-    bench.add_argument("--factor", type=int, default=2)
+    bench.add_argument("--factor", type=_positive, default=2)
     bench.add_argument("--ops", default="all_gather,all_to_all")
-    bench.add_argument("--warmup", type=int, default=5, help="untimed calls per size")
-    bench.add_argument("--blocks", type=int, default=10,
+    bench.add_argument("--warmup", type=_positive, default=5, help="untimed calls per size")
+    bench.add_argument("--blocks", type=_positive, default=10,
                        help="timed blocks per backend and size (median reported)")
     bench.add_argument("--target-s", type=float, default=0.05,
                        help="time one block of calls aims at")
@@ -54,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_bytes > 1 << 30:
         raise SystemExit("--max-bytes is limited to 1G")
     reports = []
-    for world_size in (int(w) for w in args.world_sizes.split(",") if w):
+    for world_size in args.world_sizes:
         config = BenchConfig(
             world_size=world_size,
             min_bytes=args.min_bytes,
