@@ -122,8 +122,12 @@ def _correctness(groups: dict[str, Any]) -> dict[str, Any]:
     rows = []
     for path in ("direct", "staged"):
         group = groups[path]
-        for dtype, scale in ((torch.float32, 1), (torch.bfloat16, 1), (torch.int64, 1),
-                             (torch.float32, 400_000)):  # the last: 4.6-19 MB, many chunks
+        for dtype, scale in (
+            (torch.float32, 1),
+            (torch.bfloat16, 1),
+            (torch.int64, 1),
+            (torch.float32, 400_000),
+        ):  # the last: 4.6-19 MB, many chunks
             checks = {}
             mine = _piece(rank, rank, 5 * scale, dtype, dev)
             want = torch.cat([_piece(r, r, 5 * scale, dtype, dev) for r in range(n)])
@@ -135,22 +139,31 @@ def _correctness(groups: dict[str, Any]) -> dict[str, Any]:
             checks["all_gather"] = torch.equal(torch.cat(outs), want)
             splits = [[((i + 2 * j) % 4) * scale for j in range(n)] for i in range(n)]
             send = torch.cat([_piece(rank, j, splits[rank][j], dtype, dev) for j in range(n)])
-            recv = torch.full((sum(splits[j][rank] for j in range(n)), 3), -1, dtype=dtype,
-                              device=dev)
-            dist.all_to_all_single(recv, send, [splits[j][rank] for j in range(n)],
-                                   splits[rank], group=group)
+            recv = torch.full(
+                (sum(splits[j][rank] for j in range(n)), 3), -1, dtype=dtype, device=dev
+            )
+            dist.all_to_all_single(
+                recv, send, [splits[j][rank] for j in range(n)], splits[rank], group=group
+            )
             expected = torch.cat([_piece(j, rank, splits[j][rank], dtype, dev) for j in range(n)])
             checks["all_to_all_single_uneven"] = torch.equal(recv, expected)
             ins = [_piece(rank, j, splits[rank][j], dtype, dev) for j in range(n)]
             outs = [torch.empty((splits[j][rank], 3), dtype=dtype, device=dev) for j in range(n)]
             dist.all_to_all(outs, ins, group=group)
             checks["all_to_all"] = all(
-                torch.equal(outs[j], _piece(j, rank, splits[j][rank], dtype, dev))
-                for j in range(n))
+                torch.equal(outs[j], _piece(j, rank, splits[j][rank], dtype, dev)) for j in range(n)
+            )
             ok = torch.tensor([float(all(checks.values()))])
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=groups["gloo"])
-            rows.append({"path": path, "dtype": str(dtype), "bytes_per_rank": out.nbytes,
-                         "checks": checks, "all_ranks_ok": bool(ok.item())})
+            rows.append(
+                {
+                    "path": path,
+                    "dtype": str(dtype),
+                    "bytes_per_rank": out.nbytes,
+                    "checks": checks,
+                    "all_ranks_ok": bool(ok.item()),
+                }
+            )
     return {"cases": rows, "stream_semantics": _stream_semantics(groups)}
 
 
@@ -169,8 +182,12 @@ def _stream_semantics(groups: dict[str, Any]) -> list[dict[str, Any]]:
     for path in ("direct", "staged"):
         group = groups[path]
         source = torch.arange(numel, device=dev, dtype=torch.float32) + rank * numel
-        want = torch.cat([(torch.arange(numel, device=dev, dtype=torch.float32) + r * numel)
-                          .view(n, -1)[rank] for r in range(n)])
+        want = torch.cat(
+            [
+                (torch.arange(numel, device=dev, dtype=torch.float32) + r * numel).view(n, -1)[rank]
+                for r in range(n)
+            ]
+        )
         x = torch.zeros(numel, device=dev)
         out = torch.full((numel,), -1.0, device=dev)
         for async_op in (False, True):
@@ -189,12 +206,20 @@ def _stream_semantics(groups: dict[str, Any]) -> list[dict[str, Any]]:
             x.zero_()  # the caller reuses the input at once (after wait, as with NCCL)
             torch.cuda.synchronize()
             total = time.perf_counter() - start
-            results.append({"path": path, "async_op": async_op, "correct": bool(
-                torch.equal(got, want)), "call_ms": 1e3 * returned, "done_ms": 1e3 * total})
+            results.append(
+                {
+                    "path": path,
+                    "async_op": async_op,
+                    "correct": bool(torch.equal(got, want)),
+                    "call_ms": 1e3 * returned,
+                    "done_ms": 1e3 * total,
+                }
+            )
         # A mismatch raises at the call, on every rank.
         try:
-            dist.all_to_all_single(torch.empty(n * (2 + rank), device=dev),
-                                   torch.empty(n * 2, device=dev), group=group)
+            dist.all_to_all_single(
+                torch.empty(n * (2 + rank), device=dev), torch.empty(n * 2, device=dev), group=group
+            )
             raised = "nothing"
         except FreescaleValidationError as err:
             raised = f"FreescaleValidationError: {str(err)[:120]}"
@@ -233,8 +258,12 @@ def _kernels(groups: dict[str, Any]) -> dict[str, Any]:
                 continue
             (other if evt.name.startswith(("Memcpy", "Memset")) else kernels).append(evt.name)
         if rank == 0:
-            result[path] = {"kernels": len(kernels), "kernel_names": sorted(set(kernels))[:8],
-                            "memcpys": len(other), "memcpy_kinds": sorted(set(other))[:8]}
+            result[path] = {
+                "kernels": len(kernels),
+                "kernel_names": sorted(set(kernels))[:8],
+                "memcpys": len(other),
+                "memcpy_kinds": sorted(set(other))[:8],
+            }
     return result
 
 
@@ -273,8 +302,13 @@ def _staged_rates(groups: dict[str, Any], sizes: list[int]) -> list[dict[str, An
 
         # Interleaved repeats: the host exchange's rate drifts by +-15% over seconds on that
         # machine, so the staged collective and its stages are timed alternately.
-        runs = {"d2h": d2h, "host_exchange": host, "h2d": h2d,
-                "staged": collective("staged"), "direct": collective("direct")}
+        runs = {
+            "d2h": d2h,
+            "host_exchange": host,
+            "h2d": h2d,
+            "staged": collective("staged"),
+            "direct": collective("direct"),
+        }
         times: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(STAGED_REPEATS):
             for name, fn in runs.items():
@@ -282,16 +316,22 @@ def _staged_rates(groups: dict[str, Any], sizes: list[int]) -> list[dict[str, An
         median = {name: statistics.median(v) for name, v in times.items()}
         stages = {name: median[name] for name in ("d2h", "host_exchange", "h2d")}
         staged, direct = median["staged"], median["direct"]
-        row = {"size": size, "bytes_over_pcie_each_way": peers * 4,
-               "stage_ms": {k: 1e3 * v for k, v in stages.items()},
-               "staged_ms": 1e3 * staged, "direct_ms": 1e3 * direct,
-               "staged_vs_slowest_stage": max(stages.values()) / staged,
-               "staged_algbw_gbps": size / staged / 1e9,
-               "direct_algbw_gbps": size / direct / 1e9}
+        row = {
+            "size": size,
+            "bytes_over_pcie_each_way": peers * 4,
+            "stage_ms": {k: 1e3 * v for k, v in stages.items()},
+            "staged_ms": 1e3 * staged,
+            "direct_ms": 1e3 * direct,
+            "staged_vs_slowest_stage": max(stages.values()) / staged,
+            "staged_algbw_gbps": size / staged / 1e9,
+            "direct_algbw_gbps": size / direct / 1e9,
+        }
         if "nccl" in groups:
             row["nccl_ms"] = 1e3 * _timed(
                 lambda d_out=d_out, d=d: dist.all_to_all_single(d_out, d, group=groups["nccl"]),
-                5, gloo)
+                5,
+                gloo,
+            )
         rows.append(row)
     return rows
 
@@ -310,8 +350,7 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
     comm = torch.cuda.Stream()
     side = torch.cuda.Stream()
 
-    def matmul_window(slices: list[tuple[Any, Any]] | None = None,
-                      copy: Any = None) -> list[Any]:
+    def matmul_window(slices: list[tuple[Any, Any]] | None = None, copy: Any = None) -> list[Any]:
         """Queues MATMULS matmuls between timing events (rank 0; rank 1 runs none), with one
         slice of side traffic (``copy(*slices[i])`` on the side stream) beside each."""
         if rank != 0:
@@ -353,13 +392,21 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
         x = torch.randn(numel, device=dev)
         y = torch.empty_like(x)
         ops = {
-            "staged_all_to_all": (groups["staged"], lambda g, x=x, y=y: dist.all_to_all_single(
-                y, x, group=g, async_op=True)),
+            "staged_all_to_all": (
+                groups["staged"],
+                lambda g, x=x, y=y: dist.all_to_all_single(y, x, group=g, async_op=True),
+            ),
             # Same-GPU direct transfers are DtoD copies (HBM traffic): reported per byte.
-            "direct_all_to_all": (groups["direct"], lambda g, x=x, y=y: dist.all_to_all_single(
-                y, x, group=g, async_op=True)),
-            "staged_all_gather": (groups["staged"], lambda g, x=x[: numel // n], y=y:
-                                  dist.all_gather_into_tensor(y, x, group=g, async_op=True)),
+            "direct_all_to_all": (
+                groups["direct"],
+                lambda g, x=x, y=y: dist.all_to_all_single(y, x, group=g, async_op=True),
+            ),
+            "staged_all_gather": (
+                groups["staged"],
+                lambda g, x=x[: numel // n], y=y: dist.all_gather_into_tensor(
+                    y, x, group=g, async_op=True
+                ),
+            ),
         }
         if "nccl" in groups:
             ops["nccl_all_to_all"] = (groups["nccl"], ops["staged_all_to_all"][1])
@@ -372,15 +419,19 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
         per_slice = sm_bytes // 4 // MATMULS
         src = torch.randn(per_slice * MATMULS, device=dev)
         dst = torch.empty_like(src)
-        slices = [(dst[i * per_slice:(i + 1) * per_slice], src[i * per_slice:(i + 1) * per_slice])
-                  for i in range(MATMULS)]
+        slices = [
+            (dst[i * per_slice : (i + 1) * per_slice], src[i * per_slice : (i + 1) * per_slice])
+            for i in range(MATMULS)
+        ]
         _sm_copy(*slices[0])  # compiled here, not inside a timed window
         # What the staged AllToAll moves over PCIe in a window, each way, as paced slices.
         per_pcie = counts["staged_all_to_all"] * size // 2 // 4 // MATMULS
         host = torch.empty(per_pcie * MATMULS, pin_memory=True)
         dev_buf = torch.randn(per_pcie * MATMULS, device=dev)
-        pcie_slices = [(host[i * per_pcie:(i + 1) * per_pcie],
-                        dev_buf[i * per_pcie:(i + 1) * per_pcie]) for i in range(MATMULS)]
+        pcie_slices = [
+            (host[i * per_pcie : (i + 1) * per_pcie], dev_buf[i * per_pcie : (i + 1) * per_pcie])
+            for i in range(MATMULS)
+        ]
         # "control" runs nothing beside the matmuls, like "alone": its figure is the method's
         # own noise. Every other window sits between two "alone" windows and is compared with
         # their mean (GPU clocks drift by several percent over seconds under a matmul load, so
@@ -390,8 +441,14 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
         alone_ms: list[float] = []
         comm_ms: dict[str, list[float]] = {m: [] for m in ops}
 
-        def window(mode: str, ops: Any = ops, counts: Any = counts, comm_ms: Any = comm_ms,
-                   slices: Any = slices, pcie_slices: Any = pcie_slices) -> float:
+        def window(
+            mode: str,
+            ops: Any = ops,
+            counts: Any = counts,
+            comm_ms: Any = comm_ms,
+            slices: Any = slices,
+            pcie_slices: Any = pcie_slices,
+        ) -> float:
             torch.cuda.synchronize()
             dist.barrier(group=gloo)
             if mode == "sm_copy":
@@ -404,8 +461,10 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
                 peer_traffic(pcie_slices, window_s)
             if mode in ops:
                 group, call = ops[mode]
-                begin, end = (torch.cuda.Event(enable_timing=True),
-                              torch.cuda.Event(enable_timing=True))
+                begin, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
                 with torch.cuda.stream(comm):
                     begin.record()
                     for _ in range(counts[mode]):
@@ -430,25 +489,31 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
                     ratios[mode].append(during / ((before + after) / 2))
                 before = after
         if rank == 0:
-            rows.append({
-                "size": size,
-                "collectives_per_window": counts,
-                "window_ms": 1e3 * window_s,
-                "rounds": rounds,
-                "matmuls_per_window": MATMULS,
-                "matmul_alone_ms_median": statistics.median(alone_ms),
-                "matmul_alone_ms_range": [min(alone_ms), max(alone_ms)],
-                "slowdown_pct": {m: 100 * (statistics.median(v) - 1) for m, v in ratios.items()},
-                "slowdown_pct_range": {m: [100 * (min(v) - 1), 100 * (max(v) - 1)]
-                                       for m, v in ratios.items()},
-                "collectives_ms_median": {m: statistics.median(v) for m, v in comm_ms.items()},
-                "sm_copy_bytes_per_window": sm_bytes,
-                "pcie_bytes_per_window_each_way": per_pcie * 4 * MATMULS,
-                "collective_gbps": {m: counts[m] * size / statistics.median(v) / 1e6
-                                    for m, v in comm_ms.items()},
-                # Bytes each collective mode moved per millisecond of the matmul window.
-                "gb_per_window": {m: counts[m] * size / 1e9 for m in ops},
-            })
+            rows.append(
+                {
+                    "size": size,
+                    "collectives_per_window": counts,
+                    "window_ms": 1e3 * window_s,
+                    "rounds": rounds,
+                    "matmuls_per_window": MATMULS,
+                    "matmul_alone_ms_median": statistics.median(alone_ms),
+                    "matmul_alone_ms_range": [min(alone_ms), max(alone_ms)],
+                    "slowdown_pct": {
+                        m: 100 * (statistics.median(v) - 1) for m, v in ratios.items()
+                    },
+                    "slowdown_pct_range": {
+                        m: [100 * (min(v) - 1), 100 * (max(v) - 1)] for m, v in ratios.items()
+                    },
+                    "collectives_ms_median": {m: statistics.median(v) for m, v in comm_ms.items()},
+                    "sm_copy_bytes_per_window": sm_bytes,
+                    "pcie_bytes_per_window_each_way": per_pcie * 4 * MATMULS,
+                    "collective_gbps": {
+                        m: counts[m] * size / statistics.median(v) / 1e6 for m, v in comm_ms.items()
+                    },
+                    # Bytes each collective mode moved per millisecond of the matmul window.
+                    "gb_per_window": {m: counts[m] * size / 1e9 for m in ops},
+                }
+            )
     return rows
 
 
@@ -468,11 +533,18 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, queue: Any) -> No
     freescale_comm.register()
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     timeout = timedelta(seconds=60)
-    dist.init_process_group("freescale", store=store, rank=rank, world_size=2, timeout=timeout,
-                            pg_options=FreescaleOptions(cuda_path="direct"))
+    dist.init_process_group(
+        "freescale",
+        store=store,
+        rank=rank,
+        world_size=2,
+        timeout=timeout,
+        pg_options=FreescaleOptions(cuda_path="direct"),
+    )
     groups: dict[str, Any] = {"direct": None}
-    groups["staged"] = dist.new_group(backend="freescale", timeout=timeout,
-                                      pg_options=FreescaleOptions(cuda_path="staged"))
+    groups["staged"] = dist.new_group(
+        backend="freescale", timeout=timeout, pg_options=FreescaleOptions(cuda_path="staged")
+    )
     groups["gloo"] = dist.new_group(backend="gloo", timeout=timeout)
     if torch.cuda.device_count() > 1:  # NCCL refuses two ranks on one GPU
         groups["nccl"] = dist.new_group(backend="nccl", timeout=timeout)
@@ -491,8 +563,10 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, queue: Any) -> No
             try:
                 report[name] = fn()
             except Exception as err:  # report and go on: one broken part must not hide the rest
-                report[name] = {"error": f"{type(err).__name__}: {err}",
-                                "trace": traceback.format_exc()[-2000:]}
+                report[name] = {
+                    "error": f"{type(err).__name__}: {err}",
+                    "trace": traceback.format_exc()[-2000:],
+                }
             report[f"{name}_s"] = round(time.perf_counter() - t0, 1)
             print(f"rank {rank}: {name} done in {report[f'{name}_s']} s", flush=True)
             if rank == 0:
@@ -505,15 +579,19 @@ def _table(report: dict[str, Any]) -> str:
     lines = ["== freescale_comm on GPU =="]
     info = report["info"]
     ranks = report.get("ranks", {})
-    lines.append(f"torch {info['torch']}  UCX {info['ucx']}  NCCL {info['nccl']}  transports "
-                 f"{','.join(info['ucx_transports'])}  GPUs used {ranks.get('gpus_used')}")
+    lines.append(
+        f"torch {info['torch']}  UCX {info['ucx']}  NCCL {info['nccl']}  transports "
+        f"{','.join(info['ucx_transports'])}  GPUs used {ranks.get('gpus_used')}"
+    )
     corr = ranks.get("correctness")
     if isinstance(corr, dict) and "cases" in corr:
         for row in corr["cases"]:
             bad = [k for k, v in row["checks"].items() if not v]
-            lines.append(f"correct {row['path']:<7} {row['dtype']:<15} "
-                         f"{row['bytes_per_rank']:>9} B "
-                         f"{'OK' if row['all_ranks_ok'] else 'FAIL ' + ','.join(bad)}")
+            lines.append(
+                f"correct {row['path']:<7} {row['dtype']:<15} "
+                f"{row['bytes_per_rank']:>9} B "
+                f"{'OK' if row['all_ranks_ok'] else 'FAIL ' + ','.join(bad)}"
+            )
         for row in corr["stream_semantics"]:
             lines.append(f"stream  {row}")
     else:
@@ -521,8 +599,10 @@ def _table(report: dict[str, Any]) -> str:
     kern = ranks.get("kernels")
     if isinstance(kern, dict) and "error" not in kern:
         for path, row in kern.items():
-            lines.append(f"profiler {path:<18} kernels={row['kernels']} memcpys={row['memcpys']} "
-                         f"{row['kernel_names']} {row['memcpy_kinds']}")
+            lines.append(
+                f"profiler {path:<18} kernels={row['kernels']} memcpys={row['memcpys']} "
+                f"{row['kernel_names']} {row['memcpy_kinds']}"
+            )
     else:
         lines.append(f"kernels: {kern}")
     rates = ranks.get("staged_rates")
@@ -534,7 +614,8 @@ def _table(report: dict[str, Any]) -> str:
                 f"{st['host_exchange']:.2f} ms, h2d {st['h2d']:.2f} ms -> staged "
                 f"{row['staged_ms']:.2f} ms = {100 * row['staged_vs_slowest_stage']:.0f}% of the "
                 f"slowest stage's rate; direct {row['direct_ms']:.2f} ms"
-                + (f"; nccl {row['nccl_ms']:.2f} ms" if "nccl_ms" in row else ""))
+                + (f"; nccl {row['nccl_ms']:.2f} ms" if "nccl_ms" in row else "")
+            )
     else:
         lines.append(f"staged rates: {rates}")
     over = ranks.get("overlap")
@@ -542,11 +623,13 @@ def _table(report: dict[str, Any]) -> str:
         for row in over:
             slow = ", ".join(f"{m} {v:+.2f}%" for m, v in row["slowdown_pct"].items())
             gbps = ", ".join(f"{m} {v:.1f}" for m, v in row["collective_gbps"].items())
-            lines.append(f"overlap {row['size'] // MIB:>4} MiB: matmul alone "
-                         f"{row['matmul_alone_ms_median']:.3f} ms "
-                         f"({row['rounds']} rounds x {row['matmuls_per_window']}); "
-                         f"slowdown {slow}; collectives GB/s {gbps}; per window "
-                         f"{row['collectives_per_window']}")
+            lines.append(
+                f"overlap {row['size'] // MIB:>4} MiB: matmul alone "
+                f"{row['matmul_alone_ms_median']:.3f} ms "
+                f"({row['rounds']} rounds x {row['matmuls_per_window']}); "
+                f"slowdown {slow}; collectives GB/s {gbps}; per window "
+                f"{row['collectives_per_window']}"
+            )
     else:
         lines.append(f"overlap: {over}")
     return "\n".join(lines)
@@ -567,22 +650,35 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for k, row in enumerate(rows):
         low = [row["slowdown_pct"][m] - row["slowdown_pct_range"][m][0] for m in modes]
         high = [row["slowdown_pct_range"][m][1] - row["slowdown_pct"][m] for m in modes]
-        left.bar([i + k * width for i in range(len(modes))],
-                 [row["slowdown_pct"][m] for m in modes], width, yerr=[low, high], capsize=2,
-                 label=f"{row['size'] // MIB} MiB collectives")
+        left.bar(
+            [i + k * width for i in range(len(modes))],
+            [row["slowdown_pct"][m] for m in modes],
+            width,
+            yerr=[low, high],
+            capsize=2,
+            label=f"{row['size'] // MIB} MiB collectives",
+        )
     left.axhline(2, color="gray", linestyle="--", linewidth=0.8)
-    left.set_xticks([i + width * (len(rows) - 1) / 2 for i in range(len(modes))], modes,
-                    rotation=30, ha="right")
+    left.set_xticks(
+        [i + width * (len(rows) - 1) / 2 for i in range(len(modes))], modes, rotation=30, ha="right"
+    )
     left.set_ylabel("matmul slowdown %, median (bars: range)")
     left.set_title("Overlap inside one process (H200)")
     left.legend()
     rates = ranks.get("staged_rates") or []
     labels = ["d2h", "host_exchange", "h2d", "staged", "direct"]
     for k, row in enumerate(rates):
-        values = [*(row["stage_ms"][name] for name in labels[:3]), row["staged_ms"],
-                  row["direct_ms"]]
-        right.bar([i + k * 0.4 for i in range(len(labels))], values, 0.4,
-                  label=f"{row['size'] // MIB} MiB AllToAll")
+        values = [
+            *(row["stage_ms"][name] for name in labels[:3]),
+            row["staged_ms"],
+            row["direct_ms"],
+        ]
+        right.bar(
+            [i + k * 0.4 for i in range(len(labels))],
+            values,
+            0.4,
+            label=f"{row['size'] // MIB} MiB AllToAll",
+        )
     right.set_xticks([i + 0.2 for i in range(len(labels))], labels)
     right.set_yscale("log")
     right.set_ylabel("ms (median)")
@@ -597,8 +693,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/comm_gpu")))
     parser.add_argument("--rounds", type=int, default=20, help="overlap rounds (48 matmuls each)")
     parser.add_argument("--timeout", type=float, default=400)
-    parser.add_argument("--parts", default=",".join(PARTS),
-                        help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}"
+    )
     parser.add_argument("--plot", type=Path, help="only draw the figure of a saved JSON report")
     args = parser.parse_args(argv)
     if args.plot:
@@ -611,11 +708,11 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"info": collect()}
     args.out.mkdir(parents=True, exist_ok=True)
     spawn = multiprocessing.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     queue = spawn.Queue()
-    procs = [spawn.Process(target=_rank_main, args=(r, store.port, args, queue))
-             for r in range(2)]
+    procs = [spawn.Process(target=_rank_main, args=(r, store.port, args, queue)) for r in range(2)]
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + args.timeout

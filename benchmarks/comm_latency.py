@@ -64,8 +64,9 @@ def _rank(rank: int, port: int, queue: Any) -> None:
         torch.cuda.set_device(rank % torch.cuda.device_count())
         devices.append("cuda")
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group("freescale", store=store, rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "freescale", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     marks: dict[str, float] = {}
     _mark(marks)
     results: dict[str, Any] = {}
@@ -83,10 +84,14 @@ def _rank(rank: int, port: int, queue: Any) -> None:
                 dist.all_to_all_single(out, inp)
                 returned = time.perf_counter()
                 if call >= 10:
-                    rows.append({k: (v - t0) * 1e6 for k, v in marks.items()}
-                                | {"returned": (returned - t0) * 1e6})
-            keys = sorted({k for row in rows for k in row}, key=lambda k: statistics.median(
-                row[k] for row in rows if k in row))
+                    rows.append(
+                        {k: (v - t0) * 1e6 for k, v in marks.items()}
+                        | {"returned": (returned - t0) * 1e6}
+                    )
+            keys = sorted(
+                {k for row in rows for k in row},
+                key=lambda k: statistics.median(row[k] for row in rows if k in row),
+            )
             single = {k: round(statistics.median(r[k] for r in rows if k in r), 1) for k in keys}
             per_call = []
             for _ in range(5):
@@ -101,7 +106,8 @@ def _rank(rank: int, port: int, queue: Any) -> None:
                 per_call.append((time.perf_counter() - t0) / 100 * 1e6)
             results[f"{device} {nbytes} B"] = {
                 "single_call_us": single,
-                "back_to_back_us_per_call": round(statistics.median(per_call), 1)}
+                "back_to_back_us_per_call": round(statistics.median(per_call), 1),
+            }
     dist.destroy_process_group()
     if rank == 0:
         queue.put(results)
@@ -114,8 +120,9 @@ def main() -> int:
     import torch.distributed as dist
 
     # The parent owns the store on a free port (no window in which another process takes it).
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     ranks = [context.Process(target=_rank, args=(r, store.port, queue)) for r in range(2)]
@@ -132,8 +139,9 @@ def main() -> int:
     (args.out / "comm_latency.json").write_text(json.dumps(results, indent=1) + "\n")
     for name, row in results.items():
         marks = "  ".join(f"{k}={v}" for k, v in row["single_call_us"].items())
-        print(f"{name:>16}: back to back {row['back_to_back_us_per_call']} us/call; one call: "
-              f"{marks}")
+        print(
+            f"{name:>16}: back to back {row['back_to_back_us_per_call']} us/call; one call: {marks}"
+        )
     return 0
 
 

@@ -86,8 +86,9 @@ def run_random_cases(seed: int, cases: int, compare_gloo: bool = True) -> int:
     for case in range(cases):
         rng = random.Random(seed * 7919 + case)
         dtype = rng.choice(DTYPES)
-        kind = rng.choice(["ag_tensor", "ag_list", "a2a_even", "a2a_uneven", "a2a_list",
-                           "ag_coalesced"])
+        kind = rng.choice(
+            ["ag_tensor", "ag_list", "a2a_even", "a2a_uneven", "a2a_list", "ag_coalesced"]
+        )
         rest = tuple(rng.randint(1, 3) for _ in range(rng.randint(0, 2)))
 
         seed_of = functools.partial(_tensor_seed, seed, case)
@@ -121,8 +122,10 @@ def run_random_cases(seed: int, cases: int, compare_gloo: bool = True) -> int:
         elif kind == "ag_coalesced":
             k = rng.randint(1, 3)
             rows = [rng.randint(0, 3) for _ in range(k)]
-            inputs = [[make_tensor((rows[i], *rest), dtype, seed_of(r, i)) for i in range(k)]
-                      for r in range(n)]
+            inputs = [
+                [make_tensor((rows[i], *rest), dtype, seed_of(r, i)) for i in range(k)]
+                for r in range(n)
+            ]
             outs = [torch.empty((n * rows[i], *rest), dtype=dtype) for i in range(k)]
             pg = dist.group.WORLD
             pg.allgather_into_tensor_coalesced(outs, inputs[rank]).wait()
@@ -135,8 +138,10 @@ def run_random_cases(seed: int, cases: int, compare_gloo: bool = True) -> int:
             else:
                 splits = [[rng.randint(0, 3) for _ in range(n)] for _ in range(n)]
             # inputs[r][j]: the rows rank r sends to rank j.
-            inputs = [[make_tensor((splits[r][j], *rest), dtype, seed_of(r, j)) for j in range(n)]
-                      for r in range(n)]
+            inputs = [
+                [make_tensor((splits[r][j], *rest), dtype, seed_of(r, j)) for j in range(n)]
+                for r in range(n)
+            ]
             send = [splits[rank][j] for j in range(n)]
             recv = [splits[j][rank] for j in range(n)]
             want = [inputs[j][rank] for j in range(n)]
@@ -150,8 +155,7 @@ def run_random_cases(seed: int, cases: int, compare_gloo: bool = True) -> int:
                 flat_in = _maybe_strided(torch.cat(inputs[rank]), rng)
                 out = torch.empty((sum(recv), *rest), dtype=dtype)
                 even = kind == "a2a_even"
-                dist.all_to_all_single(out, flat_in, None if even else recv,
-                                       None if even else send)
+                dist.all_to_all_single(out, flat_in, None if even else recv, None if even else send)
                 _same(out, torch.cat(want), what)
                 if gloo is not None and dtype not in _NOT_GLOO:
                     ref = torch.empty_like(out)
@@ -261,8 +265,9 @@ def async_ops(rounds: int) -> bool:
             a = torch.arange(n * 3, dtype=torch.float64) + rank
             b = torch.empty_like(a)
             works.append(dist.all_to_all_single(b, a, async_op=True))
-            want_b = torch.cat([torch.arange(rank * 3, rank * 3 + 3, dtype=torch.float64) + r
-                                for r in range(n)])
+            want_b = torch.cat(
+                [torch.arange(rank * 3, rank * 3 + 3, dtype=torch.float64) + r for r in range(n)]
+            )
             checks.append((b, want_b))
         futures = [w.get_future() for w in works[::2]]
         for work in reversed(works[1::2]):
@@ -287,8 +292,9 @@ def functional_and_compile(use_compile: bool) -> list[float]:
     _same(gathered, want, "funcol.all_gather_tensor")
     y = torch.arange(2 * n, dtype=torch.float32) + 100 * rank
     moved = funcol.all_to_all_single(y, None, None, group)
-    want_y = torch.cat([torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) + 100 * r
-                        for r in range(n)])
+    want_y = torch.cat(
+        [torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) + 100 * r for r in range(n)]
+    )
     _same(moved, want_y, "funcol.all_to_all_single")
     out = [gathered.sum().item(), moved.sum().item()]
     if use_compile:
@@ -360,8 +366,11 @@ def bad_inputs() -> list[str]:
     # (small enough to travel inside the header, where it would be cut at the wrong place).
     sizes = (2, 3) if rank == 1 else (3, 2)
     coalesced = [torch.ones(k) for k in sizes]
-    expect(lambda: dist.group.WORLD.allgather_into_tensor_coalesced(
-        [torch.empty(n * k) for k in sizes], coalesced).wait())
+    expect(
+        lambda: dist.group.WORLD.allgather_into_tensor_coalesced(
+            [torch.empty(n * k) for k in sizes], coalesced
+        ).wait()
+    )
     # The group still works.
     out = torch.empty(n)
     dist.all_gather_into_tensor(out, torch.tensor([float(rank)]))
@@ -379,11 +388,13 @@ def new_user_mistakes() -> list[str]:
     meta = torch.device("meta") if rank == 0 else torch.device("cpu")
     calls = [
         lambda: dist.all_to_all_single(torch.empty(n, device=meta), torch.ones(n, device=meta)),
-        lambda: dist.all_gather_into_tensor(torch.empty(n, device=meta),
-                                            torch.ones(1, device=meta)),
+        lambda: dist.all_gather_into_tensor(
+            torch.empty(n, device=meta), torch.ones(1, device=meta)
+        ),
         lambda: dist.all_gather([torch.empty(1) for _ in range(n)], torch.ones(1, device=meta)),
-        lambda: dist.all_to_all_single(torch.empty(n), torch.ones(n), [1] * n,
-                                       [n + 1, -1] + [0] * (n - 2)),
+        lambda: dist.all_to_all_single(
+            torch.empty(n), torch.ones(n), [1] * n, [n + 1, -1] + [0] * (n - 2)
+        ),
     ]
     for call in calls:
         start = time.monotonic()
@@ -420,6 +431,7 @@ def die_during_collective(victim: int, delay_s: float) -> float:
 
 def threads_after_destroy() -> dict[str, Any]:
     """A freescale subgroup inside a Gloo world: its threads exist only while it does."""
+
     def count() -> list[str]:
         names = []
         for task in os.listdir("/proc/self/task"):
@@ -483,8 +495,11 @@ def run_cuda_cases(seed: int, cases: int, cuda_path: str) -> int:
     rank, n = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
-    group = dist.new_group(backend="freescale", timeout=timedelta(seconds=60),
-                           pg_options=FreescaleOptions(cuda_path=cuda_path))
+    group = dist.new_group(
+        backend="freescale",
+        timeout=timedelta(seconds=60),
+        pg_options=FreescaleOptions(cuda_path=cuda_path),
+    )
     eager = FreescaleOptions().eager_bytes
     width = 16
     for case in range(cases):
@@ -521,18 +536,26 @@ def run_cuda_cases(seed: int, cases: int, cuda_path: str) -> int:
             splits = [[per] * n for _ in range(n)]
         else:
             splits = [[rows_of() for _ in range(n)] for _ in range(n)]
-        inputs = [[make_tensor((splits[r][j], width), dtype, seed_of(r, j)) for j in range(n)]
-                  for r in range(n)]
+        inputs = [
+            [make_tensor((splits[r][j], width), dtype, seed_of(r, j)) for j in range(n)]
+            for r in range(n)
+        ]
         want = torch.cat([inputs[j][rank] for j in range(n)])
         if kind == "a2a_list":
-            outs = [torch.empty((splits[j][rank], width), dtype=dtype, device=dev)
-                    for j in range(n)]
+            outs = [
+                torch.empty((splits[j][rank], width), dtype=dtype, device=dev) for j in range(n)
+            ]
             dist.all_to_all(outs, [produce(t) for t in inputs[rank]], group=group)
             _same(torch.cat([o.cpu() for o in outs]), want, what)
         else:
             out = torch.empty((len(want), width), dtype=dtype, device=dev)
-            dist.all_to_all_single(out, produce(torch.cat(inputs[rank])),
-                                   [splits[j][rank] for j in range(n)], splits[rank], group=group)
+            dist.all_to_all_single(
+                out,
+                produce(torch.cat(inputs[rank])),
+                [splits[j][rank] for j in range(n)],
+                splits[rank],
+                group=group,
+            )
             _same(out.cpu(), want, what)
     dist.destroy_process_group(group)
     return cases

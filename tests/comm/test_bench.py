@@ -19,12 +19,36 @@ def test_backends_by_device_and_gpu_count():
 
 
 def test_small_sweep_is_correct_and_reported(tmp_path, capsys):
-    assert main(["bench", "--world-sizes", "2", "--min-bytes", "4K", "--max-bytes", "16K",
-                 "--factor", "4", "--blocks", "2", "--warmup", "1", "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--world-sizes",
+                "2",
+                "--min-bytes",
+                "4K",
+                "--max-bytes",
+                "16K",
+                "--factor",
+                "4",
+                "--blocks",
+                "2",
+                "--warmup",
+                "1",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "comm_bench.json").read_text())["reports"][0]
     assert report["backends"] == ["freescale", "gloo"]
     assert [(r["op"], r["size"]) for r in report["rows"]] == [
-        ("all_gather", 4096), ("all_gather", 16384), ("all_to_all", 4096), ("all_to_all", 16384)]
+        ("all_gather", 4096),
+        ("all_gather", 16384),
+        ("all_to_all", 4096),
+        ("all_to_all", 16384),
+    ]
     assert all(r["correct"] for r in report["rows"])
     assert "fs/gloo" in capsys.readouterr().out
 

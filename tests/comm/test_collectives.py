@@ -16,7 +16,10 @@ def test_random_cases_ring_and_without_validation(local_groups):
         4,
         backend="freescale",
         setup="freescale_comm:register",
-        env={"FREESCALE_ALLGATHER": "ring", "FREESCALE_CHUNK_BYTES": "16",
-             "FREESCALE_VALIDATE": "0"},
+        env={
+            "FREESCALE_ALLGATHER": "ring",
+            "FREESCALE_CHUNK_BYTES": "16",
+            "FREESCALE_VALIDATE": "0",
+        },
     )
     assert group.run(ranks.run_random_cases, 2, 30, False, timeout_s=120) == [30] * 4

@@ -16,9 +16,7 @@ def test_bad_inputs_fail_on_every_rank_before_data_moves(fs_group):
     # Every rank reports the same problems (they judged the same table of signatures).
     for messages in per_rank:
         assert len(messages) == 7
-        assert [m.split(": ", 1)[1] for m in messages] == [
-            m.split(": ", 1)[1] for m in per_rank[0]
-        ]
+        assert [m.split(": ", 1)[1] for m in messages] == [m.split(": ", 1)[1] for m in per_rank[0]]
     first = per_rank[0]
     assert "which expects 12 (sizes or split sizes disagree" in first[0]
     assert "ranks disagree: rank 0 has dtype torch.float64" in first[1]
@@ -43,8 +41,9 @@ def test_meta_tensor_and_negative_split_fail_on_every_rank_at_once(fs_group):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_killed_peer_makes_every_survivor_raise(world_size):
-    group = LocalGroup(world_size, backend="freescale", setup=SETUP, init_timeout_s=20,
-                       env=FAST_FAILURE_ENV)
+    group = LocalGroup(
+        world_size, backend="freescale", setup=SETUP, init_timeout_s=20, env=FAST_FAILURE_ENV
+    )
     try:
         group.start()
         start = time.monotonic()

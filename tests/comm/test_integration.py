@@ -51,8 +51,9 @@ def test_async_and_futures(fs_group):
 
 
 def test_functional_collectives_and_compile(local_groups):
-    group = local_groups.get(2, backend="freescale", setup="freescale_comm:register",
-                             init_timeout_s=60)
+    group = local_groups.get(
+        2, backend="freescale", setup="freescale_comm:register", init_timeout_s=60
+    )
     n = 2
     gathered = n * 6 + 40 * n * (n - 1) / 2
     for rank, result in enumerate(group.run(ranks.functional_and_compile, True, timeout_s=180)):

@@ -42,8 +42,7 @@ class _Wire:
         def post(peer: int, buffer: np.ndarray, sub: int, send: bool) -> _Request:
             key = (rank, peer, sub) if send else (peer, rank, sub)
             request = _Request()
-            (self.sends if send else self.recvs)[key] = (buffer.copy() if send else buffer,
-                                                         request)
+            (self.sends if send else self.recvs)[key] = (buffer.copy() if send else buffer, request)
             if key in self.sends and key in self.recvs:
                 data, sent = self.sends.pop(key)
                 target, received = self.recvs.pop(key)
@@ -87,12 +86,12 @@ def _as_device(plan: algorithms.Plan) -> algorithms.Plan:
     return plan
 
 
-def _run(
-    plans: list[algorithms.Plan], cudas: list[_Cuda], chunk: int, seed: int = 0
-) -> _Wire:
+def _run(plans: list[algorithms.Plan], cudas: list[_Cuda], chunk: int, seed: int = 0) -> _Wire:
     wire = _Wire()
-    pipes = [StagedPipeline(_as_device(plan), cuda, _Streams(), wire.post(rank), chunk)
-             for rank, (plan, cuda) in enumerate(zip(plans, cudas, strict=True))]
+    pipes = [
+        StagedPipeline(_as_device(plan), cuda, _Streams(), wire.post(rank), chunk)
+        for rank, (plan, cuda) in enumerate(zip(plans, cudas, strict=True))
+    ]
     for plan in plans:
         for dst, src in plan.local_copies:
             dst[:] = src
@@ -113,9 +112,12 @@ def test_all_to_all_uneven_in_chunks(n, chunk, pool):
     splits = [[rng.randint(0, 50) for _ in range(n)] for _ in range(n)]
     inputs = [torch.randn(sum(splits[r]), 3) for r in range(n)]
     outputs = [torch.empty(sum(splits[j][r] for j in range(n)), 3) for r in range(n)]
-    plans = [algorithms.all_to_all_single("a2a", r, n, outputs[r], inputs[r],
-                                          [splits[j][r] for j in range(n)], splits[r])
-             for r in range(n)]
+    plans = [
+        algorithms.all_to_all_single(
+            "a2a", r, n, outputs[r], inputs[r], [splits[j][r] for j in range(n)], splits[r]
+        )
+        for r in range(n)
+    ]
     _run(plans, [_Cuda(pool, chunk) for _ in range(n)], chunk)
     for r in range(n):
         pieces = [inputs[j].split(splits[j])[r] for j in range(n)]
@@ -128,8 +130,10 @@ def test_all_gather_direct_loads_once_and_ring_forwards_from_host(algorithm):
     options = FreescaleOptions(allgather=algorithm, chunk_bytes=chunk)
     inputs = [torch.randn(37) for _ in range(n)]
     outputs = [torch.empty(n * 37) for _ in range(n)]
-    plans = [algorithms.all_gather_into_tensor("ag", r, n, [outputs[r]], [inputs[r]], options)
-             for r in range(n)]
+    plans = [
+        algorithms.all_gather_into_tensor("ag", r, n, [outputs[r]], [inputs[r]], options)
+        for r in range(n)
+    ]
     assert plans[0].forwarding == (algorithm == "ring")
     cudas = [_Cuda(4 * chunk, chunk) for _ in range(n)]  # the smallest pool: 2 slots of each
     wire = _run(plans, cudas, chunk)
@@ -147,8 +151,10 @@ def test_all_gather_any_size_with_the_smallest_pool(seed):
     size = rng.randint(1, 60)
     inputs = [torch.randn(size) for _ in range(n)]
     outputs = [torch.empty(n * size) for _ in range(n)]
-    plans = [algorithms.all_gather_into_tensor("ag", r, n, [outputs[r]], [inputs[r]], options)
-             for r in range(n)]
+    plans = [
+        algorithms.all_gather_into_tensor("ag", r, n, [outputs[r]], [inputs[r]], options)
+        for r in range(n)
+    ]
     _run(plans, [_Cuda(4 * chunk, chunk) for _ in range(n)], chunk, seed)
     for r in range(n):
         assert torch.equal(outputs[r], torch.cat(inputs))
@@ -160,17 +166,22 @@ def test_collectives_in_flight_share_the_pool_first_come_first_served():
     wire = _Wire()
     rounds = []
     for seed in range(3):
-        inputs = [torch.randn(n * 20, generator=torch.Generator().manual_seed(seed * 10 + r))
-                  for r in range(n)]
+        inputs = [
+            torch.randn(n * 20, generator=torch.Generator().manual_seed(seed * 10 + r))
+            for r in range(n)
+        ]
         outputs = [torch.empty(n * 20) for _ in range(n)]
-        plans = [_as_device(algorithms.all_to_all_single("a2a", r, n, outputs[r], inputs[r],
-                                                         [], []))
-                 for r in range(n)]
+        plans = [
+            _as_device(algorithms.all_to_all_single("a2a", r, n, outputs[r], inputs[r], [], []))
+            for r in range(n)
+        ]
         for plan in plans:
             for dst, src in plan.local_copies:
                 dst[:] = src
-        pipes = [StagedPipeline(plans[r], cudas[r], _Streams(), _tagged(wire, r, seed), chunk)
-                 for r in range(n)]
+        pipes = [
+            StagedPipeline(plans[r], cudas[r], _Streams(), _tagged(wire, r, seed), chunk)
+            for r in range(n)
+        ]
         rounds.append((inputs, outputs, pipes))
     all_pipes = [p for _, _, pipes in rounds for p in pipes]
     # Advance the ranks in a scrambled order: progress must not depend on it.
@@ -215,13 +226,17 @@ def test_at_most_two_receives_of_a_collective_are_posted_at_once():
 
     inputs = [torch.randn(n * 40) for _ in range(n)]
     outputs = [torch.empty(n * 40) for _ in range(n)]
-    plans = [_as_device(algorithms.all_to_all_single("a2a", r, n, outputs[r], inputs[r], [], []))
-             for r in range(n)]
+    plans = [
+        _as_device(algorithms.all_to_all_single("a2a", r, n, outputs[r], inputs[r], [], []))
+        for r in range(n)
+    ]
     for plan in plans:
         for dst, src in plan.local_copies:
             dst[:] = src
-    pipes = [StagedPipeline(plans[r], _Cuda(64 * chunk, chunk), _Streams(), counted(r), chunk)
-             for r in range(n)]
+    pipes = [
+        StagedPipeline(plans[r], _Cuda(64 * chunk, chunk), _Streams(), counted(r), chunk)
+        for r in range(n)
+    ]
     for _ in range(10_000):
         if all(p.finished for p in pipes):
             break

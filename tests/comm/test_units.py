@@ -29,8 +29,12 @@ def test_options_from_env_and_explicit_values(monkeypatch):
 
 def test_tags_are_distinct_per_field():
     base = make_tag(3, 7, 1, 2)
-    others = {make_tag(4, 7, 1, 2), make_tag(3, 8, 1, 2), make_tag(3, 7, 2, 2),
-              make_tag(3, 7, 1, 3)}
+    others = {
+        make_tag(4, 7, 1, 2),
+        make_tag(3, 8, 1, 2),
+        make_tag(3, 7, 2, 2),
+        make_tag(3, 7, 1, 3),
+    }
     assert base not in others and len(others) == 4
     assert make_tag(3, 7 + (1 << 20), 1, 2) == base  # the sequence number wraps
     with pytest.raises(Exception, match="does not fit"):
@@ -61,8 +65,14 @@ def test_a_message_split_differently_is_rejected():
     # Two tensors per message: rank 0 sends 8+12 bytes, rank 1 sends 12+8; each rank lists what
     # it expects from rank 0, then from rank 1.
     def side(sends, expects):
-        return _sig([20, 20], [20, 20], op="all_gather", count=2, send_layout=layout(sends),
-                    recv_layouts=[layout(e) for e in expects])
+        return _sig(
+            [20, 20],
+            [20, 20],
+            op="all_gather",
+            count=2,
+            send_layout=layout(sends),
+            recv_layouts=[layout(e) for e in expects],
+        )
 
     rank0 = side([8, 12], [[8, 12], [12, 8]])
     rank1 = side([12, 8], [[8, 12], [12, 8]])
@@ -96,7 +106,9 @@ def test_torch_entry_point_registers_after_plain_import_torch():
 def test_comm_info_command():
     out = subprocess.run(
         [sys.executable, "-m", "freescale_comm._freescale_cli", "comm", "info"],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     assert "UCX 1." in out and "transports:" in out
 
@@ -110,11 +122,23 @@ def test_every_collective_torchs_trampoline_intercepts_is_overridden():
 
     # torch 2.13's names, then 2.11's for the same methods; a name this torch's ProcessGroup
     # lacks is one its trampoline cannot call either.
-    trampolined = ["allgather", "all_gather_single_coalesced", "allreduce", "allreduce_coalesced",
-                   "all_to_all_single", "barrier", "broadcast", "reduce_scatter",
-                   "reduce_scatter_single_coalesced", "send", "recv",
-                   "allgather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
-                   "alltoall_base", "_allgather_base"]
+    trampolined = [
+        "allgather",
+        "all_gather_single_coalesced",
+        "allreduce",
+        "allreduce_coalesced",
+        "all_to_all_single",
+        "barrier",
+        "broadcast",
+        "reduce_scatter",
+        "reduce_scatter_single_coalesced",
+        "send",
+        "recv",
+        "allgather_into_tensor_coalesced",
+        "reduce_scatter_tensor_coalesced",
+        "alltoall_base",
+        "_allgather_base",
+    ]
     present = [name for name in trampolined if hasattr(dist.ProcessGroup, name)]
     assert len(present) >= 10
     missing = [name for name in present if name not in vars(ProcessGroupFreescale)]
@@ -131,6 +155,7 @@ def test_own_piece_already_in_place_is_not_copied():
     for allgather in ("direct", "ring"):
         options = FreescaleOptions(allgather=allgather, ring_threshold_bytes=1)
         in_place = algorithms.all_gather_into_tensor(
-            "ag", rank, n, [out], [out.view(n, 6)[rank]], options)
+            "ag", rank, n, [out], [out.view(n, 6)[rank]], options
+        )
         apart = algorithms.all_gather_into_tensor("ag", rank, n, [out], [torch.ones(6)], options)
         assert in_place.local_copies == [] and len(apart.local_copies) == 1

@@ -308,8 +308,9 @@ def all_gather(
     if b.error:
         return Plan(b.signature(len(inputs), [], []), result=result)
     slot_bytes = [[t.numel() * t.element_size() for t in slots] for slots in outputs]
-    return _gather(b, rank, inputs, slot_bytes, result, options,
-                   lambda k: [b.target(t) for t in outputs[k]])
+    return _gather(
+        b, rank, inputs, slot_bytes, result, options, lambda k: [b.target(t) for t in outputs[k]]
+    )
 
 
 def all_gather_into_tensor(
@@ -333,8 +334,15 @@ def all_gather_into_tensor(
     if b.error:
         return Plan(b.signature(len(inputs), [], []), result=list(outputs))
     slot_bytes = [[t.numel() * t.element_size()] * world_size for t in inputs]
-    return _gather(b, rank, inputs, slot_bytes, list(outputs), options,
-                   lambda k: _even_slices(b.target(outputs[k]), world_size))
+    return _gather(
+        b,
+        rank,
+        inputs,
+        slot_bytes,
+        list(outputs),
+        options,
+        lambda k: _even_slices(b.target(outputs[k]), world_size),
+    )
 
 
 def _even_slices(flat: Bytes, parts: int) -> list[Bytes]:
@@ -361,13 +369,18 @@ def _gather(
     if len(inputs) > 1:  # one message per peer carries every input: check how it splits
         send_layout = layout(in_bytes)
         recv_layouts = [layout([slots[p] for slots in slot_bytes]) for p in range(n)]
-    plan = Plan(b.signature(len(inputs), send_bytes, recv_bytes, send_layout, recv_layouts),
-                result=result)
+    plan = Plan(
+        b.signature(len(inputs), send_bytes, recv_bytes, send_layout, recv_layouts), result=result
+    )
     if b.error:
         return plan
-    ring = len(inputs) == 1 and n > 2 and (
-        options.allgather == "ring"
-        or (options.allgather == "auto" and in_bytes[0] >= options.ring_threshold_bytes)
+    ring = (
+        len(inputs) == 1
+        and n > 2
+        and (
+            options.allgather == "ring"
+            or (options.allgather == "auto" and in_bytes[0] >= options.ring_threshold_bytes)
+        )
     )
     for k, tensor in enumerate(inputs):
         source = b.source(tensor)

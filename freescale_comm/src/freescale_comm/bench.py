@@ -109,19 +109,29 @@ def _rank_main(rank: int, config: BenchConfig, port: int, queue: Any) -> None:
         torch.cuda.set_device(rank % gpus)
     timeout = timedelta(seconds=120)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group("freescale", store=store, rank=rank, world_size=config.world_size,
-                            timeout=timeout, pg_options=FreescaleOptions(cuda_path="direct"))
+    dist.init_process_group(
+        "freescale",
+        store=store,
+        rank=rank,
+        world_size=config.world_size,
+        timeout=timeout,
+        pg_options=FreescaleOptions(cuda_path="direct"),
+    )
     gloo = dist.new_group(backend="gloo", timeout=timeout)
     groups: dict[str, Any] = {"freescale": None, "freescale_direct": None, "gloo": gloo}
     names = config.backends(gpus)
     if "freescale_staged" in names:
         groups["freescale_staged"] = dist.new_group(
-            backend="freescale", timeout=timeout, pg_options=FreescaleOptions(cuda_path="staged"))
+            backend="freescale", timeout=timeout, pg_options=FreescaleOptions(cuda_path="staged")
+        )
     if "nccl" in names:
         groups["nccl"] = dist.new_group(backend="nccl", timeout=timeout)
     try:
-        rows = [_measure(config, op, size, {n: groups[n] for n in names}, gloo)
-                for op in config.ops for size in config.sizes()]
+        rows = [
+            _measure(config, op, size, {n: groups[n] for n in names}, gloo)
+            for op in config.ops
+            for size in config.sizes()
+        ]
         if rank == 0:
             queue.put(("ok", rows))
     except BaseException as err:
@@ -197,14 +207,24 @@ def _measure(
             mine[name].append((time.perf_counter() - start) / count)
     slowest = _max_over_ranks([t for name in names for t in mine[name]], gloo)
     nbytes = elements * 4
-    row: dict[str, Any] = {"op": op, "size": nbytes, "world_size": n, "calls_per_block": count,
-                           "correct": correct}
+    row: dict[str, Any] = {
+        "op": op,
+        "size": nbytes,
+        "world_size": n,
+        "calls_per_block": count,
+        "correct": correct,
+    }
     for index, name in enumerate(names):
         blocks = slowest[index * config.blocks : (index + 1) * config.blocks]
         seconds = statistics.median(blocks)
         algbw = nbytes / seconds / 1e9
-        row[name] = {"time_us": seconds * 1e6, "min_us": min(blocks) * 1e6,
-                     "max_us": max(blocks) * 1e6, "algbw": algbw, "busbw": algbw * (n - 1) / n}
+        row[name] = {
+            "time_us": seconds * 1e6,
+            "min_us": min(blocks) * 1e6,
+            "max_us": max(blocks) * 1e6,
+            "algbw": algbw,
+            "busbw": algbw * (n - 1) / n,
+        }
     return row
 
 
@@ -226,11 +246,14 @@ def run_bench(config: BenchConfig, timeout_s: float = 1800) -> dict[str, Any]:
     import freescale_comm
 
     spawn = multiprocessing.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     queue = spawn.Queue()
-    procs = [spawn.Process(target=_rank_main, args=(r, config, store.port, queue), daemon=True)
-             for r in range(config.world_size)]
+    procs = [
+        spawn.Process(target=_rank_main, args=(r, config, store.port, queue), daemon=True)
+        for r in range(config.world_size)
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -249,12 +272,14 @@ def run_bench(config: BenchConfig, timeout_s: float = 1800) -> dict[str, Any]:
         "config": asdict(config),
         "backends": list(config.backends(gpus)),
         "method": "per size: warm-up, then blocks of back-to-back calls, the backends' blocks "
-                  "alternating (ABBA), barrier only between blocks; time = median over blocks of "
-                  "the slowest rank's time per call (on CUDA until the device is done)",
-        "versions": {"freescale_comm": freescale_comm.__version__, "torch": torch.__version__,
-                     "ucx": ucx_version()},
-        "host": {"cpus": os.cpu_count(), "load_avg_1m_at_end": os.getloadavg()[0],
-                 "gpus": gpus},
+        "alternating (ABBA), barrier only between blocks; time = median over blocks of "
+        "the slowest rank's time per call (on CUDA until the device is done)",
+        "versions": {
+            "freescale_comm": freescale_comm.__version__,
+            "torch": torch.__version__,
+            "ucx": ucx_version(),
+        },
+        "host": {"cpus": os.cpu_count(), "load_avg_1m_at_end": os.getloadavg()[0], "gpus": gpus},
         "rows": payload,
     }
 
@@ -294,11 +319,15 @@ def format_table(report: dict[str, Any]) -> str:
         for name in names:
             r = row[name]
             line += f"  {r['time_us']:>16.1f}{r['algbw']:>8.2f}{r['busbw']:>8.2f}"
-        line += (f"  {row[names[0]]['time_us'] / row[names[-1]]['time_us']:>13.2f}  "
-                 f"{'yes' if row['correct'] else 'NO'}")
+        line += (
+            f"  {row[names[0]]['time_us'] / row[names[-1]]['time_us']:>13.2f}  "
+            f"{'yes' if row['correct'] else 'NO'}"
+        )
         lines.append(line)
-    lines.append("bandwidths in GB/s; times: median over alternating blocks of the slowest "
-                 "rank's time per call")
+    lines.append(
+        "bandwidths in GB/s; times: median over alternating blocks of the slowest "
+        "rank's time per call"
+    )
     return "\n".join(lines)
 
 
@@ -324,8 +353,10 @@ def write_report(report: dict[str, Any], out: Path) -> list[Path]:
         for name in report["backends"]:
             axes[0][col].plot(sizes, [r[name]["busbw"] for r in rows], marker="o", label=name)
             times = [r[name]["time_us"] for r in rows]
-            spread = [[t - r[name]["min_us"] for t, r in zip(times, rows, strict=True)],
-                      [r[name]["max_us"] - t for t, r in zip(times, rows, strict=True)]]
+            spread = [
+                [t - r[name]["min_us"] for t, r in zip(times, rows, strict=True)],
+                [r[name]["max_us"] - t for t, r in zip(times, rows, strict=True)],
+            ]
             axes[1][col].errorbar(sizes, times, yerr=spread, marker="o", capsize=2, label=name)
         axes[0][col].set_title(f"{op}, {n} ranks, {report['config'].get('device', 'cpu')}")
         axes[0][col].set_ylabel("busbw (GB/s)")

@@ -23,10 +23,12 @@ def _world_sizes(text: str) -> list[int]:
         sizes = [int(w) for w in text.split(",") if w.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of integers") from None
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
     if not sizes or min(sizes) < 2:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: every world size must be at least 2 (a collective needs two ranks)")
+            f"{text!r}: every world size must be at least 2 (a collective needs two ranks)"
+        )
     return sizes
 
 
@@ -43,21 +45,32 @@ def _parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="UCX version and transports, GPUs, PCIe, NCCL")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     bench = commands.add_parser(
-        "bench", help="AllGather / AllToAll: freescale vs Gloo (CPU) or NCCL (CUDA)")
-    bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                       help="cuda: freescale's direct and staged paths, NCCL where every rank "
-                       "has a GPU of its own")
-    bench.add_argument("--world-sizes", type=_world_sizes, default="2",
-                       help="comma-separated, each >= 2, e.g. 2,4")
+        "bench", help="AllGather / AllToAll: freescale vs Gloo (CPU) or NCCL (CUDA)"
+    )
+    bench.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: freescale's direct and staged paths, NCCL where every rank "
+        "has a GPU of its own",
+    )
+    bench.add_argument(
+        "--world-sizes", type=_world_sizes, default="2", help="comma-separated, each >= 2, e.g. 2,4"
+    )
     bench.add_argument("--min-bytes", type=_size, default="4K")
     bench.add_argument("--max-bytes", type=_size, default="64M", help="up to 1G")
     bench.add_argument("--factor", type=_positive, default=2)
     bench.add_argument("--ops", default="all_gather,all_to_all")
     bench.add_argument("--warmup", type=_positive, default=5, help="untimed calls per size")
-    bench.add_argument("--blocks", type=_positive, default=10,
-                       help="timed blocks per backend and size (median reported)")
-    bench.add_argument("--target-s", type=float, default=0.05,
-                       help="time one block of calls aims at")
+    bench.add_argument(
+        "--blocks",
+        type=_positive,
+        default=10,
+        help="timed blocks per backend and size (median reported)",
+    )
+    bench.add_argument(
+        "--target-s", type=float, default=0.05, help="time one block of calls aims at"
+    )
     bench.add_argument("--out", type=Path, default=Path("out/comm_bench"))
     return parser
 

@@ -149,8 +149,9 @@ class Collective:
             if self.plan.on_cuda:
                 unloaded.append((dst, self._load_header(own, pieces, copies)))
             else:
-                self._post(Transfer(dst, np.concatenate([own, *(t.buffer for t in pieces)]), 0,
-                                    send=True))
+                self._post(
+                    Transfer(dst, np.concatenate([own, *(t.buffer for t in pieces)]), 0, send=True)
+                )
         if unloaded:
             event = self._cuda.copy(self._streams.d2h, copies, self._cuda.d2h_watch)
             self._unloaded_headers = (event, unloaded)
@@ -172,8 +173,9 @@ class Collective:
     ) -> np.ndarray:
         """A page-locked header message for one peer; appends to ``copies`` the D2H copies of
         its device pieces into it (queued by the caller behind the caller's stream)."""
-        pinned = torch.empty(len(own) + sum(len(t.buffer) for t in pieces), dtype=torch.uint8,
-                             pin_memory=True)
+        pinned = torch.empty(
+            len(own) + sum(len(t.buffer) for t in pieces), dtype=torch.uint8, pin_memory=True
+        )
         self._pinned.append(pinned)
         message = pinned.numpy()
         message[: len(own)] = own
@@ -217,8 +219,9 @@ class Collective:
         return by_peer
 
     def _post(self, transfer: Transfer) -> None:
-        transfer.request = self._message(transfer.peer, transfer.buffer, transfer.sub,
-                                         transfer.send)
+        transfer.request = self._message(
+            transfer.peer, transfer.buffer, transfer.sub, transfer.send
+        )
         self._posted.append(transfer)
 
     def _message(self, peer: int, buffer: Any, sub: int, send: bool) -> Any:
@@ -348,8 +351,9 @@ class Collective:
             self._folded_done = cuda.copy(streams.h2d, self._folded_loads)
             self._folded_loads = []
         if self.plan.staged:
-            self._pipeline = StagedPipeline(self.plan, cuda, streams, self._message,
-                                            self.group.options.chunk_bytes, unfolded)
+            self._pipeline = StagedPipeline(
+                self.plan, cuda, streams, self._message, self.group.options.chunk_bytes, unfolded
+            )
 
     def _take_streams(self) -> CopyStreams:
         """This collective's copy streams, ordered after the caller's stream on the GPU: inputs
@@ -383,8 +387,11 @@ class Collective:
         """Enqueues the CUDA collective's last copies and its end event."""
         cuda = self._cuda
         with torch.cuda.stream(stream):
-            for event in (self._local_done, self._folded_done,
-                          self._pipeline and self._pipeline.last_d2h):
+            for event in (
+                self._local_done,
+                self._folded_done,
+                self._pipeline and self._pipeline.last_d2h,
+            ):
                 if event is not None:
                     stream.wait_event(event)
             for dst, src in self.plan.copy_back:

@@ -70,8 +70,9 @@ class _Driver:
         self.stream_create = entry("cuStreamCreate", pptr, ctypes.c_uint)
         self.stream_destroy = entry("cuStreamDestroy", ptr)
         # Unified addressing: one call copies between any two of device, pinned and pageable.
-        self.memcpy_async = entry("cuMemcpyAsync", ctypes.c_uint64, ctypes.c_uint64,
-                                  ctypes.c_size_t, ptr)
+        self.memcpy_async = entry(
+            "cuMemcpyAsync", ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ptr
+        )
         self._device_get = entry("cuDeviceGet", ctypes.POINTER(ctypes.c_int), ctypes.c_int)
         self._primary = entry("cuDevicePrimaryCtxRetain", pptr, ctypes.c_int)
         self._get_current = entry("cuCtxGetCurrent", pptr)
@@ -131,8 +132,9 @@ def _new_stream(device: int) -> torch.cuda.ExternalStream:
     handle = ctypes.c_void_p()
     replaced = driver().bind(device)
     try:
-        driver().check(driver().stream_create(ctypes.byref(handle), _CU_STREAM_NON_BLOCKING),
-                       "cuStreamCreate")
+        driver().check(
+            driver().stream_create(ctypes.byref(handle), _CU_STREAM_NON_BLOCKING), "cuStreamCreate"
+        )
     finally:
         driver().restore(replaced)
     return torch.cuda.ExternalStream(handle.value or 0, device=device)
@@ -225,7 +227,8 @@ class SlotPool:
         # every rank starts collectives in the same order, which keeps the pipelines of all ranks
         # free of circular waits).
         self._queue: dict[str, collections.deque[object]] = {
-            "send": collections.deque(), "recv": collections.deque()
+            "send": collections.deque(),
+            "recv": collections.deque(),
         }
 
     def enqueue(self, owner: object, kinds: Sequence[str]) -> None:
@@ -346,8 +349,9 @@ class CudaSupport:
             for dst, src in pairs:
                 size = len(src)
                 if size:
-                    cu.check(cu.memcpy_async(address(dst), address(src), size, handle),
-                             "cuMemcpyAsync")
+                    cu.check(
+                        cu.memcpy_async(address(dst), address(src), size, handle), "cuMemcpyAsync"
+                    )
         finally:
             cu.restore(replaced)
         event = torch.cuda.Event(blocking=True)

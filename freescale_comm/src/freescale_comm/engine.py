@@ -153,6 +153,7 @@ class Engine:
             if self._claimed is not op:
                 return
             self._driving = True
+
         def done() -> bool:
             return op.finished or (enough is not None and enough())
 

@@ -120,7 +120,9 @@ class GroupContext:
             from freescale_comm.cuda import CudaSupport
 
             support = self._cuda[device] = CudaSupport(
-                device, self.transport.wake, self.options.staging_pool_bytes,
+                device,
+                self.transport.wake,
+                self.options.staging_pool_bytes,
                 self.options.chunk_bytes,
             )
         return support
@@ -140,9 +142,7 @@ class GroupContext:
         op.start()
         self._inflight = [c for c in self._inflight if not c.finished]
         self._inflight.append(op)
-        may_drive = caller_waits and (
-            not op.plan.on_cuda or _cuda_device() == op.plan.cuda_index
-        )
+        may_drive = caller_waits and (not op.plan.on_cuda or _cuda_device() == op.plan.cuda_index)
         if not (may_drive and self.engine.claim(op)):
             self.engine.submit(op)
 
@@ -172,7 +172,7 @@ class GroupContext:
         return None
 
     def describe_peers(self, peers: list[int]) -> str:
-        """"ranks [a, b]" plus how long each has been silent, where that is notable."""
+        """ "ranks [a, b]" plus how long each has been silent, where that is notable."""
         now = time.monotonic()
         notes = []
         for peer in peers:
@@ -219,4 +219,3 @@ def _cuda_device() -> int | None:
     if not torch.cuda.is_available():
         return None
     return torch.cuda.current_device()
-

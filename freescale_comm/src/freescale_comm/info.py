@@ -94,8 +94,9 @@ def collect() -> dict[str, Any]:
         version = torch.cuda.nccl.version()
         info["nccl"] = ".".join(str(v) for v in version) if isinstance(version, tuple) else version
     transports = {entry.split("/")[0] for entry in info["ucx_transports"]}
-    info["rdma_verbs"] = bool(transports & {"rc", "rc_verbs", "rc_mlx5", "ud", "ud_verbs",
-                                            "ud_mlx5", "dc_mlx5"})
+    info["rdma_verbs"] = bool(
+        transports & {"rc", "rc_verbs", "rc_mlx5", "ud", "ud_verbs", "ud_mlx5", "dc_mlx5"}
+    )
     info["cuda_ipc"] = "cuda_ipc" in transports
     return info
 

@@ -116,8 +116,12 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         opts: Any = None,
     ) -> FreescaleWork:
         """``dist.all_gather``: ``output_tensors[0][p]`` receives rank p's ``input_tensors[0]``."""
-        return self._own(algorithms.all_gather(
-            "all_gather", *self._rs(), output_tensors, input_tensors, self.options), opts)
+        return self._own(
+            algorithms.all_gather(
+                "all_gather", *self._rs(), output_tensors, input_tensors, self.options
+            ),
+            opts,
+        )
 
     def allgather_coalesced(
         self,
@@ -126,15 +130,23 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         opts: Any = None,
     ) -> FreescaleWork:
         """``dist.all_gather_coalesced``: one list AllGather per input, in one collective."""
-        return self._own(algorithms.all_gather(
-            "all_gather_coalesced", *self._rs(), output_lists, input_list, self.options), opts)
+        return self._own(
+            algorithms.all_gather(
+                "all_gather_coalesced", *self._rs(), output_lists, input_list, self.options
+            ),
+            opts,
+        )
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> FreescaleWork:
         """``dist.all_gather_into_tensor`` (torch 2.13 name)."""
-        return self._own(algorithms.all_gather_into_tensor(
-            "all_gather_into_tensor", *self._rs(), [output], [input], self.options), opts)
+        return self._own(
+            algorithms.all_gather_into_tensor(
+                "all_gather_into_tensor", *self._rs(), [output], [input], self.options
+            ),
+            opts,
+        )
 
     def _allgather_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -149,9 +161,16 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         opts: Any = None,
     ) -> FreescaleWork:
         """Coalesced ``all_gather_into_tensor`` (functional collectives, torch.compile)."""
-        return self._own(algorithms.all_gather_into_tensor(
-            "all_gather_into_tensor_coalesced", *self._rs(), list(outputs), list(inputs),
-            self.options), opts)
+        return self._own(
+            algorithms.all_gather_into_tensor(
+                "all_gather_into_tensor_coalesced",
+                *self._rs(),
+                list(outputs),
+                list(inputs),
+                self.options,
+            ),
+            opts,
+        )
 
     def allgather_into_tensor_coalesced(
         self,
@@ -172,9 +191,17 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         opts: Any = None,
     ) -> FreescaleWork:
         """``dist.all_to_all_single``; empty split lists mean even splits (torch 2.13 name)."""
-        return self._own(algorithms.all_to_all_single(
-            "all_to_all_single", *self._rs(), output, input, output_split_sizes,
-            input_split_sizes), opts)
+        return self._own(
+            algorithms.all_to_all_single(
+                "all_to_all_single",
+                *self._rs(),
+                output,
+                input,
+                output_split_sizes,
+                input_split_sizes,
+            ),
+            opts,
+        )
 
     def alltoall_base(
         self,
@@ -194,8 +221,12 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         opts: Any = None,
     ) -> FreescaleWork:
         """``dist.all_to_all`` (lists): ``input_tensors[p]`` goes to rank p."""
-        return self._own(algorithms.all_to_all(
-            "all_to_all", *self._rs(), list(output_tensors), list(input_tensors)), opts)
+        return self._own(
+            algorithms.all_to_all(
+                "all_to_all", *self._rs(), list(output_tensors), list(input_tensors)
+            ),
+            opts,
+        )
 
     # ----------------------------------------------------------------- lifecycle
     def shutdown(self) -> None:

@@ -29,9 +29,7 @@ def register() -> None:
         return
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
-    dist.Backend.register_backend(
-        BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"]
-    )
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
 
 
 def autoload() -> None:

@@ -109,7 +109,12 @@ class StagedPipeline:
     """
 
     def __init__(
-        self, plan: Plan, cuda: CudaSupport, streams: CopyStreams, post: Post, chunk_bytes: int,
+        self,
+        plan: Plan,
+        cuda: CudaSupport,
+        streams: CopyStreams,
+        post: Post,
+        chunk_bytes: int,
         transfers: Sequence[Transfer] | None = None,
     ) -> None:
         self._cuda = cuda
@@ -126,8 +131,9 @@ class StagedPipeline:
         self._unloading: list[_Recv] = []  # H2D enqueued, not yet complete (in stream order)
         self._held = 0  # slots taken and not yet given back
         self.last_d2h: torch.cuda.Event | None = None
-        self._pool.enqueue(self, [k for k, items in (("send", self._loads),
-                                                     ("recv", self._recvs)) if items])
+        self._pool.enqueue(
+            self, [k for k, items in (("send", self._loads), ("recv", self._recvs)) if items]
+        )
 
     def _split(self, plan: Plan, transfers: Sequence[Transfer], chunk_bytes: int) -> None:
         count: dict[tuple[int, bool], int] = {}
@@ -155,8 +161,9 @@ class StagedPipeline:
                         "chunk_bytes"
                     )
                 bounds = [size * c // parts for c in range(parts + 1)]
-                pieces = [(buffer[bounds[c] : bounds[c + 1]], 1 + first + c, c)
-                          for c in range(parts)]
+                pieces = [
+                    (buffer[bounds[c] : bounds[c + 1]], 1 + first + c, c) for c in range(parts)
+                ]
             if not transfer.send:
                 chunks = []
                 for piece, sub, c in pieces:
@@ -218,8 +225,9 @@ class StagedPipeline:
         self._held += len(taken)
         # One D2H event per chunk: each chunk is sent as soon as its own copy has completed.
         for load in taken:
-            load.event = self._cuda.copy(self._streams.d2h, [(load.slot, load.device)],
-                                         self._cuda.d2h_watch)
+            load.event = self._cuda.copy(
+                self._streams.d2h, [(load.slot, load.device)], self._cuda.d2h_watch
+            )
             self._loading.append(load)
         self.last_d2h = taken[-1].event
         return True
@@ -281,8 +289,9 @@ class StagedPipeline:
         for chunk in arrived:
             _check(chunk.request, f"receiving from rank {chunk.peer}")
             chunk.request = None
-            chunk.event = self._cuda.copy(self._streams.h2d, [(chunk.device, chunk.slot)],
-                                          self._cuda.h2d_watch)
+            chunk.event = self._cuda.copy(
+                self._streams.h2d, [(chunk.device, chunk.slot)], self._cuda.h2d_watch
+            )
             self._unloading.append(chunk)
             for send in chunk.forwards:
                 send.request = self._post(send.peer, chunk.slot, send.sub, True)

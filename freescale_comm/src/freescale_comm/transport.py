@@ -188,4 +188,3 @@ class Transport:
     def wake(self) -> None:
         """Ends a ``wait_event`` sleep now, from any thread."""
         os.eventfd_write(self._wake_fd, 1)
-
