@@ -211,6 +211,8 @@ class ShardedEmbeddingCollection(nn.Module):
         self._collision_update: CollisionUpdate | None = None
         self._failed: str | None = None
         self._expected_next: JaggedBatch | None = None
+        # What a training pipeline staged for the next forward (``stage_next``).
+        self._staged: tuple[Any, bool] | None = None
         self._worker: Worker | None = None
         self._background: Channel | None = None
         self._background_host: Channel | None = None
@@ -242,6 +244,12 @@ class ShardedEmbeddingCollection(nn.Module):
     def set_learning_rate(self, lr: float) -> None:
         """Uses ``lr`` from the next backward on (updates already under way keep theirs)."""
         self.optimizer = dataclasses.replace(self.optimizer, lr=lr)
+
+    def stage_next(self, next_batch: JaggedBatch | Any | None, *, final: bool = False) -> None:
+        """Gives the next ``forward`` its ``next_batch`` and ``final`` when its caller passes
+        neither: a training pipeline knows the next batch, the model that calls the collection
+        does not."""
+        self._staged = (next_batch, final)
 
     def forward(
         self,
@@ -275,6 +283,9 @@ class ShardedEmbeddingCollection(nn.Module):
                 used.
         """
         self._check_usable()
+        staged, self._staged = self._staged, None
+        if staged is not None and next_batch is None and not final:
+            next_batch, final = staged
         self._channel.meter.take()
         problem = self._input_problem(batch, next_batch, final)
         index = self._last_step + 1

@@ -1,0 +1,200 @@
+"""Per-rank functions of the training-pipeline tests (run on real local groups)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from freescale_balance import Balancer, BalancerConfig, JaggedBatch, JaggedTensor
+from freescale_embed import SGD, RowWiseAdagrad, ShardedEmbeddingCollection, TableConfig
+from freescale_embed.pipeline import PipelineConfig, PipelineError, TrainPipeline
+
+ROWS = 97
+DIM = 8
+
+
+class TinyRecommender(nn.Module):
+    """Per-item embeddings through a small MLP; a sample's loss sums its items' squared errors."""
+
+    def __init__(self, mode: str, optimizer: str = "sgd") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        table_optimizer = SGD(lr=0.5) if optimizer == "sgd" else RowWiseAdagrad(lr=0.5)
+        self.embeddings = ShardedEmbeddingCollection(
+            [TableConfig("items", ROWS, DIM, ["history"])], optimizer=table_optimizer, mode=mode
+        )
+        self.mlp = nn.Sequential(nn.Linear(DIM, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, batch: JaggedBatch) -> dict[str, torch.Tensor]:
+        history = self.embeddings(batch)["history"]
+        lengths = history.lengths.to(torch.int64)
+        per_item = self.mlp(history.values).squeeze(-1)
+        target = batch.features["history"].values.to(torch.float32).remainder(7) / 7
+        sample_of_item = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        errors = (per_item - target).pow(2)
+        losses = torch.zeros(lengths.numel()).index_add(0, sample_of_item, errors)
+        return {"loss": losses, "sample_id": batch.dense["sample_id"]}
+
+
+def global_batch(seed: int, step: int, size: int, max_length: int = 24) -> JaggedBatch:
+    """Global batch ``step`` of a deterministic stream (heavy-tailed lengths)."""
+    generator = torch.Generator().manual_seed(seed * 100_003 + step)
+    lengths = (torch.rand(size, generator=generator).pow(3) * max_length).to(torch.int64) + 1
+    values = torch.randint(0, ROWS, (int(lengths.sum()),), generator=generator)
+    ids = torch.arange(step * size, (step + 1) * size, dtype=torch.int64)
+    return JaggedBatch(
+        features={"history": JaggedTensor(values, lengths)}, dense={"sample_id": ids}
+    )
+
+
+def local_batches(seed: int, steps: int, global_size: int) -> Iterator[JaggedBatch]:
+    """This rank's slice of each global batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    share = global_size // world
+    for step in range(steps):
+        batch = global_batch(seed, step, global_size)
+        yield batch.select(torch.arange(rank * share, (rank + 1) * share))
+
+
+@dataclass
+class Run:
+    losses: list[float]
+    local_losses: list[torch.Tensor]
+    sample_ids: list[torch.Tensor]
+    loaded_ids: list[torch.Tensor]
+    dense: dict[str, torch.Tensor]
+    tables: dict[str, torch.Tensor]
+    samples: int
+    reports: int
+
+
+def train(
+    mode: str,
+    policy: str | None,
+    steps: int = 8,
+    global_size: int = 16,
+    seed: int = 1,
+    rank_steps: dict[int, int] | None = None,
+    optimizer: str = "sgd",
+) -> Run:
+    """Trains ``TinyRecommender``; ``rank_steps`` gives some ranks fewer batches (uneven ends)."""
+    rank = dist.get_rank()
+    model = TinyRecommender(mode, optimizer)
+    dense_optimizer = torch.optim.Adam(model.mlp.parameters(), lr=0.01)
+    balancer = None if policy is None else Balancer(BalancerConfig(policy=policy))
+    pipeline = TrainPipeline(model, dense_optimizer, balancer=balancer)
+    mine = (rank_steps or {}).get(rank, steps)
+    loaded = list(local_batches(seed, mine, global_size))
+    iterator = iter(loaded)
+    losses, local_losses, sample_ids, reports = [], [], [], 0
+    while True:
+        try:
+            out = pipeline.progress(iterator)
+        except StopIteration:
+            break
+        losses.append(out.loss)
+        local_losses.append(out.outputs["loss"])
+        sample_ids.append(out.outputs["sample_id"])
+        reports += len(out.reports)
+    tables = model.embeddings.state_dict(full=True)
+    pipeline.close()
+    model.embeddings.close()
+    if balancer is not None:
+        balancer.close()
+    return Run(
+        losses=losses,
+        local_losses=local_losses,
+        sample_ids=sample_ids,
+        loaded_ids=[b.dense["sample_id"] for b in loaded],
+        dense={k: v.detach().clone() for k, v in model.mlp.state_dict().items()},
+        tables={k: v for k, v in tables.items() if k.startswith("tables.")},
+        samples=sum(len(r) for r in sample_ids),
+        reports=reports,
+    )
+
+
+class NoEmbeddings(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 1)
+
+
+def no_collection() -> str:
+    try:
+        TrainPipeline(NoEmbeddings(), torch.optim.SGD(NoEmbeddings().parameters(), lr=0.1))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+class ScalarLoss(TinyRecommender):
+    def forward(self, batch: JaggedBatch) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(batch)["loss"].mean()
+
+
+class NaNAtStep(TinyRecommender):
+    def __init__(self, mode: str, bad_rank: int, bad_step: int) -> None:
+        super().__init__(mode)
+        self.bad_rank, self.bad_step, self.calls = bad_rank, bad_step, 0
+
+    def forward(self, batch: JaggedBatch) -> torch.Tensor:  # type: ignore[override]
+        self.calls += 1
+        losses = super().forward(batch)["loss"]
+        if dist.get_rank() == self.bad_rank and self.calls == self.bad_step:
+            losses = losses * float("nan")
+        return losses
+
+
+def _bad_batches(kind: str, bad_rank: int) -> list[JaggedBatch]:
+    rank = dist.get_rank()
+    batches = list(local_batches(3, 4, 8))
+    if rank != bad_rank:
+        return batches
+    bad = batches[2]
+    history = bad.features["history"]
+    if kind == "id_out_of_range":
+        values = history.values.clone()
+        values[0] = ROWS + 5
+        batches[2] = JaggedBatch({"history": JaggedTensor(values, history.lengths)}, bad.dense)
+    elif kind == "schema_between_ranks":
+        batches = [
+            JaggedBatch(b.features, {"sample_id": b.dense["sample_id"].to(torch.int32)})
+            for b in batches
+        ]
+    elif kind == "schema_between_steps":
+        batches[2] = JaggedBatch(bad.features, {**bad.dense, "extra": torch.zeros(bad.batch_size)})
+    elif kind == "lengths_mismatch":
+        lengths = history.lengths.clone()
+        lengths[0] += 1
+        batches[2] = JaggedBatch({"history": JaggedTensor(history.values, lengths)}, bad.dense)
+    return batches
+
+
+def refused(kind: str, mode: str, bad_rank: int = 1) -> str:
+    """Trains until the pipeline refuses; returns the error every rank raised."""
+    if kind == "not_per_sample":
+        model: nn.Module = ScalarLoss(mode)
+    elif kind == "nan":
+        model = NaNAtStep(mode, bad_rank, bad_step=3)
+    else:
+        model = TinyRecommender(mode)
+    pipeline = TrainPipeline(
+        model,
+        torch.optim.SGD(model.mlp.parameters(), lr=0.1),
+        config=PipelineConfig(),
+    )
+    iterator = iter(_bad_batches(kind, bad_rank))
+    message = "no error"
+    try:
+        while True:
+            pipeline.progress(iterator)
+    except StopIteration:
+        pass
+    except PipelineError as error:
+        message = f"{pipeline.step}: {error}"
+    pipeline.close()
+    return message
