@@ -1,0 +1,99 @@
+"""TrainPipeline on real local groups: numerics against the baseline, order, epoch ends, errors.
+
+Tolerance of "equal to float rounding" (balanced against unbalanced): balancing changes which
+rank computes a sample, so the float32 sums of per-sample losses and of the dense gradients
+(over ranks by DDP, over samples inside a rank) are taken in another order; over 8 steps of a
+16-sample global batch that moves losses by a few ulps, hence ``rtol=1e-5, atol=1e-6``.
+Prioritized against sync with the same balancing is compared bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.embed import pipeline_ranks
+
+_CLOSE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _assert_runs(a: pipeline_ranks.Run, b: pipeline_ranks.Run, exact: bool) -> None:
+    check = torch.testing.assert_close
+    if exact:
+        assert a.losses == b.losses
+        for key in a.dense:
+            assert torch.equal(a.dense[key], b.dense[key]), key
+        for key in a.tables:
+            assert torch.equal(a.tables[key], b.tables[key]), key
+        for x, y in zip(a.local_losses, b.local_losses, strict=True):
+            assert torch.equal(x, y)
+        return
+    check(torch.tensor(a.losses), torch.tensor(b.losses), **_CLOSE)
+    for key in a.dense:
+        check(a.dense[key], b.dense[key], **_CLOSE)
+    for key in a.tables:
+        check(a.tables[key], b.tables[key], **_CLOSE)
+    for x, y in zip(a.local_losses, b.local_losses, strict=True):
+        check(x, y, **_CLOSE)
+
+
+@pytest.mark.parametrize(("world", "policy"), [(2, "fbs"), (2, "vbs"), (2, "kk"), (4, "kk")])
+def test_balanced_training_equals_the_baseline_and_prioritized_equals_sync(
+    local_groups, world, policy
+):
+    group = local_groups.get(world)
+    baseline = group.run(pipeline_ranks.train, "sync", None)
+    balanced_sync = group.run(pipeline_ranks.train, "sync", policy)
+    balanced_prioritized = group.run(pipeline_ranks.train, "prioritized", policy)
+    for rank in range(world):
+        _assert_runs(balanced_sync[rank], baseline[rank], exact=False)
+        _assert_runs(balanced_prioritized[rank], balanced_sync[rank], exact=True)
+        run = balanced_prioritized[rank]
+        # Per-sample outputs come back to the rank that loaded them, in loaded order.
+        for got, loaded in zip(run.sample_ids, run.loaded_ids, strict=True):
+            assert torch.equal(got, loaded)
+        assert run.reports == len(run.losses)
+
+
+def test_prioritized_without_balancing_equals_sync_with_row_wise_adagrad(local_groups):
+    group = local_groups.get(2)
+    sync = group.run(pipeline_ranks.train, "sync", None, optimizer="adagrad")
+    prioritized = group.run(pipeline_ranks.train, "prioritized", None, optimizer="adagrad")
+    for rank in range(2):
+        _assert_runs(prioritized[rank], sync[rank], exact=True)
+
+
+@pytest.mark.parametrize("policy", [None, "fbs"])
+def test_uneven_epoch_ends_train_every_sample_and_stop_together(local_groups, policy):
+    runs = local_groups.get(2).run(
+        pipeline_ranks.train, "prioritized", policy, steps=6, rank_steps={1: 3}
+    )
+    assert [len(r.losses) for r in runs] == [6, 6]  # rank 1 computed (or lent) empty batches
+    assert runs[0].samples == 6 * 8 and runs[1].samples == 3 * 8
+    for run in runs:
+        for got, loaded in zip(run.sample_ids, run.loaded_ids, strict=False):
+            assert torch.equal(got, loaded)
+        assert runs[0].losses == run.losses
+
+
+def test_a_model_without_sharded_embeddings_is_refused(local_groups):
+    for message in local_groups.get(2).run(pipeline_ranks.no_collection):
+        assert "holds no ShardedEmbeddingCollection" in message
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [
+        ("not_per_sample", "the model's loss must be one float per sample"),
+        ("nan", "the loss of step 3 is not finite"),
+        ("id_out_of_range", "is out of range for table 'items'"),
+        ("schema_between_ranks", "batch schema differs from rank 0's"),
+        ("schema_between_steps", "differs from the first batch's"),
+        ("lengths_mismatch", "lengths sum to"),
+    ],
+)
+@pytest.mark.parametrize("mode", ["sync", "prioritized"])
+def test_bad_input_raises_the_same_error_on_every_rank(local_groups, kind, expected, mode):
+    messages = local_groups.get(2).run(pipeline_ranks.refused, kind, mode)
+    assert messages[0] == messages[1], messages
+    assert expected in messages[0], messages[0]
