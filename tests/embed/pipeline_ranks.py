@@ -10,7 +10,13 @@ import torch.distributed as dist
 from torch import nn
 
 from freescale_balance import Balancer, BalancerConfig, JaggedBatch, JaggedTensor
-from freescale_embed import SGD, RowWiseAdagrad, ShardedEmbeddingCollection, TableConfig
+from freescale_embed import (
+    SGD,
+    RowWiseAdagrad,
+    ShardedEmbeddingCollection,
+    TableConfig,
+    checkpoint,
+)
 from freescale_embed.pipeline import PipelineConfig, PipelineError, TrainPipeline
 
 ROWS = 97
@@ -51,11 +57,11 @@ def global_batch(seed: int, step: int, size: int, max_length: int = 24) -> Jagge
     )
 
 
-def local_batches(seed: int, steps: int, global_size: int) -> Iterator[JaggedBatch]:
-    """This rank's slice of each global batch."""
+def local_batches(seed: int, steps: int, global_size: int, start: int = 0) -> Iterator[JaggedBatch]:
+    """This rank's slice of global batches ``start .. steps - 1``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     share = global_size // world
-    for step in range(steps):
+    for step in range(start, steps):
         batch = global_batch(seed, step, global_size)
         yield batch.select(torch.arange(rank * share, (rank + 1) * share))
 
@@ -80,15 +86,20 @@ def train(
     seed: int = 1,
     rank_steps: dict[int, int] | None = None,
     optimizer: str = "sgd",
+    save_to: str | None = None,
+    load_from: str | None = None,
 ) -> Run:
-    """Trains ``TinyRecommender``; ``rank_steps`` gives some ranks fewer batches (uneven ends)."""
+    """Trains ``TinyRecommender`` on global batches up to ``steps``; ``rank_steps`` gives some
+    ranks fewer batches (uneven ends); ``load_from`` resumes from a checkpoint (at its step),
+    ``save_to`` writes one at the end."""
     rank = dist.get_rank()
     model = TinyRecommender(mode, optimizer)
     dense_optimizer = torch.optim.Adam(model.mlp.parameters(), lr=0.01)
     balancer = None if policy is None else Balancer(BalancerConfig(policy=policy))
     pipeline = TrainPipeline(model, dense_optimizer, balancer=balancer)
+    start = 0 if load_from is None else int(checkpoint.load(load_from, pipeline)["step"])
     mine = (rank_steps or {}).get(rank, steps)
-    loaded = list(local_batches(seed, mine, global_size))
+    loaded = list(local_batches(seed, mine, global_size, start))
     iterator = iter(loaded)
     losses, local_losses, sample_ids, reports = [], [], [], 0
     while True:
@@ -100,6 +111,8 @@ def train(
         local_losses.append(out.outputs["loss"])
         sample_ids.append(out.outputs["sample_id"])
         reports += len(out.reports)
+    if save_to is not None:
+        checkpoint.save(save_to, pipeline)
     tables = model.embeddings.state_dict(full=True)
     pipeline.close()
     model.embeddings.close()

@@ -97,3 +97,38 @@ def test_bad_input_raises_the_same_error_on_every_rank(local_groups, kind, expec
     messages = local_groups.get(2).run(pipeline_ranks.refused, kind, mode)
     assert messages[0] == messages[1], messages
     assert expected in messages[0], messages[0]
+
+
+@pytest.mark.parametrize(("mode", "policy"), [("prioritized", "fbs"), ("sync", None)])
+def test_resume_on_the_same_world_size_is_bitwise(local_groups, tmp_path, mode, policy):
+    group = local_groups.get(2)
+    whole = group.run(pipeline_ranks.train, mode, policy, optimizer="adagrad")
+    directory = str(tmp_path / "checkpoint")
+    first = group.run(
+        pipeline_ranks.train, mode, policy, steps=4, optimizer="adagrad", save_to=directory
+    )
+    rest = group.run(pipeline_ranks.train, mode, policy, optimizer="adagrad", load_from=directory)
+    for rank in range(2):
+        assert first[rank].losses + rest[rank].losses == whole[rank].losses
+        for key in whole[rank].tables:
+            assert torch.equal(rest[rank].tables[key], whole[rank].tables[key]), key
+        for key in whole[rank].dense:
+            assert torch.equal(rest[rank].dense[key], whole[rank].dense[key]), key
+
+
+def test_resume_on_another_world_size_continues_the_same_global_batches(local_groups, tmp_path):
+    directory = str(tmp_path / "checkpoint")
+    whole = local_groups.get(4).run(pipeline_ranks.train, "prioritized", "kk", optimizer="adagrad")
+    local_groups.get(4).run(
+        pipeline_ranks.train, "prioritized", "kk", steps=4, optimizer="adagrad", save_to=directory
+    )
+    rest = local_groups.get(2).run(
+        pipeline_ranks.train, "prioritized", "kk", optimizer="adagrad", load_from=directory
+    )
+    torch.testing.assert_close(
+        torch.tensor(rest[0].losses), torch.tensor(whole[0].losses[4:]), **_CLOSE
+    )
+    for key in whole[0].tables:
+        torch.testing.assert_close(rest[0].tables[key], whole[0].tables[key], **_CLOSE)
+    for key in whole[0].dense:
+        torch.testing.assert_close(rest[0].dense[key], whole[0].dense[key], **_CLOSE)

@@ -45,6 +45,15 @@ class AlphaAutoTuner:
         self.alpha = self.config.initial_alpha
         self._history: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=self.config.window)
 
+    def state_dict(self) -> dict[str, object]:
+        """The exponent and the window of measured steps (for checkpoints)."""
+        return {"alpha": self.alpha, "history": [(p.copy(), t.copy()) for p, t in self._history]}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.alpha = float(state["alpha"])  # type: ignore[arg-type]
+        self._history.clear()
+        self._history.extend(state["history"])  # type: ignore[arg-type]
+
     @property
     def grid(self) -> np.ndarray:
         config = self.config

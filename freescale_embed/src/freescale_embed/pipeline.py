@@ -269,6 +269,11 @@ class TrainPipeline:
             reports += self._flush()
         return StepOutput(self.step, outputs, loss, reports)
 
+    @property
+    def status_group(self) -> dist.ProcessGroup:
+        """The Gloo group of the training thread's own exchanges (checkpoints coordinate on it)."""
+        return self._status_group
+
     def close(self) -> None:
         """Stops the background thread and frees the pipeline's groups (not the collections)."""
         self._worker.shutdown(wait=True)
