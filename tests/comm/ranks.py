@@ -378,6 +378,63 @@ def bad_inputs() -> list[str]:
     return messages
 
 
+def repeated_shapes(rounds: int) -> int:
+    """Calls of one shape again and again (plans from the group's cache), with fresh and reused
+    tensors, an in-place AllGather between ordinary ones of the same shapes, strided tensors
+    and uneven splits; every result checked. Returns the number of collectives."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    count = 0
+    reused_in = torch.empty(n * 3)
+    reused_out = torch.empty(n * 3)
+    for i in range(rounds):
+        # all_to_all_single, fresh tensors and reused ones.
+        for fresh in (True, False):
+            x = torch.arange(n * 3, dtype=torch.float32) + 1000 * rank + i
+            inp = x if fresh else reused_in.copy_(x)
+            out = torch.empty(n * 3) if fresh else reused_out
+            dist.all_to_all_single(out, inp)
+            want = torch.cat(
+                [
+                    torch.arange(3 * rank, 3 * rank + 3, dtype=torch.float32) + 1000 * r + i
+                    for r in range(n)
+                ]
+            )
+            _same(out, want, f"round {i} a2a fresh={fresh}")
+            count += 1
+        # Uneven splits of one shape: rank r sends r + j + 1 rows to rank j.
+        send = [rank + j + 1 for j in range(n)]
+        recv = [j + rank + 1 for j in range(n)]
+        inp = torch.cat([torch.full((send[j], 2), float(100 * rank + j + i)) for j in range(n)])
+        out = torch.empty(sum(recv), 2, dtype=torch.float32)
+        dist.all_to_all_single(out, inp, recv, send)
+        want = torch.cat([torch.full((recv[j], 2), float(100 * j + rank + i)) for j in range(n)])
+        _same(out, want, f"round {i} uneven a2a")
+        # AllGather into a tensor: ordinary, in place (input inside the output), ordinary.
+        for in_place in (False, True, False):
+            out = torch.full((n * 4,), -1.0)
+            mine = torch.full((4,), float(rank + 10 * i))
+            if in_place:
+                out.view(n, 4)[rank].copy_(mine)
+                mine = out.view(n, 4)[rank]
+            dist.all_gather_into_tensor(out, mine)
+            want = torch.cat([torch.full((4,), float(r + 10 * i)) for r in range(n)])
+            _same(out, want, f"round {i} all_gather in_place={in_place}")
+            count += 1
+        # List forms, and a strided input (not cached: staged through a contiguous copy).
+        outs = [torch.empty(2, 3, dtype=torch.bfloat16) for _ in range(n)]
+        mine = (torch.arange(6, dtype=torch.bfloat16).view(3, 2) + rank + i).t()
+        dist.all_gather(outs, mine)
+        for r in range(n):
+            _same(outs[r], (torch.arange(6, dtype=torch.bfloat16).view(3, 2) + r + i).t(), "ag")
+        ins = [torch.full((j + 1,), rank * 10 + j + i, dtype=torch.int64) for j in range(n)]
+        outs = [torch.empty(rank + 1, dtype=torch.int64) for _ in range(n)]
+        dist.all_to_all(outs, ins)
+        for j in range(n):
+            _same(outs[j], torch.full((rank + 1,), j * 10 + rank + i, dtype=torch.int64), "a2a")
+        count += 4
+    return count
+
+
 def new_user_mistakes() -> list[str]:
     """A meta tensor on one rank and a negative split: the same validation error on every rank
     at once (no rank left waiting for the timeout), and the group still works afterwards."""

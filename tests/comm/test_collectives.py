@@ -23,3 +23,8 @@ def test_random_cases_ring_and_without_validation(local_groups):
         },
     )
     assert group.run(ranks.run_random_cases, 2, 30, False, timeout_s=120) == [30] * 4
+
+
+def test_repeated_shapes_from_the_plan_cache(fs_group):
+    n = fs_group.spec.world_size
+    assert fs_group.run(ranks.repeated_shapes, 4, timeout_s=120) == [36] * n

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from freescale_comm import FreescaleOptions
 from freescale_comm.transport import MAX_SUB, make_tag
@@ -159,3 +160,64 @@ def test_own_piece_already_in_place_is_not_copied():
         )
         apart = algorithms.all_gather_into_tensor("ag", rank, n, [out], [torch.ones(6)], options)
         assert in_place.local_copies == [] and len(apart.local_copies) == 1
+
+
+def _described(plan):
+    return (
+        [
+            (t.peer, t.sub, t.send, t.chunk, bytes(t.buffer), t.after is not None)
+            for t in plan.transfers
+        ],
+        [(bytes(d), bytes(s)) for d, s in plan.local_copies],
+        plan.signature,
+        plan.forwarding,
+    )
+
+
+@pytest.mark.parametrize("allgather", ["direct", "ring"])
+def test_a_cached_plan_is_the_plan_that_would_be_built(allgather):
+    from freescale_comm import algorithms
+
+    options = FreescaleOptions(allgather=allgather, chunk_bytes=8)
+    n, rank = 4, 1
+    cache = algorithms.PlanCache()
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        inp = torch.randint(0, 100, (10, 3), generator=gen)
+        out = torch.empty(10, 3, dtype=torch.int64)
+        splits_in, splits_out = [1, 2, 3, 4], [3, 2, 4, 1]
+        for _ in range(2):
+            cached = algorithms.all_to_all_single(
+                "a2a", rank, n, out, inp, splits_out, splits_in, cache
+            )
+            built = algorithms.all_to_all_single("a2a", rank, n, out, inp, splits_out, splits_in)
+            assert _described(cached) == _described(built)
+        assert cached.template is not None
+        x = torch.randn(5, generator=gen)
+        gathered = torch.empty(n * 5)
+        for _ in range(2):
+            cached = algorithms.all_gather_into_tensor(
+                "ag", rank, n, [gathered], [x], options, cache
+            )
+            built = algorithms.all_gather_into_tensor("ag", rank, n, [gathered], [x], options)
+            assert _described(cached) == _described(built)
+        assert cached.template is not None
+
+
+def test_strided_overlapping_and_bad_calls_are_not_cached():
+    from freescale_comm import algorithms
+
+    options = FreescaleOptions()
+    cache = algorithms.PlanCache()
+    out = torch.empty(8)
+    for _ in range(2):  # in place: the input is this rank's slot of the output
+        plan = algorithms.all_gather_into_tensor("ag", 1, 2, [out], [out[4:]], options, cache)
+        assert plan.template is None and not plan.local_copies
+    strided = torch.empty(4, 2).t()
+    for _ in range(2):
+        plan = algorithms.all_to_all_single("a2a", 0, 2, torch.empty(2, 4), strided, [], [], cache)
+        assert plan.template is None
+        plan = algorithms.all_to_all_single(
+            "a2a", 0, 2, torch.empty(4), torch.empty(4), [], [5, -1], cache
+        )
+        assert plan.template is None and "negative" in plan.signature.error

@@ -19,6 +19,8 @@ raise here: they go into the plan's signature, so that every rank learns of them
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -81,6 +83,8 @@ class Plan:
     result: list[torch.Tensor] = field(default_factory=list)
     forwarding: bool = False
     staged: bool = False
+    template: Template | None = None
+    keep: Sequence[torch.Tensor] = ()
 
     @property
     def on_cuda(self) -> bool:
@@ -95,6 +99,150 @@ class Plan:
             if tensor.is_cuda:
                 return tensor.device.index
         return torch.cuda.current_device()
+
+
+@dataclass(eq=False)
+class Template:
+    """What a plan of one call shape always is, kept so that the next call of that shape does
+    not build it again (``PlanCache``): the signature and its encoded header, and every message
+    and local copy as (tensor index, byte range) of the call's tensors. Collectives keep beside
+    it what they derive from the plan alone (which messages fold into headers, tables of
+    headers already judged consistent)."""
+
+    signature: Signature
+    header: np.ndarray
+    # (peer, tensor, lo, hi, sub, send, index of the receive it forwards or -1, chunk)
+    messages: list[tuple[int, int, int, int, int, bool, int, int]]
+    copies: list[tuple[int, int, int, int, int, int]]  # (dst tensor, lo, hi, src tensor, lo, hi)
+    forwarding: bool
+    views: list[Any]  # per tensor: the ctypes array type of its bytes (None: empty)
+    derived: dict[Any, Any] = field(default_factory=dict)
+
+    def plan(self, tensors: Sequence[torch.Tensor], result: list[torch.Tensor]) -> Plan:
+        """The plan of this shape over the call's own (contiguous CPU) tensors."""
+        flats = [
+            np.frombuffer(view.from_address(t.data_ptr()), dtype=np.uint8)
+            if view is not None
+            else _EMPTY
+            for view, t in zip(self.views, tensors, strict=True)
+        ]
+        transfers: list[Transfer] = []
+        append = transfers.append
+        for peer, which, lo, hi, sub, send, after, chunk in self.messages:
+            append(
+                Transfer(
+                    peer,
+                    flats[which][lo:hi],
+                    sub,
+                    send,
+                    transfers[after] if after >= 0 else None,
+                    chunk,
+                )
+            )
+        copies = [(flats[d][a:b], flats[s][c:e]) for d, a, b, s, c, e in self.copies]
+        return Plan(
+            self.signature,
+            transfers,
+            copies,
+            result=result,
+            forwarding=self.forwarding,
+            template=self,
+            keep=tensors,
+        )
+
+
+_EMPTY = np.empty(0, dtype=np.uint8)
+_CACHE_ENTRIES = 256
+
+
+class PlanCache:
+    """A group's templates by call shape (op, the tensors' shapes and dtypes, splits).
+
+    Only calls whose tensors are all contiguous, on the CPU and without overlapping memory are
+    cached (a strided tensor needs a staging copy per call; an in-place AllGather skips a copy
+    that another call of the same shapes needs). Bounded: cleared when full.
+    """
+
+    def __init__(self) -> None:
+        self._templates: dict[Any, Template | None] = {}
+
+    @staticmethod
+    def key(op: str, tensors: Sequence[torch.Tensor], extra: Any) -> Any:
+        """The call's shape, or None when it must not be cached."""
+        spans = []
+        for t in tensors:
+            if not t.is_cpu or not t.is_contiguous() or t.layout != torch.strided:
+                return None
+            nbytes = t.nbytes
+            if nbytes:
+                start = t.data_ptr()
+                spans.append((start, start + nbytes))
+        spans.sort()
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            if start < end:
+                return None
+        return (op, extra, *((t.shape, t.dtype) for t in tensors))
+
+    def get(self, key: Any) -> Template | None:
+        return self._templates.get(key) if key is not None else None
+
+    def remember(self, key: Any, plan: Plan, tensors: Sequence[torch.Tensor], n: int) -> None:
+        """Keeps ``plan`` (built over ``tensors``) as the template of ``key``, if it maps."""
+        if key is None or plan.signature.error or plan.copy_back:
+            return
+        if len(self._templates) >= _CACHE_ENTRIES:
+            self._templates.clear()
+        spans = [(t.data_ptr(), t.nbytes) for t in tensors]
+
+        def locate(buffer: np.ndarray) -> tuple[int, int, int]:
+            start = address(buffer)
+            found = [
+                (k, start - base, start - base + len(buffer))
+                for k, (base, size) in enumerate(spans)
+                if size and base <= start and start + len(buffer) <= base + size
+            ]
+            if len(found) != 1:
+                raise LookupError
+            return found[0]
+
+        try:
+            index = {id(t): k for k, t in enumerate(plan.transfers)}
+            messages = [
+                (
+                    t.peer,
+                    *locate(t.buffer),
+                    t.sub,
+                    t.send,
+                    index[id(t.after)] if t.after is not None else -1,
+                    t.chunk,
+                )
+                for t in plan.transfers
+            ]
+            copies = [(*locate(dst), *locate(src)) for dst, src in plan.local_copies]
+        except LookupError:  # a buffer outside the call's tensors (a staging copy)
+            self._templates[key] = None
+            return
+        views = [ctypes.c_uint8 * size if size else None for _, size in spans]
+        self._templates[key] = Template(
+            plan.signature, plan.signature.encode(n), messages, copies, plan.forwarding, views
+        )
+        plan.template = self._templates[key]
+        plan.keep = tensors
+
+
+def _cached(
+    cache: PlanCache | None,
+    op: str,
+    tensors: Sequence[torch.Tensor],
+    extra: Any,
+    result: list[torch.Tensor],
+) -> tuple[Any, Plan | None]:
+    """(key, the plan from the cached template or None) of a call."""
+    if cache is None:
+        return None, None
+    key = cache.key(op, tensors, extra)
+    template = cache.get(key)
+    return key, template.plan(tensors, result) if template is not None else None
 
 
 def flat_bytes(tensor: torch.Tensor) -> Bytes:
@@ -214,7 +362,7 @@ def _exchange(
         _copy_own(plan, recv[rank], send[rank])
 
 
-def all_to_all_single(
+def _build_all_to_all_single(
     op: str,
     rank: int,
     world_size: int,
@@ -263,7 +411,7 @@ def all_to_all_single(
     return plan
 
 
-def all_to_all(
+def _build_all_to_all(
     op: str,
     rank: int,
     world_size: int,
@@ -289,7 +437,7 @@ def all_to_all(
     return plan
 
 
-def all_gather(
+def _build_all_gather(
     op: str,
     rank: int,
     world_size: int,
@@ -313,7 +461,7 @@ def all_gather(
     )
 
 
-def all_gather_into_tensor(
+def _build_all_gather_into_tensor(
     op: str,
     rank: int,
     world_size: int,
@@ -426,3 +574,83 @@ def _ring(
                 Transfer(right, forward[lo:hi], sub, send=True, after=after, chunk=c)
             )
         previous = current
+
+
+def all_to_all_single(
+    op: str,
+    rank: int,
+    world_size: int,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int],
+    input_split_sizes: Sequence[int],
+    cache: PlanCache | None = None,
+) -> Plan:
+    """Plan of ``all_to_all_single``: rows of dim 0 split by peer (empty splits: even)."""
+    tensors = (input, output)
+    extra = (tuple(output_split_sizes), tuple(input_split_sizes))
+    key, plan = _cached(cache, op, tensors, extra, [output])
+    if plan is None:
+        plan = _build_all_to_all_single(
+            op, rank, world_size, output, input, output_split_sizes, input_split_sizes
+        )
+        if key is not None:
+            cache.remember(key, plan, tensors, world_size)
+    return plan
+
+
+def all_to_all(
+    op: str,
+    rank: int,
+    world_size: int,
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    cache: PlanCache | None = None,
+) -> Plan:
+    """Plan of ``all_to_all`` (lists): ``inputs[p]`` goes to peer p, ``outputs[p]`` from it."""
+    tensors = (*inputs, *outputs)
+    key, plan = _cached(cache, op, tensors, len(inputs), list(outputs))
+    if plan is None:
+        plan = _build_all_to_all(op, rank, world_size, outputs, inputs)
+        if key is not None:
+            cache.remember(key, plan, tensors, world_size)
+    return plan
+
+
+def all_gather(
+    op: str,
+    rank: int,
+    world_size: int,
+    outputs: Sequence[Sequence[torch.Tensor]],
+    inputs: Sequence[torch.Tensor],
+    options: FreescaleOptions,
+    cache: PlanCache | None = None,
+) -> Plan:
+    """Plan of one or more list AllGathers: ``outputs[k][p]`` receives rank p's ``inputs[k]``."""
+    result = [t for slots in outputs for t in slots]
+    tensors = (*inputs, *result)
+    key, plan = _cached(cache, op, tensors, tuple(len(s) for s in outputs), result)
+    if plan is None:
+        plan = _build_all_gather(op, rank, world_size, outputs, inputs, options)
+        if key is not None:
+            cache.remember(key, plan, tensors, world_size)
+    return plan
+
+
+def all_gather_into_tensor(
+    op: str,
+    rank: int,
+    world_size: int,
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    options: FreescaleOptions,
+    cache: PlanCache | None = None,
+) -> Plan:
+    """Plan of one or more AllGathers into single tensors of ``world_size`` times the input."""
+    tensors = (*inputs, *outputs)
+    key, plan = _cached(cache, op, tensors, len(inputs), list(outputs))
+    if plan is None:
+        plan = _build_all_gather_into_tensor(op, rank, world_size, outputs, inputs, options)
+        if key is not None:
+            cache.remember(key, plan, tensors, world_size)
+    return plan

@@ -83,12 +83,15 @@ class ProcessGroupFreescale(dist.ProcessGroup):
                 group._register_backend(device, kind, backend)
             group._set_default_backend(default)
         self._ctx = GroupContext(store, rank, size, timeout, options)
+        self._rank_size = (rank, size)
+        # Plans by call shape: a call of a shape seen before skips building its plan.
+        self._plans = algorithms.PlanCache()
 
     def name(self) -> str:
         return BACKEND_NAME
 
     def _rs(self) -> tuple[int, int]:
-        return self.rank(), self.size()
+        return self._rank_size
 
     def _staged(self) -> bool:
         """Whether CUDA tensors take the staged path (``cuda_path``, or what UCX can do)."""
@@ -118,7 +121,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         """``dist.all_gather``: ``output_tensors[0][p]`` receives rank p's ``input_tensors[0]``."""
         return self._own(
             algorithms.all_gather(
-                "all_gather", *self._rs(), output_tensors, input_tensors, self.options
+                "all_gather", *self._rs(), output_tensors, input_tensors, self.options, self._plans
             ),
             opts,
         )
@@ -132,7 +135,12 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         """``dist.all_gather_coalesced``: one list AllGather per input, in one collective."""
         return self._own(
             algorithms.all_gather(
-                "all_gather_coalesced", *self._rs(), output_lists, input_list, self.options
+                "all_gather_coalesced",
+                *self._rs(),
+                output_lists,
+                input_list,
+                self.options,
+                self._plans,
             ),
             opts,
         )
@@ -143,7 +151,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         """``dist.all_gather_into_tensor`` (torch 2.13 name)."""
         return self._own(
             algorithms.all_gather_into_tensor(
-                "all_gather_into_tensor", *self._rs(), [output], [input], self.options
+                "all_gather_into_tensor", *self._rs(), [output], [input], self.options, self._plans
             ),
             opts,
         )
@@ -168,6 +176,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
                 list(outputs),
                 list(inputs),
                 self.options,
+                self._plans,
             ),
             opts,
         )
@@ -199,6 +208,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
                 input,
                 output_split_sizes,
                 input_split_sizes,
+                self._plans,
             ),
             opts,
         )
@@ -223,7 +233,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         """``dist.all_to_all`` (lists): ``input_tensors[p]`` goes to rank p."""
         return self._own(
             algorithms.all_to_all(
-                "all_to_all", *self._rs(), list(output_tensors), list(input_tensors)
+                "all_to_all", *self._rs(), list(output_tensors), list(input_tensors), self._plans
             ),
             opts,
         )

@@ -1,0 +1,168 @@
+"""Host work of one small freescale collective on the CPU: time per call and where it goes.
+
+Two (or more) local ranks run back-to-back 8-byte ``all_to_all_single`` and
+``all_gather_into_tensor`` calls on CPU tensors, freescale and a Gloo group in the same
+processes, blocks of calls alternating; the figure is the median over blocks of the slower
+rank's time per call. With ``--profile`` rank 0 also runs the loop under cProfile and prints
+the functions with the most own time, and the time from entering the call to the first posted
+message (the host work before anything leaves).
+
+    python benchmarks/comm_host_profile.py [--ranks 2] [--calls 2000] [--blocks 9] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import multiprocessing
+import os
+import pstats
+import statistics
+import time
+from datetime import timedelta
+from typing import Any
+
+
+def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    import freescale_comm
+
+    torch.set_num_threads(1)
+    freescale_comm.register()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    timeout = timedelta(seconds=60)
+    dist.init_process_group(
+        "freescale", store=store, rank=rank, world_size=args.ranks, timeout=timeout
+    )
+    gloo = dist.new_group(backend="gloo", timeout=timeout)
+    n = args.ranks
+    inp = torch.arange(2 * n, dtype=torch.float32)  # 8 bytes per peer
+    out = torch.empty_like(inp)
+    ag_in = torch.ones(2)
+    ag_out = torch.empty(2 * n)
+    calls = {
+        "all_to_all": lambda g: dist.all_to_all_single(out, inp, group=g),
+        "all_gather": lambda g: dist.all_gather_into_tensor(ag_out, ag_in, group=g),
+    }
+    report: dict[str, Any] = {}
+    for op, call in calls.items():
+        for backend in (None, gloo):
+            for _ in range(200):
+                call(backend)
+        times: dict[str, list[float]] = {"freescale": [], "gloo": []}
+        for block in range(args.blocks):
+            order = [("freescale", None), ("gloo", gloo)]
+            for name, backend in order if block % 2 == 0 else order[::-1]:
+                dist.barrier(group=gloo)
+                start = time.perf_counter()
+                for _ in range(args.calls):
+                    call(backend)
+                times[name].append((time.perf_counter() - start) / args.calls)
+        t = torch.tensor(times["freescale"] + times["gloo"], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
+        slow = t.tolist()
+        fs, gl = slow[: args.blocks], slow[args.blocks :]
+        report[op] = {
+            "freescale_us": statistics.median(fs) * 1e6,
+            "gloo_us": statistics.median(gl) * 1e6,
+            "freescale_blocks_us": [round(x * 1e6, 1) for x in fs],
+            "gloo_blocks_us": [round(x * 1e6, 1) for x in gl],
+        }
+    if args.profile:
+        report["profile"] = _profile(rank, calls, args.calls)
+    if rank == 0:
+        queue.put(report)
+    dist.destroy_process_group()
+
+
+def _profile(rank: int, calls: dict[str, Any], count: int) -> dict[str, Any]:
+    """cProfile of rank 0's freescale loop, and the time to the first posted message."""
+    from freescale_comm.transport import Transport
+
+    first: list[float] = []
+    started = [0.0]
+    transport = Transport._instance
+    send, recv = transport.send, transport.recv
+
+    def mark(post: Any) -> Any:
+        def posted(*a: Any) -> Any:
+            if started[0]:
+                first.append(time.perf_counter() - started[0])
+                started[0] = 0.0
+            return post(*a)
+
+        return posted
+
+    transport.send, transport.recv = mark(send), mark(recv)
+    out: dict[str, Any] = {}
+    for op, call in calls.items():
+        first.clear()
+        for _ in range(count):
+            started[0] = time.perf_counter()
+            call(None)
+        out[f"{op}_first_post_us"] = statistics.median(first) * 1e6
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(count):
+            call(None)
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
+        out[f"{op}_profile"] = text.getvalue() if rank == 0 else ""
+    transport.send, transport.recv = send, recv
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--blocks", type=int, default=9)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    import torch.distributed as dist
+
+    spawn = multiprocessing.get_context("spawn")
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    queue = spawn.Queue()
+    procs = [
+        spawn.Process(target=_rank, args=(r, args, store.port, queue), daemon=True)
+        for r in range(args.ranks)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        report = queue.get(timeout=600)
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    profile = report.pop("profile", {})
+    for key, value in profile.items():
+        if key.endswith("_us"):
+            print(f"{key}: {value:.1f}")
+        else:
+            print(f"--- {key} ---\n{value}")
+    for op in ("all_to_all", "all_gather"):
+        r = report[op]
+        print(
+            f"{op} 8 B/peer, {args.ranks} ranks: freescale {r['freescale_us']:.1f} us, "
+            f"gloo {r['gloo_us']:.1f} us, ratio {r['freescale_us'] / r['gloo_us']:.2f}"
+        )
+    if args.json:
+        report.update({k: v for k, v in profile.items() if k.endswith("_us")})
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), **report}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
