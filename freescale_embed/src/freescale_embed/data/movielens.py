@@ -21,11 +21,11 @@ import torch
 from freescale_balance import JaggedBatch, JaggedTensor
 from freescale_embed.data.synthetic import (
     counter_integers,
-    eval_batch,
     eval_candidates,
     eval_users,
     global_batch_stream,
-    training_batch,
+    make_eval_batch,
+    make_training_batch,
 )
 
 _NEGATIVE, _CANDIDATE = 100, 101  # counter streams, apart from the synthetic data's
@@ -176,7 +176,7 @@ def movielens_batches(
             high=data.num_items,
         )
         history = data.history(users, config.max_history)
-        return training_batch(history, negatives, users, sample_ids)
+        return make_training_batch(history, negatives, users, sample_ids)
 
     return global_batch_stream(
         data.num_users,
@@ -210,6 +210,6 @@ def movielens_eval_batches(
             [data.items[ends[user] - data.lengths[user] : ends[user]] for user in users],
             data.num_items,
         )
-        return eval_batch(data.history(users, config.max_history), candidates, users)
+        return make_eval_batch(data.history(users, config.max_history), candidates, users)
 
     return (make_batch(users) for users in eval_users(data.num_users, rank, world_size, batch_size))

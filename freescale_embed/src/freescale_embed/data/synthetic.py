@@ -27,9 +27,8 @@ from freescale_balance import JaggedBatch, JaggedTensor
 from freescale_balance.simulate import LengthDistribution
 
 # Counter streams: one per kind of random choice, so that no two kinds reuse a hash value.
-(_ORDER, _LENGTHS, _POPULARITY, _TARGETS, _TRANSITION, _FOLLOW, _ITEM, _NEGATIVE, _CANDIDATE) = (
-    range(9)
-)
+_ORDER, _LENGTHS, _POPULARITY, _TARGETS, _TRANSITION = range(5)
+_FOLLOW, _ITEM, _NEGATIVE, _CANDIDATE = range(5, 9)
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -233,7 +232,7 @@ def eval_users(num_users: int, rank: int, world_size: int, batch_size: int) -> I
         yield mine[begin : begin + batch_size]
 
 
-def training_batch(
+def make_training_batch(
     history: JaggedTensor, negatives: np.ndarray, users: np.ndarray, sample_ids: np.ndarray
 ) -> JaggedBatch:
     """The training batch schema: ``history``, ``negatives`` (``[B, K]``), ``sample_id``,
@@ -251,7 +250,9 @@ def training_batch(
     )
 
 
-def eval_batch(history: JaggedTensor, candidates: np.ndarray, users: np.ndarray) -> JaggedBatch:
+def make_eval_batch(
+    history: JaggedTensor, candidates: np.ndarray, users: np.ndarray
+) -> JaggedBatch:
     """The evaluation batch schema: ``history``, ``candidates`` (``[B, 101]``, the held-out item
     first), ``sample_id`` and ``user_id`` (both the user)."""
     batch_size, width = candidates.shape
@@ -370,7 +371,7 @@ class SyntheticDataset:
             np.arange(config.num_negatives)[None, :],
             high=config.num_items,
         )
-        return training_batch(self.history(samples), negatives, samples, sample_ids)
+        return make_training_batch(self.history(samples), negatives, samples, sample_ids)
 
     def eval_batch(self, users: np.ndarray) -> JaggedBatch:
         """The evaluation batch of ``users``: whole training histories and 101 candidates."""
@@ -388,7 +389,7 @@ class SyntheticDataset:
         keep = np.ones(items.size, dtype=bool)
         keep[ends - 1] = False
         history = JaggedTensor(torch.from_numpy(items[keep]), torch.from_numpy(lengths - 1))
-        return eval_batch(history, candidates, np.asarray(users, dtype=np.int64))
+        return make_eval_batch(history, candidates, np.asarray(users, dtype=np.int64))
 
 
 def synthetic_batches(

@@ -202,21 +202,23 @@ class SASRec(nn.Module):
         positive = (hidden * targets).sum(-1)
         negative_rows = fixed_width(negatives, "negatives")
         negative_ids = fixed_width(batch.features["negatives"], "negatives")
-        counts = (lengths - 1).tolist()
-        losses = []
-        for h, pos, target, neg_rows, neg_ids in zip(
-            hidden.split(counts),
-            positive.split(counts),
-            target_ids.split(counts),
-            negative_rows,
-            negative_ids,
-            strict=True,
-        ):
-            collides = neg_ids[None, :] == target[:, None]
-            logits = (h @ neg_rows.T).masked_fill(collides, -math.inf)
-            logits = torch.cat([pos[:, None], logits], dim=1)
-            losses.append((torch.logsumexp(logits, dim=1) - pos).sum())
-        return torch.stack(losses)
+        counts = lengths - 1
+        sample = torch.repeat_interleave(
+            torch.arange(len(counts), device=ids.device), counts, output_size=hidden.shape[0]
+        )
+        # One product per sample with its own negatives: exact work, and a sample's logits
+        # are computed the same way whatever else is in the batch.
+        negative_logits = torch.cat(
+            [
+                h @ rows.T
+                for h, rows in zip(hidden.split(counts.tolist()), negative_rows, strict=True)
+            ]
+        )
+        collides = negative_ids[sample] == target_ids[:, None]
+        logits = torch.cat(
+            [positive[:, None], negative_logits.masked_fill(collides, -math.inf)], dim=1
+        )
+        return _per_sample_sums(torch.logsumexp(logits, dim=1) - positive, sample, counts)
 
     @torch.no_grad()
     def score(self, batch: JaggedBatch, item_weights: torch.Tensor) -> torch.Tensor:
@@ -243,6 +245,16 @@ class SASRec(nn.Module):
         # a gradient) and the collection's backward exchange: a zero that depends on all.
         anchor = sum(p.sum() for p in self.parameters()) + sum(e.sum() for e in embedded)
         return torch.zeros(0, device=embedded[0].device) + 0 * anchor
+
+
+def _per_sample_sums(
+    values: torch.Tensor, sample: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    # Padded to [B, longest] (one float per position) and summed along rows: deterministic on
+    # every device, where CUDA's index_add_ would add with atomics in a varying order.
+    within = torch.arange(values.shape[0], device=values.device) - _offsets(counts)[sample]
+    padded = values.new_zeros(counts.numel(), int(counts.max()))
+    return padded.index_put((sample, within), values).sum(1)
 
 
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:
