@@ -17,6 +17,7 @@ COMPONENTS = {
     "comm": ("freescale-comm", "the SM-free torch.distributed backend"),
     "embed": ("freescale-embed", "sharded sequence embeddings with prioritized updates"),
     "kernels": ("freescale-kernels", "Triton kernels for jagged data movement"),
+    "train": ("freescale-embed", "train a sequence recommender end to end, baseline vs FreeScale"),
 }
 
 

@@ -9,7 +9,7 @@ Per step t, on every rank::
                         forward(t) -> per-sample losses -> [status: loss shape, finite, loss sum]
                         backward (embedding updates; DDP all-reduce of dense gradients, summed)
                         dense optimizer step
-                        per-sample outputs back to the ranks that loaded them (Balancer.unshuffle)
+    background thread   per-sample outputs of t back to the ranks that loaded them (unshuffle)
 
 Every collective of the balancer and of the input exchange is issued by the one background
 thread, in the order the training thread submits the work, so the ranks' collectives pair
@@ -26,7 +26,7 @@ import resource
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -82,17 +82,31 @@ class StepOutput:
 
     Attributes:
         step: 1-based step of the pipeline.
-        outputs: per-sample outputs of the samples this rank loaded, in loaded order
-            (``"loss"`` and whatever else the model returned), detached, on the CPU.
         loss: this step's loss (the global sum of per-sample losses over the global weight).
         reports: the reports that became complete with this step (the previous step's; at the
             end of the data also this one's).
     """
 
     step: int
-    outputs: dict[str, torch.Tensor]
     loss: float
-    reports: list[StepReport] = field(default_factory=list)
+    reports: list[StepReport]
+    _outputs: concurrent.futures.Future[dict[str, torch.Tensor]]
+    _timeout_s: float
+
+    @property
+    def outputs(self) -> dict[str, torch.Tensor]:
+        """Per-sample outputs of the samples this rank loaded, in loaded order (``"loss"`` and
+        whatever else the model returned), detached, on the CPU.
+
+        With a balancer they travel back on the background thread while the next step runs;
+        reading them waits for their arrival.
+        """
+        try:
+            return self._outputs.result(timeout=self._timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise PipelineError(
+                f"step {self.step}'s outputs did not come back within {self._timeout_s:.0f} s"
+            ) from None
 
 
 @dataclass
@@ -253,7 +267,7 @@ class TrainPipeline:
         assert current.batch is not None
         self.step += 1
         loss, outputs = self._train(current, times)
-        outputs = self._return_outputs(outputs, current.plan, times)
+        returned = self._return_outputs(outputs, current.plan)
         if self.device.type == "cuda":
             # Step times must cover the work queued on the GPU, not only its launch.
             torch.cuda.current_stream(self.device).synchronize()
@@ -267,7 +281,7 @@ class TrainPipeline:
         self._pending, self._pending_loss = times, loss
         if following.exhausted:
             reports += self._flush()
-        return StepOutput(self.step, outputs, loss, reports)
+        return StepOutput(self.step, loss, reports, returned, self.config.timeout.total_seconds())
 
     @property
     def status_group(self) -> dist.ProcessGroup:
@@ -500,17 +514,17 @@ class TrainPipeline:
         return self._take_reports()
 
     def _return_outputs(
-        self, outputs: dict[str, torch.Tensor], plan: ShufflePlan | None, times: RankStep
-    ) -> dict[str, torch.Tensor]:
+        self, outputs: dict[str, torch.Tensor], plan: ShufflePlan | None
+    ) -> concurrent.futures.Future[dict[str, torch.Tensor]]:
         outputs = {k: v.cpu() for k, v in outputs.items()}
         if plan is None or self.balancer is None:
-            return outputs
-        started = time.perf_counter()
-        restored = self._worker.submit(
-            self.balancer.unshuffle, JaggedBatch(dense=outputs), plan
-        ).result(timeout=self.config.timeout.total_seconds())
-        times.output_wait_s += time.perf_counter() - started
-        return dict(restored.dense)
+            done: concurrent.futures.Future[dict[str, torch.Tensor]] = concurrent.futures.Future()
+            done.set_result(outputs)
+            return done
+        balancer = self.balancer
+        return self._worker.submit(
+            lambda: dict(balancer.unshuffle(JaggedBatch(dense=outputs), plan).dense)
+        )
 
     def _measure(self, times: RankStep) -> None:
         for name, collection in self.collections.items():

@@ -5,7 +5,7 @@ next step's status exchange, and ``StepReport.of`` turns them into the step's fi
 
 - ``step_s``: the slowest rank's wall time;
 - ``compute_s``: per rank, wall time minus the time the training thread waited (for its input,
-  for embedding collectives, for the dense all-reduce, for the status exchange, for outputs);
+  for embedding collectives, for the dense all-reduce, for the status exchange);
 - ``straggler_pct = (max - mean) / max`` of ``compute_s``, and ``straggler_wait_s = max - mean``:
   what the ranks idle on average because one computes longer;
 - exposed communication, per kind, as the waits of the rank that computed longest: that rank
@@ -32,7 +32,6 @@ class RankStep:
             embedding prefetch thread (the collections' ``exposed_comm_s``).
         dense_allreduce_wait_s: backward waiting for the dense gradients' all-reduce (DDP).
         status_wait_s: the status exchange before backward (loss shape, finite loss).
-        output_wait_s: waiting for per-sample outputs to come back to their source ranks.
         samples: samples this rank computed.
         tokens: weight units (tokens, or samples) this rank computed.
         embedding_bytes: bytes the embedding collections sent during the step.
@@ -47,7 +46,6 @@ class RankStep:
     embedding_wait_s: float = 0.0
     dense_allreduce_wait_s: float = 0.0
     status_wait_s: float = 0.0
-    output_wait_s: float = 0.0
     samples: float = 0.0
     tokens: float = 0.0
     embedding_bytes: float = 0.0
@@ -63,7 +61,6 @@ class RankStep:
             + self.embedding_wait_s
             + self.dense_allreduce_wait_s
             + self.status_wait_s
-            + self.output_wait_s
         )
 
     @property
@@ -93,8 +90,8 @@ class StepReport:
         compute_s: per rank, wall time minus waits.
         straggler_pct: ``(max - mean) / max`` of ``compute_s``, in percent.
         straggler_wait_s: ``max - mean`` of ``compute_s``.
-        exposed_s: per kind (``input``, ``embedding``, ``dense_allreduce``, ``status``,
-            ``output``), the waits of the rank that computed longest.
+        exposed_s: per kind (``input``, ``embedding``, ``dense_allreduce``, ``status``), the
+            waits of the rank that computed longest.
         samples: global samples of the step.
         tokens: global weight units (tokens, or samples).
         samples_per_s: ``samples / step_s``.
@@ -145,7 +142,6 @@ class StepReport:
                 "embedding": critical.embedding_wait_s,
                 "dense_allreduce": critical.dense_allreduce_wait_s,
                 "status": critical.status_wait_s,
-                "output": critical.output_wait_s,
             },
             samples=samples,
             tokens=tokens,

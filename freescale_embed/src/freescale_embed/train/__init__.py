@@ -1,0 +1,1 @@
+"""``freescale train``: the reference model trained end to end, baseline and FreeScale."""

@@ -1,0 +1,108 @@
+"""What one ``freescale train`` run trains, and how: a typed config per run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+Dataset = Literal["synthetic", "ml-100k"]
+DATASETS: tuple[str, ...] = ("synthetic", "ml-100k")
+POLICIES: tuple[str, ...] = ("none", "fbs", "vbs", "kk")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One training run (every rank runs the same).
+
+    Attributes:
+        name: the run's name (its folder under the output directory).
+        backend: backend of the embedding and dense collectives (``gloo``, ``nccl``,
+            ``freescale``); the pipeline's own exchanges use Gloo.
+        policy: balancing policy, ``none`` for no balancer.
+        mode: embedding mode, ``sync`` or ``prioritized``.
+    """
+
+    name: str
+    backend: str = "gloo"
+    policy: str = "none"
+    mode: str = "sync"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The data, the model and the schedule every run of one ``freescale train`` shares.
+
+    Attributes:
+        dataset: ``synthetic`` (heavy-tailed histories, the default) or ``ml-100k``.
+        world_size: local ranks to start (ignored under torchrun).
+        device: ``cpu`` or ``cuda`` (ranks share the GPUs round-robin).
+        steps: global steps per run (``None``: one epoch).
+        global_batch_size: samples per global step, split evenly over the ranks.
+        max_history: longest history (synthetic data; ML-100K keeps the latest this many).
+        num_users: users of the synthetic dataset.
+        num_items: items of the synthetic dataset.
+        num_negatives: sampled negatives per sample.
+        embedding_dim: width of item embeddings and of the transformer.
+        num_layers: transformer blocks.
+        num_heads: attention heads.
+        lr: dense Adam learning rate.
+        embedding_lr: row-wise Adagrad learning rate of the item table.
+        seed: seed of the data and of the initial weights.
+        eval_users: users evaluated after training (``None``: all).
+        checkpoint_dir: where each run saves at its end and resumes from when a checkpoint of
+            that run is there (``None``: no checkpoints).
+        threads: torch threads per rank.
+        timeout_s: bound of every collective and wait.
+    """
+
+    dataset: Dataset = "synthetic"
+    world_size: int = 2
+    device: str = "cpu"
+    steps: int | None = 150
+    global_batch_size: int = 32
+    max_history: int = 256
+    num_users: int = 8_192
+    num_items: int = 4_096
+    num_negatives: int = 32
+    embedding_dim: int = 32
+    num_layers: int = 1
+    num_heads: int = 2
+    lr: float = 1e-3
+    embedding_lr: float = 0.05
+    seed: int = 0
+    eval_users: int | None = 1_024
+    checkpoint_dir: str | None = None
+    threads: int = 1
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.dataset not in DATASETS:
+            raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset!r}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.global_batch_size % self.world_size:
+            raise ValueError(
+                f"the global batch ({self.global_batch_size}) must split evenly over "
+                f"{self.world_size} ranks"
+            )
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+
+    def with_world_size(self, world_size: int) -> TrainConfig:
+        return replace(self, world_size=world_size)
+
+
+BASELINE = RunConfig("baseline", backend="gloo", policy="none", mode="sync")
+FREESCALE = RunConfig("freescale", backend="freescale", policy="fbs", mode="prioritized")
+
+
+def check_run(run: RunConfig) -> None:
+    """Raises ``ValueError`` for an unknown policy, mode or backend."""
+    if run.policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {run.policy!r}")
+    if run.mode not in ("sync", "prioritized"):
+        raise ValueError(f"mode must be sync or prioritized, got {run.mode!r}")
+    if run.backend not in ("gloo", "nccl", "freescale"):
+        raise ValueError(f"backend must be gloo, nccl or freescale, got {run.backend!r}")

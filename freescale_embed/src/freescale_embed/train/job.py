@@ -1,0 +1,257 @@
+"""One rank of ``freescale train``: build the model and data, train each run, evaluate, report."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from freescale_balance import Balancer, BalancerConfig, CostModel, JaggedBatch
+from freescale_embed import checkpoint
+from freescale_embed.collection import ShardedEmbeddingCollection
+from freescale_embed.metrics import hit_rate_and_ndcg, popularity_scores
+from freescale_embed.models import SASRec, SASRecConfig, item_tables, target_counts
+from freescale_embed.optim import RowWiseAdagrad
+from freescale_embed.pipeline import PipelineConfig, TrainPipeline
+from freescale_embed.pipeline_telemetry import StepReport
+from freescale_embed.train.config import RunConfig, TrainConfig
+from freescale_embed.train.data import Data
+
+_EVAL_BATCH = 64
+_TAIL_STEPS = 10  # the final loss is the mean over the last steps (one step is noisy)
+
+
+def _group(backend: str, timeout: timedelta) -> dist.ProcessGroup:
+    """A new group over every rank (collective): each user of one runs on its own thread."""
+    if backend == "freescale":
+        import freescale_comm  # noqa: F401  (registers the backend)
+    return dist.new_group(backend=backend, timeout=timeout)
+
+
+def _cost_model(config: TrainConfig) -> CostModel:
+    """Attention ~ 4 L^2 d, projections and MLP ~ 24 L d^2 (per layer: the ratio is what counts)."""
+    return CostModel(quadratic=1.0, linear=6.0 * config.embedding_dim, constant=0.0)
+
+
+def _progress_bar(total: int | None, name: str, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=name, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+
+def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dict[str, Any]:
+    """Trains ``run`` on every rank; returns its summary (the same on every rank)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    timeout = timedelta(seconds=config.timeout_s)
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    group = _group(run.backend, timeout)
+    # NCCL cannot put two ranks on one GPU: ranks sharing GPUs all-reduce dense gradients on Gloo.
+    shared_gpu = device.type == "cuda" and torch.cuda.device_count() < world
+    dense_group = _group("gloo", timeout) if shared_gpu else group
+    model_config = SASRecConfig(
+        num_items=data.num_items,
+        embedding_dim=config.embedding_dim,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        max_length=data.max_history,
+    )
+    torch.manual_seed(config.seed)
+    embeddings = ShardedEmbeddingCollection(
+        item_tables(model_config),
+        group=group,
+        optimizer=RowWiseAdagrad(lr=config.embedding_lr),
+        mode=run.mode,
+        seed=config.seed,
+        timeout=timeout,
+        device=device,
+    )
+    model = SASRec(model_config, embeddings).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    balancer = None
+    if run.policy != "none":
+        balancer_group = _group("gloo" if run.backend == "nccl" else run.backend, timeout)
+        balancer = Balancer(
+            BalancerConfig(
+                policy=run.policy,  # type: ignore[arg-type]
+                length_feature="history",
+                cost_model=_cost_model(config),
+                timeout=timeout,
+            ),
+            group=balancer_group,
+        )
+    pipeline = TrainPipeline(
+        model,
+        optimizer,
+        balancer=balancer,
+        group=dense_group,
+        device=device,
+        config=PipelineConfig(weights=target_counts, timeout=timeout),
+    )
+    saved = None if config.checkpoint_dir is None else Path(config.checkpoint_dir) / run.name
+    start = 0
+    if saved is not None and (saved / ".metadata").exists():
+        start = int(checkpoint.load(saved, pipeline)["step"])
+    folder = out / run.name
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    reports = _train(pipeline, data.batches(rank, world, start), folder, run, config, start)
+    if saved is not None:
+        checkpoint.save(saved, pipeline)
+    quality = _evaluate(model, embeddings, data, device)
+    quality["digest"] = _digest(model, embeddings)
+    pipeline.close()
+    embeddings.close()
+    if balancer is not None:
+        balancer.close()
+        dist.destroy_process_group(balancer.group)
+    if dense_group is not group:
+        dist.destroy_process_group(dense_group)
+    dist.destroy_process_group(group)
+    summary = summarize(run, config, reports, quality)
+    if rank == 0:
+        (folder / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def _train(
+    pipeline: TrainPipeline,
+    batches: Iterator[JaggedBatch],
+    folder: Path,
+    run: RunConfig,
+    config: TrainConfig,
+    start: int,
+) -> list[StepReport]:
+    rank = dist.get_rank()
+    lines = (folder / "steps.jsonl").open("a") if rank == 0 else None
+    total = None if config.steps is None else config.steps - start
+    bar = _progress_bar(total, run.name, rank == 0)
+    reports: list[StepReport] = []
+    try:
+        while True:
+            try:
+                out = pipeline.progress(batches)
+            except StopIteration:
+                break
+            for report in out.reports:
+                reports.append(report)
+                if lines is not None:
+                    lines.write(json.dumps({"run": run.name, **report.as_dict()}) + "\n")
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{out.loss:.3f}")
+    finally:
+        if bar is not None:
+            bar.close()
+        if lines is not None:
+            lines.close()
+    return reports
+
+
+def _digest(model: SASRec, embeddings: ShardedEmbeddingCollection) -> str:
+    """A hash of every weight and optimizer state (collective): equal digests, equal bits."""
+    hasher = hashlib.sha256()
+    tables = embeddings.state_dict(full=True)
+    dense = {k: v for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
+    for key, tensor in sorted({**tables, **dense}.items()):
+        hasher.update(key.encode())
+        hasher.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return hasher.hexdigest()[:16]
+
+
+@torch.no_grad()
+def _evaluate(
+    model: SASRec, embeddings: ShardedEmbeddingCollection, data: Data, device: torch.device
+) -> dict[str, float]:
+    """HR@10 and NDCG@10 of the model and of a popularity ranker on the same candidates."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    items = embeddings.state_dict(full=True)[f"tables.{model.config.table_name}.weight"]
+    counts = data.item_counts()
+    sums = torch.zeros(5, dtype=torch.float64)
+    for batch in data.eval_batches(rank, world, _EVAL_BATCH):
+        on_device = JaggedBatch(
+            {
+                n: type(f)(f.values.to(device), f.lengths.to(device))
+                for n, f in batch.features.items()
+            },
+            batch.dense,
+        )
+        scores = model.score(on_device, items).float().cpu()
+        hits, ndcg = hit_rate_and_ndcg(scores, k=10)
+        candidates = batch.features["candidates"].values.reshape(scores.shape)
+        popular_hits, popular_ndcg = hit_rate_and_ndcg(popularity_scores(candidates, counts), k=10)
+        sums += torch.tensor(
+            [hits.sum(), ndcg.sum(), popular_hits.sum(), popular_ndcg.sum(), hits.numel()],
+            dtype=torch.float64,
+        )
+    dist.all_reduce(sums)
+    users = max(float(sums[4]), 1.0)
+    return {
+        "hr@10": float(sums[0]) / users,
+        "ndcg@10": float(sums[1]) / users,
+        "popularity_hr@10": float(sums[2]) / users,
+        "popularity_ndcg@10": float(sums[3]) / users,
+        "eval_users": float(sums[4]),
+    }
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _p90(values: Sequence[float]) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+def summarize(
+    run: RunConfig, config: TrainConfig, reports: Sequence[StepReport], quality: dict[str, float]
+) -> dict[str, Any]:
+    """Medians over the run's steps (the first two, which pay for start-up, left out)."""
+    timed = list(reports[2:]) or list(reports)
+    steps = [r.step_s for r in timed]
+    kinds = timed[0].exposed_s.keys() if timed else ()
+    collisions = [r.collision_pct for r in timed if r.collision_pct is not None]
+    losses = [r.loss for r in reports]
+    return {
+        "run": asdict(run),
+        "config": asdict(config),
+        "world_size": dist.get_world_size(),
+        "steps": len(reports),
+        "step_ms": 1e3 * _median(steps),
+        "step_p90_ms": 1e3 * _p90(steps),
+        "compute_ms": 1e3 * _median([max(r.compute_s) for r in timed]),
+        "mean_compute_ms": 1e3 * _median([sum(r.compute_s) / len(r.compute_s) for r in timed]),
+        "straggler_pct": _median([r.straggler_pct for r in timed]),
+        "straggler_wait_ms": 1e3 * _median([r.straggler_wait_s for r in timed]),
+        "exposed_ms": {k: 1e3 * _median([r.exposed_s[k] for r in timed]) for k in kinds},
+        "samples_per_s": _median([r.samples_per_s for r in timed]),
+        "tokens_per_s": _median([r.tokens_per_s for r in timed]),
+        "collision_pct": _median(collisions) if collisions else None,
+        "embedding_mb_per_step": _median([r.embedding_bytes for r in timed]) / 1e6,
+        "prefetch_mb": max((r.prefetch_bytes for r in timed), default=0) / 1e6,
+        "peak_host_mb": max((r.peak_host_bytes for r in reports), default=0) / 1e6,
+        "peak_device_mb": max((r.peak_device_bytes for r in reports), default=0) / 1e6,
+        "final_loss": sum(losses[-_TAIL_STEPS:]) / max(len(losses[-_TAIL_STEPS:]), 1),
+        "losses": losses,
+        **quality,
+        "finished_at": time.time(),
+    }
