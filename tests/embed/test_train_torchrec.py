@@ -20,8 +20,9 @@ the loss by 1e-3 or more. Both table optimizers run: row-wise Adagrad is all but
 constant factor on the gradients (only eps sees it), SGD is not — with TorchRec's gradient
 division switched off (embedding gradients twice FreeScale's), the SGD case's losses differ by
 2e-3 at the second step and 1e-2 after (Adagrad's by 3e-7). Dense weights after training are
-compared except the attention's key bias: its gradient is zero up to rounding noise (softmax ignores a per-query constant), which
-Adam's normalised step turns into moves of order ``lr`` on either side — no loss depends on it.
+compared except the attention's key bias: its gradient is zero up to rounding noise (softmax
+ignores a per-query constant), which Adam's normalised step turns into moves of order ``lr`` on
+either side — no loss depends on it.
 """
 
 from __future__ import annotations
