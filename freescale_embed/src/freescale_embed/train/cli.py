@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         summaries = run_training(config, runs, parsed.out)
-    except (ImportError, FileNotFoundError) as error:  # ModuleNotFoundError: data not installed
+    except (ImportError, FileNotFoundError, ValueError) as error:  # the data refused, or missing
         print(f"freescale train: {error}", file=sys.stderr)
         return 2
     if summaries is None:  # a rank other than 0 under torchrun

@@ -1,0 +1,56 @@
+"""``freescale train`` end to end on 2 local ranks it starts itself, and its report and errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from freescale_embed.train import cli
+
+_SMALL = [
+    "--steps", "6", "--batch-size", "8", "--max-history", "32", "--users", "256",
+    "--items", "256", "--negatives", "8", "--dim", "16", "--eval-users", "32",
+]  # fmt: skip
+
+
+def test_freescale_train_runs_both_runs_side_by_side_and_draws_them(tmp_path, capsys):
+    out = tmp_path / "train"
+    assert cli.main([*_SMALL, "--out", str(out), "--checkpoint-dir", str(tmp_path / "ck")]) == 0
+    printed = capsys.readouterr().out
+    assert "loss curves of baseline and freescale: agree" in printed
+    summaries = json.loads((out / "summary.json").read_text())
+    assert [s["run"]["name"] for s in summaries] == ["baseline", "freescale"]
+    for summary in summaries:
+        assert summary["steps"] == 6 and len(summary["losses"]) == 6
+        assert summary["eval_users"] == 32
+        lines = (out / summary["run"]["name"] / "steps.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in lines] == list(range(1, 7))
+    assert (tmp_path / "ck" / "freescale" / ".metadata").exists()
+    assert cli.main(["report", str(out)]) == 0
+    assert (out / "report.png").stat().st_size > 10_000
+
+
+def test_prioritized_mode_trains_the_same_bits_as_sync(tmp_path, capsys):
+    runs = "gloo:kk:sync,freescale:kk:prioritized"
+    assert cli.main([*_SMALL, "--out", str(tmp_path), "--runs", runs]) == 0
+    assert "agree, weights bitwise equal" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--world-size", "0"], "world_size must be >= 1"),
+        (["--batch-size", "7"], "must split evenly over 2 ranks"),
+        (["--runs", "gloo:lpt:sync"], "policy must be one of"),
+        (["--items", "64"], "num_items (64) must exceed"),
+    ],
+)
+def test_bad_options_are_refused_before_any_rank_starts(capsys, argv, message):
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_report_of_a_folder_without_runs_says_so(tmp_path, capsys):
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert "no run under" in capsys.readouterr().err
