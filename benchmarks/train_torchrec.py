@@ -443,10 +443,12 @@ def train_freescale(
             out = pipeline.progress(iterator)
         except StopIteration:
             break
+        # Timed until the per-sample losses are in hand, as TorchRec's progress returns them.
+        losses = out.outputs["loss"]
         run.step_s.append(time.perf_counter() - started)
         run.losses.append(out.loss)
-        run.sample_losses.append(out.outputs["loss"])
-        run.local_sums.append(float(out.outputs["loss"].sum()))
+        run.sample_losses.append(losses)
+        run.local_sums.append(float(losses.sum()))
     pipeline.close()
     run.dense = {name: p.detach().clone() for name, p in model.named_parameters()}
     run.table = embeddings.state_dict(full=True)[f"tables.{TABLE}.weight"].clone()
