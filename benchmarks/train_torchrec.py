@@ -158,6 +158,9 @@ class SideRun:
         local_sums: per step, this rank's float32 sum of per-sample losses.
         sample_losses: per step, this rank's per-sample losses.
         step_s: per step, the wall time of this rank's ``progress`` call.
+        cpu_s: per step, the CPU time this rank's process spent in it (all its threads: the
+            pipeline's background thread and Gloo's too); less swayed by other load than the
+            wall time on a shared machine.
         dense: the dense parameters after training.
         table: the whole item table after training.
         pipelined: TorchRec's sharded modules that ``TrainPipelineSparseDist`` pipelined.
@@ -167,6 +170,7 @@ class SideRun:
     local_sums: list[float] = field(default_factory=list)
     sample_losses: list[torch.Tensor] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
     table: torch.Tensor | None = None
     pipelined: list[str] = field(default_factory=list)
@@ -438,7 +442,7 @@ def train_freescale(
     run = SideRun()
     iterator = iter(batches)
     while True:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         try:
             out = pipeline.progress(iterator)
         except StopIteration:
@@ -446,6 +450,7 @@ def train_freescale(
         # Timed until the per-sample losses are in hand, as TorchRec's progress returns them.
         losses = out.outputs["loss"]
         run.step_s.append(time.perf_counter() - started)
+        run.cpu_s.append(time.process_time() - cpu)
         run.losses.append(out.loss)
         run.sample_losses.append(losses)
         run.local_sums.append(float(losses.sum()))
@@ -473,12 +478,13 @@ def train_torchrec(
     run = SideRun()
     iterator = _torchrec_batches(batches)
     while True:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         try:
             losses = pipeline.progress(iterator)
         except StopIteration:
             break
         run.step_s.append(time.perf_counter() - started)
+        run.cpu_s.append(time.process_time() - cpu)
         run.sample_losses.append(losses)
         run.local_sums.append(float(losses.sum()))
     inner = model.module  # under DMP and DDP
@@ -559,10 +565,12 @@ def compare_rank(config: CompareConfig) -> dict[str, Any]:
             "losses": ours.losses,
             "losses_from_local_sums": ours_from_sums,
             "step_s": [run.step_s for run in runs["freescale"]],
+            "cpu_s": [run.cpu_s for run in runs["freescale"]],
         },
         "torchrec": {
             "losses": theirs.losses,
             "step_s": [run.step_s for run in runs["torchrec"]],
+            "cpu_s": [run.cpu_s for run in runs["torchrec"]],
         },
         "sample_losses": {"freescale": ours.sample_losses, "torchrec": theirs.sample_losses},
         "max_sample_loss_diff": max((float((a - b).abs().max()) for a, b in pairs), default=0.0),
@@ -616,15 +624,24 @@ def _p90(values: Sequence[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
 
+def _per_step(
+    results: Sequence[Mapping[str, Any]], side: str, key: str, round_: int, over_ranks: Any
+) -> list[float]:
+    times = (r[side][key][round_] for r in results)
+    return [over_ranks(step) for step in zip(*times, strict=True)]
+
+
 def combine(config: CompareConfig, results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The report of every rank's results: step times (slowest rank per step), loss gaps."""
     sides: dict[str, Any] = {}
     for side in ("freescale", "torchrec"):
-        rounds = []  # per round, per step: the slowest rank's time
-        for round_ in range(config.rounds):
-            times = (r[side]["step_s"][round_] for r in results)
-            rounds.append([max(step) for step in zip(*times, strict=True)])
+        # Per round, per step: the slowest rank's wall time, the ranks' mean CPU time.
+        rounds = [_per_step(results, side, "step_s", r, max) for r in range(config.rounds)]
+        cpu_rounds = [
+            _per_step(results, side, "cpu_s", r, statistics.fmean) for r in range(config.rounds)
+        ]
         timed = [s for steps in rounds for s in (steps[config.warmup :] or steps)]
+        cpu = [s for steps in cpu_rounds for s in (steps[config.warmup :] or steps)]
         sides[side] = {
             "step_ms": [1e3 * s for s in rounds[0]],
             "step_ms_per_round": [[1e3 * s for s in steps] for steps in rounds],
@@ -634,6 +651,8 @@ def combine(config: CompareConfig, results: Sequence[Mapping[str, Any]]) -> dict
             "median_step_ms": 1e3 * _median(timed),
             "p90_step_ms": 1e3 * _p90(timed),
             "timed_steps": len(timed),
+            "median_cpu_ms": 1e3 * _median(cpu),
+            "p90_cpu_ms": 1e3 * _p90(cpu),
             "losses": list(results[0][side]["losses"]),
         }
     ours, theirs = sides["freescale"]["losses"], sides["torchrec"]["losses"]
@@ -738,11 +757,15 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
 
 
 def _table(report: Mapping[str, Any]) -> str:
-    rows = [f"{'side':<10} {'median ms':>10} {'p90 ms':>10} {'final loss':>11}  per-round medians"]
+    rows = [
+        f"{'side':<10} {'median ms':>10} {'p90 ms':>10} {'CPU ms':>8} {'CPU p90':>8} "
+        f"{'final loss':>11}  per-round median ms"
+    ]
     for side, values in report["sides"].items():
         rounds = ", ".join(f"{m:.1f}" for m in values["median_step_ms_per_round"])
         rows.append(
             f"{side:<10} {values['median_step_ms']:>10.1f} {values['p90_step_ms']:>10.1f} "
+            f"{values['median_cpu_ms']:>8.1f} {values['p90_cpu_ms']:>8.1f} "
             f"{values['losses'][-1]:>11.6f}  {rounds}"
         )
     rows.append(
