@@ -79,8 +79,12 @@ def _tensor_seed(seed: int, case: int, rank: int, part: int = 0) -> int:
     return seed * 1_000_003 + case * 1009 + rank * 31 + part
 
 
-def run_random_cases(seed: int, cases: int, compare_gloo: bool = True) -> int:
-    """Random AllGather / AllToAll cases (shapes, dtypes, splits, strides); returns the count."""
+def run_random_cases(
+    seed: int, cases: int, compare_gloo: bool = True, group: Any = None, scale: int = 1
+) -> int:
+    """Random AllGather / AllToAll cases (shapes, dtypes, splits, strides) on ``group`` (the
+    world by default, whose ranks it must have), row counts times ``scale``; returns the
+    count."""
     rank, n = dist.get_rank(), dist.get_world_size()
     gloo = gloo_group() if compare_gloo else None
     for case in range(cases):
@@ -94,14 +98,14 @@ def run_random_cases(seed: int, cases: int, compare_gloo: bool = True) -> int:
         seed_of = functools.partial(_tensor_seed, seed, case)
         what = f"case {case} {kind} {dtype} rest={rest}"
         if kind in ("ag_tensor", "ag_list"):
-            rows = rng.randint(0, 4)
+            rows = rng.randint(0, 4) * scale
             inputs = [make_tensor((rows, *rest), dtype, seed_of(r)) for r in range(n)]
             mine = _maybe_strided(inputs[rank], rng)
             if kind == "ag_tensor":
                 stacked = rng.random() < 0.5
                 shape = (n, rows, *rest) if stacked else (n * rows, *rest)
                 out = _empty_maybe_strided(shape, dtype, rng)
-                dist.all_gather_into_tensor(out, mine)
+                dist.all_gather_into_tensor(out, mine, group=group)
                 want = torch.stack(inputs) if stacked else torch.cat(inputs)
                 _same(out, want, what)
                 if gloo is not None and dtype not in _NOT_GLOO:
@@ -111,7 +115,7 @@ def run_random_cases(seed: int, cases: int, compare_gloo: bool = True) -> int:
                     _same(out.reshape(ref.shape), ref, what + " vs gloo")
             else:
                 outs = [_empty_maybe_strided((rows, *rest), dtype, rng) for _ in range(n)]
-                dist.all_gather(outs, mine)
+                dist.all_gather(outs, mine, group=group)
                 for r in range(n):
                     _same(outs[r], inputs[r], f"{what} slot {r}")
                 if gloo is not None and dtype not in _NOT_GLOO:
@@ -121,22 +125,22 @@ def run_random_cases(seed: int, cases: int, compare_gloo: bool = True) -> int:
                         _same(outs[r], refs[r], f"{what} slot {r} vs gloo")
         elif kind == "ag_coalesced":
             k = rng.randint(1, 3)
-            rows = [rng.randint(0, 3) for _ in range(k)]
+            rows = [rng.randint(0, 3) * scale for _ in range(k)]
             inputs = [
                 [make_tensor((rows[i], *rest), dtype, seed_of(r, i)) for i in range(k)]
                 for r in range(n)
             ]
             outs = [torch.empty((n * rows[i], *rest), dtype=dtype) for i in range(k)]
-            pg = dist.group.WORLD
+            pg = group or dist.group.WORLD
             pg.allgather_into_tensor_coalesced(outs, inputs[rank]).wait()
             for i in range(k):
                 _same(outs[i], torch.cat([inputs[r][i] for r in range(n)]), f"{what} #{i}")
         else:
             if kind == "a2a_even":
-                per = rng.randint(0, 3)
+                per = rng.randint(0, 3) * scale
                 splits = [[per] * n for _ in range(n)]
             else:
-                splits = [[rng.randint(0, 3) for _ in range(n)] for _ in range(n)]
+                splits = [[rng.randint(0, 3) * scale for _ in range(n)] for _ in range(n)]
             # inputs[r][j]: the rows rank r sends to rank j.
             inputs = [
                 [make_tensor((splits[r][j], *rest), dtype, seed_of(r, j)) for j in range(n)]
@@ -148,14 +152,16 @@ def run_random_cases(seed: int, cases: int, compare_gloo: bool = True) -> int:
             if kind == "a2a_list":
                 outs = [_empty_maybe_strided((recv[j], *rest), dtype, rng) for j in range(n)]
                 ins = [_maybe_strided(t, rng) for t in inputs[rank]]
-                dist.all_to_all(outs, ins)
+                dist.all_to_all(outs, ins, group=group)
                 for j in range(n):
                     _same(outs[j], want[j], f"{what} from {j}")
             else:
                 flat_in = _maybe_strided(torch.cat(inputs[rank]), rng)
                 out = torch.empty((sum(recv), *rest), dtype=dtype)
                 even = kind == "a2a_even"
-                dist.all_to_all_single(out, flat_in, None if even else recv, None if even else send)
+                dist.all_to_all_single(
+                    out, flat_in, None if even else recv, None if even else send, group=group
+                )
                 _same(out, torch.cat(want), what)
                 if gloo is not None and dtype not in _NOT_GLOO:
                     ref = torch.empty_like(out)
@@ -433,6 +439,67 @@ def repeated_shapes(rounds: int) -> int:
             _same(outs[j], torch.full((rank + 1,), j * 10 + rank + i, dtype=torch.int64), "a2a")
         count += 4
     return count
+
+
+def _ring_state() -> dict[str, int]:
+    """This process's mapped ring segments and the ring files in /dev/shm."""
+    with open("/proc/self/maps") as f:
+        maps = {line.split()[-2] for line in f if "freescale-ring-" in line}
+    files = [name for name in os.listdir("/dev/shm") if name.startswith("freescale-ring-")]
+    return {"mapped": len(maps), "files": len(files)}
+
+
+def ring_cases(seed: int, cases: int, hosts: int, options: dict[str, Any]) -> dict[str, Any]:
+    """Random cases over a freescale group whose ranks look as if on ``hosts`` hosts (the
+    host identity set per rank before the group is made), with ``FreescaleOptions(**options)``,
+    against Gloo; several collectives in flight at once; then the group destroyed. Returns what
+    the ranks saw: the count, the paths, ring messages, and the rings' memory during and after.
+    """
+    from freescale_comm import FreescaleOptions
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    before = _ring_state()
+    os.environ["FREESCALE_HOST_ID"] = f"test-host-{rank * hosts // n}"
+    try:
+        group = dist.new_group(
+            backend="freescale",
+            timeout=timedelta(seconds=60),
+            pg_options=FreescaleOptions(**options),
+        )
+    finally:
+        del os.environ["FREESCALE_HOST_ID"]
+    during = _ring_state()
+    deadline = time.monotonic() + 5
+    while during["files"] > before["files"] and time.monotonic() < deadline:
+        time.sleep(0.01)  # a peer may not have unlinked the ring it created yet
+        during = _ring_state()
+    count = run_random_cases(seed, cases, True, group, scale=40)
+    # Collectives in flight together, waited in reverse: messages arrive before their receives.
+    works, checks = [], []
+    for k in range(4):
+        x = torch.arange(n * 700, dtype=torch.float64) + 10_000 * rank + k
+        out = torch.empty_like(x)
+        works.append(dist.all_to_all_single(out, x, group=group, async_op=True))
+        want = torch.cat(
+            [
+                torch.arange(700 * rank, 700 * rank + 700, dtype=torch.float64) + 10_000 * r + k
+                for r in range(n)
+            ]
+        )
+        checks.append((out, want))
+    for work in reversed(works):
+        work.wait()
+    for k, (got, want) in enumerate(checks):
+        _same(got, want, f"in flight #{k}")
+    paths = group.paths()
+    dist.destroy_process_group(group)
+    gc.collect()
+    return {
+        "count": count,
+        "paths": paths,
+        "during": {k: v - before[k] for k, v in during.items()},
+        "after": {k: v - before[k] for k, v in _ring_state().items()},
+    }
 
 
 def new_user_mistakes() -> list[str]:

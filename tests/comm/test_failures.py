@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -59,6 +60,9 @@ def test_killed_peer_makes_every_survivor_raise(world_size):
     assert "timeout" not in report.split("---")[0]
     # Detected by heartbeat (3 s) or abort, well inside the 20 s group timeout.
     assert elapsed < 15, report
+    # Its messages (1 KiB per peer) took the shared-memory rings (host_path=auto); their
+    # segments were unlinked once mapped, so the dead process left nothing in /dev/shm.
+    assert [f for f in os.listdir("/dev/shm") if f.startswith("freescale-ring-")] == []
     assert f"rank {world_size - 1}" in report.split("survivor")[1]
 
 

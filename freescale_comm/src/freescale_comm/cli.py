@@ -44,6 +44,18 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="UCX version and transports, GPUs, PCIe, NCCL")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
+    info.add_argument(
+        "--ranks",
+        type=_positive,
+        default=0,
+        help="also start this many local ranks and show the path of every pair",
+    )
+    info.add_argument(
+        "--hosts",
+        type=_positive,
+        default=0,
+        help="with --ranks: make the ranks look as if on this many hosts (FREESCALE_HOST_ID)",
+    )
     bench = commands.add_parser(
         "bench", help="AllGather / AllToAll: freescale vs Gloo (CPU) or NCCL (CUDA)"
     )
@@ -81,6 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from freescale_comm.info import collect, format_info
 
         info = collect()
+        if args.ranks:
+            from freescale_comm.info import local_paths
+
+            info["paths"] = local_paths(args.ranks, args.hosts)
         print(json.dumps(info, indent=2) if args.json else format_info(info))
         return 0
     from freescale_comm.bench import BenchConfig, format_table, run_bench, write_report

@@ -284,8 +284,7 @@ class Collective:
         """Posts one tagged send to / receive from ``peer``; returns the UCX request."""
         g = self.group
         tag = make_tag(g.group_id, self.seq, g.rank if send else peer, sub)
-        post = g.transport.send if send else g.transport.recv
-        return post(g.endpoint(peer), buffer, tag)
+        return g.post(peer, buffer, tag, send, sub)
 
     # ----------------------------------------------------------------- engine thread
     def advance(self) -> bool:

@@ -21,12 +21,14 @@ import uuid
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch.distributed as dist
 
 from freescale_comm.engine import Engine
 from freescale_comm.errors import FreescaleError
 from freescale_comm.options import FreescaleOptions
 from freescale_comm.transport import MAX_GROUP_SIZE, Transport
+from freescale_comm.validation import Signature
 
 if TYPE_CHECKING:
     import torch
@@ -100,8 +102,97 @@ class GroupContext:
         self._addresses = [bytes(e[16:]) for e in entries]
         self._beat_keys = [f"freescale/hb/{bytes(e[:16]).decode()}" for e in entries]
         self._endpoints: list[Any] = [None] * size
+        self._header_room = Signature.size(size) + self.eager_per_peer
+        self._setup_host_paths()
         now = time.monotonic()
         self._beats: list[tuple[int, float]] = [(-1, now)] * size
+
+    def _setup_host_paths(self) -> None:
+        """Finds the peers on this host and sets up the shared-memory rings with them."""
+        from freescale_comm import shm
+
+        options, rank, size = self.options, self.rank, self.size
+        host = shm.host_identity()
+        self.store.set(f"freescale/host/{rank}", host)
+        self.hosts = [
+            v.decode() for v in self.store.multi_get([f"freescale/host/{p}" for p in range(size)])
+        ]
+        local = [p for p in range(size) if p != rank and self.hosts[p] == host]
+        self._links: list[Any] = [None] * size
+        self._hub: Any = None
+        self._no_rings: dict[int, str] = {}
+        unsupported = shm.rings_supported()
+        # Every rank of the group takes part in the store exchange the same way: whether rings
+        # are wanted depends only on the options, which are the same on every rank.
+        if options.host_path == "ucx" or size == 1:
+            self._no_rings = dict.fromkeys(local, f"host_path={options.host_path}")
+            return
+        if unsupported is not None:
+            local_ok: list[int] = []
+            self._no_rings = dict.fromkeys(local, unsupported)
+        else:
+            local_ok = local
+        peers = max(1, len(local_ok))
+        slots = max(2, min(64, options.shm_pool_bytes // (peers * options.shm_slot_bytes)))
+        links, failures = shm.open_links(
+            self.store, rank, local_ok, slots, options.shm_slot_bytes, self.timeout_s
+        )
+        self._no_rings.update(failures)
+        for peer, link in links.items():
+            self._links[peer] = link
+        if links:
+            self._hub = shm.Hub.get()
+            self.transport.attach_hub(self._hub)
+
+    def post(self, peer: int, buffer: Any, tag: int, send: bool, sub: int) -> Any:
+        """Posts one tagged send to / receive from ``peer`` on the path for its size: the
+        shared-memory ring for host bytes between ranks of one host (``host_path``), UCX
+        otherwise. A header (``sub`` 0) counts as its largest size, which both sides know."""
+        link = self._links[peer]
+        if link is not None and isinstance(buffer, np.ndarray):
+            nbytes = self._header_room if sub == 0 else len(buffer)
+            if self.options.host_path == "shm" or nbytes <= self.options.shm_max_bytes:
+                return self._hub.post(link, buffer, tag, send)
+        endpoint = self.endpoint(peer)
+        transport = self.transport
+        return (
+            transport.send(endpoint, buffer, tag) if send else transport.recv(endpoint, buffer, tag)
+        )
+
+    def paths(self) -> list[dict[str, Any]]:
+        """Per peer: the path host bytes take to it, and why (``freescale comm info``)."""
+        rows = []
+        options = self.options
+        for peer in range(self.size):
+            if peer == self.rank:
+                continue
+            same = self.hosts[peer] == self.hosts[self.rank]
+            if self._links[peer] is not None:
+                if options.host_path == "shm":
+                    path, why = "shm", "same host; host_path=shm"
+                elif options.shm_max_bytes >= 1 << 40:
+                    path, why = "shm", "same host; host_path=auto: rings at every size"
+                else:
+                    path = f"shm <= {options.shm_max_bytes} B, ucx above"
+                    why = "same host; host_path=auto (the faster path per size)"
+            elif same:
+                path, why = "ucx", f"same host, no rings: {self._no_rings.get(peer, '?')}"
+            else:
+                path, why = "ucx", f"other host ({self.hosts[peer]})"
+            link = self._links[peer]
+            rows.append(
+                {
+                    "rank": self.rank,
+                    "peer": peer,
+                    "path": path,
+                    "why": why,
+                    "host": self.hosts[self.rank],
+                    "peer_host": self.hosts[peer],
+                    "ring_messages": (link.sent, link.received) if link else (0, 0),
+                    "ring_slots": link.inc.slots if link else 0,
+                }
+            )
+        return rows
 
     def next_seq(self) -> int:
         return next(self._seq)
@@ -208,6 +299,10 @@ class GroupContext:
         for support in self._cuda.values():
             support.close()
         self._cuda = {}
+        for peer, link in enumerate(self._links):
+            if link is not None:
+                self._hub.remove(link)
+                self._links[peer] = None
         self.transport.release()
         self._endpoints = [None] * self.size
 

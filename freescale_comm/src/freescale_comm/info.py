@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from freescale_comm.options import FreescaleOptions
+from freescale_comm.shm import host_identity, rings_supported
 from freescale_comm.transport import Transport, ucx_version
 
 _RESOURCE = re.compile(r"resource \d+\s*:\s*md \d+\s+dev \d+\s+flags \S*\s+(\S+)")
@@ -73,6 +74,70 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _paths_rank(rank: int, ranks: int, hosts: int, port: int, queue: Any) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import freescale_comm
+
+    if hosts:
+        os.environ["FREESCALE_HOST_ID"] = f"local-host-{rank * hosts // ranks}"
+    freescale_comm.register()
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "freescale", store=store, rank=rank, world_size=ranks, timeout=timedelta(seconds=60)
+        )
+        queue.put(("ok", dist.group.WORLD.paths()))
+        dist.destroy_process_group()
+    except Exception as err:
+        queue.put(("error", f"rank {rank}: {type(err).__name__}: {err}"))
+
+
+def local_paths(ranks: int, hosts: int = 0, timeout_s: float = 120) -> list[dict[str, Any]]:
+    """The path of every ordered pair of ``ranks`` local ranks (``hosts`` > 0: the ranks made
+    to look as if spread over that many hosts, through ``FREESCALE_HOST_ID``)."""
+    import multiprocessing
+    import queue as queues
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    spawn = multiprocessing.get_context("spawn")
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    results = spawn.Queue()
+    procs = [
+        spawn.Process(target=_paths_rank, args=(r, ranks, hosts, store.port, results), daemon=True)
+        for r in range(ranks)
+    ]
+    for proc in procs:
+        proc.start()
+    rows: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        for _ in range(ranks):
+            while True:
+                try:
+                    kind, payload = results.get(timeout=1.0)
+                    break
+                except queues.Empty:
+                    if time.monotonic() > deadline or not any(p.is_alive() for p in procs):
+                        raise RuntimeError("the local ranks did not report their paths") from None
+            if kind != "ok":
+                raise RuntimeError(payload)
+            rows.extend(payload)
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+    return sorted(rows, key=lambda row: (row["rank"], row["peer"]))
+
+
 def collect() -> dict[str, Any]:
     """Everything ``freescale comm info`` prints, as a dict."""
     import torch
@@ -89,6 +154,8 @@ def collect() -> dict[str, Any]:
         "nccl": None,
         "gpus": gpu_info(),
         "options": FreescaleOptions.from_env().__dict__,
+        "host_identity": host_identity(),
+        "rings": rings_supported() or "yes",
     }
     if torch.cuda.is_available():
         version = torch.cuda.nccl.version()
@@ -121,6 +188,23 @@ def format_info(info: dict[str, Any]) -> str:
         )
     if not info["gpus"]:
         lines.append("  GPUs: none seen by NVML")
+    opts = info["options"]
+    lines.append(f"host identity: {info['host_identity']} (FREESCALE_HOST_ID overrides it)")
+    if opts["host_path"] == "ucx":
+        rule = "UCX for every peer (host_path=ucx)"
+    elif info["rings"] != "yes":
+        rule = f"UCX for every peer: no shared-memory rings here ({info['rings']})"
+    elif opts["host_path"] == "shm":
+        rule = "peers on this host: shared-memory rings (host_path=shm); other hosts: UCX"
+    else:
+        rule = (
+            f"peers on this host: shared-memory rings for messages <= {opts['shm_max_bytes']} B"
+            ", UCX above (host_path=auto: the faster path per size, "
+            "benchmarks/comm_host_paths.py); other hosts: UCX"
+        )
+    lines.append(f"host bytes: {rule}")
+    for row in info.get("paths", []):
+        lines.append(f"  rank {row['rank']} -> {row['peer']}: {row['path']}  ({row['why']})")
     options = ", ".join(f"{k}={v}" for k, v in info["options"].items())
     lines.append(f"options (FREESCALE_* applied): {options}")
     return "\n".join(lines)

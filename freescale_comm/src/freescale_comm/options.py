@@ -13,6 +13,7 @@ from typing import Literal
 
 AllGatherAlgorithm = Literal["auto", "direct", "ring"]
 CudaPath = Literal["auto", "direct", "staged"]
+HostPath = Literal["auto", "ucx", "shm"]
 
 _ENV_PREFIX = "FREESCALE_"
 
@@ -44,6 +45,17 @@ class FreescaleOptions:
         staging_pool_bytes: page-locked host memory of a group's staged path (half for send
             chunks, half for receive chunks, at least four chunks; allocated on the first staged
             collective, freed when the group is destroyed). ``FREESCALE_STAGING_POOL_BYTES``.
+        host_path: how host bytes (CPU tensors, staged chunks) move between ranks of one host:
+            ``shm`` (the group's shared-memory rings), ``ucx`` (UCX: shared memory for small
+            messages, cross-memory attach for large ones) or ``auto`` (rings for messages of up
+            to ``shm_max_bytes``, UCX above). Ranks on other hosts always use UCX. Same on every
+            rank. ``FREESCALE_HOST_PATH``; the host identity is ``FREESCALE_HOST_ID`` (default:
+            hostname and boot id).
+        shm_max_bytes: ``auto`` sends messages up to this size through the rings.
+            ``FREESCALE_SHM_MAX_BYTES``.
+        shm_slot_bytes: size of one ring slot (the pipelining unit). ``FREESCALE_SHM_SLOT_BYTES``.
+        shm_pool_bytes: the rings a process receives into, per group: split over its peers on
+            the host, 2 to 64 slots each. ``FREESCALE_SHM_POOL_BYTES``.
         heartbeat_s: interval of the liveness heartbeat each process writes to the store.
             ``FREESCALE_HEARTBEAT_S``.
         dead_after_s: a peer whose heartbeat is older than this is reported dead and fails the
@@ -57,6 +69,10 @@ class FreescaleOptions:
     chunk_bytes: int = 4 << 20
     cuda_path: CudaPath = "auto"
     staging_pool_bytes: int = 64 << 20
+    host_path: HostPath = "auto"
+    shm_max_bytes: int = 512 << 10
+    shm_slot_bytes: int = 256 << 10
+    shm_pool_bytes: int = 16 << 20
     heartbeat_s: float = 1.0
     dead_after_s: float = 10.0
 
@@ -64,6 +80,7 @@ class FreescaleOptions:
         choices = {
             "allgather": ("auto", "direct", "ring"),
             "cuda_path": ("auto", "direct", "staged"),
+            "host_path": ("auto", "ucx", "shm"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -74,6 +91,8 @@ class FreescaleOptions:
             raise ValueError("eager_bytes must be >= 0")
         if self.staging_pool_bytes < 4 * self.chunk_bytes:
             raise ValueError("staging_pool_bytes must hold at least four chunks (4 * chunk_bytes)")
+        if self.shm_slot_bytes < 4096 or self.shm_pool_bytes < 2 * self.shm_slot_bytes:
+            raise ValueError("shm_slot_bytes must be >= 4096 and shm_pool_bytes >= 2 slots")
         if self.heartbeat_s <= 0 or self.dead_after_s <= 2 * self.heartbeat_s:
             raise ValueError("heartbeat_s must be > 0 and dead_after_s > 2 * heartbeat_s")
 

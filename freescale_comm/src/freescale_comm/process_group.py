@@ -238,6 +238,10 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             opts,
         )
 
+    def paths(self) -> list[dict[str, Any]]:
+        """Per peer: how host bytes travel to it (shared-memory ring or UCX) and why."""
+        return self._ctx.paths()
+
     # ----------------------------------------------------------------- lifecycle
     def shutdown(self) -> None:
         """Fails collectives still in flight and releases the UCX worker and threads."""

@@ -108,6 +108,14 @@ class Transport:
         self.cuda_support = bool(self.context.cuda_support)
         self._endpoints: dict[bytes, Any] = {}
         self._ep_lock = threading.Lock()
+        self._hub: Any = None  # the process's shared-memory rings (``shm.Hub``), once used
+
+    def attach_hub(self, hub: Any) -> None:
+        """Progresses ``hub``'s rings with the worker and sleeps on its wake-up socket too."""
+        with self._ep_lock:
+            if self._hub is None:
+                self._hub = hub
+                self._epoll.register(hub.fd, select.EPOLLIN)
 
     @classmethod
     def acquire(cls) -> Transport:
@@ -169,6 +177,9 @@ class Transport:
         needs one progress call to start the transfer.
         """
         self.worker.progress()
+        hub = self._hub
+        if hub is not None:
+            hub.progress()
 
     def wait_event(self, timeout_ms: int) -> None:
         """Progresses, then sleeps until a UCX event, a ``wake`` or ``timeout_ms`` (GIL released).
@@ -177,6 +188,9 @@ class Transport:
         progresses again instead of sleeping on them.
         """
         self.worker.progress()
+        hub = self._hub
+        if hub is not None and hub.progress():
+            return
         if not self.worker.arm():
             return
         for fd, _ in self._epoll.poll(timeout_ms / 1000):
@@ -184,6 +198,8 @@ class Transport:
                 # Another sleeping thread may have consumed it first.
                 with contextlib.suppress(BlockingIOError):
                     os.eventfd_read(self._wake_fd)
+            elif hub is not None and fd == hub.fd:
+                hub.drain()
 
     def wake(self) -> None:
         """Ends a ``wait_event`` sleep now, from any thread."""

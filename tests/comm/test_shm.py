@@ -1,0 +1,94 @@
+"""The shared-memory rings between ranks of one host: results, paths, memory, failures."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+from freescale_comm import shm
+from tests.comm import ranks
+
+# Small slots and pool: messages span several slots and the rings wrap many times.
+_SMALL_RINGS = {"shm_slot_bytes": 4096, "shm_pool_bytes": 16384}
+
+
+def _ring_files() -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if name.startswith("freescale-ring-")]
+
+
+def test_every_collective_over_the_rings_matches_gloo(fs_group):
+    n = fs_group.spec.world_size
+    options = {"host_path": "shm", **_SMALL_RINGS}
+    results = fs_group.run(ranks.ring_cases, 5, 15, 1, options, timeout_s=180)
+    for rank, result in enumerate(results):
+        assert result["count"] == 15
+        assert [p["peer"] for p in result["paths"]] == [p for p in range(n) if p != rank]
+        for path in result["paths"]:
+            assert path["path"] == "shm" and "same host" in path["why"]
+            sent, received = path["ring_messages"]
+            assert sent > 15 and received > 15  # every message of the group took the ring
+        # Mapped while the group lives (one ring each way per peer, beside the world group's),
+        # already unlinked from /dev/shm, and unmapped once it is destroyed.
+        assert result["during"] == {"mapped": 2 * (n - 1), "files": 0}
+        assert result["after"] == {"mapped": 0, "files": 0}
+    assert _ring_files() == []
+
+
+def test_two_hosts_intra_and_inter_host_paths_agree(fs_group4):
+    # Ranks 0, 1 on one "host", 2, 3 on another: rings inside, UCX across, in one collective;
+    # auto sends messages up to 2 KiB (headers of 880 B with 512 B of folded data included)
+    # through the rings and larger ones through UCX.
+    options = {"host_path": "auto", "shm_max_bytes": 2048, "eager_bytes": 512, **_SMALL_RINGS}
+    results = fs_group4.run(ranks.ring_cases, 6, 15, 2, options, timeout_s=180)
+    for rank, result in enumerate(results):
+        assert result["count"] == 15
+        by_peer = {p["peer"]: p for p in result["paths"]}
+        mate = rank ^ 1
+        assert by_peer[mate]["path"] == "shm <= 2048 B, ucx above"
+        assert by_peer[mate]["ring_messages"][0] > 0
+        for other in {0, 1, 2, 3} - {rank, mate}:
+            assert by_peer[other]["path"] == "ucx"
+            assert by_peer[other]["why"].startswith("other host (test-host-")
+            assert by_peer[other]["ring_messages"] == (0, 0)
+        assert result["during"]["mapped"] == 2 and result["after"]["mapped"] == 0
+
+
+def test_leftovers_of_a_crashed_run_are_swept():
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    old = time.time() - 3600
+    names = {
+        "stale": f"freescale-ring-{dead.pid}-deadbeef0000-1to0",
+        "young": f"freescale-ring-{dead.pid}-deadbeef0001-1to0",
+        "alive": f"freescale-ring-{os.getpid()}-deadbeef0002-1to0",
+    }
+    for key, name in names.items():
+        path = f"/dev/shm/{name}"
+        with open(path, "wb") as f:
+            f.write(b"x")
+        if key != "young":
+            os.utime(path, (old, old))
+    try:
+        removed = shm.sweep_stale()
+        assert names["stale"] in removed
+        assert sorted(set(_ring_files()) & set(names.values())) == sorted(
+            [names["young"], names["alive"]]
+        )
+        # Once old enough, a dead creator's segment goes too; a live one's stays.
+        shm.sweep_stale(time.time() + 3600)
+        assert set(_ring_files()) & set(names.values()) == {names["alive"]}
+    finally:
+        for name in names.values():
+            if os.path.exists(f"/dev/shm/{name}"):
+                os.unlink(f"/dev/shm/{name}")
+
+
+def test_info_says_which_path_each_pair_takes(capsys):
+    from freescale_comm.cli import main
+
+    assert main(["info", "--ranks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "host identity: " in out
+    assert "rank 0 -> 1: shm <= 524288 B, ucx above  (same host; host_path=auto" in out
+    assert "rank 1 -> 0: shm" in out
