@@ -727,7 +727,7 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
             if round_ == 0:
                 label = (
                     f"{side}: median {values['median_step_ms']:.1f} ms, "
-                    f"p90 {values['p90_step_ms']:.1f} ms"
+                    f"p90 {values['p90_step_ms']:.1f} ms (steps > {report['config']['warmup']})"
                 )
             times.plot(steps, round_ms, style, color=color, alpha=0.6, linewidth=1, label=label)
     losses.set(xlabel="step", ylabel="loss (per target)", title="training loss")
@@ -741,8 +741,7 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
     times.set(
         xlabel="step",
         ylabel="ms (slowest rank)",
-        title=f"step time, {rounds} round(s) per side (first {report['config']['warmup']} "
-        "left out of the statistics)",
+        title=f"step time, {rounds} round(s) per side",
     )
     times.legend(fontsize=8)
     config = report["config"]
