@@ -83,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--target-s", type=float, default=0.05, help="time one block of calls aims at"
     )
+    bench.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads per rank (0: torch's default, as in training)",
+    )
     bench.add_argument("--out", type=Path, default=Path("out/comm_bench"))
     return parser
 
@@ -115,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             blocks=args.blocks,
             target_s=args.target_s,
             device=args.device,
+            threads=args.threads,
         )
         report = run_bench(config)
         reports.append(report)
