@@ -72,7 +72,7 @@ class FreescaleOptions:
     host_path: HostPath = "auto"
     shm_max_bytes: int = 512 << 10
     shm_slot_bytes: int = 256 << 10
-    shm_pool_bytes: int = 16 << 20
+    shm_pool_bytes: int = 4 << 20
     heartbeat_s: float = 1.0
     dead_after_s: float = 10.0
 
