@@ -162,6 +162,7 @@ class SideRun:
             pipeline's background thread and Gloo's too); less swayed by other load than the
             wall time on a shared machine.
         dense: the dense parameters after training.
+        dense_after_first: the dense parameters after the first step.
         table: the whole item table after training.
         pipelined: TorchRec's sharded modules that ``TrainPipelineSparseDist`` pipelined.
     """
@@ -172,6 +173,7 @@ class SideRun:
     step_s: list[float] = field(default_factory=list)
     cpu_s: list[float] = field(default_factory=list)
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
+    dense_after_first: dict[str, torch.Tensor] = field(default_factory=dict)
     table: torch.Tensor | None = None
     pipelined: list[str] = field(default_factory=list)
 
@@ -403,6 +405,10 @@ def _global_losses(run: SideRun, global_weights: Sequence[int]) -> list[float]:
     ]
 
 
+def _dense(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
 def _freescale_model(
     config: CompareConfig,
 ) -> tuple[SASRec, ShardedEmbeddingCollection, dict[str, torch.Tensor], torch.Tensor]:
@@ -451,11 +457,13 @@ def train_freescale(
         losses = out.outputs["loss"]
         run.step_s.append(time.perf_counter() - started)
         run.cpu_s.append(time.process_time() - cpu)
+        if not run.dense_after_first:
+            run.dense_after_first = _dense(model)
         run.losses.append(out.loss)
         run.sample_losses.append(losses)
         run.local_sums.append(float(losses.sum()))
     pipeline.close()
-    run.dense = {name: p.detach().clone() for name, p in model.named_parameters()}
+    run.dense = _dense(model)
     run.table = embeddings.state_dict(full=True)[f"tables.{TABLE}.weight"].clone()
     embeddings.close()
     return run, dense_init, table_init
@@ -485,6 +493,8 @@ def train_torchrec(
             break
         run.step_s.append(time.perf_counter() - started)
         run.cpu_s.append(time.process_time() - cpu)
+        if not run.dense_after_first:
+            run.dense_after_first = _dense(model.module.head.sasrec)
         run.sample_losses.append(losses)
         run.local_sums.append(float(losses.sum()))
     inner = model.module  # under DMP and DDP
@@ -492,8 +502,7 @@ def train_torchrec(
     run.pipelined = [name for name in sharded if inner.get_submodule(name).is_pipelined]
     if run.pipelined != sharded:
         raise RuntimeError(f"TrainPipelineSparseDist pipelined {run.pipelined} of {sharded}")
-    sasrec = inner.head.sasrec
-    run.dense = {name: p.detach().clone() for name, p in sasrec.named_parameters()}
+    run.dense = _dense(inner.head.sasrec)
     run.table = _gather_table(model, config.num_items, config.dim)
     return run, seeded_same
 
@@ -583,6 +592,10 @@ def compare_rank(config: CompareConfig) -> dict[str, Any]:
             _dense_diffs(ours.dense, theirs.dense, config.dim, True)
         ),
         "pipelined": theirs.pipelined,
+        "dense_equal_after_first_step": all(
+            torch.equal(value, theirs.dense_after_first[name])
+            for name, value in ours.dense_after_first.items()
+        ),
         "max_table_diff": float((ours.table - theirs.table).abs().max()),
         "max_table_change": float((ours.table - table_init).abs().max()),
         "first_step_losses_equal": bool(
@@ -671,6 +684,7 @@ def combine(config: CompareConfig, results: Sequence[Mapping[str, Any]]) -> dict
         "max_dense_diff": max(r["max_dense_diff"] for r in results),
         "max_dense_diff_but_key_bias": max(r["max_dense_diff_but_key_bias"] for r in results),
         "pipelined": results[0]["pipelined"],
+        "dense_equal_after_first_step": all(r["dense_equal_after_first_step"] for r in results),
         "max_table_diff": max(r["max_table_diff"] for r in results),
         "max_table_change": max(r["max_table_change"] for r in results),
         "first_step_losses_equal": all(r["first_step_losses_equal"] for r in results),

@@ -7,22 +7,22 @@ FreeScale: ``TrainPipeline`` in sync mode, no balancer, Gloo, a row-wise sharded
 lookup (``benchmarks/train_torchrec.py`` holds both runs, shared with the benchmark). Same data,
 same dense weights (seeded, then loaded), same initial rows.
 
-Tolerance: the first step's losses are compared bitwise (same weights, same rows, same
-forward); its dense gradients are equal too (TorchRec's averaging over ranks of a loss scaled by
-the world size is FreeScale's sum, exactly, for a power-of-two world). What differs is the fused
-row update: FBGEMM sums a row's gradients over duplicate IDs in another order than FreeScale, so
-the tables move apart by float32 rounding (a few ulps per step; the TorchRec comparison of
-``test_torchrec.py`` sees the same), and the losses of later steps with them. Over these 6 steps
-the per-sample losses differ by about 2e-7 relative (a couple of float32 ulps); the bound
-``rtol=1e-5, atol=1e-6`` (as in the pipeline tests) leaves a wide margin for other CPUs' kernels
-while a semantic mismatch (gradients off by the world size, another eps, a missed update) moves
-the loss by 1e-3 or more. Both table optimizers run: row-wise Adagrad is all but blind to a
-constant factor on the gradients (only eps sees it), SGD is not — with TorchRec's gradient
-division switched off (embedding gradients twice FreeScale's), the SGD case's losses differ by
-2e-3 at the second step and 1e-2 after (Adagrad's by 3e-7). Dense weights after training are
-compared except the attention's key bias: its gradient is zero up to rounding noise (softmax
-ignores a per-query constant), which Adam's normalised step turns into moves of order ``lr`` on
-either side — no loss depends on it.
+Tolerance: the first step's losses are compared bitwise (same weights, same rows, same forward), and
+so are the dense weights after it: the dense gradients agree bitwise (TorchRec's averaging over
+ranks of a loss scaled by the world size is FreeScale's sum, exactly, for a power-of-two world).
+What differs is the fused row update: FBGEMM sums a row's gradients over duplicate IDs in another
+order than FreeScale, so the tables move apart by float32 rounding (a few ulps per step; the
+TorchRec comparison of ``test_torchrec.py`` sees the same), and the losses of later steps with them.
+Over these 6 steps the per-sample losses differ by about 2e-7 relative (a couple of float32 ulps);
+the bound ``rtol=1e-5, atol=1e-6`` (as in the pipeline tests) leaves a wide margin for other CPUs'
+kernels while a semantic mismatch (gradients off by the world size, another eps, a missed update)
+moves the loss by 1e-3 or more. Both table optimizers run: row-wise Adagrad is all but blind to a
+constant factor on the gradients (only eps sees it), SGD is not — with TorchRec's gradient division
+switched off (embedding gradients twice FreeScale's), the SGD case's losses differ by 2e-3 at the
+second step and 1e-2 after (Adagrad's by 3e-7). Dense weights after training are compared except the
+attention's key bias: its gradient is zero up to rounding noise (softmax ignores a per-query
+constant), which Adam's normalised step turns into moves of order ``lr`` on either side — no loss
+depends on it.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def test_sasrec_losses_equal_torchrec_train_pipeline_sparse_dist(local_groups, o
         )
         samples = result["sample_losses"]
         assert torch.equal(samples["freescale"][0], samples["torchrec"][0])
+        assert result["dense_equal_after_first_step"]  # bitwise: the same dense gradients
         for step, (a, b) in enumerate(zip(samples["freescale"], samples["torchrec"], strict=True)):
             torch.testing.assert_close(a, b, **_CLOSE, msg=lambda m, s=step: f"step {s}: {m}")
         assert result["max_table_change"] > 1e-3  # the rows trained
