@@ -50,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=_DEFAULTS.seed)
     add("--eval-users", type=int, default=_DEFAULTS.eval_users, help="users evaluated (0: all)")
     add("--threads", type=int, default=_DEFAULTS.threads, help="torch threads per rank")
+    add("--deterministic", action="store_true", help="torch.use_deterministic_algorithms")
     add("--checkpoint-dir", default=None, help="save each run at its end; resume from it")
     add("--backend", default=FREESCALE.backend, help="FreeScale run's backend")
     add("--policy", choices=POLICIES, default=FREESCALE.policy, help="FreeScale run's balancing")
@@ -108,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             eval_users=parsed.eval_users or None,
             checkpoint_dir=parsed.checkpoint_dir,
             threads=parsed.threads,
+            deterministic=parsed.deterministic,
         )
         freescale = RunConfig("freescale", parsed.backend, parsed.policy, parsed.mode)
         runs = _runs(parsed.runs, freescale)
@@ -152,3 +154,7 @@ def _report(args: Sequence[str]) -> int:
         return 2
     print(f"written: {path}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

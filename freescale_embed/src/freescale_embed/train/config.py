@@ -52,6 +52,8 @@ class TrainConfig:
         checkpoint_dir: where each run saves at its end and resumes from when a checkpoint of
             that run is there (``None``: no checkpoints).
         threads: torch threads per rank.
+        deterministic: ``torch.use_deterministic_algorithms`` in each rank (CUDA: atomics in
+            embedding and attention backward otherwise make two identical runs differ).
         timeout_s: bound of every collective and wait.
     """
 
@@ -73,6 +75,7 @@ class TrainConfig:
     eval_users: int | None = 1_024
     checkpoint_dir: str | None = None
     threads: int = 1
+    deterministic: bool = False
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:

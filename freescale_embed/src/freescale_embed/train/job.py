@@ -86,7 +86,10 @@ def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dic
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     balancer = None
     if run.policy != "none":
-        balancer_group = _group("gloo" if run.backend == "nccl" else run.backend, timeout)
+        # The balancer moves CPU tensors on a background thread: Gloo, whatever the backend
+        # (freescale's CPU path bought nothing there and its engine threads took the GIL from
+        # the training thread).
+        balancer_group = _group("gloo", timeout)
         balancer = Balancer(
             BalancerConfig(
                 policy=run.policy,  # type: ignore[arg-type]

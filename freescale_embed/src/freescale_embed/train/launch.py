@@ -26,6 +26,10 @@ def _runs_on_this_rank(
     config: TrainConfig, runs: Sequence[RunConfig], out: Path
 ) -> list[dict[str, Any]]:
     torch.set_num_threads(config.threads)
+    if config.deterministic:
+        # cuBLAS reads it when it starts, which is after this point.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     data = open_data(config)
     return [train_run(config, run, data, out) for run in runs]
 
