@@ -60,7 +60,7 @@ class TrainConfig:
     dataset: Dataset = "synthetic"
     world_size: int = 2
     device: str = "cpu"
-    steps: int | None = 150
+    steps: int | None = 300
     global_batch_size: int = 32
     max_history: int = 256
     num_users: int = 8_192
