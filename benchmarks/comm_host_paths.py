@@ -34,9 +34,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
     freescale_comm.register()
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     timeout = timedelta(seconds=120)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=args.ranks, timeout=timeout
-    )
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.ranks, timeout=timeout)
     groups = {
         "shm": dist.new_group(
             backend="freescale", timeout=timeout, pg_options=FreescaleOptions(host_path="shm")
@@ -139,8 +137,11 @@ def main() -> None:
                 proc.kill()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        report = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-                  "load_avg_1m_at_end": os.getloadavg()[0]}
+        report = {
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "rows": rows,
+            "load_avg_1m_at_end": os.getloadavg()[0],
+        }
         (args.out / f"host_paths_{args.ranks}ranks.json").write_text(json.dumps(report, indent=2))
 
 
