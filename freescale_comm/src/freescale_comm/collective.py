@@ -349,7 +349,7 @@ class Collective:
                 transfer.request.check_error()
             except Exception as err:
                 way = "sending to" if transfer.send else "receiving from"
-                self._fail_locked(f"UCX error {way} rank {transfer.peer}: {err}", "peer")
+                self._fail_locked(f"transport error {way} rank {transfer.peer}: {err}", "peer")
                 return True
             transfer.done = True
             transfer.request = None
