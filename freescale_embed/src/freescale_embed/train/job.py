@@ -142,7 +142,8 @@ def _train(
     start: int,
 ) -> list[StepReport]:
     rank = dist.get_rank()
-    lines = (folder / "steps.jsonl").open("a") if rank == 0 else None
+    # A resumed run continues its record; a new one starts it afresh.
+    lines = (folder / "steps.jsonl").open("a" if start else "w") if rank == 0 else None
     total = None if config.steps is None else config.steps - start
     bar = _progress_bar(total, run.name, rank == 0)
     reports: list[StepReport] = []

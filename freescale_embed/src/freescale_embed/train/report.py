@@ -83,14 +83,14 @@ def plot(directory: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = sorted(p.parent for p in directory.glob("*/summary.json"))
-    if not runs:
-        raise FileNotFoundError(f"no run under {directory} (expected */summary.json)")
-    loaded = [read_run(folder) for folder in runs]
+    listing = directory / "summary.json"
+    if not listing.exists():
+        raise FileNotFoundError(f"no run under {directory} (expected {listing})")
+    names = [summary["run"]["name"] for summary in json.loads(listing.read_text())]
+    loaded = [read_run(directory / name) for name in names]
     figure, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     parts = ("compute", "straggler", "embedding", "dense_allreduce", "input", "status")
     bottoms = [0.0] * len(loaded)
-    names = [summary["run"]["name"] for summary, _ in loaded]
     for part in parts:
         heights = []
         for summary, _ in loaded:
@@ -104,7 +104,8 @@ def plot(directory: Path) -> Path:
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
     axes[0].set_ylabel("ms per step (medians)")
     axes[0].set_title("where a step's time goes")
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=8, loc="lower right")
+    axes[0].tick_params(axis="x", labelrotation=20)
     for summary, steps in loaded:
         name = summary["run"]["name"]
         axes[1].plot([s["step"] for s in steps], [s["loss"] for s in steps], label=name)
