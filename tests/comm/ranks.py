@@ -502,6 +502,35 @@ def ring_cases(seed: int, cases: int, hosts: int, options: dict[str, Any]) -> di
     }
 
 
+def early_data_after_a_bad_verdict(rounds: int) -> int:
+    """Medium AllToAlls (128 KiB per peer: over the rings, sent with the headers) whose splits
+    disagree on one rank, each followed by a good one of the same shape: the bad one fails on
+    every rank and its early data never reaches the next one's outputs."""
+    from freescale_comm import FreescaleValidationError
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    rows = 32 << 10  # float32: 128 KiB per peer
+    for i in range(rounds):
+        send = [rows] * n
+        if rank == 1:
+            send[0] += 1
+        bad = torch.full((sum(send),), -1.0)
+        try:
+            dist.all_to_all_single(torch.empty(n * rows), bad, [rows] * n, send)
+        except FreescaleValidationError:
+            pass
+        else:
+            raise AssertionError("mismatched splits were accepted")
+        x = torch.arange(n * rows, dtype=torch.float32) + 1e6 * rank + i
+        out = torch.empty(n * rows)
+        dist.all_to_all_single(out, x)
+        want = torch.cat(
+            [x[rank * rows : (rank + 1) * rows] - 1e6 * rank + 1e6 * r for r in range(n)]
+        )
+        _same(out, want, f"round {i} after a bad verdict")
+    return rounds
+
+
 def new_user_mistakes() -> list[str]:
     """A meta tensor on one rank and a negative split: the same validation error on every rank
     at once (no rank left waiting for the timeout), and the group still works afterwards."""

@@ -54,6 +54,12 @@ def test_two_hosts_intra_and_inter_host_paths_agree(fs_group4):
         assert result["during"]["mapped"] == 2 and result["after"]["mapped"] == 0
 
 
+def test_data_sent_with_the_headers_is_dropped_after_a_bad_verdict(fs_group):
+    # The world group: host_path=auto, so 128 KiB per peer takes the rings and leaves early.
+    n = fs_group.spec.world_size
+    assert fs_group.run(ranks.early_data_after_a_bad_verdict, 3, timeout_s=60) == [3] * n
+
+
 def test_leftovers_of_a_crashed_run_are_swept():
     dead = subprocess.Popen(["true"])
     dead.wait()

@@ -105,6 +105,9 @@ class Collective:
         self._unposted: list[Transfer] = []
         self._headers: list[Any] = []
         self._folded: set[int] = set()  # ids of transfers that travel inside a header
+        # ids of sends posted with the headers (shared-memory rings only): the receiver keeps
+        # them out of its outputs until the verdict, so they need not wait for it.
+        self._early: set[int] = set()
         # CUDA folding: headers waiting for their data's D2H copy (event, [(peer, message)]),
         # the H2D copies of received folded data (device bytes, pinned host bytes), and the
         # page-locked buffers, referenced until the collective's copies are done.
@@ -197,6 +200,24 @@ class Collective:
         if unloaded:
             event = self._cuda.copy(self._streams.d2h, copies, self._cuda.d2h_watch)
             self._unloaded_headers = (event, unloaded)
+        elif not self.plan.on_cuda and not self.plan.forwarding:
+            self._post_early()
+
+    def _post_early(self) -> None:
+        """Posts with the headers the sends that take a shared-memory ring and are not folded:
+        a medium message then costs one round trip, not two. Each arrives at the receiver as
+        an unexpected message, copied out of the ring into a buffer of its own, and reaches the
+        output only once the receiver has judged every header consistent (a receive into the
+        output is posted only then); after a bad verdict the receivers discard it."""
+        g = self.group
+        for transfer in self.plan.transfers:
+            if (
+                transfer.send
+                and id(transfer) not in self._folded
+                and g.sends_early(transfer.peer, len(transfer.buffer))
+            ):
+                self._post(transfer)
+                self._early.add(id(transfer))
 
     def _header_buffer(self, size: int, pinned: bool) -> np.ndarray:
         """A receive buffer for a peer's header, page-locked if folded data will be copied H2D
@@ -303,7 +324,11 @@ class Collective:
             return True
         if self._phase == "header" and self._unloaded_headers is not None:
             progressed |= self._post_loaded_headers()
-        if self._phase == "header" and not self._posted and self._unloaded_headers is None:
+        if (
+            self._phase == "header"
+            and self._unloaded_headers is None
+            and not (self._posted and any(t.sub == 0 for t in self._posted))
+        ):
             self._judge()
             progressed = True
         if self._phase == "ready" and (
@@ -376,6 +401,11 @@ class Collective:
             problem = judge([h[:size] for h in self._headers], g.size, self.name)
         if problem:
             self._headers = []
+            # Peers may have sent this collective's data early: it must never reach a later
+            # receive, and this rank's own early sends may still be reading its inputs.
+            g.discard_early(self.seq)
+            if self._early and any(t.send for t in self._posted):
+                g.keep_alive(self.plan, self._pinned)
             self._fail_locked(problem, "validation")
             return
         for peer, pieces in self._foldable(send=False).items():
@@ -394,7 +424,8 @@ class Collective:
     def _start_data(self) -> None:
         g = self.group
         self._phase = "data"
-        unfolded = [t for t in self.plan.transfers if id(t) not in self._folded]
+        folded, early = self._folded, self._early
+        unfolded = [t for t in self.plan.transfers if id(t) not in folded and id(t) not in early]
         if self.plan.on_cuda:
             self._start_cuda_data(unfolded)
         if self._pipeline is None:

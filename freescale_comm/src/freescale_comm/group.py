@@ -27,7 +27,7 @@ import torch.distributed as dist
 from freescale_comm.engine import Engine
 from freescale_comm.errors import FreescaleError
 from freescale_comm.options import FreescaleOptions
-from freescale_comm.transport import MAX_GROUP_SIZE, Transport
+from freescale_comm.transport import MAX_GROUP_SIZE, SUB_BITS, Transport, make_tag
 from freescale_comm.validation import Signature
 
 if TYPE_CHECKING:
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 _PROCESS_ID = uuid.uuid4().hex[:16]
 _ABORT_KEY = "freescale/abort"
 _EAGER_ROOM_BYTES = 4 << 20
+# Data messages up to this size leave with the headers over the rings (``sends_early``).
+_EARLY_BYTES = 1 << 20
 
 
 def root_store(store: dist.Store) -> dist.Store:
@@ -158,6 +160,20 @@ class GroupContext:
         return (
             transport.send(endpoint, buffer, tag) if send else transport.recv(endpoint, buffer, tag)
         )
+
+    def sends_early(self, peer: int, nbytes: int) -> bool:
+        """Whether a data message of ``nbytes`` to ``peer`` leaves with the headers: it takes a
+        ring, and it is small enough that the receiver's extra copy out of the ring costs less
+        than the round trip it saves."""
+        if self._links[peer] is None or nbytes > _EARLY_BYTES:
+            return False
+        return self.options.host_path == "shm" or nbytes <= self.options.shm_max_bytes
+
+    def discard_early(self, seq: int) -> None:
+        """Drops what peers sent early for collective ``seq`` (its verdict was bad)."""
+        for peer, link in enumerate(self._links):
+            if link is not None:
+                self._hub.discard(link, make_tag(self.group_id, seq, peer, 0) >> SUB_BITS)
 
     def paths(self) -> list[dict[str, Any]]:
         """Per peer: the path host bytes take to it, and why (``freescale comm info``)."""

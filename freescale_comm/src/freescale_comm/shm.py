@@ -44,6 +44,7 @@ _SHM_DIR = "/dev/shm"
 _CTRL_BYTES = 128  # head at byte 0, tail at byte 64 (separate cache lines)
 _SLOT_HEADER = 4  # uint64: tag, message length, offset of the chunk, chunk length
 _STALE_AFTER_S = 60.0
+_SUB_BITS = 16  # transport.SUB_BITS: a tag's low bits number the messages of a collective
 
 
 def host_identity() -> str:
@@ -191,6 +192,8 @@ class Link:
         self._recvs: dict[int, Request] = {}
         self._unexpected: dict[int, _Unexpected] = {}
         self.closed = False
+        # Collectives (tag >> SUB_BITS) whose early messages are dropped on arrival.
+        self._discarded: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.sent = self.received = 0  # messages posted on this link (tests check the path)
 
     # --------------------------------------------------------------- posting (hub lock held)
@@ -276,6 +279,8 @@ class Link:
                     if request.done_bytes >= length:
                         request.completed = True
                         del self._recvs[tag]
+            elif tag >> _SUB_BITS in self._discarded:
+                pass  # sent early for a collective that failed its verdict
             else:
                 early = self._unexpected.get(tag)
                 if early is None:
@@ -289,6 +294,16 @@ class Link:
             ring.ctrl[8] = tail  # the slot is free again
         self._tail = tail
         return True
+
+    def discard(self, prefix: int) -> None:
+        """Drops the messages of one collective (``tag >> SUB_BITS == prefix``) that arrived
+        or will arrive without a receive (early data of a collective that failed its verdict).
+        """
+        for tag in [t for t in self._unexpected if t >> _SUB_BITS == prefix]:
+            del self._unexpected[tag]
+        self._discarded[prefix] = None
+        while len(self._discarded) > 256:
+            self._discarded.popitem(last=False)
 
     @staticmethod
     def _deliver(request: Request, data: np.ndarray) -> None:
@@ -366,6 +381,10 @@ class Hub:
         with contextlib.suppress(BlockingIOError):
             for _ in range(256):
                 self.sock.recv(64)
+
+    def discard(self, link: Link, prefix: int) -> None:
+        with self.lock:
+            link.discard(prefix)
 
     def post(self, link: Link, buffer: np.ndarray, tag: int, send: bool) -> Request:
         with self.lock:
