@@ -243,6 +243,7 @@ class TrainPipeline:
                 model's loss is not one value per sample, or the loss is not finite.
         """
         started = time.perf_counter()
+        cpu_started = time.thread_time()
         if self._queue is None:
             self._start(iterator)
         elif iterator is not self._iterator:
@@ -272,6 +273,7 @@ class TrainPipeline:
             # Step times must cover the work queued on the GPU, not only its launch.
             torch.cuda.current_stream(self.device).synchronize()
         times.wall_s = time.perf_counter() - started
+        times.thread_cpu_s = time.thread_time() - cpu_started
         self._measure(times)
         balancer = self.balancer
         if current.plan is not None and balancer is not None and balancer.config.policy == "vbs":

@@ -27,6 +27,9 @@ class RankStep:
 
     Attributes:
         wall_s: from the start of ``progress`` to its return.
+        thread_cpu_s: CPU time of the training thread in that span (below ``wall_s`` minus
+            waits when the thread was ready but did not run: other threads held the GIL or
+            the cores).
         input_wait_s: waiting for the next batches to be loaded and balanced.
         embedding_wait_s: the training thread in embedding collectives or waiting for the
             embedding prefetch thread (the collections' ``exposed_comm_s``).
@@ -42,6 +45,7 @@ class RankStep:
     """
 
     wall_s: float = 0.0
+    thread_cpu_s: float = 0.0
     input_wait_s: float = 0.0
     embedding_wait_s: float = 0.0
     dense_allreduce_wait_s: float = 0.0
@@ -88,6 +92,7 @@ class StepReport:
         loss: the step's loss: every rank's summed per-sample losses over the global weight.
         step_s: the slowest rank's wall time.
         compute_s: per rank, wall time minus waits.
+        thread_cpu_s: per rank, the training thread's CPU time.
         straggler_pct: ``(max - mean) / max`` of ``compute_s``, in percent.
         straggler_wait_s: ``max - mean`` of ``compute_s``.
         exposed_s: per kind (``input``, ``embedding``, ``dense_allreduce``, ``status``), the
@@ -107,6 +112,7 @@ class StepReport:
     loss: float
     step_s: float
     compute_s: tuple[float, ...]
+    thread_cpu_s: tuple[float, ...]
     straggler_pct: float
     straggler_wait_s: float
     exposed_s: dict[str, float]
@@ -135,6 +141,7 @@ class StepReport:
             loss=loss,
             step_s=step_s,
             compute_s=tuple(compute),
+            thread_cpu_s=tuple(r.thread_cpu_s for r in ranks),
             straggler_pct=100.0 * (slowest - mean) / slowest if slowest > 0 else 0.0,
             straggler_wait_s=slowest - mean,
             exposed_s={

@@ -244,6 +244,7 @@ def summarize(
         "step_p90_ms": 1e3 * _p90(steps),
         "compute_ms": 1e3 * _median([max(r.compute_s) for r in timed]),
         "mean_compute_ms": 1e3 * _median([sum(r.compute_s) / len(r.compute_s) for r in timed]),
+        "thread_cpu_ms": 1e3 * _median([max(r.thread_cpu_s) for r in timed]),
         "straggler_pct": _median([r.straggler_pct for r in timed]),
         "straggler_wait_ms": 1e3 * _median([r.straggler_wait_s for r in timed]),
         "exposed_ms": {k: 1e3 * _median([r.exposed_s[k] for r in timed]) for k in kinds},

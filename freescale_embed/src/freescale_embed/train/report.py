@@ -26,6 +26,7 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
         ("step time, median (ms)", lambda s: f"{s['step_ms']:.1f}"),
         ("step time, p90 (ms)", lambda s: f"{s['step_p90_ms']:.1f}"),
         ("slowest rank's compute (ms)", lambda s: f"{s['compute_ms']:.1f}"),
+        ("  training thread on CPU (ms)", lambda s: f"{s['thread_cpu_ms']:.1f}"),
         ("straggler %", lambda s: f"{s['straggler_pct']:.1f}"),
         ("straggler wait (ms)", lambda s: f"{s['straggler_wait_ms']:.1f}"),
         ("exposed comm (ms)", lambda s: f"{sum(s['exposed_ms'].values()):.1f}"),
