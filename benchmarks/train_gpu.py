@@ -5,7 +5,7 @@
 2. 2 ranks sharing the GPU over the freescale backend (NCCL cannot put two ranks on one GPU, so
    the baseline is freescale / no balancing / sync): baseline, balancing alone, prioritized
    alone, both; prioritized must train bitwise the weights of sync with the same balancing.
-3. The CPU main job on this machine's quiet cores (2 and 4 ranks).
+3. The CPU main job on this machine's quiet cores: 2 ranks with each technique alone, 4 ranks.
 
 Usage: ``python3 benchmarks/train_gpu.py --out $OUT [--parts attention,cuda,cpu]``.
 """
@@ -68,7 +68,17 @@ def _train(out: Path, argv: Sequence[str]) -> list[dict]:
     return json.loads((out / "summary.json").read_text())
 
 
-ABLATION = "baseline,gloo:fbs:sync,gloo:kk:sync,gloo:none:prioritized,freescale:none:sync,freescale"
+ABLATION = ",".join(
+    [
+        "baseline",
+        "gloo:fbs:sync",
+        "gloo:kk:sync",
+        "gloo:none:prioritized",
+        "freescale:none:sync",
+        "gloo:fbs:prioritized",
+        "freescale",
+    ]
+)
 
 
 def _exactness(out: Path, steps: int) -> list[str]:
@@ -99,12 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--parts", default="attention,exact,cuda,cpu")
     parser.add_argument("--cuda-steps", type=int, default=60)
     parser.add_argument("--cpu-steps", type=int, default=200)
-    parser.add_argument(
-        "--switch-intervals", default="5,0.5", help="GIL switch intervals (ms) of the timed runs"
-    )
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
-    intervals = args.switch_intervals.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
     lines = []
     started = time.time()
@@ -113,34 +119,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines.append(f"varlen attention vs CPU float32: {result}")
     if "exact" in parts:
         lines += _exactness(args.out / "cuda_exactness", args.cuda_steps)
-    for interval in intervals:
-        gil = ["--switch-interval-ms", interval]
-        if "cuda" in parts:
-            folder = args.out / f"cuda_2ranks_one_gpu_gil{interval}ms"
+    if "cuda" in parts:
+        folder = args.out / "cuda_2ranks_one_gpu"
+        _train(folder, [*CUDA_MODEL, "--steps", str(args.cuda_steps), "--runs", CUDA_RUNS])
+        lines.append("CUDA, 2 ranks on one GPU:\n" + (folder / "table.txt").read_text())
+    if "cpu" in parts:
+        for world in (2, 4):
+            folder = args.out / f"cpu_{world}ranks"
+            runs = ABLATION if world == 2 else "baseline,freescale"
             _train(
-                folder, [*CUDA_MODEL, *gil, "--steps", str(args.cuda_steps), "--runs", CUDA_RUNS]
+                folder, ["--world-size", str(world), "--steps", str(args.cpu_steps), "--runs", runs]
             )
-            lines.append(f"CUDA, GIL switch {interval} ms:\n" + (folder / "table.txt").read_text())
-        if "cpu" in parts:
-            for world in (2, 4):
-                folder = args.out / f"cpu_{world}ranks_gil{interval}ms"
-                runs = ABLATION if world == 2 else "baseline,freescale"
-                _train(
-                    folder,
-                    [
-                        "--world-size",
-                        str(world),
-                        "--steps",
-                        str(args.cpu_steps),
-                        *gil,
-                        "--runs",
-                        runs,
-                    ],
-                )
-                lines.append(
-                    f"CPU, {world} ranks, GIL switch {interval} ms:\n"
-                    + (folder / "table.txt").read_text()
-                )
+            lines.append(f"CPU, {world} ranks:\n" + (folder / "table.txt").read_text())
     lines.append(f"wall {time.time() - started:.0f} s")
     text = "\n".join(lines)
     (args.out / "summary.txt").write_text(text + "\n")
