@@ -159,11 +159,14 @@ class PlanCache:
 
     Only calls whose tensors are all contiguous, on the CPU and without overlapping memory are
     cached (a strided tensor needs a staging copy per call; an in-place AllGather skips a copy
-    that another call of the same shapes needs). Bounded: cleared when full.
+    that another call of the same shapes needs), and only from a shape's second call: building
+    a template costs more than the plan it saves once, and uneven AllToAlls whose splits change
+    every step (embedding lookups) would pay it on every call. Bounded: cleared when full.
     """
 
     def __init__(self) -> None:
         self._templates: dict[Any, Template | None] = {}
+        self._seen_once: set[Any] = set()
 
     @staticmethod
     def key(op: str, tensors: Sequence[torch.Tensor], extra: Any) -> Any:
@@ -188,6 +191,11 @@ class PlanCache:
     def remember(self, key: Any, plan: Plan, tensors: Sequence[torch.Tensor], n: int) -> None:
         """Keeps ``plan`` (built over ``tensors``) as the template of ``key``, if it maps."""
         if key is None or plan.signature.error or plan.copy_back:
+            return
+        if key not in self._seen_once:
+            if len(self._seen_once) >= _CACHE_ENTRIES:
+                self._seen_once.clear()
+            self._seen_once.add(key)
             return
         if len(self._templates) >= _CACHE_ENTRIES:
             self._templates.clear()
