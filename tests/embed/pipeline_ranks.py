@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -211,3 +214,53 @@ def refused(kind: str, mode: str, bad_rank: int = 1) -> str:
         message = f"{pipeline.step}: {error}"
     pipeline.close()
     return message
+
+
+def without_outputs() -> str:
+    """A balanced run that keeps per-sample outputs where they were computed."""
+    model = TinyRecommender("prioritized")
+    balancer = Balancer(BalancerConfig(policy="fbs"))
+    pipeline = TrainPipeline(
+        model,
+        torch.optim.SGD(model.mlp.parameters(), lr=0.1),
+        balancer=balancer,
+        config=PipelineConfig(return_outputs=False),
+    )
+    iterator = iter(list(local_batches(5, 3, 8)))
+    outputs = []
+    while True:
+        try:
+            outputs.append(pipeline.progress(iterator))
+        except StopIteration:
+            break
+    pipeline.close()
+    model.embeddings.close()
+    balancer.close()
+    try:
+        _ = outputs[0].outputs
+    except PipelineError as error:
+        return f"{len(outputs)} steps; {error}"
+    return "outputs were returned"
+
+
+def dies_mid_step(dead_rank: int, timeout_s: float) -> str:
+    """Rank ``dead_rank`` exits at its fourth step; the others report what they raised."""
+    bound = timedelta(seconds=timeout_s)
+    model = TinyRecommender("prioritized")
+    balancer = Balancer(BalancerConfig(policy="fbs", timeout=bound))
+    pipeline = TrainPipeline(
+        model,
+        torch.optim.SGD(model.mlp.parameters(), lr=0.1),
+        balancer=balancer,
+        config=PipelineConfig(timeout=bound),
+    )
+    iterator = iter(list(local_batches(7, 8, 8)))
+    started = time.monotonic()
+    try:
+        for step in range(8):
+            if dist.get_rank() == dead_rank and step == 3:
+                os._exit(17)
+            pipeline.progress(iterator)
+    except Exception as error:  # whichever collective met the dead peer first
+        return f"{type(error).__name__} after {time.monotonic() - started:.1f} s"
+    return "no error"

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.embed import pipeline_ranks
+from tests.harness import LocalGroup, RankFailure
 
 _CLOSE = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -132,3 +133,21 @@ def test_resume_on_another_world_size_continues_the_same_global_batches(local_gr
         torch.testing.assert_close(rest[0].tables[key], whole[0].tables[key], **_CLOSE)
     for key in whole[0].dense:
         torch.testing.assert_close(rest[0].dense[key], whole[0].dense[key], **_CLOSE)
+
+
+def test_outputs_can_be_left_where_they_were_computed(local_groups):
+    for message in local_groups.get(2).run(pipeline_ranks.without_outputs):
+        assert "outputs are not returned" in message
+
+
+def test_a_rank_that_dies_mid_step_makes_the_survivors_raise_within_the_timeout():
+    group = LocalGroup(2, init_timeout_s=20)
+    try:
+        with pytest.raises(RankFailure) as failure:
+            group.run(pipeline_ranks.dies_mid_step, 1, 20.0, timeout_s=90)
+    finally:
+        group.close()
+    assert failure.value.failures[1][0] == "died"
+    survivor = failure.value.results[0]
+    assert survivor != "no error"
+    assert float(survivor.split(" after ")[1].split()[0]) < 20 + 15, survivor

@@ -68,11 +68,15 @@ class PipelineConfig:
             the global sum of weights. ``None``: one per sample (divide by the global samples).
         check_finite: stop every rank with ``PipelineError`` at a step whose loss is not
             finite, before its backward changes any table.
+        return_outputs: send per-sample outputs back to the ranks that loaded them (with a
+            balancer: one inverse shuffle per step on the background thread). ``False`` saves
+            that traffic; ``StepOutput.outputs`` then raises. The same on every rank.
         timeout: bound of every wait for the background thread and of the pipeline's groups.
     """
 
     weights: Weights | None = None
     check_finite: bool = True
+    return_outputs: bool = True
     timeout: timedelta = timedelta(seconds=120)
 
 
@@ -518,9 +522,14 @@ class TrainPipeline:
     def _return_outputs(
         self, outputs: dict[str, torch.Tensor], plan: ShufflePlan | None
     ) -> concurrent.futures.Future[dict[str, torch.Tensor]]:
+        done: concurrent.futures.Future[dict[str, torch.Tensor]] = concurrent.futures.Future()
+        if not self.config.return_outputs:
+            done.set_exception(
+                PipelineError("outputs are not returned: PipelineConfig(return_outputs=False)")
+            )
+            return done
         outputs = {k: v.cpu() for k, v in outputs.items()}
         if plan is None or self.balancer is None:
-            done: concurrent.futures.Future[dict[str, torch.Tensor]] = concurrent.futures.Future()
             done.set_result(outputs)
             return done
         balancer = self.balancer

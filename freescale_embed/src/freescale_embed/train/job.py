@@ -105,7 +105,8 @@ def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dic
         balancer=balancer,
         group=dense_group,
         device=device,
-        config=PipelineConfig(weights=target_counts, timeout=timeout),
+        # The job reads losses from the reports only: no per-sample outputs travel back.
+        config=PipelineConfig(weights=target_counts, return_outputs=False, timeout=timeout),
     )
     saved = None if config.checkpoint_dir is None else Path(config.checkpoint_dir) / run.name
     start = 0
