@@ -12,7 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from freescale_balance import Balancer, BalancerConfig, JaggedBatch, JaggedTensor
+from freescale_balance import (
+    AlphaAutoTuneConfig,
+    Balancer,
+    BalancerConfig,
+    JaggedBatch,
+    JaggedTensor,
+)
 from freescale_embed import (
     SGD,
     RowWiseAdagrad,
@@ -98,7 +104,10 @@ def train(
     rank = dist.get_rank()
     model = TinyRecommender(mode, optimizer)
     dense_optimizer = torch.optim.Adam(model.mlp.parameters(), lr=0.01)
-    balancer = None if policy is None else Balancer(BalancerConfig(policy=policy))
+    # VBS tunes its exponent from measured step times, which differ between runs: frozen here
+    # (the times are still reported, collectively), so that two runs balance alike.
+    frozen = AlphaAutoTuneConfig(step_size=0.0)
+    balancer = None if policy is None else Balancer(BalancerConfig(policy=policy, autotune=frozen))
     pipeline = TrainPipeline(model, dense_optimizer, balancer=balancer)
     start = 0 if load_from is None else int(checkpoint.load(load_from, pipeline)["step"])
     mine = (rank_steps or {}).get(rank, steps)
