@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import statistics
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from freescale_comm.bench import run_local_ranks
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
@@ -101,7 +102,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
                 )
         size *= args.factor
     if rank == 0:
-        queue.put(rows)
+        queue.put(("ok", rows))
     dist.destroy_process_group()
 
 
@@ -115,26 +116,10 @@ def main() -> None:
     parser.add_argument("--target-s", type=float, default=0.03)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    import torch.distributed as dist
 
-    spawn = multiprocessing.get_context("spawn")
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
-    queue = spawn.Queue()
-    procs = [
-        spawn.Process(target=_rank, args=(r, args, store.port, queue), daemon=True)
-        for r in range(args.ranks)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        rows = queue.get(timeout=900)
-    finally:
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
+    kind, rows = run_local_ranks(_rank, args.ranks, args, 900)
+    if kind != "ok":
+        raise SystemExit(f"a rank failed: {rows}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         report = {

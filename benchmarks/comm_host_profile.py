@@ -16,13 +16,14 @@ import argparse
 import cProfile
 import io
 import json
-import multiprocessing
 import os
 import pstats
 import statistics
 import time
 from datetime import timedelta
 from typing import Any
+
+from freescale_comm.bench import run_local_ranks
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
@@ -76,7 +77,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
     if args.profile:
         report["profile"] = _profile(rank, calls, args.calls)
     if rank == 0:
-        queue.put(report)
+        queue.put(("ok", report))
     dist.destroy_process_group()
 
 
@@ -126,26 +127,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
-    import torch.distributed as dist
 
-    spawn = multiprocessing.get_context("spawn")
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
-    queue = spawn.Queue()
-    procs = [
-        spawn.Process(target=_rank, args=(r, args, store.port, queue), daemon=True)
-        for r in range(args.ranks)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        report = queue.get(timeout=600)
-    finally:
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
+    kind, report = run_local_ranks(_rank, args.ranks, args, 600)
+    if kind != "ok":
+        raise SystemExit(f"a rank failed: {report}")
     profile = report.pop("profile", {})
     for key, value in profile.items():
         if key.endswith("_us"):

@@ -69,6 +69,7 @@ from freescale_embed import SGD, RowWiseAdagrad, ShardedEmbeddingCollection, Tab
 from freescale_embed.data.synthetic import SyntheticConfig, synthetic_batches
 from freescale_embed.models import SASRec, SASRecConfig, item_tables, target_counts
 from freescale_embed.pipeline import PipelineConfig, TrainPipeline
+from freescale_embed.train.job import median, p90
 
 # The item table's name: TorchRec's EmbeddingCollection keeps its tables in an nn.ModuleDict,
 # which refuses the name "items" (a ModuleDict method).
@@ -626,17 +627,6 @@ def _rank_main(rank: int, port: int, queue: Any, config: CompareConfig, world: i
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def _median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-def _p90(values: Sequence[float]) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-
-
 def _per_step(
     results: Sequence[Mapping[str, Any]], side: str, key: str, round_: int, over_ranks: Any
 ) -> list[float]:
@@ -659,13 +649,13 @@ def combine(config: CompareConfig, results: Sequence[Mapping[str, Any]]) -> dict
             "step_ms": [1e3 * s for s in rounds[0]],
             "step_ms_per_round": [[1e3 * s for s in steps] for steps in rounds],
             "median_step_ms_per_round": [
-                1e3 * _median(steps[config.warmup :] or steps) for steps in rounds
+                1e3 * median(steps[config.warmup :] or steps) for steps in rounds
             ],
-            "median_step_ms": 1e3 * _median(timed),
-            "p90_step_ms": 1e3 * _p90(timed),
+            "median_step_ms": 1e3 * median(timed),
+            "p90_step_ms": 1e3 * p90(timed),
             "timed_steps": len(timed),
-            "median_cpu_ms": 1e3 * _median(cpu),
-            "p90_cpu_ms": 1e3 * _p90(cpu),
+            "median_cpu_ms": 1e3 * median(cpu),
+            "p90_cpu_ms": 1e3 * p90(cpu),
             "losses": list(results[0][side]["losses"]),
         }
     ours, theirs = sides["freescale"]["losses"], sides["torchrec"]["losses"]

@@ -237,19 +237,24 @@ class PlanCache:
         plan.keep = tensors
 
 
-def _cached(
+def _planned(
     cache: PlanCache | None,
     op: str,
     tensors: Sequence[torch.Tensor],
     extra: Any,
     result: list[torch.Tensor],
-) -> tuple[Any, Plan | None]:
-    """(key, the plan from the cached template or None) of a call."""
-    if cache is None:
-        return None, None
-    key = cache.key(op, tensors, extra)
-    template = cache.get(key)
-    return key, template.plan(tensors, result) if template is not None else None
+    world_size: int,
+    build: Callable[[], Plan],
+) -> Plan:
+    """The call's plan: from its cached template, or built (and remembered when it may be)."""
+    key = None if cache is None else cache.key(op, tensors, extra)
+    template = None if cache is None else cache.get(key)
+    if template is not None:
+        return template.plan(tensors, result)
+    plan = build()
+    if cache is not None and key is not None:
+        cache.remember(key, plan, tensors, world_size)
+    return plan
 
 
 def flat_bytes(tensor: torch.Tensor) -> Bytes:
@@ -597,14 +602,17 @@ def all_to_all_single(
     """Plan of ``all_to_all_single``: rows of dim 0 split by peer (empty splits: even)."""
     tensors = (input, output)
     extra = (tuple(output_split_sizes), tuple(input_split_sizes))
-    key, plan = _cached(cache, op, tensors, extra, [output])
-    if plan is None:
-        plan = _build_all_to_all_single(
+    return _planned(
+        cache,
+        op,
+        tensors,
+        extra,
+        [output],
+        world_size,
+        lambda: _build_all_to_all_single(
             op, rank, world_size, output, input, output_split_sizes, input_split_sizes
-        )
-        if key is not None:
-            cache.remember(key, plan, tensors, world_size)
-    return plan
+        ),
+    )
 
 
 def all_to_all(
@@ -617,12 +625,15 @@ def all_to_all(
 ) -> Plan:
     """Plan of ``all_to_all`` (lists): ``inputs[p]`` goes to peer p, ``outputs[p]`` from it."""
     tensors = (*inputs, *outputs)
-    key, plan = _cached(cache, op, tensors, len(inputs), list(outputs))
-    if plan is None:
-        plan = _build_all_to_all(op, rank, world_size, outputs, inputs)
-        if key is not None:
-            cache.remember(key, plan, tensors, world_size)
-    return plan
+    return _planned(
+        cache,
+        op,
+        tensors,
+        len(inputs),
+        list(outputs),
+        world_size,
+        lambda: _build_all_to_all(op, rank, world_size, outputs, inputs),
+    )
 
 
 def all_gather(
@@ -637,12 +648,15 @@ def all_gather(
     """Plan of one or more list AllGathers: ``outputs[k][p]`` receives rank p's ``inputs[k]``."""
     result = [t for slots in outputs for t in slots]
     tensors = (*inputs, *result)
-    key, plan = _cached(cache, op, tensors, tuple(len(s) for s in outputs), result)
-    if plan is None:
-        plan = _build_all_gather(op, rank, world_size, outputs, inputs, options)
-        if key is not None:
-            cache.remember(key, plan, tensors, world_size)
-    return plan
+    return _planned(
+        cache,
+        op,
+        tensors,
+        tuple(len(s) for s in outputs),
+        result,
+        world_size,
+        lambda: _build_all_gather(op, rank, world_size, outputs, inputs, options),
+    )
 
 
 def all_gather_into_tensor(
@@ -656,9 +670,12 @@ def all_gather_into_tensor(
 ) -> Plan:
     """Plan of one or more AllGathers into single tensors of ``world_size`` times the input."""
     tensors = (*inputs, *outputs)
-    key, plan = _cached(cache, op, tensors, len(inputs), list(outputs))
-    if plan is None:
-        plan = _build_all_gather_into_tensor(op, rank, world_size, outputs, inputs, options)
-        if key is not None:
-            cache.remember(key, plan, tensors, world_size)
-    return plan
+    return _planned(
+        cache,
+        op,
+        tensors,
+        len(inputs),
+        list(outputs),
+        world_size,
+        lambda: _build_all_gather_into_tensor(op, rank, world_size, outputs, inputs, options),
+    )

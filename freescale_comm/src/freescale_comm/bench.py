@@ -256,32 +256,43 @@ def _max_over_ranks(values: list[float], group: Any) -> list[float]:
     return t.tolist()
 
 
-def run_bench(config: BenchConfig, timeout_s: float = 1800) -> dict[str, Any]:
-    """Runs the sweep on ``config.world_size`` local processes; returns the report."""
-    import torch
+def run_local_ranks(
+    target: Callable[..., None], world_size: int, argument: Any, timeout_s: float
+) -> tuple[str, Any]:
+    """Runs ``target(rank, argument, port, queue)`` in ``world_size`` spawned processes around a
+    TCPStore on loopback that this process owns; returns the first ``(kind, payload)`` a rank
+    puts on ``queue`` (``kind`` ``"ok"`` or ``"error"``), then joins the processes and kills
+    those still alive."""
     import torch.distributed as dist
 
-    import freescale_comm
-
-    load_at_start = os.getloadavg()[0]
     spawn = multiprocessing.get_context("spawn")
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
     )
     queue = spawn.Queue()
     procs = [
-        spawn.Process(target=_rank_main, args=(r, config, store.port, queue), daemon=True)
-        for r in range(config.world_size)
+        spawn.Process(target=target, args=(r, argument, store.port, queue), daemon=True)
+        for r in range(world_size)
     ]
     for proc in procs:
         proc.start()
     try:
-        kind, payload = _first_report(queue, procs, timeout_s)
+        return _first_report(queue, procs, timeout_s)
     finally:
         for proc in procs:
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
+
+
+def run_bench(config: BenchConfig, timeout_s: float = 1800) -> dict[str, Any]:
+    """Runs the sweep on ``config.world_size`` local processes; returns the report."""
+    import torch
+
+    import freescale_comm
+
+    load_at_start = os.getloadavg()[0]
+    kind, payload = run_local_ranks(_rank_main, config.world_size, config, timeout_s)
     if kind != "ok":
         raise RuntimeError(f"benchmark failed: {payload}")
     from freescale_comm.transport import ucx_version

@@ -216,11 +216,13 @@ def _evaluate(
     }
 
 
-def _median(values: Sequence[float]) -> float:
+def median(values: Sequence[float]) -> float:
+    """The median, NaN for no values."""
     return statistics.median(values) if values else float("nan")
 
 
-def _p90(values: Sequence[float]) -> float:
+def p90(values: Sequence[float]) -> float:
+    """The 90th percentile (nearest rank), NaN for no values."""
     if not values:
         return float("nan")
     ordered = sorted(values)
@@ -241,18 +243,18 @@ def summarize(
         "config": asdict(config),
         "world_size": dist.get_world_size(),
         "steps": len(reports),
-        "step_ms": 1e3 * _median(steps),
-        "step_p90_ms": 1e3 * _p90(steps),
-        "compute_ms": 1e3 * _median([max(r.compute_s) for r in timed]),
-        "mean_compute_ms": 1e3 * _median([sum(r.compute_s) / len(r.compute_s) for r in timed]),
-        "thread_cpu_ms": 1e3 * _median([max(r.thread_cpu_s) for r in timed]),
-        "straggler_pct": _median([r.straggler_pct for r in timed]),
-        "straggler_wait_ms": 1e3 * _median([r.straggler_wait_s for r in timed]),
-        "exposed_ms": {k: 1e3 * _median([r.exposed_s[k] for r in timed]) for k in kinds},
-        "samples_per_s": _median([r.samples_per_s for r in timed]),
-        "tokens_per_s": _median([r.tokens_per_s for r in timed]),
-        "collision_pct": _median(collisions) if collisions else None,
-        "embedding_mb_per_step": _median([r.embedding_bytes for r in timed]) / 1e6,
+        "step_ms": 1e3 * median(steps),
+        "step_p90_ms": 1e3 * p90(steps),
+        "compute_ms": 1e3 * median([max(r.compute_s) for r in timed]),
+        "mean_compute_ms": 1e3 * median([sum(r.compute_s) / len(r.compute_s) for r in timed]),
+        "thread_cpu_ms": 1e3 * median([max(r.thread_cpu_s) for r in timed]),
+        "straggler_pct": median([r.straggler_pct for r in timed]),
+        "straggler_wait_ms": 1e3 * median([r.straggler_wait_s for r in timed]),
+        "exposed_ms": {k: 1e3 * median([r.exposed_s[k] for r in timed]) for k in kinds},
+        "samples_per_s": median([r.samples_per_s for r in timed]),
+        "tokens_per_s": median([r.tokens_per_s for r in timed]),
+        "collision_pct": median(collisions) if collisions else None,
+        "embedding_mb_per_step": median([r.embedding_bytes for r in timed]) / 1e6,
         "prefetch_mb": max((r.prefetch_bytes for r in timed), default=0) / 1e6,
         "peak_host_mb": max((r.peak_host_bytes for r in reports), default=0) / 1e6,
         "peak_device_mb": max((r.peak_device_bytes for r in reports), default=0) / 1e6,
