@@ -22,6 +22,7 @@ it is computed or on how many samples a rank got.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import resource
 import time
 from collections import deque
@@ -552,9 +553,18 @@ class TrainPipeline:
                 times.prefetch_bytes += latest.prefetch_bytes
         for key in [k for k in self._seen_embedding if k[1] < self.step - 3]:
             del self._seen_embedding[key]
-        times.peak_host_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+        times.host_bytes = _resident_bytes()
         if self.device.type == "cuda":
             times.peak_device_bytes = float(torch.cuda.max_memory_allocated(self.device))
+
+
+def _resident_bytes() -> float:
+    """This process's resident memory now (Linux), else its peak so far."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return float(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
 
 
 def _timed_backward(loss: torch.Tensor) -> float:

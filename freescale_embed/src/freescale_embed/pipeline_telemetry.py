@@ -40,7 +40,7 @@ class RankStep:
         embedding_bytes: bytes the embedding collections sent during the step.
         collision_pct: the embedding step's collision share, or -1 when not measured.
         prefetch_bytes: bytes held from the previous step for this one (prioritized mode).
-        peak_host_bytes: this process's peak resident memory so far.
+        host_bytes: this process's resident memory at the step's end.
         peak_device_bytes: peak device memory allocated so far (0 on CPU).
     """
 
@@ -55,7 +55,7 @@ class RankStep:
     embedding_bytes: float = 0.0
     collision_pct: float = -1.0
     prefetch_bytes: float = 0.0
-    peak_host_bytes: float = 0.0
+    host_bytes: float = 0.0
     peak_device_bytes: float = 0.0
 
     @property
@@ -104,7 +104,7 @@ class StepReport:
         collision_pct: mean over ranks of the embedding collision share (``None``: not measured).
         embedding_bytes: bytes all ranks' embedding collections sent.
         prefetch_bytes: the most any rank held from the previous step for this one.
-        peak_host_bytes: the largest peak resident memory of a rank.
+        host_bytes: the largest resident memory of a rank at the step's end.
         peak_device_bytes: the largest peak device memory of a rank.
     """
 
@@ -123,7 +123,7 @@ class StepReport:
     collision_pct: float | None
     embedding_bytes: int
     prefetch_bytes: int
-    peak_host_bytes: int
+    host_bytes: int
     peak_device_bytes: int
 
     @classmethod
@@ -157,7 +157,7 @@ class StepReport:
             collision_pct=sum(collisions) / len(collisions) if collisions else None,
             embedding_bytes=round(sum(r.embedding_bytes for r in ranks)),
             prefetch_bytes=round(max(r.prefetch_bytes for r in ranks)),
-            peak_host_bytes=round(max(r.peak_host_bytes for r in ranks)),
+            host_bytes=round(max(r.host_bytes for r in ranks)),
             peak_device_bytes=round(max(r.peak_device_bytes for r in ranks)),
         )
 

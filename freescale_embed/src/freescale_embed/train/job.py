@@ -62,6 +62,8 @@ def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dic
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     group = _group(run.backend, timeout)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # runs share the process: peaks per run
     # NCCL cannot put two ranks on one GPU: ranks sharing GPUs all-reduce dense gradients on Gloo.
     shared_gpu = device.type == "cuda" and torch.cuda.device_count() < world
     dense_group = _group("gloo", timeout) if shared_gpu else group
@@ -256,7 +258,7 @@ def summarize(
         "collision_pct": median(collisions) if collisions else None,
         "embedding_mb_per_step": median([r.embedding_bytes for r in timed]) / 1e6,
         "prefetch_mb": max((r.prefetch_bytes for r in timed), default=0) / 1e6,
-        "peak_host_mb": max((r.peak_host_bytes for r in reports), default=0) / 1e6,
+        "peak_host_mb": max((r.host_bytes for r in reports), default=0) / 1e6,
         "peak_device_mb": max((r.peak_device_bytes for r in reports), default=0) / 1e6,
         "final_loss": sum(losses[-_TAIL_STEPS:]) / max(len(losses[-_TAIL_STEPS:]), 1),
         "losses": losses,
