@@ -35,7 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--dataset", choices=DATASETS, default=_DEFAULTS.dataset, help="training data")
     add("--world-size", type=int, default=_DEFAULTS.world_size, help="local ranks to start")
-    add("--device", choices=("cpu", "cuda"), default=_DEFAULTS.device)
+    add(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=_DEFAULTS.device,
+        help="where the model computes (cuda: ranks take the GPUs round-robin)",
+    )
     add("--steps", type=int, default=_DEFAULTS.steps, help="global steps per run (0: an epoch)")
     add("--batch-size", type=int, default=_DEFAULTS.global_batch_size, help="global batch")
     add("--max-history", type=int, default=_DEFAULTS.max_history, help="longest history")
@@ -47,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--heads", type=int, default=_DEFAULTS.num_heads, help="attention heads")
     add("--lr", type=float, default=_DEFAULTS.lr, help="dense Adam learning rate")
     add("--embedding-lr", type=float, default=_DEFAULTS.embedding_lr, help="row-wise Adagrad lr")
-    add("--seed", type=int, default=_DEFAULTS.seed)
+    add("--seed", type=int, default=_DEFAULTS.seed, help="seed of the data and initial weights")
     add("--eval-users", type=int, default=_DEFAULTS.eval_users, help="users evaluated (0: all)")
     add("--threads", type=int, default=_DEFAULTS.threads, help="torch threads per rank")
     add("--deterministic", action="store_true", help="torch.use_deterministic_algorithms")
