@@ -22,6 +22,7 @@ it is computed or on how many samples a rank got.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import os
 import resource
 import time
@@ -540,7 +541,9 @@ class TrainPipeline:
 
     def _measure(self, times: RankStep) -> None:
         for name, collection in self.collections.items():
-            for record in list(collection.telemetry)[-3:]:
+            # Only the last records still change (a record is final after the next backward);
+            # copying the whole deque would cost more every step.
+            for record in itertools.islice(reversed(collection.telemetry), 3):
                 key = (name, record.step)
                 exposed, sent = self._seen_embedding.get(key, (0.0, 0.0))
                 times.embedding_wait_s += record.exposed_comm_s - exposed
