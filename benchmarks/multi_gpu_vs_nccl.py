@@ -68,12 +68,17 @@ from typing import Any
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 ROOT = Path(__file__).resolve().parents[1]
-SRC_DIRS = [ROOT / name / "src"
-            for name in ("freescale_comm", "freescale_balance", "freescale_embed", "kernels")]
+SRC_DIRS = [
+    ROOT / name / "src"
+    for name in ("freescale_comm", "freescale_balance", "freescale_embed", "kernels")
+]
 # NVLink multicast stays off in every process (a program using it can take the host's GPUs out
 # of service): ../shared/GPU.md and the device's KINDS.md.
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
+SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 OPS = ("all_gather_into_tensor", "all_to_all_single", "all_to_all_single_uneven")
 OVERLAP_OPS = ("all_to_all_single", "all_gather_into_tensor")
 FREESCALE = ("fs_direct", "fs_staged")
@@ -81,37 +86,48 @@ JSON_NAME = "multi_gpu_vs_nccl.json"
 TARGET_PCT, TARGET_GAP = 2.0, 5.0
 
 PHASES: list[dict[str, Any]] = [
-    {"name": "main", "env": {"NCCL_CTA_POLICY": "2"},
-     "backends": ["fs_direct", "fs_staged", "nccl", "nccl_ce"],
-     "sections": ["setup", "correctness", "kernels", "sweep", "overlap"]},
-    {"name": "nccl_p2p_memcpy", "env": {"NCCL_P2P_USE_CUDA_MEMCPY": "1"},
-     "backends": ["nccl_p2p_memcpy"],
-     "sections": ["setup", "kernels", "sweep", "overlap"]},
+    {
+        "name": "main",
+        "env": {"NCCL_CTA_POLICY": "2"},
+        "backends": ["fs_direct", "fs_staged", "nccl", "nccl_ce"],
+        "sections": ["setup", "correctness", "kernels", "sweep", "overlap"],
+    },
+    {
+        "name": "nccl_p2p_memcpy",
+        "env": {"NCCL_P2P_USE_CUDA_MEMCPY": "1"},
+        "backends": ["nccl_p2p_memcpy"],
+        "sections": ["setup", "kernels", "sweep", "overlap"],
+    },
 ]
 # Upper bound (s) of each part, and what it needs at least to start.
-SECTION_CAP = {"setup": 90, "correctness": 90, "kernels": 60, "sweep": 170, "overlap": 160,
-               "embed": 150}
-SECTION_MIN = {"setup": 5, "correctness": 10, "kernels": 5, "sweep": 15, "overlap": 20,
-               "embed": 15}
+SECTION_CAP = {
+    "setup": 90,
+    "correctness": 90,
+    "kernels": 60,
+    "sweep": 170,
+    "overlap": 160,
+    "embed": 150,
+}
+SECTION_MIN = {"setup": 5, "correctness": 10, "kernels": 5, "sweep": 15, "overlap": 20, "embed": 15}
 PHASE_MIN_S = 75  # a later phase starts only with this much budget left
 
 NCCL_FACTS = {
     "version_read": "NVIDIA/nccl tag v2.28.9-1",
     "NCCL_CTA_POLICY": "env var (src/init.cc NCCL_PARAM CtaPolicy) overriding ncclConfig_t."
-                       "CTAPolicy: 0 default, 1 efficiency, 2 zero",
+    "CTAPolicy: 0 default, 1 efficiency, 2 zero",
     "NCCL_CTA_POLICY_ZERO": "a constant of nccl.h (value 2), not an environment variable",
     "copy_engine_collectives": "AllGather, AlltoAll (ncclAlltoAll API), Gather, Scatter run as "
-                               "copy-engine collectives when CTAPolicy==ZERO, single node, "
-                               "comm->symmetricSupport (all CUDA P2P, cuMem, NCCL_WIN_ENABLE=1), "
-                               "send and recv buffers in NCCL_WIN_COLL_SYMMETRIC windows, driver "
-                               ">= 12.5 (src/enqueue.cc, src/ce_coll.cc)",
+    "copy-engine collectives when CTAPolicy==ZERO, single node, "
+    "comm->symmetricSupport (all CUDA P2P, cuMem, NCCL_WIN_ENABLE=1), "
+    "send and recv buffers in NCCL_WIN_COLL_SYMMETRIC windows, driver "
+    ">= 12.5 (src/enqueue.cc, src/ce_coll.cc)",
     "uneven_alltoall": "send/recv in 2.28.9: no copy-engine path",
     "policy_scope": "CTAPolicy is only consulted for windowed buffers (zero) and for the "
-                    "efficiency policy, so NCCL_CTA_POLICY=2 leaves collectives on plain "
-                    "cudaMalloc buffers on NCCL's default kernels",
+    "efficiency policy, so NCCL_CTA_POLICY=2 leaves collectives on plain "
+    "cudaMalloc buffers on NCCL's default kernels",
     "NCCL_P2P_USE_CUDA_MEMCPY": "env var (src/transport/p2p.cc): P2P transport data moved by "
-                                "cudaMemcpy in the proxy thread (copy engines); kernels still "
-                                "run the protocol; process-wide, hence its own phase",
+    "cudaMemcpy in the proxy thread (copy engines); kernels still "
+    "run the protocol; process-wide, hence its own phase",
     "zero_sm_2_30": "NCCL 2.30's zero-SM AllGather/AlltoAll is not in 2.28.9",
 }
 
@@ -231,8 +247,9 @@ def _pattern(src: int, start: int, count: int, dev: Any) -> Any:
     return ((idx + src * 7919) % 65521).to(torch.float32)
 
 
-def _collective(op: str, group: Any, out: Any, inp: Any, splits: Any = None,
-                async_op: bool = False) -> Any:
+def _collective(
+    op: str, group: Any, out: Any, inp: Any, splits: Any = None, async_op: bool = False
+) -> Any:
     import torch.distributed as dist
 
     if op == "all_gather_into_tensor":
@@ -241,8 +258,9 @@ def _collective(op: str, group: Any, out: Any, inp: Any, splits: Any = None,
         return dist.all_to_all_single(out, inp, group=group, async_op=async_op)
     if op == "all_to_all_single_uneven":
         out_splits, in_splits = splits
-        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
-                                      async_op=async_op)
+        return dist.all_to_all_single(
+            out, inp, out_splits, in_splits, group=group, async_op=async_op
+        )
     raise ValueError(op)
 
 
@@ -269,8 +287,10 @@ def _time_iters(ctx: Ctx, fn: Any, warmup: int, iters: int) -> list[float]:
     for _ in range(warmup):
         fn()
     if ctx.cuda:
-        marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                 for _ in range(iters)]
+        marks = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(iters)
+        ]
         for start, end in marks:
             start.record()
             fn()
@@ -299,14 +319,21 @@ def _setup(ctx: Ctx, deadline: float) -> dict[str, Any]:
     import torch.distributed as dist
 
     info: dict[str, Any] = {"rank": ctx.rank, "device": str(ctx.dev), "pid": os.getpid()}
-    info["env"] = {k: v for k, v in sorted(os.environ.items())
-                   if k.startswith(("NCCL_", "FREESCALE_", "UCX_", "TORCH_NCCL", "TORCH_SYMM",
-                                    "NVSHMEM_", "CUDA_VISIBLE"))}
+    info["env"] = {
+        k: v
+        for k, v in sorted(os.environ.items())
+        if k.startswith(
+            ("NCCL_", "FREESCALE_", "UCX_", "TORCH_NCCL", "TORCH_SYMM", "NVSHMEM_", "CUDA_VISIBLE")
+        )
+    }
     if ctx.cuda:
         info["gpu"] = torch.cuda.get_device_name(ctx.dev)
         info["nccl_runtime"] = ".".join(map(str, torch.cuda.nccl.version()))
-        info["peer_access"] = {j: torch.cuda.can_device_access_peer(ctx.rank, j)
-                               for j in range(torch.cuda.device_count()) if j != ctx.rank}
+        info["peer_access"] = {
+            j: torch.cuda.can_device_access_peer(ctx.rank, j)
+            for j in range(torch.cuda.device_count())
+            if j != ctx.rank
+        }
         try:
             backend = ctx.nccl._get_backend(torch.device("cuda"))
             info["nccl_build"] = ".".join(map(str, backend.get_build_nccl_version()))
@@ -314,8 +341,9 @@ def _setup(ctx: Ctx, deadline: float) -> dict[str, Any]:
             info["nccl_build"] = f"unknown ({type(err).__name__})"
         try:
             config = dist.ProcessGroupNCCL.NCCLConfig()
-            info["torch_nccl_config_fields"] = sorted(a for a in dir(config)
-                                                      if not a.startswith("_"))
+            info["torch_nccl_config_fields"] = sorted(
+                a for a in dir(config) if not a.startswith("_")
+            )
             info["torch_nccl_config_has_cta_policy"] = hasattr(config, "cta_policy")
         except Exception as err:
             info["torch_nccl_config_fields"] = _err(err)
@@ -332,8 +360,9 @@ def _setup(ctx: Ctx, deadline: float) -> dict[str, Any]:
         ctx.progress("setup", name)
         try:
             out = torch.empty(4 * ctx.n, device=ctx.dev)
-            dist.all_gather_into_tensor(out, torch.full((4,), float(ctx.rank), device=ctx.dev),
-                                        group=ctx.groups[name])
+            dist.all_gather_into_tensor(
+                out, torch.full((4,), float(ctx.rank), device=ctx.dev), group=ctx.groups[name]
+            )
             want = torch.arange(ctx.n, device=ctx.dev).float().repeat_interleave(4)
             checks[f"{name}_all_gather"] = bool(torch.equal(out, want))
         except Exception as err:
@@ -351,8 +380,10 @@ def _setup(ctx: Ctx, deadline: float) -> dict[str, Any]:
         if ctx.cuda:
             info["nvlink_status"] = _run_text(["nvidia-smi", "nvlink", "-s"])[:3000]
     per_rank = _allgather(ctx, info)
-    return {"ranks": per_rank,
-            "all_groups_ok": all(v is True for r in per_rank for v in r["group_checks"].values())}
+    return {
+        "ranks": per_rank,
+        "all_groups_ok": all(v is True for r in per_rank for v in r["group_checks"].values()),
+    }
 
 
 def _setup_symmetric(ctx: Ctx) -> str:
@@ -371,8 +402,10 @@ def _setup_symmetric(ctx: Ctx) -> str:
         import torch.distributed._symmetric_memory as symm_mem
 
         symm_mem.set_backend("NCCL")
-        arenas = (symm_mem.empty(in_bytes, dtype=torch.uint8, device=ctx.dev),
-                  symm_mem.empty(2 * in_bytes, dtype=torch.uint8, device=ctx.dev))
+        arenas = (
+            symm_mem.empty(in_bytes, dtype=torch.uint8, device=ctx.dev),
+            symm_mem.empty(2 * in_bytes, dtype=torch.uint8, device=ctx.dev),
+        )
         for arena in arenas:
             try:
                 symm_mem.rendezvous(arena, ctx.nccl)
@@ -388,15 +421,19 @@ def _setup_symmetric(ctx: Ctx) -> str:
         backend = ctx.nccl._get_backend(torch.device("cuda"))
         pool = torch.cuda.MemPool(backend.mem_allocator)
         with torch.cuda.use_mem_pool(pool):
-            arenas = (torch.empty(in_bytes, dtype=torch.uint8, device=ctx.dev),
-                      torch.empty(2 * in_bytes, dtype=torch.uint8, device=ctx.dev))
+            arenas = (
+                torch.empty(in_bytes, dtype=torch.uint8, device=ctx.dev),
+                torch.empty(2 * in_bytes, dtype=torch.uint8, device=ctx.dev),
+            )
         backend.register_mem_pool(pool, symm=True)
         torch.cuda.synchronize(ctx.dev)
         ctx.arenas["nccl_ce"] = arenas
         ctx.groups["nccl_ce"] = ctx.nccl
         ctx.keep.append(pool)  # keeps the registration alive
-        return (f"ok (MemPool on NCCL's allocator, register_mem_pool symm=True): arenas "
-                f"{in_bytes} + {2 * in_bytes} B; first try failed: {tried[0][:300]}")
+        return (
+            f"ok (MemPool on NCCL's allocator, register_mem_pool symm=True): arenas "
+            f"{in_bytes} + {2 * in_bytes} B; first try failed: {tried[0][:300]}"
+        )
     except Exception as err:
         tried.append(f"mem pool: {_err(err)}")
     ctx.groups.pop("nccl_ce", None)
@@ -458,15 +495,21 @@ def _check_case(ctx: Ctx, name: str, fs: Any, dtype: Any, case: int) -> dict[str
             results[which] = _err(err)
     fs_out, want = results["fs"]
     if isinstance(results["nccl"], str):
-        return {"equal_expected": bool(torch.equal(fs_out, want)), "equal_nccl": None,
-                "nccl_error": results["nccl"]}
-    return {"equal_nccl": bool(torch.equal(fs_out, results["nccl"][0])),
+        return {
             "equal_expected": bool(torch.equal(fs_out, want)),
-            "nccl_equal_expected": bool(torch.equal(results["nccl"][0], want))}
+            "equal_nccl": None,
+            "nccl_error": results["nccl"],
+        }
+    return {
+        "equal_nccl": bool(torch.equal(fs_out, results["nccl"][0])),
+        "equal_expected": bool(torch.equal(fs_out, want)),
+        "nccl_equal_expected": bool(torch.equal(results["nccl"][0], want)),
+    }
 
 
-def _run_case(ctx: Ctx, name: str, group: Any, rows: int, piece: Any, empty: Any,
-              splits: list[list[int]]) -> tuple[Any, Any]:
+def _run_case(
+    ctx: Ctx, name: str, group: Any, rows: int, piece: Any, empty: Any, splits: list[list[int]]
+) -> tuple[Any, Any]:
     import torch
     import torch.distributed as dist
 
@@ -485,21 +528,25 @@ def _run_case(ctx: Ctx, name: str, group: Any, rows: int, piece: Any, empty: Any
         ins = [piece(rank, rank, rows), piece(rank, rank + n, rows + 1)]
         got = funcol.all_gather_into_tensor_coalesced(ins, group)
         out = torch.cat([funcol.wait_tensor(t) for t in got])
-        want = torch.cat([torch.cat([piece(j, j, rows) for j in range(n)]),
-                          torch.cat([piece(j, j + n, rows + 1) for j in range(n)])])
+        want = torch.cat(
+            [
+                torch.cat([piece(j, j, rows) for j in range(n)]),
+                torch.cat([piece(j, j + n, rows + 1) for j in range(n)]),
+            ]
+        )
     elif name in ("all_to_all_single_even", "all_to_all_single_async"):
         send = torch.cat([piece(rank, j, rows) for j in range(n)])
         out = empty(n * rows)
-        work = dist.all_to_all_single(out, send, group=group,
-                                      async_op=name.endswith("async"))
+        work = dist.all_to_all_single(out, send, group=group, async_op=name.endswith("async"))
         if work is not None:
             work.wait()
         want = torch.cat([piece(j, rank, rows) for j in range(n)])
     elif name == "all_to_all_single_uneven":
         send = torch.cat([piece(rank, j, splits[rank][j]) for j in range(n)])
         out = empty(sum(splits[j][rank] for j in range(n)))
-        dist.all_to_all_single(out, send, [splits[j][rank] for j in range(n)], splits[rank],
-                               group=group)
+        dist.all_to_all_single(
+            out, send, [splits[j][rank] for j in range(n)], splits[rank], group=group
+        )
         want = torch.cat([piece(j, rank, splits[j][rank]) for j in range(n)])
     elif name == "all_to_all":
         ins = [piece(rank, j, splits[rank][j]) for j in range(n)]
@@ -512,9 +559,15 @@ def _run_case(ctx: Ctx, name: str, group: Any, rows: int, piece: Any, empty: Any
     return out.cpu(), want.cpu()
 
 
-CHECKS = ("all_gather_into_tensor", "all_gather", "all_gather_into_tensor_coalesced",
-          "all_to_all_single_even", "all_to_all_single_uneven", "all_to_all",
-          "all_to_all_single_async")
+CHECKS = (
+    "all_gather_into_tensor",
+    "all_gather",
+    "all_gather_into_tensor_coalesced",
+    "all_to_all_single_even",
+    "all_to_all_single_uneven",
+    "all_to_all",
+    "all_to_all_single_async",
+)
 
 
 def _correctness(ctx: Ctx, deadline: float) -> dict[str, Any]:
@@ -534,13 +587,24 @@ def _correctness(ctx: Ctx, deadline: float) -> dict[str, Any]:
                 except Exception as err:
                     local = {"error": _err(err)}
                 per_rank = _allgather(ctx, local)
-                ok = all("error" not in r and r["equal_expected"] and r["equal_nccl"] is not False
-                         for r in per_rank)
+                ok = all(
+                    "error" not in r and r["equal_expected"] and r["equal_nccl"] is not False
+                    for r in per_rank
+                )
                 no_ref = any(r.get("equal_nccl") is None for r in per_rank)
-                checks[name] = ({"ok": True, "nccl_reference": not no_ref} if ok and not no_ref
-                                else {"ok": ok, "nccl_reference": not no_ref, "ranks": per_rank})
-            rows.append({"path": path, "dtype": str(dtype).removeprefix("torch."),
-                         "checks": checks, "all_ok": all(c["ok"] for c in checks.values())})
+                checks[name] = (
+                    {"ok": True, "nccl_reference": not no_ref}
+                    if ok and not no_ref
+                    else {"ok": ok, "nccl_reference": not no_ref, "ranks": per_rank}
+                )
+            rows.append(
+                {
+                    "path": path,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "checks": checks,
+                    "all_ok": all(c["ok"] for c in checks.values()),
+                }
+            )
             if time.time() > deadline:
                 rows.append({"skipped": "time budget"})
                 return {"rows": rows, "all_ok": False}
@@ -580,10 +644,12 @@ def _kernels(ctx: Ctx, deadline: float) -> dict[str, Any]:
                         continue
                     is_copy = evt.name.startswith(("Memcpy", "Memset", "Memop", "cuStream"))
                     (copies if is_copy else kernels).append(evt.name)
-                local[op] = {"kernels_per_op": len(kernels) / 2,
-                             "memcpys_per_op": len(copies) / 2,
-                             "kernel_names": sorted(set(kernels))[:6],
-                             "copy_names": sorted(set(copies))[:6]}
+                local[op] = {
+                    "kernels_per_op": len(kernels) / 2,
+                    "memcpys_per_op": len(copies) / 2,
+                    "kernel_names": sorted(set(kernels))[:6],
+                    "copy_names": sorted(set(copies))[:6],
+                }
         except Exception as err:
             local = {"error": _err(err)}
         result[backend] = _allgather(ctx, local)
@@ -620,13 +686,21 @@ def _sweep(ctx: Ctx, deadline: float) -> dict[str, Any]:
                     inp, out = _views(ctx, backend, base_in, base_out)
                     out.fill_(-1)
 
-                    def call(group: Any = group, out: Any = out, inp: Any = inp,
-                             op: str = op, splits: Any = splits) -> None:
+                    def call(
+                        group: Any = group,
+                        out: Any = out,
+                        inp: Any = inp,
+                        op: str = op,
+                        splits: Any = splits,
+                    ) -> None:
                         _collective(op, group, out, inp, splits)
 
                     times = _time_iters(ctx, call, warmup, iters)
-                    local: Any = {"t": statistics.median(times), "t_min": min(times),
-                                  "ok": _check(op, out, n, rank, count, ctx.dev)}
+                    local: Any = {
+                        "t": statistics.median(times),
+                        "t_min": min(times),
+                        "ok": _check(op, out, n, rank, count, ctx.dev),
+                    }
                 except Exception as err:
                     local = {"error": _err(err)}
                 per_rank = _allgather(ctx, local)
@@ -637,22 +711,30 @@ def _sweep(ctx: Ctx, deadline: float) -> dict[str, Any]:
                 else:
                     t = max(r["t"] for r in per_rank)  # the slowest rank's median
                     algbw = count * 4 / t / 1e9
-                    row.update(time_us=round(t * 1e6, 2),
-                               time_min_us=round(min(r["t_min"] for r in per_rank) * 1e6, 2),
-                               algbw_gbps=float(f"{algbw:.5g}"),
-                               busbw_gbps=float(f"{algbw * (n - 1) / n:.5g}"),
-                               correct=all(r["ok"] for r in per_rank), iters=iters)
+                    row.update(
+                        time_us=round(t * 1e6, 2),
+                        time_min_us=round(min(r["t_min"] for r in per_rank) * 1e6, 2),
+                        algbw_gbps=float(f"{algbw:.5g}"),
+                        busbw_gbps=float(f"{algbw * (n - 1) / n:.5g}"),
+                        correct=all(r["ok"] for r in per_rank),
+                        iters=iters,
+                    )
                 rows.append(row)
             del base_in, base_out
         last_cost = time.time() - t_size
         if ctx.rank == 0:
             print(f"[sweep] {fmt_size(nbytes)} done in {last_cost:.1f} s", flush=True)
-    return {"world_size": n, "dtype": "float32",
-            "size_convention": "nccl-tests: all_gather = output bytes, all_to_all = bytes sent "
-                               "per rank (uneven: nominal)",
-            "busbw": "algbw * (n-1)/n", "time": "median over iterations, slowest rank",
-            "uneven_counts_formula": "c[src][dst] = count * w / sum(w), w = 1 + (src+2dst)%(n+1)",
-            "rows": rows, "skipped": skipped}
+    return {
+        "world_size": n,
+        "dtype": "float32",
+        "size_convention": "nccl-tests: all_gather = output bytes, all_to_all = bytes sent "
+        "per rank (uneven: nominal)",
+        "busbw": "algbw * (n-1)/n",
+        "time": "median over iterations, slowest rank",
+        "uneven_counts_formula": "c[src][dst] = count * w / sum(w), w = 1 + (src+2dst)%(n+1)",
+        "rows": rows,
+        "skipped": skipped,
+    }
 
 
 def _check(op: str, out: Any, n: int, rank: int, count: int, dev: Any) -> bool:
@@ -660,17 +742,20 @@ def _check(op: str, out: Any, n: int, rank: int, count: int, dev: Any) -> bool:
 
     if op == "all_gather_into_tensor":
         per = count // n
-        return all(torch.equal(out[j * per:(j + 1) * per], _pattern(j, 0, per, dev))
-                   for j in range(n))
+        return all(
+            torch.equal(out[j * per : (j + 1) * per], _pattern(j, 0, per, dev)) for j in range(n)
+        )
     if op == "all_to_all_single":
         per = count // n
-        return all(torch.equal(out[j * per:(j + 1) * per], _pattern(j, rank * per, per, dev))
-                   for j in range(n))
+        return all(
+            torch.equal(out[j * per : (j + 1) * per], _pattern(j, rank * per, per, dev))
+            for j in range(n)
+        )
     c = _uneven(count, n)
     pos, ok = 0, True
     for src in range(n):
         k, offset = c[src][rank], sum(c[src][:rank])
-        ok = ok and torch.equal(out[pos:pos + k], _pattern(src, offset, k, dev))
+        ok = ok and torch.equal(out[pos : pos + k], _pattern(src, offset, k, dev))
         pos += k
     return ok and pos == out.numel()
 
@@ -695,8 +780,10 @@ def _compute_kernels(ctx: Ctx) -> dict[str, Any]:
         lengths = (torch.rand(32, generator=gen) ** 2 * 3968 + 128).to(torch.int64)
         heads, head_dim = 16, 128
         total = int(lengths.sum())
-        q, k, v = (torch.randn(total, heads, head_dim, device=ctx.dev, dtype=torch.bfloat16)
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(total, heads, head_dim, device=ctx.dev, dtype=torch.bfloat16)
+            for _ in range(3)
+        )
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = lengths.cumsum(0)
         cu = cu.to(ctx.dev)
@@ -704,14 +791,20 @@ def _compute_kernels(ctx: Ctx) -> dict[str, Any]:
 
         def attention() -> Any:
             return torch.ops.aten._flash_attention_forward(
-                q, k, v, cu, cu, longest, longest, 0.0, True, False)
+                q, k, v, cu, cu, longest, longest, 0.0, True, False
+            )
 
         attention()
         torch.cuda.synchronize(ctx.dev)
         kinds["jagged_attention"] = attention
-        ctx.notes["jagged_attention"] = {"sequences": len(lengths), "tokens": total,
-                                         "max_len": longest, "heads": heads,
-                                         "head_dim": head_dim, "causal": True}
+        ctx.notes["jagged_attention"] = {
+            "sequences": len(lengths),
+            "tokens": total,
+            "max_len": longest,
+            "heads": heads,
+            "head_dim": head_dim,
+            "causal": True,
+        }
     except Exception as err:
         kinds["jagged_attention"] = f"error: {_err(err)}"
     return kinds
@@ -763,8 +856,9 @@ def _window(ctx: Ctx, run: Any, preroll_cycles: int) -> float:
     return start.elapsed_time(end)
 
 
-def _window_with_traffic(ctx: Ctx, run: Any, preroll: int, coll: Any, count: int,
-                         side: Any) -> tuple[float, dict[str, Any]]:
+def _window_with_traffic(
+    ctx: Ctx, run: Any, preroll: int, coll: Any, count: int, side: Any
+) -> tuple[float, dict[str, Any]]:
     """A compute window while another thread runs ``count`` collectives back to back on a side
     stream of this process (the thread's own current stream, so nothing orders them after the
     compute)."""
@@ -829,9 +923,13 @@ def _overlap(ctx: Ctx, deadline: float) -> dict[str, Any]:
             ms = statistics.median(_window(ctx, run, preroll_cycles) for _ in range(3))
             window_ms = max(_allgather(ctx, ms))
             runs[kind] = (run, window_ms)
-            result[f"{kind}_status"] = {"per_call_ms": round(per, 4), "calls_per_window": iters,
-                                        "window_ms": round(window_ms, 3), "cuda_graph": graphed,
-                                        "graph_error": why}
+            result[f"{kind}_status"] = {
+                "per_call_ms": round(per, 4),
+                "calls_per_window": iters,
+                "window_ms": round(window_ms, 3),
+                "cuda_graph": graphed,
+                "graph_error": why,
+            }
         except Exception as err:
             result[f"{kind}_status"] = f"error: {_err(err)}"
     backends = ctx.backends()
@@ -840,24 +938,38 @@ def _overlap(ctx: Ctx, deadline: float) -> dict[str, Any]:
             for nbytes in args.overlap_sizes:
                 est = args.rounds * (len(backends) + 1) * (window_ms + preroll_ms) * 3e-3 + 5
                 if not _time_ok(ctx, est, deadline):
-                    result["combos"].append({"compute": kind, "op": op, "bytes": nbytes,
-                                             "skipped": "time budget"})
+                    result["combos"].append(
+                        {"compute": kind, "op": op, "bytes": nbytes, "skipped": "time budget"}
+                    )
                     continue
                 try:
-                    combo = _overlap_combo(ctx, kind, run, window_ms, preroll_ms,
-                                           preroll_cycles, op, nbytes, side)
+                    combo = _overlap_combo(
+                        ctx, kind, run, window_ms, preroll_ms, preroll_cycles, op, nbytes, side
+                    )
                 except Exception as err:  # an error here is the same on every rank
                     combo = {"compute": kind, "op": op, "bytes": nbytes, "error": _err(err)}
                 result["combos"].append(combo)
                 if rank == 0:
-                    print(f"[overlap] {kind} {op} {fmt_size(nbytes)}: "
-                          f"{combo.get('slowdown_pct_mean', combo.get('error'))}", flush=True)
+                    print(
+                        f"[overlap] {kind} {op} {fmt_size(nbytes)}: "
+                        f"{combo.get('slowdown_pct_mean', combo.get('error'))}",
+                        flush=True,
+                    )
     result["world_size"] = n
     return result
 
 
-def _overlap_combo(ctx: Ctx, kind: str, run: Any, window_ms: float, preroll_ms: float,
-                   preroll_cycles: int, op: str, nbytes: int, side: Any) -> dict[str, Any]:
+def _overlap_combo(
+    ctx: Ctx,
+    kind: str,
+    run: Any,
+    window_ms: float,
+    preroll_ms: float,
+    preroll_cycles: int,
+    op: str,
+    nbytes: int,
+    side: Any,
+) -> dict[str, Any]:
     import torch
 
     n, rank = ctx.n, ctx.rank
@@ -888,8 +1000,7 @@ def _overlap_combo(ctx: Ctx, kind: str, run: Any, window_ms: float, preroll_ms: 
             calls.pop(backend, None)
             continue
         once_ms = max(per_rank) * 1e3
-        counts[backend] = max(2, min(5000, math.ceil(1.3 * (window_ms + preroll_ms) / once_ms)
-                                     + 1))
+        counts[backend] = max(2, min(5000, math.ceil(1.3 * (window_ms + preroll_ms) / once_ms) + 1))
     modes = ["alone", *calls]
     samples: dict[str, list[float]] = {m: [] for m in modes}
     comm_s: dict[str, list[float]] = {m: [] for m in calls}
@@ -904,8 +1015,9 @@ def _overlap_combo(ctx: Ctx, kind: str, run: Any, window_ms: float, preroll_ms: 
                 samples[mode].append(_window(ctx, run, preroll_cycles))
                 continue
             ctx.progress("overlap", mode)
-            ms, box = _window_with_traffic(ctx, run, preroll_cycles, calls[mode], counts[mode],
-                                           side)
+            ms, box = _window_with_traffic(
+                ctx, run, preroll_cycles, calls[mode], counts[mode], side
+            )
             failed = [e for e in _allgather(ctx, box.get("error")) if e]
             if failed:  # every rank drops the backend from the later rounds
                 errors[mode] = failed[0]
@@ -915,35 +1027,53 @@ def _overlap_combo(ctx: Ctx, kind: str, run: Any, window_ms: float, preroll_ms: 
             comm_s[mode].append(box["comm_s"])
     samples = {m: v for m, v in samples.items() if v and (m == "alone" or m in calls)}
     comm_s = {m: v for m, v in comm_s.items() if m in calls}
-    local = {"median_ms": {m: statistics.median(v) for m, v in samples.items()},
-             "samples_ms": {m: [round(x, 4) for x in v] for m, v in samples.items()},
-             "comm_s": {m: statistics.median(v) for m, v in comm_s.items()}}
+    local = {
+        "median_ms": {m: statistics.median(v) for m, v in samples.items()},
+        "samples_ms": {m: [round(x, 4) for x in v] for m, v in samples.items()},
+        "comm_s": {m: statistics.median(v) for m, v in comm_s.items()},
+    }
     per_rank = _allgather(ctx, local)
     slowdown: dict[str, list[float]] = {}
     gbps: dict[str, list[float]] = {}
     coverage: dict[str, list[float]] = {}
     for backend in calls:
-        slowdown[backend] = [round(100 * (r["median_ms"][backend] / r["median_ms"]["alone"] - 1),
-                                   3) for r in per_rank]
-        gbps[backend] = [round(counts[backend] * count * 4 / r["comm_s"][backend] / 1e9, 3)
-                         for r in per_rank]
-        coverage[backend] = [round(r["comm_s"][backend] * 1e3 / (r["median_ms"][backend]
-                                                               + preroll_ms), 3)
-                             for r in per_rank]
+        slowdown[backend] = [
+            round(100 * (r["median_ms"][backend] / r["median_ms"]["alone"] - 1), 3)
+            for r in per_rank
+        ]
+        gbps[backend] = [
+            round(counts[backend] * count * 4 / r["comm_s"][backend] / 1e9, 3) for r in per_rank
+        ]
+        coverage[backend] = [
+            round(r["comm_s"][backend] * 1e3 / (r["median_ms"][backend] + preroll_ms), 3)
+            for r in per_rank
+        ]
     mean = {b: round(statistics.fmean(v), 3) for b, v in slowdown.items()}
-    combo = {"compute": kind, "op": op, "bytes": count * 4, "collectives_per_window": counts,
-             "alone_ms": [round(r["median_ms"]["alone"], 4) for r in per_rank],
-             "slowdown_pct": slowdown, "slowdown_pct_mean": mean,
-             "comm_gbps_during_window": gbps,
-             "comm_time_over_window": coverage, "errors": errors,
-             "per_rank": per_rank}
+    combo = {
+        "compute": kind,
+        "op": op,
+        "bytes": count * 4,
+        "collectives_per_window": counts,
+        "alone_ms": [round(r["median_ms"]["alone"], 4) for r in per_rank],
+        "slowdown_pct": slowdown,
+        "slowdown_pct_mean": mean,
+        "comm_gbps_during_window": gbps,
+        "comm_time_over_window": coverage,
+        "errors": errors,
+        "per_rank": per_rank,
+    }
     nccl_ref = [mean[b] for b in mean if b.startswith("nccl")]
     combo["target"] = {
-        b: {"below_2pct": mean[b] < TARGET_PCT,
+        b: {
+            "below_2pct": mean[b] < TARGET_PCT,
             "gap_to_nccl_points": round(min(nccl_ref) - mean[b], 3) if nccl_ref else None,
-            "met": mean[b] < TARGET_PCT and bool(nccl_ref)
-            and min(nccl_ref) - mean[b] >= TARGET_GAP}
-        for b in mean if b in FREESCALE}
+            "met": mean[b] < TARGET_PCT
+            and bool(nccl_ref)
+            and min(nccl_ref) - mean[b] >= TARGET_GAP,
+        }
+        for b in mean
+        if b in FREESCALE
+    }
     return combo
 
 
@@ -956,24 +1086,33 @@ def _embed(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     try:
         bench = importlib.import_module("freescale_embed.bench")
     except Exception as err:
-        return {"status": f"not run: freescale_embed not available ({type(err).__name__}: "
-                          f"{err})"}
+        return {"status": f"not run: freescale_embed not available ({type(err).__name__}: {err})"}
     config_cls, run = getattr(bench, "BenchConfig", None), getattr(bench, "run_bench", None)
     if config_cls is None or run is None:
-        return {"status": "not run: freescale_embed.bench has no BenchConfig / run_bench",
-                "attributes": sorted(a for a in dir(bench) if not a.startswith("_"))}
+        return {
+            "status": "not run: freescale_embed.bench has no BenchConfig / run_bench",
+            "attributes": sorted(a for a in dir(bench) if not a.startswith("_")),
+        }
     fields = {f.name for f in dataclasses.fields(config_cls)}
     if "backend" not in fields:
-        return {"status": "not run: freescale_embed.bench cannot run on the GPUs over a chosen "
-                          "backend yet (BenchConfig has no 'backend' field; its ranks use Gloo "
-                          "on CPU)", "bench_config_fields": sorted(fields)}
+        return {
+            "status": "not run: freescale_embed.bench cannot run on the GPUs over a chosen "
+            "backend yet (BenchConfig has no 'backend' field; its ranks use Gloo "
+            "on CPU)",
+            "bench_config_fields": sorted(fields),
+        }
     results: dict[str, Any] = {"status": "run", "bench_config_fields": sorted(fields)}
     # On the GPUs the dense phase is bf16 matmuls on the training stream (the GPU busy, the CPU
     # free), as in a real step; the dry run sleeps instead.
-    wanted = {"world_size": args.nprocs, "steps": args.embed_steps, "warmup": 3,
-              "collision_rates": (0.0, 0.01, 0.05, 0.2),
-              "device": "cpu" if args.dry_run else "cuda",
-              "dense": "sleep" if args.dry_run else "gpu", "dense_ms": 100.0}
+    wanted = {
+        "world_size": args.nprocs,
+        "steps": args.embed_steps,
+        "warmup": 3,
+        "collision_rates": (0.0, 0.01, 0.05, 0.2),
+        "device": "cpu" if args.dry_run else "cuda",
+        "dense": "sleep" if args.dry_run else "gpu",
+        "dense_ms": 100.0,
+    }
     timeout_ok = "timeout_s" in inspect.signature(run).parameters
     for backend in ("freescale", "nccl"):
         left = deadline - time.time()
@@ -1006,12 +1145,23 @@ def _jsonable(value: Any) -> Any:
         return repr(value)
 
 
-SECTIONS = {"setup": _setup, "correctness": _correctness, "kernels": _kernels, "sweep": _sweep,
-            "overlap": _overlap}
+SECTIONS = {
+    "setup": _setup,
+    "correctness": _correctness,
+    "kernels": _kernels,
+    "sweep": _sweep,
+    "overlap": _overlap,
+}
 
 
-def _rank_main(rank: int, port: int, args: argparse.Namespace, phase: dict[str, Any],
-               deadline: float, queue: Any) -> None:
+def _rank_main(
+    rank: int,
+    port: int,
+    args: argparse.Namespace,
+    phase: dict[str, Any],
+    deadline: float,
+    queue: Any,
+) -> None:
     os.environ.update(SAFE_ENV)
     os.environ.update(phase["env"])
     for path in reversed(SRC_DIRS):
@@ -1048,11 +1198,18 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, phase: dict[str, 
 
         freescale_comm.register()
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group("freescale", store=store, rank=rank, world_size=args.nprocs,
-                                timeout=timeout, pg_options=FreescaleOptions(cuda_path="direct"))
+        dist.init_process_group(
+            "freescale",
+            store=store,
+            rank=rank,
+            world_size=args.nprocs,
+            timeout=timeout,
+            pg_options=FreescaleOptions(cuda_path="direct"),
+        )
         ctx.groups["fs_direct"] = dist.group.WORLD
         ctx.groups["fs_staged"] = dist.new_group(
-            backend="freescale", timeout=timeout, pg_options=FreescaleOptions(cuda_path="staged"))
+            backend="freescale", timeout=timeout, pg_options=FreescaleOptions(cuda_path="staged")
+        )
         ctx.gloo = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
         ctx.nccl = dist.new_group(backend="gloo" if args.dry_run else "nccl", timeout=timeout)
         for backend in phase["backends"]:
@@ -1065,7 +1222,7 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, phase: dict[str, 
     try:
         sections = [s for s in phase["sections"] if s in args.sections]
         for index, name in enumerate(sections):
-            reserve = sum(SECTION_MIN[s] for s in sections[index + 1:])
+            reserve = sum(SECTION_MIN[s] for s in sections[index + 1 :])
             end = min(deadline - reserve, time.time() + SECTION_CAP[name] * args.cap_scale)
             t0 = time.time()
             if not _time_ok(ctx, SECTION_MIN[name], end):
@@ -1089,22 +1246,35 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, phase: dict[str, 
 
 
 # ====================================================================== parent side
-def _run_phase(args: argparse.Namespace, phase: dict[str, Any], deadline: float,
-               hard_deadline: float, report: dict[str, Any]) -> None:
+def _run_phase(
+    args: argparse.Namespace,
+    phase: dict[str, Any],
+    deadline: float,
+    hard_deadline: float,
+    report: dict[str, Any],
+) -> None:
     import torch.distributed as dist
 
-    record: dict[str, Any] = {"env": phase["env"], "backends": phase["backends"],
-                              "sections": {}, "rank_errors": []}
+    record: dict[str, Any] = {
+        "env": phase["env"],
+        "backends": phase["backends"],
+        "sections": {},
+        "rank_errors": [],
+    }
     report["phases"][phase["name"]] = record
     spawn = multiprocessing.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     queue = spawn.Queue()
     saved = {k: os.environ.get(k) for k in phase["env"]}
     os.environ.update(phase["env"])  # the children also set it first thing
-    procs = [spawn.Process(target=_rank_main,
-                           args=(r, store.port, args, phase, deadline, queue), daemon=False)
-             for r in range(args.nprocs)]
+    procs = [
+        spawn.Process(
+            target=_rank_main, args=(r, store.port, args, phase, deadline, queue), daemon=False
+        )
+        for r in range(args.nprocs)
+    ]
     t0 = time.time()
     try:
         for proc in procs:
@@ -1163,16 +1333,27 @@ def _retry_phase(phase: dict[str, Any], record: dict[str, Any]) -> dict[str, Any
     if record.get("completed", True) or phase.get("retry"):
         return None
     section, suspect = (record.get("last_progress") or [None, None])[:2]
-    finished = [s for s, v in record["sections"].items()
-                if s != "setup" and isinstance(v.get("result"), dict)
-                and "error" not in v["result"] and "skipped" not in v["result"]]
+    finished = [
+        s
+        for s, v in record["sections"].items()
+        if s != "setup"
+        and isinstance(v.get("result"), dict)
+        and "error" not in v["result"]
+        and "skipped" not in v["result"]
+    ]
     sections = [s for s in phase["sections"] if s == "setup" or s not in finished]
     backends = [b for b in phase["backends"] if b != suspect]
     if not backends or sections == ["setup"]:
         return None
     record["retried_without"] = {"backend": suspect, "stopped_in": section}
-    return {**phase, "name": f"{phase['name']}_retry", "backends": backends,
-            "sections": sections, "retry": True, "dropped": suspect}
+    return {
+        **phase,
+        "name": f"{phase['name']}_retry",
+        "backends": backends,
+        "sections": sections,
+        "retry": True,
+        "dropped": suspect,
+    }
 
 
 def _write_json(out: Path, report: dict[str, Any]) -> None:
@@ -1219,11 +1400,18 @@ def _summary(report: dict[str, Any]) -> dict[str, Any]:
     if isinstance(corr, dict) and "rows" in corr:
         summary["correctness_all_ok"] = corr["all_ok"]
         summary["correctness_failures"] = [
-            f"{r['path']} {r['dtype']} {k}" for r in corr["rows"] if "checks" in r
-            for k, c in r["checks"].items() if not c["ok"]]
+            f"{r['path']} {r['dtype']} {k}"
+            for r in corr["rows"]
+            if "checks" in r
+            for k, c in r["checks"].items()
+            if not c["ok"]
+        ]
     rows = _sweep_rows(report)
-    summary["sweep_incorrect"] = [f"{r['backend']} {r['op']} {fmt_size(r['bytes'])}"
-                                  for r in rows if r.get("correct") is False]
+    summary["sweep_incorrect"] = [
+        f"{r['backend']} {r['op']} {fmt_size(r['bytes'])}"
+        for r in rows
+        if r.get("correct") is False
+    ]
     summary["sweep_errors"] = len([r for r in rows if "error" in r])
     peak: dict[str, dict[str, float]] = {}
     for r in rows:
@@ -1238,10 +1426,12 @@ def _summary(report: dict[str, Any]) -> dict[str, Any]:
     kern = _main_section(report, "kernels")
     if isinstance(kern, dict):
         summary["kernels_per_collective_rank0"] = {
-            backend: {op: v.get("kernels_per_op") for op, v in per_rank[0].items()
-                      if isinstance(v, dict)}
+            backend: {
+                op: v.get("kernels_per_op") for op, v in per_rank[0].items() if isinstance(v, dict)
+            }
             for backend, per_rank in kern.items()
-            if isinstance(per_rank, list) and isinstance(per_rank[0], dict)}
+            if isinstance(per_rank, list) and isinstance(per_rank[0], dict)
+        }
         ce = summary["kernels_per_collective_rank0"].get("nccl_ce")
         if ce:
             summary["nccl_ce_copy_engine_engaged"] = {op: k == 0 for op, k in ce.items()}
@@ -1251,18 +1441,24 @@ def _summary(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def _table(report: dict[str, Any]) -> str:
-    lines = [f"== freescale vs NCCL, {report['nprocs']} ranks"
-             f"{' (DRY RUN: CPU, Gloo for NCCL)' if report['dry_run'] else ''} =="]
+    lines = [
+        f"== freescale vs NCCL, {report['nprocs']} ranks"
+        f"{' (DRY RUN: CPU, Gloo for NCCL)' if report['dry_run'] else ''} =="
+    ]
     info = report.get("info", {})
     if isinstance(info, dict):
-        lines.append(f"torch {info.get('torch')}  NCCL {info.get('nccl')}  UCX {info.get('ucx')}"
-                     f"  cuda_ipc {info.get('cuda_ipc')}  transports "
-                     f"{','.join(info.get('ucx_transports', []) or [])[:120]}")
+        lines.append(
+            f"torch {info.get('torch')}  NCCL {info.get('nccl')}  UCX {info.get('ucx')}"
+            f"  cuda_ipc {info.get('cuda_ipc')}  transports "
+            f"{','.join(info.get('ucx_transports', []) or [])[:120]}"
+        )
     setup = _main_section(report, "setup")
     if isinstance(setup, dict) and "ranks" in setup:
         r0 = setup["ranks"][0]
-        lines.append(f"groups in one process ok: {setup['all_groups_ok']}  nccl_ce: "
-                     f"{str(r0.get('nccl_ce', '-'))[:100]}")
+        lines.append(
+            f"groups in one process ok: {setup['all_groups_ok']}  nccl_ce: "
+            f"{str(r0.get('nccl_ce', '-'))[:100]}"
+        )
     elif setup is not None:
         lines.append(f"setup: {str(setup)[:300]}")
     corr = _main_section(report, "correctness")
@@ -1273,10 +1469,11 @@ def _table(report: dict[str, Any]) -> str:
                 continue
             bad = [k for k, c in row["checks"].items() if not c["ok"]]
             no_ref = [k for k, c in row["checks"].items() if not c.get("nccl_reference", True)]
-            lines.append(f"correct {row['path']:<9} {row['dtype']:<9} vs NCCL: "
-                         f"{'OK' if row['all_ok'] else 'FAIL ' + ','.join(bad)}"
-                         + (f" (vs expected only, NCCL failed: {','.join(no_ref)})"
-                            if no_ref else ""))
+            lines.append(
+                f"correct {row['path']:<9} {row['dtype']:<9} vs NCCL: "
+                f"{'OK' if row['all_ok'] else 'FAIL ' + ','.join(bad)}"
+                + (f" (vs expected only, NCCL failed: {','.join(no_ref)})" if no_ref else "")
+            )
     elif corr is not None:
         lines.append(f"correctness: {str(corr)[:300]}")
     for phase in report["phases"]:
@@ -1287,11 +1484,16 @@ def _table(report: dict[str, Any]) -> str:
                 first = per_rank[0] if isinstance(per_rank, list) else per_rank
                 if not isinstance(first, dict):
                     continue
-                counts = [f"{'a2a' if op.startswith('all_to') else 'ag'} "
-                          f"{v.get('kernels_per_op')}" for op, v in first.items()
-                          if isinstance(v, dict)]
-                parts.append(f"{backend}: {first['error'][:60]}" if "error" in first
-                             else f"{backend}: {', '.join(counts)}")
+                counts = [
+                    f"{'a2a' if op.startswith('all_to') else 'ag'} {v.get('kernels_per_op')}"
+                    for op, v in first.items()
+                    if isinstance(v, dict)
+                ]
+                parts.append(
+                    f"{backend}: {first['error'][:60]}"
+                    if "error" in first
+                    else f"{backend}: {', '.join(counts)}"
+                )
             lines.append(f"[{phase}] CUDA kernels per collective (rank 0): " + "; ".join(parts))
     rows = _sweep_rows(report)
     if rows:
@@ -1300,29 +1502,35 @@ def _table(report: dict[str, Any]) -> str:
         if sizes and sizes[-1] not in show:
             show.append(sizes[-1])
         for op in OPS:
-            lines.append(f"sweep {op}: time us (< 1 MiB) / busbw GB/s (>= 1 MiB); "
-                         f"'!' = wrong result")
+            lines.append(
+                f"sweep {op}: time us (< 1 MiB) / busbw GB/s (>= 1 MiB); '!' = wrong result"
+            )
             lines.append(f"  {'backend':<16}" + "".join(f"{fmt_size(s):>11}" for s in show))
             backends = list(dict.fromkeys(r["backend"] for r in rows if r["op"] == op))
             for backend in backends:
                 cells = []
                 for s in show:
-                    hit = [r for r in rows
-                           if r["op"] == op and r["backend"] == backend and r["bytes"] == s]
+                    hit = [
+                        r
+                        for r in rows
+                        if r["op"] == op and r["backend"] == backend and r["bytes"] == s
+                    ]
                     if not hit:
                         cells.append("-")
                     elif "error" in hit[0]:
                         cells.append("err")
                     else:
                         r = hit[0]
-                        value = (f"{r['time_us']:.1f}" if s < MIB else f"{r['busbw_gbps']:.1f}")
+                        value = f"{r['time_us']:.1f}" if s < MIB else f"{r['busbw_gbps']:.1f}"
                         cells.append(value + ("" if r["correct"] else "!"))
                 lines.append(f"  {backend:<16}" + "".join(f"{c:>11}" for c in cells))
     combos = _overlap_combos(report)
     if combos:
-        lines.append(f"overlap: compute slowdown % (mean of ranks) while each backend moves "
-                     f"data; target freescale < {TARGET_PCT}% and >= {TARGET_GAP} points "
-                     f"below NCCL")
+        lines.append(
+            f"overlap: compute slowdown % (mean of ranks) while each backend moves "
+            f"data; target freescale < {TARGET_PCT}% and >= {TARGET_GAP} points "
+            f"below NCCL"
+        )
         for phase, c in combos:
             head = f"  [{phase}] {c['compute']:<18} {c['op']:<23} {fmt_size(c['bytes']):>8}"
             if "slowdown_pct_mean" not in c:
@@ -1330,21 +1538,28 @@ def _table(report: dict[str, Any]) -> str:
                 continue
             cells = ", ".join(f"{b} {v:+.2f}" for b, v in c["slowdown_pct_mean"].items())
             met = [b for b, t in c.get("target", {}).items() if t["met"]]
-            lines.append(head + f" alone {statistics.fmean(c['alone_ms']):.2f} ms: {cells}"
-                         + (f"  target met: {','.join(met)}" if c.get("target") else ""))
+            lines.append(
+                head
+                + f" alone {statistics.fmean(c['alone_ms']):.2f} ms: {cells}"
+                + (f"  target met: {','.join(met)}" if c.get("target") else "")
+            )
     embed = report.get("embed")
     if embed is not None:
         status = embed.get("status") if isinstance(embed, dict) else embed
-        lines.append(f"embed: {status} (exposed ms per step, mean of ranks: sync / prioritized;"
-                     " '=' prioritized bitwise equal to sync)")
+        lines.append(
+            f"embed: {status} (exposed ms per step, mean of ranks: sync / prioritized;"
+            " '=' prioritized bitwise equal to sync)"
+        )
         for backend in ("freescale", "nccl"):
             result = embed.get(backend) if isinstance(embed, dict) else None
             if not isinstance(result, dict):
                 continue
             points = (result.get("report") or {}).get("points") or []
-            cells = [f"{p['collision_rate']:.0%} {p['sync']['exposed_ms']:.1f}/"
-                     f"{p['prioritized']['exposed_ms']:.1f}{'=' if p.get('exact') else '!'}"
-                     for p in points]
+            cells = [
+                f"{p['collision_rate']:.0%} {p['sync']['exposed_ms']:.1f}/"
+                f"{p['prioritized']['exposed_ms']:.1f}{'=' if p.get('exact') else '!'}"
+                for p in points
+            ]
             problem = result.get("error") or result.get("skipped")
             lines.append(f"  {backend:<10} " + (", ".join(cells) or str(problem)[:150]))
     problems = [f"error: {report['error']}"] if report.get("error") else []
@@ -1377,8 +1592,11 @@ def _plots(report: dict[str, Any], out: Path) -> list[str]:
         fig, axes = plt.subplots(2, len(OPS), figsize=(6 * len(OPS), 8), squeeze=False)
         for col, op in enumerate(OPS):
             for backend in dict.fromkeys(r["backend"] for r in rows):
-                pts = sorted((r["bytes"], r["busbw_gbps"], r["time_us"]) for r in rows
-                             if r["op"] == op and r["backend"] == backend)
+                pts = sorted(
+                    (r["bytes"], r["busbw_gbps"], r["time_us"])
+                    for r in rows
+                    if r["op"] == op and r["backend"] == backend
+                )
                 if not pts:
                     continue
                 xs = [p[0] for p in pts]
@@ -1404,16 +1622,27 @@ def _plots(report: dict[str, Any], out: Path) -> list[str]:
         fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(combos)), 5))
         width = 0.8 / max(1, len(backends))
         for i, backend in enumerate(backends):
-            xs = [j + i * width for j, (_, c) in enumerate(combos)
-                  if backend in c["slowdown_pct_mean"]]
-            ys = [c["slowdown_pct_mean"][backend] for _, c in combos
-                  if backend in c["slowdown_pct_mean"]]
+            xs = [
+                j + i * width
+                for j, (_, c) in enumerate(combos)
+                if backend in c["slowdown_pct_mean"]
+            ]
+            ys = [
+                c["slowdown_pct_mean"][backend]
+                for _, c in combos
+                if backend in c["slowdown_pct_mean"]
+            ]
             ax.bar(xs, ys, width, label=backend)
         ax.axhline(TARGET_PCT, color="k", linestyle="--", linewidth=0.8)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(combos))])
-        ax.set_xticklabels([f"{c['compute'][:10]}\n{c['op'].replace('_single', '')}\n"
-                            f"{fmt_size(c['bytes'])}" + ("" if p == "main" else f"\n[{p}]")
-                            for p, c in combos], fontsize=7)
+        ax.set_xticklabels(
+            [
+                f"{c['compute'][:10]}\n{c['op'].replace('_single', '')}\n"
+                f"{fmt_size(c['bytes'])}" + ("" if p == "main" else f"\n[{p}]")
+                for p, c in combos
+            ],
+            fontsize=7,
+        )
         ax.set_ylabel("compute slowdown % (mean of ranks)")
         ax.legend(fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
@@ -1435,29 +1664,42 @@ def _parent_info() -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="multi_gpu_vs_nccl", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path,
-                        default=Path(os.environ.get("OUT") or "out/multi_gpu"))
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out/multi_gpu"))
     parser.add_argument("--nprocs", type=int, default=2, help="ranks, one per GPU")
     parser.add_argument("--budget", type=float, default=540.0, help="seconds for everything")
     parser.add_argument("--min-bytes", type=parse_size, default=8)
     parser.add_argument("--max-bytes", type=parse_size, default=GIB)
     parser.add_argument("--factor", type=int, default=2, help="sweep step (2 = every power)")
-    parser.add_argument("--overlap-sizes", type=lambda s: [parse_size(x) for x in s.split(",")],
-                        default=[64 * MIB, 256 * MIB])
+    parser.add_argument(
+        "--overlap-sizes",
+        type=lambda s: [parse_size(x) for x in s.split(",")],
+        default=[64 * MIB, 256 * MIB],
+    )
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--window-ms", type=float, default=60.0,
-                        help="compute window per measurement")
-    parser.add_argument("--preroll-ms", type=float, default=8.0,
-                        help="GPU sleep queued before each window (outside it)")
+    parser.add_argument(
+        "--window-ms", type=float, default=60.0, help="compute window per measurement"
+    )
+    parser.add_argument(
+        "--preroll-ms",
+        type=float,
+        default=8.0,
+        help="GPU sleep queued before each window (outside it)",
+    )
     parser.add_argument("--embed-steps", type=int, default=20)
     parser.add_argument("--group-timeout", type=float, default=60.0)
-    parser.add_argument("--sections", type=lambda s: s.split(","),
-                        default=list(SECTION_CAP), help="comma list of parts to run")
-    parser.add_argument("--no-p2p-phase", action="store_true",
-                        help="skip the NCCL_P2P_USE_CUDA_MEMCPY=1 phase")
+    parser.add_argument(
+        "--sections",
+        type=lambda s: s.split(","),
+        default=list(SECTION_CAP),
+        help="comma list of parts to run",
+    )
+    parser.add_argument(
+        "--no-p2p-phase", action="store_true", help="skip the NCCL_P2P_USE_CUDA_MEMCPY=1 phase"
+    )
     parser.add_argument("--no-attention", action="store_true")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="CPU tensors, Gloo standing in for NCCL, tiny sizes")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="CPU tensors, Gloo standing in for NCCL, tiny sizes"
+    )
     args = parser.parse_args(argv)
     t_start = time.time()
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -1467,7 +1709,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.path.insert(0, str(path))
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(p) for p in SRC_DIRS if p.is_dir()]
-        + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])
+        + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]
+    )
     args.cap_scale = 1.0
     if args.dry_run:
         args.max_bytes = min(args.max_bytes, 64 * KIB)
@@ -1479,12 +1722,18 @@ def main(argv: list[str] | None = None) -> int:
     deadline = t_start + args.budget
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
-        "script": "benchmarks/multi_gpu_vs_nccl.py", "argv": sys.argv[1:] if argv is None
-        else argv, "started_unix": t_start, "dry_run": args.dry_run, "nprocs": args.nprocs,
-        "budget_s": args.budget, "safe_env": SAFE_ENV,
-        "json": str(args.out / JSON_NAME), "nccl_facts": NCCL_FACTS,
+        "script": "benchmarks/multi_gpu_vs_nccl.py",
+        "argv": sys.argv[1:] if argv is None else argv,
+        "started_unix": t_start,
+        "dry_run": args.dry_run,
+        "nprocs": args.nprocs,
+        "budget_s": args.budget,
+        "safe_env": SAFE_ENV,
+        "json": str(args.out / JSON_NAME),
+        "nccl_facts": NCCL_FACTS,
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "phases": {}}
+        "phases": {},
+    }
     report["info"] = _parent_info()
     if not args.dry_run:
         try:
@@ -1492,8 +1741,9 @@ def main(argv: list[str] | None = None) -> int:
 
             report["cuda_device_count"] = torch.cuda.device_count()
             if torch.cuda.device_count() < args.nprocs:
-                report["error"] = (f"{args.nprocs} ranks need {args.nprocs} GPUs, "
-                                   f"{torch.cuda.device_count()} seen")
+                report["error"] = (
+                    f"{args.nprocs} ranks need {args.nprocs} GPUs, {torch.cuda.device_count()} seen"
+                )
         except Exception as err:
             report["error"] = _err(err)
     _write_json(args.out, report)
@@ -1513,8 +1763,9 @@ def main(argv: list[str] | None = None) -> int:
                 _run_phase(args, retry, phase_deadline, phase_deadline + 25, report)
             if index == 0 and "embed" in args.sections:
                 t0 = time.time()
-                end = min(deadline - (PHASE_MIN_S if len(phases) > 1 else 0),
-                          t0 + SECTION_CAP["embed"])
+                end = min(
+                    deadline - (PHASE_MIN_S if len(phases) > 1 else 0), t0 + SECTION_CAP["embed"]
+                )
                 try:
                     report["embed"] = _embed(args, end)
                 except Exception as err:
