@@ -25,6 +25,14 @@ import torch.distributed as dist
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def all_gather_tensor(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[world, *local.shape]``: every rank's ``local`` (one AllGather on ``group``)."""
+    world = dist.get_world_size(group)
+    gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
+    _all_gather_single(gathered, local.reshape(-1).contiguous(), group=group)
+    return gathered.reshape(world, *local.shape)
+
+
 @dataclass
 class Measured:
     """Collectives of one thread over some interval.
@@ -166,15 +174,11 @@ class Channel:
 
     def all_gather(self, local: torch.Tensor) -> torch.Tensor:
         """``[world, *local.shape]``: every rank's ``local``."""
-        gathered = torch.empty(
-            self.world_size * local.numel(), dtype=local.dtype, device=local.device
-        )
-        local_flat = local.reshape(-1).contiguous()
         start = time.monotonic()
-        _all_gather_single(gathered, local_flat, group=self.group)
+        gathered = all_gather_tensor(local, self.group)
         sent = local.numel() * local.element_size() * (self.world_size - 1)
         self.meter.record(start, time.monotonic(), sent)
-        return gathered.reshape(self.world_size, *local.shape)
+        return gathered
 
     def all_gather_object(self, obj: object) -> list[object]:
         """Every rank's picklable ``obj`` (used only on the error path).

@@ -39,22 +39,12 @@ from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
 from freescale_balance import Balancer, JaggedBatch, JaggedTensor, ShufflePlan
+from freescale_embed.channel import all_gather_tensor
 from freescale_embed.collection import ShardedEmbeddingCollection
 from freescale_embed.inputs import as_batch, batch_problem
 from freescale_embed.pipeline_telemetry import RankStep, StepReport
 
 Weights = Callable[[JaggedBatch], torch.Tensor]
-
-# torch 2.13 renamed all_gather_into_tensor (deprecated there); 2.11 only has the old name.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _all_gather(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``[world, *local.shape]``: every rank's ``local``."""
-    world = dist.get_world_size(group)
-    gathered = torch.empty(world * local.numel(), dtype=local.dtype)
-    _all_gather_single(gathered, local, group=group)
-    return gathered.reshape(world, *local.shape)
 
 
 class PipelineError(RuntimeError):
@@ -121,6 +111,7 @@ class _Input:
 
     batch: JaggedBatch | None = None  # what this rank computes (balanced), on the device
     plan: ShufflePlan | None = None
+    local_weight: int = 0  # of ``batch``, the samples this rank computes
     global_samples: int = 0
     global_weight: int = 0
     exhausted: bool = False  # no rank has a batch: the data ended
@@ -226,10 +217,9 @@ class TrainPipeline:
         self._iterator: Iterator[Any] | None = None
         self._pending: RankStep | None = None  # this rank's last step, not yet gathered
         self._pending_loss = 0.0
-        self._new_reports = 0
+        self._fresh_reports: list[StepReport] = []  # gathered, not yet returned by progress
         self._seen_embedding: dict[tuple[str, int], tuple[float, float]] = {}
         self.step = 0
-        self.reports: list[StepReport] = []
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -349,7 +339,7 @@ class TrainPipeline:
             ],
             dtype=torch.int64,
         )
-        gathered = _all_gather(header, self._input_group)
+        gathered = all_gather_tensor(header, self._input_group)
         has, samples, weights, digests, flags = gathered.unbind(1)
         if bool(flags.any()):
             problems: list[str | None] = [None] * self.world_size
@@ -375,12 +365,14 @@ class TrainPipeline:
             batch = _empty_like(self._template)
         elif self._template is None:
             self._template = _empty_like(batch)
-        plan = None
+        plan, local_weight = None, weight
         if self.balancer is not None:
             batch, plan = self.balancer.shuffle(batch)
+            local_weight, _ = self._weight(batch)
         return _Input(
             batch=_to_device(batch, self.device),
             plan=plan,
+            local_weight=local_weight,
             global_samples=int(samples.sum()),
             global_weight=int(weights.sum()),
         )
@@ -447,8 +439,7 @@ class TrainPipeline:
         if isinstance(result, Mapping):
             outputs.update({k: v.detach() for k, v in result.items() if k != "loss"})
         times.samples = batch.batch_size
-        weights = self.config.weights
-        times.tokens = batch.batch_size if weights is None else float(weights(batch).sum())
+        times.tokens = current.local_weight
         return total / global_weight, outputs
 
     def _losses(self, result: Any, batch_size: int) -> tuple[torch.Tensor, str | None]:
@@ -481,7 +472,7 @@ class TrainPipeline:
                 pending.to_tensor(),
             ]
         )
-        gathered = self._all_gather_status(header)
+        gathered = all_gather_tensor(header, self._status_group)
         self._remember_reports(gathered[:, 3:], self.step - 1)
         if bool(gathered[:, 0].any()) or bool(gathered[:, 1].any()):
             problems: list[str | None] = [None] * self.world_size
@@ -492,20 +483,16 @@ class TrainPipeline:
             raise PipelineError(f"step {self.step} cannot go on:\n  " + "\n  ".join(lines))
         return float(gathered[:, 2].sum())
 
-    def _all_gather_status(self, header: torch.Tensor) -> torch.Tensor:
-        return _all_gather(header, self._status_group)
-
     def _remember_reports(self, columns: torch.Tensor, step: int) -> None:
         """Turns a gathered step (a flag, its loss, every rank's ``RankStep``) into a report."""
         if not bool(columns[:, 0].all()):
             return
         ranks = [RankStep.from_tensor(row[2:]) for row in columns]
-        self.reports.append(StepReport.of(step, float(columns[0, 1]), ranks))
-        self._new_reports += 1
+        self._fresh_reports.append(StepReport.of(step, float(columns[0, 1]), ranks))
 
     def _take_reports(self) -> list[StepReport]:
-        count, self._new_reports = self._new_reports, 0
-        return self.reports[len(self.reports) - count :] if count else []
+        taken, self._fresh_reports = self._fresh_reports, []
+        return taken
 
     def _flush(self) -> list[StepReport]:
         """At the end of the data: gathers the last step's record (collective, every rank)."""
@@ -517,7 +504,7 @@ class TrainPipeline:
                 self._pending.to_tensor(),
             ]
         )
-        self._remember_reports(self._all_gather_status(header), self.step)
+        self._remember_reports(all_gather_tensor(header, self._status_group), self.step)
         self._pending = None
         return self._take_reports()
 
