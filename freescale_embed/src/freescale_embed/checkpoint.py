@@ -51,11 +51,13 @@ def _state(pipeline: TrainPipeline) -> dict[str, Any]:
         collection.synchronize()
         sharded.update(_table_tensors(prefix, collection))
         steps[f"{prefix}step"] = collection.step.detach().clone()
-    skipped = {f"{n}." if n else "" for n in pipeline.collections}
+    # The collections' own entries are saved above, as shards; a model that is itself a
+    # collection has no dense part.
+    sharded_prefixes = tuple(f"{n}." for n in pipeline.collections if n)
     dense = {
         key: value
         for key, value in pipeline.model.state_dict().items()
-        if not any(key.startswith(p) for p in skipped if p) and key not in steps
+        if "" not in pipeline.collections and not key.startswith(sharded_prefixes)
     }
     optimizer = get_optimizer_state_dict(
         pipeline.model, pipeline.optimizer, options=StateDictOptions(ignore_frozen_params=True)

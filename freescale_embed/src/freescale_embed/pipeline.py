@@ -124,7 +124,8 @@ def _empty_like(batch: JaggedBatch) -> JaggedBatch:
     )
 
 
-def _to_device(batch: JaggedBatch, device: torch.device) -> JaggedBatch:
+def batch_to_device(batch: JaggedBatch, device: torch.device) -> JaggedBatch:
+    """``batch`` with every tensor on ``device`` (the same batch on the CPU)."""
     if device.type == "cpu":
         return batch
     return JaggedBatch(
@@ -370,7 +371,7 @@ class TrainPipeline:
             batch, plan = self.balancer.shuffle(batch)
             local_weight, _ = self._weight(batch)
         return _Input(
-            batch=_to_device(batch, self.device),
+            batch=batch_to_device(batch, self.device),
             plan=plan,
             local_weight=local_weight,
             global_samples=int(samples.sum()),

@@ -22,7 +22,7 @@ from freescale_embed.collection import ShardedEmbeddingCollection
 from freescale_embed.metrics import hit_rate_and_ndcg, popularity_scores
 from freescale_embed.models import SASRec, SASRecConfig, item_tables, target_counts
 from freescale_embed.optim import RowWiseAdagrad
-from freescale_embed.pipeline import PipelineConfig, TrainPipeline
+from freescale_embed.pipeline import PipelineConfig, TrainPipeline, batch_to_device
 from freescale_embed.pipeline_telemetry import StepReport
 from freescale_embed.train.config import RunConfig, TrainConfig
 from freescale_embed.train.data import Data
@@ -192,13 +192,7 @@ def _evaluate(
     counts = data.item_counts()
     sums = torch.zeros(5, dtype=torch.float64)
     for batch in data.eval_batches(rank, world, _EVAL_BATCH):
-        on_device = JaggedBatch(
-            {
-                n: type(f)(f.values.to(device), f.lengths.to(device))
-                for n, f in batch.features.items()
-            },
-            batch.dense,
-        )
+        on_device = batch_to_device(batch, device)
         scores = model.score(on_device, items).float().cpu()
         hits, ndcg = hit_rate_and_ndcg(scores, k=10)
         candidates = batch.features["candidates"].values.reshape(scores.shape)
