@@ -1,4 +1,4 @@
-"""The process's progress thread: drives UCX and collectives, bounds them, beats the heart.
+"""The process's progress thread: drives UCX and collectives, bounds them, keeps groups' liveness.
 
 One daemon thread per process, for every group. While collectives are in flight it progresses
 the UCX worker, notices completed requests (ucxx has no blocking wait from Python), posts the
@@ -7,7 +7,9 @@ past their deadline or whose peer died; when nothing moved it sleeps in an epoll
 worker's events (GIL released) until UCX signals an event, something calls
 ``Transport.wake`` (a new collective, a finished CUDA copy) or ``_EPOLL_MS`` passes — so an
 arriving message wakes it at once and an idle wait costs no CPU. While no collective is in
-flight it sleeps on a condition and only wakes to write the liveness heartbeat.
+flight it sleeps on a condition. In flight or not, it beats and polls every group's liveness
+when due (``liveness``): the store requests of the process are made here, and a collective's
+health check only reads what the last poll found.
 
 A synchronous collective (``async_op=False``: the caller waits at once) that finds the engine
 idle is *claimed* by its caller instead: ``Work.wait`` runs the same loop on the calling thread
@@ -36,7 +38,9 @@ logger = logging.getLogger(__name__)
 # the sleeper (UCX events; CUDA copies through ``cuda.StreamWatcher``); this bounds the cost of a
 # wake-up lost in a race, and sets how often deadlines are checked between events.
 _EPOLL_MS = 1
-_HEALTH_PERIOD_S = 0.25
+# How often collectives in flight are checked against their group's liveness verdict (no store
+# request: the verdict is what the engine thread's last poll found).
+_HEALTH_PERIOD_S = 0.05
 # A claimed collective nobody drives for this long goes to the engine thread (a safety net: the
 # claim is made only for calls whose caller waits at once).
 _CLAIM_GRACE_S = 0.05
@@ -69,8 +73,17 @@ class GroupHealth(Protocol):
     def health_error(self) -> str | None: ...
 
 
-class Heartbeat(Protocol):
-    def beat(self) -> None: ...
+class Watch(Protocol):
+    """A group's liveness duty (``liveness.Liveness``): beats and polls, when due."""
+
+    @property
+    def next_due(self) -> float:
+        """``time.monotonic()`` of its next beat or poll."""
+        ...
+
+    def tick(self, now: float) -> None:
+        """Beats and polls as due; never raises."""
+        ...
 
 
 class Engine:
@@ -80,8 +93,7 @@ class Engine:
     _users = 0
     _lock = threading.Lock()
 
-    def __init__(self, heartbeat_s: float, transport: Transport, cuda_device: int | None) -> None:
-        self._heartbeat_s = heartbeat_s
+    def __init__(self, transport: Transport, cuda_device: int | None) -> None:
         self._transport = transport
         self._cuda_device = cuda_device
         self._cond = threading.Condition()
@@ -89,15 +101,13 @@ class Engine:
         self._claimed: Op | None = None
         self._claimed_at = 0.0
         self._driving = False
-        self._heartbeats: list[Heartbeat] = []
+        self._watches: list[Watch] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="freescale-comm-engine", daemon=True)
         self._thread.start()
 
     @classmethod
-    def acquire(
-        cls, heartbeat_s: float, transport: Transport, cuda_device: int | None = None
-    ) -> Engine:
+    def acquire(cls, transport: Transport, cuda_device: int | None = None) -> Engine:
         """Returns the process's engine, starting its thread if needed.
 
         ``cuda_device`` is made current on the thread: UCX's CUDA transports need the device's
@@ -105,7 +115,7 @@ class Engine:
         """
         with cls._lock:
             if cls._instance is None:
-                cls._instance = Engine(heartbeat_s, transport, cuda_device)
+                cls._instance = Engine(transport, cuda_device)
             cls._users += 1
             return cls._instance
 
@@ -184,22 +194,21 @@ class Engine:
             self._cond.notify()
         self._transport.wake()
 
-    def add_heartbeat(self, heartbeat: Heartbeat) -> None:
+    def watch(self, watch: Watch) -> None:
+        """Keeps ``watch`` ticking on the engine thread until ``unwatch``."""
         with self._cond:
-            self._heartbeats.append(heartbeat)
-        heartbeat.beat()
+            self._watches.append(watch)
+            self._cond.notify()
 
-    def remove_heartbeat(self, heartbeat: Heartbeat) -> None:
+    def unwatch(self, watch: Watch) -> None:
         with self._cond:
-            if heartbeat in self._heartbeats:
-                self._heartbeats.remove(heartbeat)
+            if watch in self._watches:
+                self._watches.remove(watch)
 
-    def _beat(self) -> None:
-        for heartbeat in list(self._heartbeats):
-            try:
-                heartbeat.beat()
-            except Exception as err:  # the store may be gone; health checks report that
-                logger.debug("freescale heartbeat failed: %s", err)
+    def _tick(self, now: float) -> None:
+        for watch in list(self._watches):
+            if now >= watch.next_due:
+                watch.tick(now)
 
     def _step(self, ops: list[Op]) -> bool:
         """One progress call and one advance of each op; True if anything progressed."""
@@ -215,11 +224,12 @@ class Engine:
                 op.fail(f"internal error: {type(err).__name__}: {err}", "internal")
         return progressed
 
-    def _idle_wait(self, next_beat: float) -> None:
-        """Sleeps on the condition (lock held) until an op, a beat, a stop or an undriven claim."""
+    def _idle_wait(self) -> None:
+        """Sleeps on the condition (lock held) until an op, a liveness tick, a stop or an
+        undriven claim."""
         while not self._ops and not self._stopping:
             now = time.monotonic()
-            wake = next_beat
+            wake = min((w.next_due for w in self._watches), default=now + 1.0)
             if self._claimed is not None and not self._driving:
                 if now >= self._claimed_at + _CLAIM_GRACE_S:
                     self._ops.append(self._claimed)
@@ -243,18 +253,15 @@ class Engine:
                 driver().bind(self._cuda_device)
             except Exception:  # the thread must live on; CUDA collectives will report it
                 logger.exception("freescale: no CUDA context on the engine thread")
-        next_beat = time.monotonic() + self._heartbeat_s
         next_health = 0.0
         while True:
             with self._cond:
-                self._idle_wait(next_beat)
+                self._idle_wait()
                 if self._stopping and not self._ops:
                     return
                 ops = list(self._ops)
             now = time.monotonic()
-            if now >= next_beat:
-                self._beat()
-                next_beat = now + self._heartbeat_s
+            self._tick(now)
             if not ops:
                 continue
             progressed = self._step(ops)

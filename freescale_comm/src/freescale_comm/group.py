@@ -1,31 +1,31 @@
 """The state of one freescale group: peers, tags, liveness and abort, shared by its collectives.
 
 Created with the process group. Everything is agreed through the group's c10d store, which every
-rank reaches: a group id for the tags (a counter in the root store, so overlapping groups never
-share one), each rank's UCX worker address, and each process's heartbeat key.
+rank reaches, with a constant number of requests per rank (``directory``): a group id for the
+tags (a counter in the root store, so overlapping groups never share one) and each rank's host
+identity and UCX worker address.
 
-Liveness is the backend's own job: UCX's peer-failure handling would force TCP (3-5x slower),
-and without it a dead peer makes receives wait forever. So every process bumps a heartbeat
-counter in the store; while a collective is in flight the engine checks, a few times a second,
-the group's abort key and the peers' counters. A peer whose counter stops moving for
-``dead_after_s`` is reported dead; the first rank that fails a collective for a peer-side reason
-writes the abort key, so the other ranks fail fast with the same story instead of each waiting
-for its own timeout.
+Liveness is the backend's own job (``liveness``): every rank beats a counter in the store and
+watches two ring neighbours; a watcher that finds one silent for ``dead_after_s`` writes the
+group's abort key, which every rank polls in the same request. The first rank that fails a
+collective for a peer-side reason writes the abort key too, so the other ranks fail fast with
+the same story instead of each waiting for its own timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-import time
-import uuid
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch.distributed as dist
 
+from freescale_comm import directory
 from freescale_comm.engine import Engine
 from freescale_comm.errors import FreescaleError
+from freescale_comm.liveness import Liveness
 from freescale_comm.options import FreescaleOptions
 from freescale_comm.transport import MAX_GROUP_SIZE, SUB_BITS, Transport, make_tag
 from freescale_comm.validation import Signature
@@ -37,9 +37,6 @@ if TYPE_CHECKING:
     from freescale_comm.collective import Collective
     from freescale_comm.cuda import CudaSupport
 
-# Identifies this process's heartbeat; the worker address would do too, but is 200+ bytes.
-_PROCESS_ID = uuid.uuid4().hex[:16]
-_ABORT_KEY = "freescale/abort"
 _EAGER_ROOM_BYTES = 4 << 20
 # Data messages up to this size leave with the headers over the rings (``sends_early``).
 _EARLY_BYTES = 1 << 20
@@ -50,17 +47,6 @@ def root_store(store: dist.Store) -> dist.Store:
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     return store
-
-
-class _Heartbeat:
-    """Bumps this process's counter in the root store (called by the engine thread)."""
-
-    def __init__(self, store: dist.Store) -> None:
-        self.store = store
-        self.key = f"freescale/hb/{_PROCESS_ID}"
-
-    def beat(self) -> None:
-        self.store.add(self.key, 1)
 
 
 class GroupContext:
@@ -84,41 +70,40 @@ class GroupContext:
         # Every header receive has this much room (see ``collective``): bounded per collective,
         # so that a group of hundreds of ranks does not allocate tens of MiB per call for it.
         self.eager_per_peer = min(options.eager_bytes, _EAGER_ROOM_BYTES // max(1, size - 1))
-        self.broken: str | None = None
+        self._broken: str | None = None
         self._seq = itertools.count(1)
         self._graveyard: list[tuple[Plan, list[torch.Tensor]]] = []
         self._inflight: list[Collective] = []
         self._cuda: dict[int, CudaSupport] = {}
         self._closed = False
         self.transport = Transport.acquire()
-        self.engine = Engine.acquire(options.heartbeat_s, self.transport, _cuda_device())
-        root = root_store(store)
-        self._root = root
-        self._heartbeat = _Heartbeat(root)
-        self.engine.add_heartbeat(self._heartbeat)
-        if rank == 0:
-            store.set("freescale/group_id", str(root.add("freescale/next_group_id", 1)))
-        self.group_id = int(store.get("freescale/group_id"))
-        store.set(f"freescale/peer/{rank}", _PROCESS_ID.encode() + self.transport.address)
-        entries = store.multi_get([f"freescale/peer/{p}" for p in range(size)])
-        self._addresses = [bytes(e[16:]) for e in entries]
-        self._beat_keys = [f"freescale/hb/{bytes(e[:16]).decode()}" for e in entries]
+        self.engine = Engine.acquire(self.transport, _cuda_device())
+        from freescale_comm import shm
+
+        # Set-up order: rank 0 writes the group id and the abort key, and every rank beats once,
+        # before its entry is published; once every entry has been read, every key a liveness
+        # poll reads exists (a ``multi_get`` of a missing key would wait for it).
+        self._keys = keys = directory.incarnation_keys(store, size)
+        directory.start(keys, root_store(store), rank)
+        self.liveness = Liveness(keys, rank, size, options.heartbeat_s, options.dead_after_s)
+        host = shm.host_identity()
+        joined = directory.exchange(
+            keys, rank, size, directory.pack([host.encode(), self.transport.address])
+        )
+        self.group_id = joined.group_id
+        fields = [directory.unpack(entry) for entry in joined.entries]
+        self.hosts = [bytes(f[0]).decode() for f in fields]
+        self._addresses = [f[1] for f in fields]
+        self.engine.watch(self.liveness)
         self._endpoints: list[Any] = [None] * size
         self._header_room = Signature.size(size) + self.eager_per_peer
-        self._setup_host_paths()
-        now = time.monotonic()
-        self._beats: list[tuple[int, float]] = [(-1, now)] * size
+        self._setup_host_paths(host)
 
-    def _setup_host_paths(self) -> None:
-        """Finds the peers on this host and sets up the shared-memory rings with them."""
+    def _setup_host_paths(self, host: str) -> None:
+        """Sets up the shared-memory rings with the peers on this host."""
         from freescale_comm import shm
 
         options, rank, size = self.options, self.rank, self.size
-        host = shm.host_identity()
-        self.store.set(f"freescale/host/{rank}", host)
-        self.hosts = [
-            v.decode() for v in self.store.multi_get([f"freescale/host/{p}" for p in range(size)])
-        ]
         local = [p for p in range(size) if p != rank and self.hosts[p] == host]
         self._links: list[Any] = [None] * size
         self._hub: Any = None
@@ -137,7 +122,7 @@ class GroupContext:
         peers = max(1, len(local_ok))
         slots = max(2, min(64, options.shm_pool_bytes // (peers * options.shm_slot_bytes)))
         links, failures = shm.open_links(
-            self.store, rank, local_ok, slots, options.shm_slot_bytes, self.timeout_s
+            self._keys, rank, local_ok, slots, options.shm_slot_bytes, self.timeout_s
         )
         self._no_rings.update(failures)
         for peer, link in links.items():
@@ -259,46 +244,28 @@ class GroupContext:
 
     # ----------------------------------------------------------------- health
     def health_error(self) -> str | None:
-        """Why this group's collectives cannot finish (abort or a silent peer), or None."""
-        if self.store.check([_ABORT_KEY]):
-            reason = self.store.get(_ABORT_KEY).decode(errors="replace")
-            self.broken = self.broken or reason
-            return f"the group was aborted by {reason}"
-        now = time.monotonic()
-        values = self._root.multi_get(self._beat_keys)
-        dead = []
-        for peer, raw in enumerate(values):
-            value = int(raw)
-            seen, since = self._beats[peer]
-            if value != seen:
-                self._beats[peer] = (value, now)
-            elif peer != self.rank and now - since > self.options.dead_after_s:
-                dead.append(peer)
-        if dead:
-            return f"{self.describe_peers(dead)}: its process died or is stopped"
-        return None
+        """Why this group's collectives cannot finish (abort or a silent peer), or None.
+
+        What the engine thread's last liveness poll found: no store request here."""
+        return self.liveness.error()
+
+    @property
+    def broken(self) -> str | None:
+        """Why the group is unusable (its first abort), or None: later collectives raise."""
+        return self._broken or self.liveness.aborted
 
     def describe_peers(self, peers: list[int]) -> str:
-        """ "ranks [a, b]" plus how long each has been silent, where that is notable."""
-        now = time.monotonic()
-        notes = []
-        for peer in peers:
-            silent = now - self._beats[peer][1]
-            if silent > 2 * self.options.heartbeat_s:
-                notes.append(f"rank {peer} sent no heartbeat for {silent:.1f} s")
-        listed = f"rank {peers[0]}" if len(peers) == 1 else f"ranks {peers}"
-        return listed + (f" ({'; '.join(notes)})" if notes else "")
+        """ "ranks [a, b]" plus how long each watched one has been silent, where that is notable."""
+        return self.liveness.describe(peers)
 
     def abort(self, reason: str) -> None:
         """Marks the group broken and tells every rank through the store (first reason wins)."""
         if self.broken:
             return
-        self.broken = reason
-        try:
-            if not self.store.check([_ABORT_KEY]):
-                self.store.set(_ABORT_KEY, reason)
-        except Exception:  # the store's host may be the process that died
-            pass
+        self._broken = reason
+        # The store's host may be the process that died.
+        with contextlib.suppress(Exception):
+            self.liveness.abort(reason)
         for op in list(self._inflight):
             op.fail(f"the group was aborted by {reason}", "peer")
 
@@ -310,7 +277,7 @@ class GroupContext:
         for op in list(self._inflight):
             op.fail("the process group was shut down", "internal")
         self._inflight = []
-        self.engine.remove_heartbeat(self._heartbeat)
+        self.engine.unwatch(self.liveness)
         self.engine.release()
         for support in self._cuda.values():
             support.close()

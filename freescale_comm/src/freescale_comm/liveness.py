@@ -1,0 +1,156 @@
+"""Liveness of one group's ranks, at a store load that grows linearly with the group.
+
+UCX's own peer-failure detection forces TCP (3-5x slower), so it stays off and a dead peer
+would leave receives waiting forever: liveness is the backend's job, through the group's c10d
+store. Every rank bumps its own heartbeat counter every ``heartbeat_s`` and watches only its
+``WATCHED`` successors on the ring of group ranks (rank r watches r+1 and r+2 mod N): every
+``poll_s`` one ``multi_get`` reads the group's abort key together with those counters. A watcher
+that sees a counter stand still for ``dead_after_s`` writes the abort key, naming the silent
+rank; every rank reads that key in its next poll, so every survivor learns of the death within
+one more period. The store serves N ``add`` per ``heartbeat_s`` and N ``multi_get`` of
+``1 + WATCHED`` keys per ``poll_s``.
+
+Coverage: on a ring of successors, the live rank just before any run of dead (or stopped) ranks
+watches one of them, so a death is seen while any rank lives, also when the watcher of a rank
+dies with it (a whole host). A watcher whose own polls were interrupted (the process was
+stopped, or starved of CPU) for longer than a few periods restarts its clocks instead of
+blaming its neighbours for its own silence. Polls run whether or not a collective is in flight:
+the watcher of a dead rank may be idle while the others wait for that rank.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+ABORT_KEY = "abort"
+WATCHED = 2
+# A watcher whose consecutive polls are further apart than this many periods was itself stopped
+# or starved: what it saw before the gap says nothing about its neighbours.
+_GAP_PERIODS = 4
+
+
+def poll_period(dead_after_s: float) -> float:
+    """Seconds between polls: three of them (seeing the last beat, seeing the silence, the
+    others seeing the abort key) stay well inside the 2 s a death may take beyond
+    ``dead_after_s``."""
+    return min(0.5, max(0.02, dead_after_s / 10))
+
+
+def watched_ranks(rank: int, size: int, count: int = WATCHED) -> list[int]:
+    """The ranks ``rank`` watches: its ``count`` successors on the ring (fewer in tiny groups)."""
+    return [(rank + step) % size for step in range(1, min(count, size - 1) + 1)]
+
+
+def beat_key(rank: int) -> str:
+    return f"hb/{rank}"
+
+
+class Liveness:
+    """One rank's heartbeat and watch in one group (see the module docstring).
+
+    ``tick`` is called by the engine thread whenever ``next_due`` has passed; everything else
+    only reads what the last poll found, so checking a collective's health costs no store
+    request.
+
+    Args:
+        store: the group's keys (the same prefix on every rank).
+        rank: this rank in the group.
+        size: ranks in the group.
+        heartbeat_s: period of this rank's heartbeat.
+        dead_after_s: a watched rank whose counter stands still this long is reported dead.
+    """
+
+    def __init__(
+        self, store: Any, rank: int, size: int, heartbeat_s: float, dead_after_s: float
+    ) -> None:
+        self.store = store
+        self.rank = rank
+        self.size = size
+        self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s
+        self.poll_s = poll_period(dead_after_s)
+        self.watched = watched_ranks(rank, size)
+        self._own_key = beat_key(rank)
+        self._keys = [ABORT_KEY] + [beat_key(p) for p in self.watched]
+        now = time.monotonic()
+        # Per watched rank: the last counter value seen and when it was first seen.
+        self._seen: dict[int, tuple[bytes, float]] = {p: (b"", now) for p in self.watched}
+        self._last_poll = now
+        self._next_beat = now
+        self._next_poll = now + self.poll_s
+        self.aborted: str | None = None  # the abort key's reason, once set
+        self.dead: str | None = None  # what this rank's own watch found
+        self.store_error: str | None = None  # the last poll failed (cleared by the next one)
+        self.beat()
+
+    @property
+    def next_due(self) -> float:
+        return min(self._next_beat, self._next_poll)
+
+    def beat(self) -> None:
+        self.store.add(self._own_key, 1)
+        self._next_beat = time.monotonic() + self.heartbeat_s
+
+    def tick(self, now: float) -> None:
+        """Beats and polls as due (engine thread); a store error is remembered, not raised."""
+        try:
+            if now >= self._next_beat:
+                self.beat()
+            if now >= self._next_poll and self.aborted is None:
+                self.poll(time.monotonic())
+            self.store_error = None
+        except Exception as err:  # the store's host may be the process that died
+            self.store_error = f"the c10d store is unreachable ({err})"
+        self._next_poll = max(self._next_poll, now + self.poll_s)
+
+    def poll(self, now: float) -> None:
+        """One request: the abort key and the watched counters."""
+        values = self.store.multi_get(self._keys)
+        if now - self._last_poll > _GAP_PERIODS * self.poll_s:
+            self._seen = {p: (seen, now) for p, (seen, _) in self._seen.items()}
+        self._last_poll = now
+        self._next_poll = now + self.poll_s
+        if values[0]:
+            self.aborted = bytes(values[0]).decode(errors="replace")
+            return
+        silent = []
+        for peer, raw in zip(self.watched, values[1:], strict=True):
+            seen, since = self._seen[peer]
+            if raw != seen:
+                self._seen[peer] = (bytes(raw), now)
+            elif now - since > self.dead_after_s:
+                silent.append(peer)
+        if silent and self.dead is None:
+            self.dead = f"{self.describe(silent)}: its process died or is stopped"
+            self.abort(f"rank {self.rank}: {self.dead}")
+
+    def abort(self, reason: str) -> str:
+        """Writes the abort key unless a reason is there already; returns the reason that won."""
+        won = self.store.compare_set(ABORT_KEY, b"", reason.encode())
+        self.aborted = bytes(won).decode(errors="replace") or reason
+        return self.aborted
+
+    def error(self) -> str | None:
+        """Why the group's collectives cannot finish, as far as the last poll knows, or None."""
+        if self.dead is not None:
+            return self.dead
+        if self.aborted is not None:
+            return f"the group was aborted by {self.aborted}"
+        return self.store_error
+
+    def silence(self, peer: int) -> float | None:
+        """Seconds the watched ``peer``'s counter has stood still (None: not watched here)."""
+        entry = self._seen.get(peer)
+        return None if entry is None else time.monotonic() - entry[1]
+
+    def describe(self, peers: list[int]) -> str:
+        """ "rank a" / "ranks [a, b]", plus how long each watched one has been silent where that
+        is notable."""
+        notes = []
+        for peer in peers:
+            silent = self.silence(peer)
+            if silent is not None and silent > 2 * self.heartbeat_s:
+                notes.append(f"rank {peer} sent no heartbeat for {silent:.1f} s")
+        listed = f"rank {peers[0]}" if len(peers) == 1 else f"ranks {peers}"
+        return listed + (f" ({'; '.join(notes)})" if notes else "")
