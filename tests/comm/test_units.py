@@ -10,7 +10,14 @@ import torch
 
 from freescale_comm import FreescaleOptions
 from freescale_comm.transport import MAX_SUB, make_tag
-from freescale_comm.validation import Signature, judge, layout, verdict
+from freescale_comm.validation import (
+    NEEDS_TABLE,
+    Signature,
+    judge,
+    judge_table,
+    layout,
+    verdict,
+)
 
 
 def test_options_from_env_and_explicit_values(monkeypatch):
@@ -50,9 +57,11 @@ def _sig(send, recv, **kw):
 
 def test_signature_round_trip_and_verdicts():
     sig = _sig([1, 2, 3], [4, 5, 6], error="x" * 500)
-    back = Signature.decode(sig.encode(3), 3, "all_to_all")
+    back = Signature.decode_table(sig.encode_table(3), 3, "all_to_all")
     assert back.send_bytes == (1, 2, 3) and back.recv_bytes == (4, 5, 6)
     assert back.error.startswith("xxx") and back.dtype == "torch.float32"
+    short = Signature.decode(sig.encode(3), 3, "all_to_all")
+    assert short.error == back.error and short.dtype == back.dtype
     good = [_sig([0, 8], [0, 4]), _sig([4, 0], [8, 0])]
     assert verdict(good) is None
     bad = [_sig([0, 8], [0, 4]), _sig([4, 0], [4, 0])]
@@ -80,9 +89,10 @@ def test_a_message_split_differently_is_rejected():
     assert verdict([rank0, rank1]) is None
     assert judge([s.encode(2) for s in (rank0, rank1)], 2, "all_gather") is None
     wrong = side([8, 12], [[8, 12], [12, 8]])  # rank 1 now sends 8+12
-    problem = judge([s.encode(2) for s in (rank0, wrong)], 2, "all_gather")
+    assert judge([s.encode(2) for s in (rank0, wrong)], 2, "all_gather") is NEEDS_TABLE
+    problem = judge_table([s.encode_table(2) for s in (rank0, wrong)], 2, "all_gather")
     assert "rank 1 sends rank 0 the same bytes split into tensors of other sizes" in problem
-    back = Signature.decode(wrong.encode(2), 2, "all_gather")
+    back = Signature.decode_table(wrong.encode_table(2), 2, "all_gather")
     assert back.send_layout == wrong.send_layout
     assert list(back.recv_layouts) == list(wrong.recv_layouts)
 
@@ -221,3 +231,28 @@ def test_strided_overlapping_and_bad_calls_are_not_cached():
             "a2a", 0, 2, torch.empty(4), torch.empty(4), [], [5, -1], cache
         )
         assert plan.template is None and "negative" in plan.signature.error
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 64, 1000])
+def test_fixed_size_headers_find_any_one_wrong_entry(n):
+    import random
+
+    rng = random.Random(n)
+    table = [[rng.randint(0, 1 << 40) for _ in range(n)] for _ in range(n)]
+    sigs = [_sig(table[r], [table[s][r] for s in range(n)]) for r in range(n)]
+    assert len({len(s.encode(n)) for s in sigs}) == 1
+    assert Signature.size(n) == Signature.size(2) == len(sigs[0].encode(n))
+    assert judge([s.encode(n) for s in sigs], n, "all_to_all") is None
+    for _ in range(5):  # one entry off by one, on the sending or on the receiving side
+        r, p = rng.randrange(n), rng.randrange(n)
+        sends, recvs = list(sigs[r].send_bytes), list(sigs[r].recv_bytes)
+        (sends if rng.random() < 0.5 else recvs)[p] += 1
+        bad = list(sigs)
+        bad[r] = _sig(sends, recvs)
+        assert judge([s.encode(n) for s in bad], n, "all_to_all") is NEEDS_TABLE
+        problem = judge_table([s.encode_table(n) for s in bad], n, "all_to_all")
+        assert "sizes or split sizes disagree" in problem
+    # The same table held by other ranks (rows swapped) is caught too.
+    if n > 2:
+        swapped = [sigs[1], sigs[0], *sigs[2:]]
+        assert judge([s.encode(n) for s in swapped], n, "all_to_all") is not None

@@ -4,8 +4,10 @@ State machine (driven by the engine thread, or by a caller that waits on it; the
 starts it):
 
 1. ``header``: every rank sends its signature to every peer and receives theirs (tag index 0);
-   all ranks then judge the same table (``validation.judge``). A mismatch fails the collective
-   on every rank with the same message, no output byte written; the group stays usable. On the
+   all ranks then judge the same table (``validation.judge``: fixed-size headers with digests of
+   the size table; only after the digests disagree, ``diagnose``, a second round with the whole
+   table names the culprit). A mismatch fails the collective on every rank with the same
+   message, no output byte written; the group stays usable. On the
    CPU, data for a peer of at most ``eager_bytes`` (less in groups of more than 65 ranks: 4 MiB
    of header room per collective at most) travels inside the header message (into a receive
    buffer with that much room) and is copied to the outputs once the verdict is good: a small
@@ -44,7 +46,7 @@ from freescale_comm.errors import (
     FreescaleValidationError,
 )
 from freescale_comm.transport import make_tag
-from freescale_comm.validation import Signature, judge
+from freescale_comm.validation import NEEDS_TABLE, Signature, judge, judge_table
 
 if TYPE_CHECKING:
     from freescale_comm.cuda import CopyStreams, CudaSupport
@@ -331,6 +333,10 @@ class Collective:
         ):
             self._judge()
             progressed = True
+        if self._phase == "diagnose" and not any(t.sub == 0 for t in self._posted):
+            problem = judge_table(self._headers, self.group.size, self.name)
+            self._reject(problem or "the signature digests disagree, the tables do not")
+            progressed = True
         if self._phase == "ready" and (
             self._ready is None or self.plan.staged or self._ready.query()
         ):
@@ -399,14 +405,11 @@ class Collective:
                 good.add(table)
         else:
             problem = judge([h[:size] for h in self._headers], g.size, self.name)
+        if problem is NEEDS_TABLE:
+            self._diagnose()
+            return
         if problem:
-            self._headers = []
-            # Peers may have sent this collective's data early: it must never reach a later
-            # receive, and this rank's own early sends may still be reading its inputs.
-            g.discard_early(self.seq)
-            if self._early and any(t.send for t in self._posted):
-                g.keep_alive(self.plan, self._pinned)
-            self._fail_locked(problem, "validation")
+            self._reject(problem)
             return
         for peer, pieces in self._foldable(send=False).items():
             offset = size
@@ -420,6 +423,33 @@ class Collective:
                 offset = end
         self._headers = []
         self._phase = "ready"
+
+    def _diagnose(self) -> None:
+        """The size digests disagree: every rank sends every peer its whole row of the size
+        table (tagged like the header, whose receive is done), and every rank names the first
+        problem from the same table (``validation.judge_table``)."""
+        g = self.group
+        own = self.plan.signature.encode_table(g.size)
+        self._phase = "diagnose"
+        self._headers = [None] * g.size
+        self._headers[g.rank] = own
+        for step in range(1, g.size):
+            dst, src = (g.rank + step) % g.size, (g.rank - step) % g.size
+            self._post(Transfer(dst, own, 0, send=True))
+            self._headers[src] = np.empty(len(own), dtype=np.uint8)
+            self._post(Transfer(src, self._headers[src], 0, send=False))
+        g.transport.progress()
+
+    def _reject(self, problem: str) -> None:
+        """Fails the collective on a bad verdict, the same one on every rank."""
+        g = self.group
+        self._headers = []
+        # Peers may have sent this collective's data early: it must never reach a later
+        # receive, and this rank's own early sends may still be reading its inputs.
+        g.discard_early(self.seq)
+        if self._early and any(t.send for t in self._posted):
+            g.keep_alive(self.plan, self._pinned)
+        self._fail_locked(problem, "validation")
 
     def _start_data(self) -> None:
         g = self.group

@@ -9,8 +9,9 @@ collectives may talk to any peer).
 
 The keys live under an incarnation prefix: ``init_process_group`` after ``destroy`` gives the new
 group the same c10d prefix, and its ranks must not read the addresses, group id or abort key of
-the group before it. Every rank adds 1 to one counter, so the ranks of the k-th group made under
-that prefix (each of the earlier ones fully set up, hence counted N times) all compute k.
+the group before it. Every rank adds 1 to a counter of groups of its size under that prefix, so
+the ranks of the k-th such group (each earlier one fully set up, hence counted N times) all
+compute k.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def unpack(blob: bytes) -> list[bytes]:
 
 def incarnation_keys(store: Any, size: int) -> Any:
     """The group's own keys: ``store`` under the prefix of this incarnation (module docstring)."""
-    incarnation = (store.add("freescale/incarnations", 1) - 1) // size
-    return dist.PrefixStore(f"freescale/{incarnation}", store)
+    incarnation = (store.add(f"freescale/incarnations/{size}", 1) - 1) // size
+    return dist.PrefixStore(f"freescale/{size}.{incarnation}", store)
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,22 @@
 """Signatures that every rank of a collective exchanges before any data moves.
 
-Each rank describes its side of the collective in a fixed-size header: the operation, the dtype,
-the device type, how many tensors, how many bytes it will send to and expects from every peer,
-how those bytes split into tensors where a message carries several (a coalesced AllGather: the
-same total split differently would otherwise be cut at the receiver's boundaries), and any
-error its own inputs already have (a split that does not add up, an output of the wrong size).
-Every rank receives every header, so every rank holds the same table and reaches the same
-verdict: a mismatch fails the collective on all ranks, with the same message, and no data byte
-is moved. The header of a 4-rank group is about 400 bytes.
+Each rank describes its side of the collective: the operation, the dtype, the device type, how
+many tensors, how many bytes it will send to and expects from every peer, how those bytes split
+into tensors where a message carries several (a coalesced AllGather: the same total split
+differently would otherwise be cut at the receiver's boundaries), and any error its own inputs
+already have (a split that does not add up, an output of the wrong size).
+
+The header every rank sends every peer has a fixed size (280 bytes) whatever the group's: the
+shared fields, the error, and two digests of the rank's part of the size table, one over what it
+sends (sender, receiver, bytes, layout), one over what it expects. Each pair's entry enters the
+sender's send digest and the receiver's receive digest by the same function, so the table is
+consistent exactly when the sums of all ranks' send and receive digests agree (up to a 2^-64
+chance). Every rank receives every header, so every rank reaches the same verdict from the same
+N x 280 bytes; a mismatch fails the collective on all ranks, with the same message, and no data
+byte is moved. Only after the digests disagree does a second round exchange the whole table
+(``encode_table``: 24 bytes per rank of the group, per header) so that every rank names the
+first disagreeing pair the same way (``judge_table``). The full table in every header made each
+collective send N² x 24 bytes per rank (25 MB at 1,024 ranks) and judge N² entries.
 """
 
 from __future__ import annotations
@@ -19,8 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-_VERSION = 2
+_VERSION = 3  # the fixed-size header
+_TABLE_VERSION = 2  # the whole-table encoding (``encode_table``)
 _FIXED_INTS = 6  # version, op, device, count, error flag, send layout
+_HEADER_INTS = 7  # version, op, device, count, error flag, send digest, receive digest
 _NAME_BYTES = 24
 _MESSAGE_BYTES = 200
 DEVICE_CODES = {"cpu": 0, "cuda": 1, "cuda-staged": 2}
@@ -61,49 +72,119 @@ class Signature:
 
     @staticmethod
     def size(world_size: int) -> int:
-        """Bytes of an encoded header in a group of ``world_size`` ranks."""
-        return 8 * _ints(world_size) + _NAME_BYTES + _MESSAGE_BYTES
+        """Bytes of an encoded header (``encode``): the same in a group of any size."""
+        del world_size
+        return 8 * _HEADER_INTS + _NAME_BYTES + _MESSAGE_BYTES
 
     def encode(self, world_size: int) -> np.ndarray:
-        """The header as a uint8 array of ``Signature.size(world_size)`` bytes."""
-        ints = [
-            _VERSION,
+        """The fixed-size header (module docstring) as a uint8 array of ``Signature.size``."""
+        sends, recvs = self.digests(world_size)
+        ints = [_VERSION, *self._shared_ints()[1:], sends, recvs]
+        return self._with_text(struct.pack(f"<{_HEADER_INTS}q", *ints))
+
+    def digests(self, world_size: int) -> tuple[int, int]:
+        """This rank's send and receive digests of the size table, as signed 64-bit ints.
+
+        send = sum over receivers d of f(d)·g(bytes, layout); receive = sum over senders s of
+        k(s)·g(bytes, layout) (mod 2^64). Neither needs this rank's own index: ``judge``
+        weighs each rank's send digest by k(rank) and its receive digest by f(rank), so both
+        totals are the sum over every (sender, receiver) entry of k·f·g, the same when every
+        entry agrees; f and k are odd, so one entry that differs changes the difference by an
+        odd multiple of a hash difference (never 0 mod 2^64 unless g collides).
+        """
+        weights_k, weights_f = _weights(world_size)
+        send_layouts = np.full(world_size, self.send_layout & _MASK, dtype=np.uint64)
+        recv_layouts = (
+            np.array([int(d) & _MASK for d in self.recv_layouts], dtype=np.uint64)
+            if self.recv_layouts
+            else np.zeros(world_size, dtype=np.uint64)
+        )
+        sends = weights_f * _entry_hash(_as_u64(self.send_bytes), send_layouts)
+        recvs = weights_k * _entry_hash(_as_u64(self.recv_bytes), recv_layouts)
+        return _signed(int(sends.sum(dtype=np.uint64))), _signed(int(recvs.sum(dtype=np.uint64)))
+
+    def _shared_ints(self) -> list[int]:
+        return [
+            _TABLE_VERSION,
             _code(self.op),
             DEVICE_CODES.get(self.device, -1),
             self.count,
             1 if self.error else 0,
-            self.send_layout,
         ]
-        ints += [int(b) for b in self.send_bytes] + [int(b) for b in self.recv_bytes]
-        ints += [int(d) for d in self.recv_layouts] or [0] * world_size
-        blob = struct.pack(f"<{len(ints)}q", *ints)
+
+    def _with_text(self, blob: bytes) -> np.ndarray:
         blob += self.dtype.encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
         blob += self.error.encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
         return np.frombuffer(bytearray(blob), dtype=np.uint8)
 
     @staticmethod
+    def table_size(world_size: int) -> int:
+        """Bytes of an ``encode_table`` header in a group of ``world_size`` ranks."""
+        return 8 * _ints(world_size) + _NAME_BYTES + _MESSAGE_BYTES
+
+    def encode_table(self, world_size: int) -> np.ndarray:
+        """The header with this rank's whole row of the size table (the diagnosis round)."""
+        ints = [*self._shared_ints(), self.send_layout]
+        ints += [int(b) for b in self.send_bytes] + [int(b) for b in self.recv_bytes]
+        ints += [int(d) for d in self.recv_layouts] or [0] * world_size
+        return self._with_text(struct.pack(f"<{len(ints)}q", *ints))
+
+    @staticmethod
     def decode(buffer: np.ndarray, world_size: int, op: str) -> Signature:
-        """Inverse of ``encode``; ``op`` names the collective when the code matches it."""
+        """The shared fields and the error of a fixed-size header (no sizes: it holds digests);
+        ``op`` names the collective when the code matches it."""
+        del world_size
+        raw = buffer.tobytes()
+        ints = struct.unpack_from(f"<{_HEADER_INTS}q", raw)
+        return Signature._decoded(raw, ints, 8 * _HEADER_INTS, _VERSION, op, (), (), 0, ())
+
+    @staticmethod
+    def decode_table(buffer: np.ndarray, world_size: int, op: str) -> Signature:
+        """Inverse of ``encode_table``; ``op`` names the collective when the code matches it."""
         raw = buffer.tobytes()
         n_ints = _ints(world_size)
         ints = struct.unpack_from(f"<{n_ints}q", raw)
         n, first = world_size, _FIXED_INTS
-        text = raw[8 * n_ints :]
+        return Signature._decoded(
+            raw,
+            ints,
+            8 * n_ints,
+            _TABLE_VERSION,
+            op,
+            ints[first : first + n],
+            ints[first + n : first + 2 * n],
+            ints[5],
+            ints[first + 2 * n :],
+        )
+
+    @staticmethod
+    def _decoded(
+        raw: bytes,
+        ints: Sequence[int],
+        text_at: int,
+        version: int,
+        op: str,
+        send_bytes: Sequence[int],
+        recv_bytes: Sequence[int],
+        send_layout: int,
+        recv_layouts: Sequence[int],
+    ) -> Signature:
+        text = raw[text_at:]
         dtype = text[:_NAME_BYTES].rstrip(b"\0").decode(errors="replace")
         error = text[_NAME_BYTES:].rstrip(b"\0").decode(errors="replace")
-        if ints[0] != _VERSION:
-            error = error or f"speaks header version {ints[0]} (this rank: {_VERSION})"
+        if ints[0] != version:
+            error = error or f"speaks header version {ints[0]} (this rank: {version})"
         devices = {code: name for name, code in DEVICE_CODES.items()}
         return Signature(
             op=op if ints[1] == _code(op) else f"<another collective, code {ints[1]:#x}>",
             dtype=dtype,
             device=devices.get(ints[2], "unknown"),
             count=ints[3],
-            send_bytes=ints[first : first + n],
-            recv_bytes=ints[first + n : first + 2 * n],
-            error=error if ints[4] else "",
-            send_layout=ints[5],
-            recv_layouts=ints[first + 2 * n :],
+            send_bytes=send_bytes,
+            recv_bytes=recv_bytes,
+            error=error if ints[4] or ints[0] != version else "",
+            send_layout=send_layout,
+            recv_layouts=recv_layouts,
         )
 
 
@@ -111,13 +192,87 @@ def _ints(world_size: int) -> int:
     return _FIXED_INTS + 3 * world_size
 
 
+_MASK = (1 << 64) - 1
+
+
+def _as_u64(values: Sequence[int]) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64).astype(np.uint64)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer, element-wise (uint64 arithmetic wraps)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+_WEIGHTS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _weights(world_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The odd per-rank weights k (as sender) and f (as receiver) of the digests."""
+    weights = _WEIGHTS.get(world_size)
+    if weights is None:
+        ranks = np.arange(world_size, dtype=np.uint64)
+        one = np.uint64(1)
+        weights = _WEIGHTS[world_size] = (
+            _mix(ranks ^ np.uint64(0x243F6A8885A308D3)) | one,
+            _mix(ranks ^ np.uint64(0x13198A2E03707344)) | one,
+        )
+    return weights
+
+
+def _entry_hash(nbytes: np.ndarray, layouts: np.ndarray) -> np.ndarray:
+    return _mix(_mix(nbytes ^ np.uint64(0xA4093822299F31D0)) + layouts)
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 def layout(sizes: Sequence[int]) -> int:
     """A digest of the tensor sizes that make up one message (for ``Signature``)."""
     return zlib.crc32(struct.pack(f"<{len(sizes)}q", *sizes)) + 1
 
 
-def judge(headers: Sequence[np.ndarray], world_size: int, op: str) -> str | None:
-    """The verdict on a table of encoded headers (rank order): the first problem, or None.
+class _NeedsTable:
+    """``judge``'s answer when the digests disagree: the whole table must be exchanged to say
+    where (``encode_table``, ``judge_table``)."""
+
+    def __repr__(self) -> str:
+        return "NEEDS_TABLE"
+
+
+NEEDS_TABLE = _NeedsTable()
+
+
+def judge(headers: Sequence[np.ndarray], world_size: int, op: str) -> str | _NeedsTable | None:
+    """The verdict on a table of fixed-size headers (rank order): None (consistent), the first
+    problem (an error, or shared fields that differ), or ``NEEDS_TABLE`` (the size digests
+    disagree). O(N) in the group size."""
+    size = Signature.size(world_size)
+    table = np.frombuffer(b"".join(h[:size].tobytes() for h in headers), dtype=np.uint8)
+    table = table.reshape(len(headers), size)
+    ints = table[:, : 8 * _HEADER_INTS].view("<i8")
+    names = slice(8 * _HEADER_INTS, 8 * _HEADER_INTS + _NAME_BYTES)
+    # Version, op, device, count and dtype name must be byte-identical on every rank.
+    shared = bool(
+        (table[:, :32] == table[0, :32]).all() and (table[:, names] == table[0, names]).all()
+    )
+    if shared and ints[0, 0] == _VERSION and not ints[:, 4].any():
+        weights_k, weights_f = _weights(world_size)
+        sends = (weights_k * ints[:, 5].astype(np.uint64)).sum(dtype=np.uint64)
+        recvs = (weights_f * ints[:, 6].astype(np.uint64)).sum(dtype=np.uint64)
+        return None if sends == recvs else NEEDS_TABLE
+    problem = verdict([Signature.decode(h, world_size, op) for h in headers])
+    return problem if problem is not None else NEEDS_TABLE
+
+
+def judge_table(headers: Sequence[np.ndarray], world_size: int, op: str) -> str | None:
+    """The verdict on a table of ``encode_table`` headers (rank order): the first problem, or
+    None.
 
     The common case, a consistent table, is recognised on the raw headers (integers unpacked,
     the shared fields compared as bytes) without building a ``Signature`` per rank; only a table
@@ -130,15 +285,8 @@ def judge(headers: Sequence[np.ndarray], world_size: int, op: str) -> str | None
     # Version, op, device, count and dtype name must be byte-identical on every rank.
     name = slice(8 * n_ints, 8 * n_ints + _NAME_BYTES)
     shared = {h[:32].tobytes() + h[name].tobytes() for h in headers}
-    consistent = len(shared) == 1 and rows[0][0] == _VERSION and not any(r[4] for r in rows)
-    if consistent and n <= 16:
-        consistent = all(
-            rows[s][first + d] == rows[d][first + n + s]
-            and rows[s][5] == rows[d][first + 2 * n + s]
-            for s in range(n)
-            for d in range(n)
-        )
-    elif consistent:
+    consistent = len(shared) == 1 and rows[0][0] == _TABLE_VERSION and not any(r[4] for r in rows)
+    if consistent:
         raw = b"".join(h[: 8 * n_ints].tobytes() for h in headers)
         table = np.frombuffer(raw, dtype="<i8").reshape(n, n_ints)
         sends, recvs = table[:, first : first + n], table[:, first + n : first + 2 * n]
@@ -148,7 +296,7 @@ def judge(headers: Sequence[np.ndarray], world_size: int, op: str) -> str | None
         )
     if consistent:
         return None
-    return verdict([Signature.decode(h, world_size, op) for h in headers])
+    return verdict([Signature.decode_table(h, world_size, op) for h in headers])
 
 
 def verdict(signatures: Sequence[Signature]) -> str | None:
