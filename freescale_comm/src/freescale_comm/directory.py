@@ -1,11 +1,14 @@
-"""Group set-up through the c10d store with a constant number of requests per rank.
+"""Group set-up through the c10d store: a constant number of requests per rank, addresses on use.
 
-Every rank publishes one entry (its host identity and UCX worker address); the first rank of
-each block of about sqrt(N) ranks gathers its block's entries into one key, and every rank then
-reads the group id and all blocks in one ``multi_get``. A rank makes 3-6 requests whatever the
-group size (reading every rank's entry, as before, was N requests' worth of key reads per rank,
-N² in all); the store reads N + N·sqrt(N) keys and sends every rank the N entries it needs (its
-collectives may talk to any peer).
+Every rank publishes one entry (its host identity and UCX worker address) and appends its rank
+to its host's list; the first rank of each block of about sqrt(N) ranks gathers its block's
+entries into one key. Once every block exists (one ``wait``), a rank reads the group id and its
+host's list (one ``multi_get``): that is all set-up needs (the shared-memory rings are between
+ranks of one host). A peer's address is read only when this rank first talks to it over UCX, a
+block at a time, so a rank reads what its collectives need: two blocks for a ring, all of them
+for an AllToAll. Set-up makes 6 requests per rank (8 for a block's first rank) whatever N, and
+the store reads O(N) keys and bytes in all (every rank reading every rank's address and host
+at creation was 2·N² key reads, N²·280 bytes: 290 MB at 1,024 ranks).
 
 The keys live under an incarnation prefix: ``init_process_group`` after ``destroy`` gives the new
 group the same c10d prefix, and its ranks must not read the addresses, group id or abort key of
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
+import threading
 from typing import Any
 
 import torch.distributed as dist
@@ -56,14 +59,6 @@ def incarnation_keys(store: Any, size: int) -> Any:
     return dist.PrefixStore(f"freescale/{size}.{incarnation}", store)
 
 
-@dataclass(frozen=True)
-class Directory:
-    """What set-up agreed on: the group id (tag space) and every rank's entry."""
-
-    group_id: int
-    entries: list[bytes]
-
-
 def start(keys: Any, root: Any, rank: int) -> None:
     """Rank 0's part before anyone reads: a group id for the tags (a counter in the root store,
     so that groups never share one) and the empty abort key every liveness poll reads."""
@@ -72,17 +67,61 @@ def start(keys: Any, root: Any, rank: int) -> None:
         keys.set("group_id", str(root.add("freescale/next_group_id", 1)))
 
 
-def exchange(keys: Any, rank: int, size: int, entry: bytes) -> Directory:
-    """Publishes ``entry`` and returns every rank's (module docstring); blocks until all joined.
+class Directory:
+    """The group id, this rank's same-host peers, and every rank's host and address on demand.
 
-    Rank 0 must have called ``start`` first (on its own thread: the others wait for it here).
+    Construction is the set-up exchange (module docstring); it blocks until every rank joined.
+    Rank 0 must have called ``start`` first (the others wait for it here).
+
+    Args:
+        keys: the group's incarnation keys (``incarnation_keys``).
+        rank: this rank.
+        size: ranks in the group.
+        host: this process's host identity.
+        address: this process's UCX worker address.
     """
-    block = block_size(size)
-    keys.set(f"entry/{rank}", entry)
-    if rank % block == 0:
-        members = range(rank, min(size, rank + block))
-        keys.set(f"block/{rank // block}", pack(keys.multi_get([f"entry/{p}" for p in members])))
-    blocks = math.ceil(size / block)
-    values = keys.multi_get(["group_id"] + [f"block/{b}" for b in range(blocks)])
-    entries = [e for raw in values[1:] for e in unpack(bytes(raw))]
-    return Directory(int(values[0]), entries)
+
+    def __init__(self, keys: Any, rank: int, size: int, host: str, address: bytes) -> None:
+        self._keys = keys
+        self.rank, self.size, self.host = rank, size, host
+        self._block = block_size(size)
+        self._entries: dict[int, tuple[str, bytes]] = {rank: (host, address)}
+        self._lock = threading.Lock()
+        self.blocks_read = 0
+        host_key = f"host/{host}"
+        keys.append(host_key, f"{rank},")
+        keys.set(f"entry/{rank}", pack([host.encode(), address]))
+        if rank % self._block == 0:
+            members = range(rank, min(size, rank + self._block))
+            keys.set(self._block_key(rank), pack(keys.multi_get([f"entry/{p}" for p in members])))
+        # Every block exists once every rank has appended its host and published its entry.
+        keys.wait([self._block_key(b * self._block) for b in range(math.ceil(size / self._block))])
+        group_id, local = keys.multi_get(["group_id", host_key])
+        self.group_id = int(group_id)
+        self.same_host = sorted({int(r) for r in bytes(local).decode().split(",") if r})
+
+    def _block_key(self, rank: int) -> str:
+        return f"block/{rank // self._block}"
+
+    def entry(self, peer: int) -> tuple[str, bytes]:
+        """``peer``'s host identity and UCX address (its block read from the store first use)."""
+        found = self._entries.get(peer)
+        if found is None:
+            raw = self._keys.get(self._block_key(peer))
+            first = peer - peer % self._block
+            fields = [unpack(e) for e in unpack(bytes(raw))]
+            with self._lock:
+                self.blocks_read += 1
+                for offset, (host, address) in enumerate(fields):
+                    self._entries[first + offset] = (host.decode(), address)
+            found = self._entries[peer]
+        return found
+
+    def address(self, peer: int) -> bytes:
+        return self.entry(peer)[1]
+
+    def host_of(self, peer: int) -> str:
+        """``peer``'s host identity (no store request for this host's ranks)."""
+        if peer in self.same_host:
+            return self.host
+        return self.entry(peer)[0]

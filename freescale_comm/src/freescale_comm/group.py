@@ -2,8 +2,8 @@
 
 Created with the process group. Everything is agreed through the group's c10d store, which every
 rank reaches, with a constant number of requests per rank (``directory``): a group id for the
-tags (a counter in the root store, so overlapping groups never share one) and each rank's host
-identity and UCX worker address.
+tags (a counter in the root store, so overlapping groups never share one) and the ranks of this
+host; a peer's UCX worker address is read when this rank first talks to it over UCX.
 
 Liveness is the backend's own job (``liveness``): every rank beats a counter in the store and
 watches two ring neighbours; a watcher that finds one silent for ``dead_after_s`` writes the
@@ -81,30 +81,25 @@ class GroupContext:
         from freescale_comm import shm
 
         # Set-up order: rank 0 writes the group id and the abort key, and every rank beats once,
-        # before its entry is published; once every entry has been read, every key a liveness
-        # poll reads exists (a ``multi_get`` of a missing key would wait for it).
+        # before its entry is published; once the directory has seen every entry, every key a
+        # liveness poll reads exists (a ``multi_get`` of a missing key would wait for it).
         self._keys = keys = directory.incarnation_keys(store, size)
         directory.start(keys, root_store(store), rank)
         self.liveness = Liveness(keys, rank, size, options.heartbeat_s, options.dead_after_s)
         host = shm.host_identity()
-        joined = directory.exchange(
-            keys, rank, size, directory.pack([host.encode(), self.transport.address])
-        )
-        self.group_id = joined.group_id
-        fields = [directory.unpack(entry) for entry in joined.entries]
-        self.hosts = [bytes(f[0]).decode() for f in fields]
-        self._addresses = [f[1] for f in fields]
+        self.directory = directory.Directory(keys, rank, size, host, self.transport.address)
+        self.group_id = self.directory.group_id
         self.engine.watch(self.liveness)
         self._endpoints: list[Any] = [None] * size
         self._header_room = Signature.size(size) + self.eager_per_peer
-        self._setup_host_paths(host)
+        self._setup_host_paths()
 
-    def _setup_host_paths(self, host: str) -> None:
+    def _setup_host_paths(self) -> None:
         """Sets up the shared-memory rings with the peers on this host."""
         from freescale_comm import shm
 
         options, rank, size = self.options, self.rank, self.size
-        local = [p for p in range(size) if p != rank and self.hosts[p] == host]
+        local = [p for p in self.directory.same_host if p != rank]
         self._links: list[Any] = [None] * size
         self._hub: Any = None
         self._no_rings: dict[int, str] = {}
@@ -167,7 +162,7 @@ class GroupContext:
         for peer in range(self.size):
             if peer == self.rank:
                 continue
-            same = self.hosts[peer] == self.hosts[self.rank]
+            same = peer in self.directory.same_host
             if self._links[peer] is not None:
                 if options.host_path == "shm":
                     path, why = "shm", "same host; host_path=shm"
@@ -179,7 +174,7 @@ class GroupContext:
             elif same:
                 path, why = "ucx", f"same host, no rings: {self._no_rings.get(peer, '?')}"
             else:
-                path, why = "ucx", f"other host ({self.hosts[peer]})"
+                path, why = "ucx", f"other host ({self.directory.host_of(peer)})"
             link = self._links[peer]
             rows.append(
                 {
@@ -187,8 +182,8 @@ class GroupContext:
                     "peer": peer,
                     "path": path,
                     "why": why,
-                    "host": self.hosts[self.rank],
-                    "peer_host": self.hosts[peer],
+                    "host": self.directory.host,
+                    "peer_host": self.directory.host_of(peer),
                     "ring_messages": (link.sent, link.received) if link else (0, 0),
                     "ring_slots": link.inc.slots if link else 0,
                 }
@@ -202,7 +197,8 @@ class GroupContext:
         """The UCX endpoint to group rank ``peer`` (created on first use)."""
         endpoint = self._endpoints[peer]
         if endpoint is None:
-            endpoint = self._endpoints[peer] = self.transport.endpoint(self._addresses[peer])
+            address = self.directory.address(peer)  # read from the store on first use
+            endpoint = self._endpoints[peer] = self.transport.endpoint(address)
         return endpoint
 
     def cuda(self, device: int) -> CudaSupport:
