@@ -102,7 +102,8 @@ class Liveness:
             self.store_error = None
         except Exception as err:  # the store's host may be the process that died
             self.store_error = f"the c10d store is unreachable ({err})"
-        self._next_poll = max(self._next_poll, now + self.poll_s)
+            self._next_beat = max(self._next_beat, now + self.heartbeat_s)
+            self._next_poll = max(self._next_poll, now + self.poll_s)
 
     def poll(self, now: float) -> None:
         """One request: the abort key and the watched counters."""

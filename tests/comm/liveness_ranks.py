@@ -1,0 +1,112 @@
+"""Rank-side functions of the liveness tests (run in every rank by ``tests.harness.LocalGroup``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def _loop_until_error(group: dist.ProcessGroup | None, what: str) -> float:
+    """Runs AllToAlls until one raises; re-raises with the time it took."""
+    n = dist.get_world_size(group)
+    x = torch.ones(n * 64)
+    start = time.monotonic()
+    try:
+        for _ in range(10_000_000):
+            dist.all_to_all_single(torch.empty_like(x), x, group=group)
+    except Exception as err:
+        raise RuntimeError(f"{what} raised after {time.monotonic() - start:.1f} s: {err}") from err
+    return time.monotonic() - start
+
+
+def stop_during_collective(victim: int, delay_s: float) -> float:
+    """The victim stops itself (SIGSTOP: alive, silent); the others must raise naming it."""
+    rank = dist.get_rank()
+    dist.barrier()
+    if rank == victim:
+        time.sleep(delay_s)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return 0.0
+    return _loop_until_error(None, f"survivor {rank}")
+
+
+def abort_during_collective(aborter: int, delay_s: float) -> float:
+    """One rank calls ``abort()`` on a freescale subgroup the others are using."""
+    rank = dist.get_rank()
+    group = dist.new_group(backend="freescale", timeout=timedelta(seconds=60))
+    out = torch.empty(dist.get_world_size())
+    dist.all_gather_into_tensor(out, torch.tensor([float(rank)]), group=group)
+    dist.barrier()
+    if rank == aborter:
+        time.sleep(delay_s)
+        group.abort()
+        return 0.0
+    try:
+        return _loop_until_error(group, f"rank {rank}")
+    finally:
+        dist.destroy_process_group(group)
+
+
+def dead_peer_in_one_of_two_groups(victim: int, rounds: int) -> dict[str, object]:
+    """Two disjoint freescale subgroups {0, 1} and {2, 3} live at once; the victim (in the
+    second) dies: the first keeps working, the victim's group-mate raises naming it."""
+    rank = dist.get_rank()
+    first = dist.new_group([0, 1], backend="freescale", timeout=timedelta(seconds=60))
+    second = dist.new_group([2, 3], backend="freescale", timeout=timedelta(seconds=60))
+    mine = first if rank in (0, 1) else second
+    out = torch.empty(2)
+    dist.all_gather_into_tensor(out, torch.tensor([float(rank)]), group=mine)
+    dist.barrier()
+    if rank == victim:
+        os._exit(9)
+    if mine is second:
+        return {"error": _error_of(lambda: _loop_until_error(second, f"rank {rank}"))}
+    # The first group outlives dead_after_s of the victim's silence (3 s), and keeps working.
+    start = time.monotonic()
+    for done in range(rounds):
+        dist.all_gather_into_tensor(out, torch.tensor([float(rank + done)]), group=first)
+        expected = [float(r + done) for r in (0, 1)]
+        if out.tolist() != expected:
+            raise AssertionError(f"round {done}: {out.tolist()} != {expected}")
+        time.sleep(0.01)
+    return {"rounds": rounds, "seconds": time.monotonic() - start}
+
+
+def _error_of(call) -> str:
+    try:
+        call()
+    except RuntimeError as err:
+        return str(err)
+    return ""
+
+
+def reinit_twice(rounds: int) -> list[float]:
+    """Destroys the world group and makes it again from the same store, twice; each
+    incarnation runs collectives (the same c10d prefix must not hand it stale keys)."""
+    from freescale_comm.group import root_store
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    server = root_store(dist.distributed_c10d._get_default_store())
+    # A client of the same store, unprefixed like the one the world was first made from: the
+    # new world gets the same c10d prefix as the old one.
+    store = dist.TCPStore(server.host, server.port, is_master=False, timeout=timedelta(seconds=60))
+    sums = []
+    for _ in range(2):
+        dist.destroy_process_group()
+        dist.init_process_group(
+            "freescale", store=store, rank=rank, world_size=n, timeout=timedelta(seconds=60)
+        )
+        for r in range(rounds):
+            out = torch.empty(n)
+            dist.all_gather_into_tensor(out, torch.tensor([float(rank + r)]))
+            got = torch.empty(n)
+            dist.all_to_all_single(got, torch.full((n,), float(rank)))
+            if got.tolist() != [float(p) for p in range(n)]:
+                raise AssertionError(f"all_to_all after re-init: {got.tolist()}")
+        sums.append(float(out.sum()))
+    return sums

@@ -1,0 +1,283 @@
+"""The control plane: ring liveness, set-up directory, and their behaviour in real groups.
+
+Liveness and set-up run here against a real c10d ``TCPStore`` (in this process), several ranks'
+worth of them on threads; the multi-process tests use real ranks over UCX. The scale harness
+(``benchmarks/comm_scale.py``) runs once at a small size.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from freescale_comm import directory, liveness
+from tests.comm import liveness_ranks
+from tests.comm.conftest import FAST_FAILURE_ENV, SETUP
+from tests.harness import LocalGroup, RankFailure
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    yield server
+
+
+def _client(server: dist.TCPStore) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+
+
+@pytest.mark.parametrize("size", [2, 3, 5, 64])
+def test_every_dead_set_is_watched_by_a_live_rank(size):
+    rng = random.Random(size)
+    for _ in range(200):
+        dead = set(rng.sample(range(size), rng.randint(1, size - 1)))
+        watching = [
+            p for r in range(size) if r not in dead for p in liveness.watched_ranks(r, size)
+        ]
+        assert dead & set(watching), (size, dead)
+    assert liveness.watched_ranks(0, 1) == [] and liveness.watched_ranks(1, 2) == [0]
+
+
+def _group(server, size, prefix, heartbeat_s=0.05, dead_after_s=0.4):
+    keys = dist.PrefixStore(prefix, _client(server))
+    keys.set(liveness.ABORT_KEY, b"")
+    return [
+        liveness.Liveness(
+            dist.PrefixStore(prefix, _client(server)), r, size, heartbeat_s, dead_after_s
+        )
+        for r in range(size)
+    ]
+
+
+def _tick_for(ranks, seconds, skip=()):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for rank, live in enumerate(ranks):
+            if rank not in skip:
+                live.tick(time.monotonic())
+        time.sleep(0.005)
+
+
+def test_a_silent_rank_is_reported_by_every_rank_naming_it(store):
+    ranks = _group(store, 6, "g1")
+    _tick_for(ranks, 0.6)
+    assert all(live.error() is None for live in ranks)
+    silent_since = time.monotonic()
+    told: dict[int, float] = {}
+    while len(told) < 5 and time.monotonic() < silent_since + 5:
+        _tick_for(ranks, 0.02, skip={3})
+        for rank, live in enumerate(ranks):
+            if rank != 3 and rank not in told and live.error() is not None:
+                told[rank] = time.monotonic() - silent_since
+    assert sorted(told) == [0, 1, 2, 4, 5]
+    # Within dead_after_s + 2 s (a stall of this loop longer than a few polls restarts the
+    # watchers' clocks: a loaded machine may take most of the 2 s).
+    assert max(told.values()) < 0.4 + 2, told
+    # A watcher of rank 3 (1 or 2) named it first; the others learned it from the abort key.
+    direct = [r for r in (1, 2) if ranks[r].error().startswith("rank 3 (rank 3 sent no heart")]
+    assert direct, [ranks[r].error() for r in (1, 2)]
+    for rank in {0, 1, 2, 4, 5} - set(direct):
+        assert ranks[rank].error().startswith("the group was aborted by rank "), rank
+        assert "rank 3 (rank 3 sent no heartbeat" in ranks[rank].error()
+
+
+def test_watchers_dying_with_their_rank_still_leave_it_reported(store):
+    # Ranks 3, 4 and 5 die together (a host): rank 3's watchers are 1 and 2, alive; 5's watchers
+    # 3 and 4 die with it. The live rank before the run (2) watches 3 and 4.
+    ranks = _group(store, 8, "g2")
+    _tick_for(ranks, 0.3)
+    _tick_for(ranks, 1.2, skip={3, 4, 5})
+    for rank in (0, 1, 2, 6, 7):
+        error = ranks[rank].error()
+        assert error is not None and ("rank 3" in error or "rank 4" in error), (rank, error)
+
+
+def test_a_watcher_stopped_itself_does_not_blame_its_neighbours(store):
+    ranks = _group(store, 3, "g3")
+    _tick_for(ranks, 0.3)
+    # Rank 0 is stopped (not ticked) for longer than dead_after_s while 1 and 2 keep beating
+    # but nobody polls (else rank 2, watching 0, would rightly report it).
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        ranks[1].beat()
+        ranks[2].beat()
+        time.sleep(0.05)
+    _tick_for(ranks, 0.1)
+    assert ranks[0].error() is None
+    # Really silent neighbours while rank 0 polls throughout: reported.
+    _tick_for(ranks, 0.8, skip={1, 2})
+    assert ranks[0].error() is not None and "rank 1" in ranks[0].error()
+
+
+def test_abort_first_reason_wins_and_stops_the_polls(store):
+    ranks = _group(store, 4, "g4")
+    assert ranks[2].abort("rank 2: first") == "rank 2: first"
+    assert ranks[1].abort("rank 1: second") == "rank 2: first"
+    _tick_for(ranks, 0.2)
+    assert all(live.error() == "the group was aborted by rank 2: first" for live in ranks)
+
+
+def _join(server, size, prefix, hosts):
+    found: list[directory.Directory | None] = [None] * size
+    errors = []
+
+    def rank_main(rank):
+        try:
+            keys = directory.incarnation_keys(dist.PrefixStore(prefix, _client(server)), size)
+            directory.start(keys, _client(server), rank)
+            found[rank] = directory.Directory(
+                keys, rank, size, hosts[rank], f"address of {rank}".encode()
+            )
+        except Exception as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors, errors
+    return found
+
+
+def test_directory_reads_addresses_only_on_use_and_incarnations_stay_apart(store):
+    size = 10  # blocks of 4: 0-3, 4-7, 8-9
+    hosts = [f"host{r % 3}" for r in range(size)]
+    first = _join(store, size, "d", hosts)
+    assert len({d.group_id for d in first}) == 1
+    for rank, d in enumerate(first):
+        assert d.same_host == [p for p in range(size) if hosts[p] == hosts[rank]]
+        assert d.blocks_read == 0
+    assert first[0].address(1) == b"address of 1" and first[0].blocks_read == 1
+    assert first[0].address(3) == b"address of 3" and first[0].blocks_read == 1
+    assert first[0].host_of(9) == "host0" and first[0].blocks_read == 1  # same host: known
+    assert first[0].host_of(8) == "host2" and first[0].blocks_read == 2
+    # The same prefix again (init_process_group after destroy): new keys, not the old ones.
+    second = _join(store, size, "d", [f"other{r}" for r in range(size)])
+    assert second[0].group_id != first[0].group_id
+    assert second[5].address(2) == b"address of 2" and second[5].host_of(2) == "other2"
+    assert all(d.same_host == [r] for r, d in enumerate(second))
+    # A group of another size under the same prefix (a smaller world after a failure).
+    third = _join(store, 3, "d", ["h"] * 3)
+    assert third[2].same_host == [0, 1, 2] and third[2].address(0) == b"address of 0"
+
+
+def test_scale_harness_dry_run(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import comm_scale
+    finally:
+        sys.path.pop(0)
+    comm_scale.main(
+        [
+            "--sizes=16",
+            "--measure-s=1",
+            "--heartbeat-s=0.2",
+            "--dead-after-s=1",
+            "--detect-margin-s=4",
+            "--drivers=4",
+            "--per-call-repeats=3",
+            f"--out={tmp_path}",
+        ]
+    )
+    result = json.loads((tmp_path / "comm_scale.json").read_text())
+    runs = {r["scheme"]: r for r in result["runs"]}
+    assert set(runs) == {"new", "old"}
+    new, old = runs["new"], runs["old"]
+    assert new["setup"]["requests_per_rank"] <= 8
+    assert new["all_addresses"]["requests"] == 16 * 4  # every block, by every rank
+    assert new["death"]["survivors_told"] == 15 and new["death"]["all_named_victim"]
+    assert new["death"]["max_s"] < new["death"]["bound_s"]
+    assert old["death"]["survivors_told"] == 15
+    offered_new = new["liveness"]["offered"]["key_reads_per_s"]
+    assert offered_new < old["liveness"]["offered"]["key_reads_per_s"]
+    per_call = result["per_call"][0]
+    assert per_call["new"]["header_bytes"] == 280 < per_call["old"]["header_bytes"]
+    assert result["store_capacity"]["requests_per_store_cpu_s"] > 0
+
+
+# ----------------------------------------------------------------------------- real ranks
+def _raised_after(detail: str) -> float:
+    """The seconds a rank's "... raised after X s: ..." message reports (its traceback holds the
+    message's source line too)."""
+    return float(re.findall(r"raised after (\d+\.\d) s", detail)[-1])
+
+
+def _fast_group(world_size: int) -> LocalGroup:
+    group = LocalGroup(
+        world_size, backend="freescale", setup=SETUP, init_timeout_s=30, env=FAST_FAILURE_ENV
+    )
+    group.start()
+    return group
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_stopped_peer_makes_every_survivor_raise(world_size):
+    group = _fast_group(world_size)
+    victim = world_size - 1
+    try:
+        with pytest.raises(RankFailure) as failure:
+            group.run(liveness_ranks.stop_during_collective, victim, 0.5, timeout_s=15)
+    finally:
+        group.close()  # kills the stopped process
+    assert failure.value.failures[victim][0] == "timeout"
+    for survivor in range(victim):
+        kind, detail = failure.value.failures[survivor]
+        assert kind == "error" and f"survivor {survivor} raised after" in detail, detail
+        assert f"rank {victim}" in detail.split(f"survivor {survivor} raised after")[1]
+        seconds = _raised_after(detail)
+        # dead_after_s = 3 after the stop (0.5 s in), plus the 2 s the bound allows.
+        assert seconds < 0.5 + 3 + 2, detail
+
+
+def test_abort_makes_every_other_rank_raise_at_once():
+    group = _fast_group(4)
+    try:
+        with pytest.raises(RankFailure) as failure:
+            group.run(liveness_ranks.abort_during_collective, 1, 0.5, timeout_s=30)
+    finally:
+        group.close()
+    assert 1 not in failure.value.failures, failure.value  # the aborting rank returned
+    for rank in (0, 2, 3):
+        detail = failure.value.failures[rank][1]
+        assert "aborted by rank 1: abort() was called" in detail, detail
+        seconds = _raised_after(detail)
+        assert seconds < 0.5 + 2, detail  # the abort key, not dead_after_s
+
+
+def test_a_dead_peer_breaks_only_the_groups_it_is_in():
+    group = _fast_group(4)
+    try:
+        with pytest.raises(RankFailure) as failure:
+            group.run(liveness_ranks.dead_peer_in_one_of_two_groups, 3, 600, timeout_s=60)
+    finally:
+        group.close()
+    assert failure.value.failures[3][0] == "died"
+    results = failure.value.results
+    assert set(results) == {0, 1, 2}, failure.value
+    for rank in (0, 1):
+        assert results[rank]["rounds"] == 600 and results[rank]["seconds"] >= 6.0
+    error = results[2]["error"]
+    # Group rank 1 of the second group is global rank 3.
+    assert "rank 1" in error and "died or is stopped" in error, error
+
+
+def test_reinitialisation_from_the_same_store():
+    group = _fast_group(2)
+    try:
+        assert group.run(liveness_ranks.reinit_twice, 3, timeout_s=60) == [[5.0, 5.0]] * 2
+    finally:
+        group.close()
