@@ -256,3 +256,12 @@ def test_fixed_size_headers_find_any_one_wrong_entry(n):
     if n > 2:
         swapped = [sigs[1], sigs[0], *sigs[2:]]
         assert judge([s.encode(n) for s in swapped], n, "all_to_all") is not None
+
+
+def test_a_disagreement_in_a_large_group_is_named_in_few_words():
+    sigs = [_sig([0], [0], dtype="torch.int64")] + [_sig([0], [0])] * 999
+    sigs[500] = _sig([0], [0], dtype="torch.int64")
+    assert verdict(sigs) == (
+        "ranks disagree: ranks 0, 500 have dtype torch.int64, "
+        "ranks 1-499, 501-999 have dtype torch.float32"
+    )

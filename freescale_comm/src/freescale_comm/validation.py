@@ -21,6 +21,7 @@ collective send N² x 24 bytes per rank (25 MB at 1,024 ranks) and judge N² ent
 
 from __future__ import annotations
 
+import itertools
 import struct
 import zlib
 from collections.abc import Sequence
@@ -188,6 +189,16 @@ class Signature:
         )
 
 
+def _spans(ranks: list[int]) -> str:
+    """Sorted ranks as "0-3, 7, 9-12"."""
+    spans, start = [], ranks[0]
+    for prev, rank in itertools.pairwise([*ranks, None]):
+        if rank is None or rank != prev + 1:
+            spans.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = rank
+    return ", ".join(spans)
+
+
 def _ints(world_size: int) -> int:
     return _FIXED_INTS + 3 * world_size
 
@@ -308,10 +319,23 @@ def verdict(signatures: Sequence[Signature]) -> str | None:
     for rank, sig in enumerate(signatures):
         if sig.error:
             return f"rank {rank}: {sig.error}"
-    for field, what in (("op", "calls"), ("dtype", "has dtype"), ("device", "has device")):
+    for field, one, many in (
+        ("op", "calls", "call"),
+        ("dtype", "has dtype", "have dtype"),
+        ("device", "has device", "have device"),
+    ):
         values = [getattr(sig, field) for sig in signatures]
         if len(set(values)) > 1:
-            listed = ", ".join(f"rank {r} {what} {v}" for r, v in enumerate(values))
+            # Ranks grouped by value, in order of first appearance: short in a large group.
+            by_value: dict[str, list[int]] = {}
+            for rank, value in enumerate(values):
+                by_value.setdefault(value, []).append(rank)
+            listed = ", ".join(
+                f"rank {ranks[0]} {one} {v}"
+                if len(ranks) == 1
+                else f"ranks {_spans(ranks)} {many} {v}"
+                for v, ranks in by_value.items()
+            )
             return f"ranks disagree: {listed}"
     counts = [sig.count for sig in signatures]
     if len(set(counts)) > 1:
