@@ -50,11 +50,21 @@ def root_store(store: dist.Store) -> dist.Store:
 
 
 class GroupContext:
-    """One group's peers, endpoints, sequence numbers and health (see the module docstring)."""
+    """One group's peers, endpoints, sequence numbers and health (see the module docstring).
+
+    Args:
+        store: the group's c10d store.
+        keys: this incarnation of the group's keys (``directory.incarnation_keys`` of ``store``).
+        rank: this rank in the group.
+        size: ranks in the group.
+        timeout: bound on every collective of the group.
+        options: how data moves.
+    """
 
     def __init__(
         self,
         store: dist.Store,
+        keys: dist.Store,
         rank: int,
         size: int,
         timeout: timedelta,
@@ -83,7 +93,7 @@ class GroupContext:
         # Set-up order: rank 0 writes the group id and the abort key, and every rank beats once,
         # before its entry is published; once the directory has seen every entry, every key a
         # liveness poll reads exists (a ``multi_get`` of a missing key would wait for it).
-        self._keys = keys = directory.incarnation_keys(store, size)
+        self._keys = keys
         directory.start(keys, root_store(store), rank)
         self.liveness = Liveness(keys, rank, size, options.heartbeat_s, options.dead_after_s)
         host = shm.host_identity()

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from freescale_comm import algorithms
+from freescale_comm import algorithms, directory
 from freescale_comm.algorithms import Plan
 from freescale_comm.collective import Collective
 from freescale_comm.group import GroupContext
@@ -60,7 +60,10 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         self.options = options
         self.timeout = timeout
         backend_type = dist.ProcessGroup.BackendType
-        gloo = dist.ProcessGroupGloo(dist.PrefixStore("freescale/gloo", store), rank, size, timeout)
+        # This incarnation's keys, the delegates' too: a group made again under the same c10d
+        # prefix (init_process_group after destroy) must not read the previous one's addresses.
+        keys = directory.incarnation_keys(store, size)
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore("freescale/gloo", keys), rank, size, timeout)
         backends: list[tuple[torch.device, Any, Any]] = [
             (torch.device("cpu"), backend_type.GLOO, gloo)
         ]
@@ -69,7 +72,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             nccl_options = dist.ProcessGroupNCCL.Options()
             nccl_options._timeout = timeout
             nccl = dist.ProcessGroupNCCL(
-                dist.PrefixStore("freescale/nccl", store), rank, size, nccl_options
+                dist.PrefixStore("freescale/nccl", keys), rank, size, nccl_options
             )
             backends.append((torch.device("cuda"), backend_type.NCCL, nccl))
             default = backend_type.NCCL
@@ -82,7 +85,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             for device, kind, backend in backends:
                 group._register_backend(device, kind, backend)
             group._set_default_backend(default)
-        self._ctx = GroupContext(store, rank, size, timeout, options)
+        self._ctx = GroupContext(store, keys, rank, size, timeout, options)
         self._rank_size = (rank, size)
         # Plans by call shape: a call of a shape seen before skips building its plan.
         self._plans = algorithms.PlanCache()
