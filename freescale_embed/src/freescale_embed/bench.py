@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from freescale_balance import JaggedBatch, JaggedTensor
 from freescale_embed.collection import ShardedEmbeddingCollection
@@ -92,7 +93,37 @@ class BenchConfig:
     threads: int = 1
     seed: int = 0
     device: Literal["cpu", "cuda"] = "cpu"
-    backend: str = "gloo"
+    backend: Literal["gloo", "freescale", "nccl"] = "gloo"
+
+    def __post_init__(self) -> None:
+        at_least = {
+            "world_size": 1,
+            "steps": 1,
+            "warmup": 0,
+            "num_embeddings": 1,
+            "embedding_dim": 1,
+            "rows_per_step": 1,
+            "batch_size": 1,
+            "matmul_size": 1,
+            "matmul_repeats": 1,
+            "optimizer_params": 0,
+            "threads": 1,
+        }
+        for name, minimum in at_least.items():
+            if getattr(self, name) < minimum:
+                raise ValueError(f"{name} must be at least {minimum}, got {getattr(self, name)}")
+        if not self.collision_rates or not all(0 <= r <= 1 for r in self.collision_rates):
+            raise ValueError(f"collision_rates must be in [0, 1], got {self.collision_rates}")
+        # Step t+1 draws its rows outside step t's where they do not collide.
+        if self.num_embeddings < 2 * self.rows_per_step:
+            raise ValueError(
+                f"num_embeddings ({self.num_embeddings}) must be at least twice rows_per_step "
+                f"({self.rows_per_step}): a step's new rows come from outside the previous step's"
+            )
+        if self.dense_ms < 0:
+            raise ValueError(f"dense_ms must be >= 0, got {self.dense_ms}")
+        if self.dense == "gpu" and self.device != "cuda":
+            raise ValueError("dense 'gpu' needs device 'cuda'")
 
     def table(self) -> TableConfig:
         return TableConfig("items", self.num_embeddings, self.embedding_dim, ["history"])
@@ -164,7 +195,13 @@ def on_device(batch: JaggedBatch, device: torch.device) -> JaggedBatch:
 
 
 def _run_mode(
-    config: BenchConfig, rate: float, mode: str, device: torch.device, control: Any, dense: _Dense
+    config: BenchConfig,
+    rate: float,
+    mode: str,
+    device: torch.device,
+    control: Any,
+    dense: _Dense,
+    bar: tqdm,
 ) -> dict[str, Any]:
     rank = dist.get_rank()
     table = config.table()
@@ -205,6 +242,7 @@ def _run_mode(
         dense.step_optimizer()
         optimizer_times.append(time.perf_counter() - optimized)
         step_times.append(time.perf_counter() - started - (resumed - paused))
+        bar.update()
     emb.synchronize()
     timed = [t.as_dict() for t in emb.telemetry][config.warmup : config.warmup + config.steps]
     state_dict = {k: v.clone() for k, v in emb.state_dict().items()}
@@ -225,20 +263,26 @@ def _run_mode(
     }
 
 
-def rank_results(config: BenchConfig, device: torch.device, control: Any) -> list[dict[str, Any]]:
+def rank_results(
+    config: BenchConfig, device: torch.device, control: Any, progress: bool = False
+) -> list[dict[str, Any]]:
     """This rank's measurements of every (rate, mode), in an initialized process group.
 
     Args:
         config: what to run.
         device: this rank's device.
         control: a Gloo group for the bench's own barriers (``None``: the default group).
+        progress: show a progress bar of the steps on stderr.
     """
     results = []
     # Calibrated once: both modes of every rate run the same dense compute.
     dense = _Dense(config, device, control)
+    steps = 2 * len(config.collision_rates) * (config.warmup + config.steps + 1)
+    bar = tqdm(total=steps, desc="embed bench", unit="step", disable=not progress, leave=False)
     for rate in config.collision_rates:
-        sync = _run_mode(config, rate, "sync", device, control, dense)
-        prioritized = _run_mode(config, rate, "prioritized", device, control, dense)
+        bar.set_postfix_str(f"collision rate {rate:g}")
+        sync = _run_mode(config, rate, "sync", device, control, dense, bar)
+        prioritized = _run_mode(config, rate, "prioritized", device, control, dense, bar)
         exact = all(
             torch.equal(value, prioritized["state"][key]) for key, value in sync["state"].items()
         )
@@ -246,6 +290,7 @@ def rank_results(config: BenchConfig, device: torch.device, control: Any) -> lis
         results.append(
             {"collision_rate": rate, "sync": sync, "prioritized": prioritized, "exact": exact}
         )
+    bar.close()
     return results
 
 
@@ -274,7 +319,9 @@ def init_group(config: BenchConfig, rank: int, port: int) -> Any:
     return None if config.backend == "gloo" else dist.new_group(backend="gloo")
 
 
-def _rank_main(rank: int, port: int, queue: Any, config: BenchConfig, timeout_s: float) -> None:
+def _rank_main(
+    rank: int, port: int, queue: Any, config: BenchConfig, timeout_s: float, progress: bool
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(config.threads))
     torch.set_num_threads(config.threads)
     # Every thread's stack on stderr if this rank is still running near the parent's deadline.
@@ -282,7 +329,8 @@ def _rank_main(rank: int, port: int, queue: Any, config: BenchConfig, timeout_s:
     try:
         device = rank_device(config, rank)
         control = init_group(config, rank, port)
-        queue.put((rank, "ok", rank_results(config, device, control)))
+        results = rank_results(config, device, control, progress and rank == 0)
+        queue.put((rank, "ok", results))
         dist.destroy_process_group()
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
@@ -400,11 +448,19 @@ def launch_ranks(
     return replies
 
 
-def run_bench(config: BenchConfig, timeout_s: float = 1800.0) -> dict[str, Any]:
-    """Starts the ranks, runs every (rate, mode) and returns the combined report."""
+def run_bench(
+    config: BenchConfig, timeout_s: float = 1800.0, progress: bool = False
+) -> dict[str, Any]:
+    """Starts the ranks, runs every (rate, mode) and returns the combined report.
+
+    Args:
+        config: what to run.
+        timeout_s: bound on the whole run; ranks still running then are killed.
+        progress: rank 0 shows a progress bar of the steps on stderr.
+    """
     load_before = os.getloadavg()
     replies = launch_ranks(
-        _rank_main, config.world_size, (config, timeout_s), timeout_s, stop_on_error=True
+        _rank_main, config.world_size, (config, timeout_s, progress), timeout_s, stop_on_error=True
     )
     for rank, (kind, payload) in replies.items():
         if kind != "ok":
