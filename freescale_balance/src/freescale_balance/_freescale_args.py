@@ -13,7 +13,13 @@ from typing import Any, NoReturn
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` lists every option with its default after its meaning."""
+    """``--help`` lists every option with its default after its meaning (an option whose
+    default is ``None`` says in its own words what leaving it out does)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class Parser(argparse.ArgumentParser):

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from freescale_kernels import api
 from freescale_kernels._backend import interpreting, triton_available
@@ -368,9 +369,16 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 
 
-def run(config: BenchConfig) -> dict[str, Any]:
-    """Measures everything ``config`` asks for; never raises for a failing provider."""
+def run(config: BenchConfig, progress: bool = False) -> dict[str, Any]:
+    """Measures everything ``config`` asks for; never raises for a failing provider.
+
+    Args:
+        config: what to measure.
+        progress: show a progress bar on stderr, one tick per (case, world size).
+    """
     device = torch.device(config.device)
+    points = sum(len(world_sizes_of(config, case)) for case in cases_of(config))
+    bar = tqdm(total=points, desc="kernels bench", unit="point", disable=not progress, leave=False)
     triton_skip = _triton_skip_reason(device)
     report: dict[str, Any] = {"meta": _meta(config), "results": []}
     try:
@@ -385,6 +393,8 @@ def run(config: BenchConfig) -> dict[str, Any]:
             report["results"].append({"case": case, "error": _error(exc)})
             continue
         for world_size in world_sizes_of(config, case):
+            bar.set_postfix_str(f"{case} W={world_size}")
+            bar.update()
             try:
                 inputs = make_inputs(config, values, lengths, world_size)
             except Exception as exc:
@@ -405,6 +415,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
             del inputs
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    bar.close()
     return report
 
 
@@ -468,7 +479,7 @@ def _measure(
     moved = _bytes_moved(op, inputs)
     check: str | None = None
     if config.check:
-        check = "skipped (no triton here)" if triton_skip else None
+        check = "skipped" if triton_skip else None  # the row's note gives the reason
         if check is None:
             try:
                 diff = _same(_call(op, inputs, "triton")(), _call(op, inputs, "reference")(), op)
@@ -605,7 +616,7 @@ def format_table(report: dict[str, Any]) -> str:
         if r.get("gpu_error"):
             note = "no graph: " + r["gpu_error"].split(":")[0]
         if "check" in r:
-            note = f"check {r['check']} {note}".strip()
+            note = f"check {r['check']}: {note}" if note else f"check {r['check']}"
         label = "naive-loop" if r["provider"] == "naive" else r["provider"]
         lines.append(
             f"{r['op']:<19} {r['case']:<10} {r['world_size']:>4} {label:<10} "
