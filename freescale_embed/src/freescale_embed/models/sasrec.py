@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from freescale_balance import JaggedBatch, JaggedTensor
+from freescale_balance import CostModel, JaggedBatch, JaggedTensor
 from freescale_embed.collection import ShardedEmbeddingCollection
 from freescale_embed.config import TableConfig
 from freescale_embed.models.attention import (
@@ -81,6 +81,18 @@ def item_tables(config: SASRecConfig) -> list[TableConfig]:
             config.table_name, config.num_items, config.embedding_dim, ["history", "negatives"]
         )
     ]
+
+
+def cost_model(config: SASRecConfig, num_negatives: int) -> CostModel:
+    """A sample's expected training cost from its history length ``L`` (for balancing).
+
+    Per layer, attention costs ~ 4 L^2 d and the projections and MLP ~ 24 L d^2; once per
+    sample, the sampled softmax ~ 2 L K d (``K`` negatives). In units of 4 d per layer (only the
+    ratios matter).
+    """
+    layers = max(config.num_layers, 1)
+    linear = 6.0 * config.embedding_dim + num_negatives / (2.0 * layers)
+    return CostModel(quadratic=1.0, linear=linear, constant=0.0)
 
 
 def target_counts(batch: JaggedBatch) -> torch.Tensor:

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from freescale_balance import Balancer, BalancerConfig, CostModel, JaggedBatch
+from freescale_balance import Balancer, BalancerConfig, JaggedBatch
 from freescale_embed import checkpoint
 from freescale_embed.collection import ShardedEmbeddingCollection
 from freescale_embed.metrics import hit_rate_and_ndcg, popularity_scores
-from freescale_embed.models import SASRec, SASRecConfig, item_tables, target_counts
+from freescale_embed.models import SASRec, SASRecConfig, cost_model, item_tables, target_counts
 from freescale_embed.optim import RowWiseAdagrad
 from freescale_embed.pipeline import PipelineConfig, TrainPipeline, batch_to_device
 from freescale_embed.pipeline_telemetry import StepReport
@@ -36,11 +36,6 @@ def _group(backend: str, timeout: timedelta) -> dist.ProcessGroup:
     if backend == "freescale":
         import freescale_comm  # noqa: F401  (registers the backend)
     return dist.new_group(backend=backend, timeout=timeout)
-
-
-def _cost_model(config: TrainConfig) -> CostModel:
-    """Attention ~ 4 L^2 d, projections and MLP ~ 24 L d^2 (per layer: the ratio is what counts)."""
-    return CostModel(quadratic=1.0, linear=6.0 * config.embedding_dim, constant=0.0)
 
 
 def _progress_bar(total: int | None, name: str, enabled: bool) -> Any:
@@ -96,8 +91,9 @@ def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dic
             BalancerConfig(
                 policy=run.policy,  # type: ignore[arg-type]
                 length_feature="history",
-                cost_model=_cost_model(config),
+                cost_model=cost_model(model_config, config.num_negatives),
                 timeout=timeout,
+                min_gain=config.min_balance_gain,
             ),
             group=balancer_group,
         )
