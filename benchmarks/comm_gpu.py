@@ -54,7 +54,11 @@ MIB = 1 << 20
 SM_COPY_PROGRAMS = 16
 MATMULS = 48
 STAGED_REPEATS = 15
-PARTS = ("correctness", "kernels", "staged_rates", "overlap")
+PARTS = ("correctness", "kernels", "busbw", "latency", "staged_rates", "overlap")
+BUSBW_SIZES = [64 * MIB, 128 * MIB, 256 * MIB, 512 * MIB, 1024 * MIB]
+BUSBW_REPEATS = 7
+LATENCY_SIZES = [8, 64 << 10, 1 << 20]
+LATENCY_CALLS = 200
 
 if triton is not None:
 
@@ -120,7 +124,7 @@ def _correctness(groups: dict[str, Any]) -> dict[str, Any]:
     rank, n = dist.get_rank(), dist.get_world_size()
     dev = _device()
     rows = []
-    for path in ("direct", "staged"):
+    for path in ("direct", "staged", "staged_ucx"):
         group = groups[path]
         for dtype, scale in (
             (torch.float32, 1),
@@ -179,7 +183,7 @@ def _stream_semantics(groups: dict[str, Any]) -> list[dict[str, Any]]:
     big = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     numel = 16 * MIB  # 64 MiB of float32
     results = []
-    for path in ("direct", "staged"):
+    for path in ("direct", "staged", "staged_ucx"):
         group = groups[path]
         source = torch.arange(numel, device=dev, dtype=torch.float32) + rank * numel
         want = torch.cat(
@@ -238,7 +242,7 @@ def _kernels(groups: dict[str, Any]) -> dict[str, Any]:
     dev = _device()
     x = torch.randn(8 * MIB, device=dev)  # 32 MiB: several staging chunks
     result = {}
-    for path in ("direct", "staged", "sm_copy_reference"):
+    for path in ("direct", "staged", "staged_ucx", "sm_copy_reference"):
         y = torch.empty_like(x)
         torch.cuda.synchronize()
         dist.barrier(group=groups["gloo"])
@@ -265,6 +269,95 @@ def _kernels(groups: dict[str, Any]) -> dict[str, Any]:
                 "memcpy_kinds": sorted(set(other))[:8],
             }
     return result
+
+
+# ----------------------------------------------------------------------------- busbw
+def _busbw(groups: dict[str, Any]) -> list[dict[str, Any]]:
+    """nccl-tests' busbw of AllToAll and AllGather per path, 64 MiB to 1 GiB per rank: the
+    median over repeats of the slower rank's time of one call (after a warm-up call)."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    dev = _device()
+    gloo = groups["gloo"]
+    rows = []
+    for size in BUSBW_SIZES:
+        x = torch.randn(size // 4, device=dev)
+        y = torch.empty_like(x)
+        piece = x[: x.numel() // n]
+        ops = {
+            "all_to_all": lambda g, x=x, y=y: dist.all_to_all_single(y, x, group=g),
+            "all_gather": lambda g, x=piece, y=y: dist.all_gather_into_tensor(y, x, group=g),
+        }
+        for path in ("staged", "direct", "staged_ucx"):
+            if path == "staged_ucx" and size > 256 * MIB:
+                continue  # 4-7 GB/s: the large sizes would take most of the call's time
+            for op, call in ops.items():
+                call(groups[path])
+                t = _timed(lambda call=call, path=path: call(groups[path]), BUSBW_REPEATS, gloo)
+                rows.append(
+                    {
+                        "path": path,
+                        "op": op,
+                        "size": size,
+                        "ms": 1e3 * t,
+                        "algbw_gbps": size / t / 1e9,
+                        "busbw_gbps": size * (n - 1) / n / t / 1e9,
+                    }
+                )
+        del x, y, piece, ops
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ----------------------------------------------------------------------------- latency
+def _latency(groups: dict[str, Any]) -> list[dict[str, Any]]:
+    """Small CUDA ``all_to_all_single`` per path: the host time of one call (call to return,
+    after a barrier and with the GPU idle), one call until its result is on the GPU (call to
+    the end of ``torch.cuda.synchronize``), and back-to-back calls then one synchronize
+    (per call). Medians; the slower rank."""
+    import torch
+    import torch.distributed as dist
+
+    dev = _device()
+    gloo = groups["gloo"]
+    rows = []
+    for nbytes in LATENCY_SIZES:
+        x = torch.ones(max(2, nbytes // 4), device=dev)
+        y = torch.empty_like(x)
+        for path in ("staged", "direct", "staged_ucx"):
+            group = groups[path]
+            for _ in range(10):
+                dist.all_to_all_single(y, x, group=group)
+            torch.cuda.synchronize()
+            host, done = [], []
+            for _ in range(LATENCY_CALLS // 4):
+                dist.barrier(group=gloo)
+                t0 = time.perf_counter()
+                dist.all_to_all_single(y, x, group=group)
+                host.append(time.perf_counter() - t0)
+                torch.cuda.synchronize()
+                done.append(time.perf_counter() - t0)
+            per_call = []
+            for _ in range(3):
+                torch.cuda.synchronize()
+                dist.barrier(group=gloo)
+                t0 = time.perf_counter()
+                for _ in range(LATENCY_CALLS // 2):
+                    dist.all_to_all_single(y, x, group=group)
+                torch.cuda.synchronize()
+                per_call.append((time.perf_counter() - t0) / (LATENCY_CALLS // 2))
+            rows.append(
+                {
+                    "path": path,
+                    "bytes": nbytes,
+                    "host_ms": 1e3 * _max(statistics.median(host), gloo),
+                    "done_ms": 1e3 * _max(statistics.median(done), gloo),
+                    "back_to_back_ms": 1e3 * _max(statistics.median(per_call), gloo),
+                }
+            )
+    return rows
 
 
 # ----------------------------------------------------------------------------- 3. staged rates
@@ -307,6 +400,7 @@ def _staged_rates(groups: dict[str, Any], sizes: list[int]) -> list[dict[str, An
             "host_exchange": host,
             "h2d": h2d,
             "staged": collective("staged"),
+            "staged_ucx": collective("staged_ucx"),
             "direct": collective("direct"),
         }
         times: dict[str, list[float]] = {name: [] for name in runs}
@@ -321,6 +415,7 @@ def _staged_rates(groups: dict[str, Any], sizes: list[int]) -> list[dict[str, An
             "bytes_over_pcie_each_way": peers * 4,
             "stage_ms": {k: 1e3 * v for k, v in stages.items()},
             "staged_ms": 1e3 * staged,
+            "staged_ucx_ms": 1e3 * median["staged_ucx"],
             "direct_ms": 1e3 * direct,
             "staged_vs_slowest_stage": max(stages.values()) / staged,
             "staged_algbw_gbps": size / staged / 1e9,
@@ -542,9 +637,19 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, queue: Any) -> No
         pg_options=FreescaleOptions(cuda_path="direct"),
     )
     groups: dict[str, Any] = {"direct": None}
+    # The staged path between ranks of one host: the staging rings.
     groups["staged"] = dist.new_group(
         backend="freescale", timeout=timeout, pg_options=FreescaleOptions(cuda_path="staged")
     )
+    # The staged path as between hosts (each rank looks as if on a host of its own): the
+    # pinned pool and UCX host messages.
+    os.environ["FREESCALE_HOST_ID"] = f"comm-gpu-host-{rank}"
+    try:
+        groups["staged_ucx"] = dist.new_group(
+            backend="freescale", timeout=timeout, pg_options=FreescaleOptions(cuda_path="staged")
+        )
+    finally:
+        del os.environ["FREESCALE_HOST_ID"]
     groups["gloo"] = dist.new_group(backend="gloo", timeout=timeout)
     if torch.cuda.device_count() > 1:  # NCCL refuses two ranks on one GPU
         groups["nccl"] = dist.new_group(backend="nccl", timeout=timeout)
@@ -554,6 +659,8 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, queue: Any) -> No
         parts = {
             "correctness": lambda: _correctness(groups),
             "kernels": lambda: _kernels(groups),
+            "busbw": lambda: _busbw(groups),
+            "latency": lambda: _latency(groups),
             "staged_rates": lambda: _staged_rates(groups, sizes),
             "overlap": lambda: _overlap(groups, sizes, args.rounds),
         }
@@ -605,6 +712,26 @@ def _table(report: dict[str, Any]) -> str:
             )
     else:
         lines.append(f"kernels: {kern}")
+    bw = ranks.get("busbw")
+    if isinstance(bw, list):
+        for row in bw:
+            lines.append(
+                f"busbw {row['path']:<10} {row['op']:<10} {row['size'] // MIB:>5} MiB: "
+                f"{row['ms']:8.2f} ms  algbw {row['algbw_gbps']:6.1f}  busbw "
+                f"{row['busbw_gbps']:6.1f} GB/s"
+            )
+    else:
+        lines.append(f"busbw: {bw}")
+    lat = ranks.get("latency")
+    if isinstance(lat, list):
+        for row in lat:
+            lines.append(
+                f"latency {row['path']:<10} {row['bytes']:>8} B: host {row['host_ms']:.3f} ms, "
+                f"until done {row['done_ms']:.3f} ms, back to back {row['back_to_back_ms']:.3f} "
+                "ms/call"
+            )
+    else:
+        lines.append(f"latency: {lat}")
     rates = ranks.get("staged_rates")
     if isinstance(rates, list):
         for row in rates:
@@ -613,7 +740,8 @@ def _table(report: dict[str, Any]) -> str:
                 f"staged {row['size'] // MIB:>4} MiB a2a: d2h {st['d2h']:.2f} ms, host "
                 f"{st['host_exchange']:.2f} ms, h2d {st['h2d']:.2f} ms -> staged "
                 f"{row['staged_ms']:.2f} ms = {100 * row['staged_vs_slowest_stage']:.0f}% of the "
-                f"slowest stage's rate; direct {row['direct_ms']:.2f} ms"
+                f"slowest stage's rate; staged over UCX {row['staged_ucx_ms']:.2f} ms; direct "
+                f"{row['direct_ms']:.2f} ms"
                 + (f"; nccl {row['nccl_ms']:.2f} ms" if "nccl_ms" in row else "")
             )
     else:
@@ -643,7 +771,23 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ranks = report["ranks"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, (left, right, bw) = plt.subplots(1, 3, figsize=(19, 4.5))
+    rows_bw = ranks.get("busbw") or []
+    for path, op in sorted({(r["path"], r["op"]) for r in rows_bw}):
+        mine = [r for r in rows_bw if r["path"] == path and r["op"] == op]
+        bw.plot(
+            [r["size"] // MIB for r in mine],
+            [r["busbw_gbps"] for r in mine],
+            marker="o",
+            label=f"{path} {op}",
+        )
+    bw.axhline(40, color="gray", linestyle="--", linewidth=0.8)
+    bw.set_xscale("log", base=2)
+    bw.set_yscale("log")
+    bw.set_xlabel("MiB per rank")
+    bw.set_ylabel("busbw GB/s (slower rank, median)")
+    bw.set_title("2 ranks sharing one H200")
+    bw.legend(fontsize=7)
     rows = ranks.get("overlap") or []
     modes = list(rows[0]["slowdown_pct"]) if rows else []
     width = 0.8 / max(1, len(rows))
@@ -666,11 +810,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
     left.set_title("Overlap inside one process (H200)")
     left.legend()
     rates = ranks.get("staged_rates") or []
-    labels = ["d2h", "host_exchange", "h2d", "staged", "direct"]
+    labels = ["d2h", "host_exchange", "h2d", "staged", "staged_ucx", "direct"]
     for k, row in enumerate(rates):
         values = [
             *(row["stage_ms"][name] for name in labels[:3]),
             row["staged_ms"],
+            row.get("staged_ucx_ms", 0),
             row["direct_ms"],
         ]
         right.bar(

@@ -73,6 +73,16 @@ class _Driver:
         self.memcpy_async = entry(
             "cuMemcpyAsync", ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ptr
         )
+        # Stream memory operations: the GPU waits for / writes a 32-bit flag in host memory.
+        self.wait_value = entry(
+            "cuStreamWaitValue32", ptr, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint
+        )
+        self.write_value = entry(
+            "cuStreamWriteValue32", ptr, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint
+        )
+        self.host_device_pointer = entry(
+            "cuMemHostGetDevicePointer", ctypes.POINTER(ctypes.c_uint64), ptr, ctypes.c_uint
+        )
         self._device_get = entry("cuDeviceGet", ctypes.POINTER(ctypes.c_int), ctypes.c_int)
         self._primary = entry("cuDevicePrimaryCtxRetain", pptr, ctypes.c_int)
         self._get_current = entry("cuCtxGetCurrent", pptr)
@@ -271,6 +281,146 @@ class _PinnedRegion:
         torch.cuda.cudart().cudaHostUnregister(self._pointer)
 
 
+_HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*flag - value) >= 0
+_FLAGS = 4096
+
+
+def _register(pointer: int, size: int, what: str) -> None:
+    code = torch.cuda.cudart().cudaHostRegister(pointer, size, _HOST_REGISTER_PORTABLE_MAPPED)
+    if int(code) != 0:
+        raise FreescaleError(f"cudaHostRegister of {what} ({size} bytes) failed: {code}")
+
+
+class StreamFlags:
+    """Flags in page-locked host memory that a stream waits on and another stream sets:
+    ``work.wait()`` makes the caller's stream wait for a collective whose last copies are not
+    queued yet, without blocking the CPU (``cuStreamWaitValue32`` on the caller's stream;
+    ``cuStreamWriteValue32`` after the collective's last copies, or a plain store from the CPU
+    when it fails). Each flag only grows, and a wait is for "at least": a flag is reused by
+    the next collective at once.
+
+    Used only by collectives whose progress makes no CUDA call that waits for another stream
+    (the staging rings: copies on non-blocking streams, events): a UCX transfer of device
+    memory can synchronize with the legacy stream, which this wait would block (see the module
+    docstring).
+    """
+
+    def __init__(self, device: int) -> None:
+        self._device = device
+        size = _FLAGS * 4
+        self._region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.values = np.frombuffer(self._region, dtype=np.uint32)
+        pointer = self.values.ctypes.data
+        _register(pointer, size, "the stream flags")
+        self._pointer = pointer
+        cu = driver()
+        replaced = cu.bind(device)
+        try:
+            device_pointer = ctypes.c_uint64()
+            cu.check(
+                cu.host_device_pointer(ctypes.byref(device_pointer), ctypes.c_void_p(pointer), 0),
+                "cuMemHostGetDevicePointer",
+            )
+        finally:
+            cu.restore(replaced)
+        self._base = device_pointer.value
+        self._targets = [0] * _FLAGS
+        self._free = list(range(_FLAGS))
+        self._lock = threading.Lock()
+
+    def wait(self, stream: torch.cuda.Stream) -> tuple[int, int] | None:
+        """Makes ``stream`` wait for a new flag; returns it (None: every flag is in use)."""
+        with self._lock:
+            if not self._free:
+                return None
+            index = self._free.pop()
+            target = self._targets[index] = (self._targets[index] + 1) & 0xFFFFFFFF
+        self._op(driver().wait_value, stream, index, target, _WAIT_GEQ, "cuStreamWaitValue32")
+        return index, target
+
+    def write(self, flag: tuple[int, int], stream: torch.cuda.Stream) -> None:
+        """Sets ``flag`` once the work queued on ``stream`` so far is done."""
+        self._op(driver().write_value, stream, *flag, 0, "cuStreamWriteValue32")
+
+    def set_now(self, flag: tuple[int, int]) -> None:
+        """Sets ``flag`` from the CPU (a failed collective: its waiting stream goes on)."""
+        index, target = flag
+        self.values[index] = target
+
+    def release(self, flag: tuple[int, int]) -> None:
+        with self._lock:
+            self._free.append(flag[0])
+
+    def _op(self, fn: Any, stream: Any, index: int, value: int, flags: int, what: str) -> None:
+        cu = driver()
+        replaced = cu.bind(self._device)
+        try:
+            handle = ctypes.c_void_p(stream.cuda_stream)
+            cu.check(fn(handle, self._base + 4 * index, value, flags), what)
+        finally:
+            cu.restore(replaced)
+
+    def close(self) -> None:
+        self.values[:] = np.array(self._targets, dtype=np.uint32)  # no stream waits forever
+        torch.cuda.cudart().cudaHostUnregister(self._pointer)
+
+
+class RingCopies:
+    """Copy-in and copy-out of one staging channel (``shm.Copies``) on copy engines: the
+    sender's D2H goes straight into a slot of shared page-locked memory, the receiver's H2D
+    straight out of it; no host-to-host copy, no kernel. Each request's first copy waits for
+    the event of its collective's caller stream; each copy records a blocking event that a
+    watcher thread waits for (it wakes the engine, which then publishes or frees the slot).
+
+    Streams and watchers are the channel's own: a channel moves its collectives' chunks in
+    collective order, but channels do not wait for each other, and a later collective's wait
+    for its caller's stream (which may wait for an earlier collective's end) must never sit in
+    front of another channel's chunks of that earlier collective. Both rings of the channel are
+    page-locked (``cudaHostRegister``) when it is attached, unregistered by ``close``.
+    """
+
+    def __init__(self, support: CudaSupport, channel: Any, wake: Callable[[], None]) -> None:
+        self._support = support
+        device = support.device
+        self._rings = (channel.out, channel.inc)
+        for ring in self._rings:
+            ring.reserve()
+            _register(ring.base.ctypes.data, ring.size, "a staging ring")
+        self._d2h = _new_stream(device)
+        self._h2d = _new_stream(device)
+        self._d2h_watch = StreamWatcher("freescale-comm-ring-d2h", device, wake)
+        self._h2d_watch = StreamWatcher("freescale-comm-ring-h2d", device, wake)
+
+    def _ordered(self, stream: torch.cuda.Stream, request: Any) -> None:
+        if request.ready is not None:
+            stream.wait_event(request.ready)
+            request.ready = None
+
+    def copy_in(self, slot: np.ndarray, request: Any, offset: int, n: int) -> Any:
+        self._ordered(self._d2h, request)
+        source = request.buffer[offset : offset + n]
+        return self._support.copy(self._d2h, [(slot, source)], self._d2h_watch)
+
+    def copy_out(self, request: Any, offset: int, slot: np.ndarray) -> Any:
+        self._ordered(self._h2d, request)
+        target = request.buffer[offset : offset + len(slot)]
+        return self._support.copy(self._h2d, [(target, slot)], self._h2d_watch)
+
+    @staticmethod
+    def done(token: Any) -> bool:
+        return token.query()
+
+    def close(self) -> None:
+        """Stops the watchers, waits for the copies, unregisters the rings."""
+        for watcher in (self._d2h_watch, self._h2d_watch):
+            watcher.close()
+        for stream in (self._d2h, self._h2d):
+            _destroy_stream(self._support.device, stream)
+        for ring in self._rings:
+            torch.cuda.cudart().cudaHostUnregister(ring.base.ctypes.data)
+
+
 class CudaSupport:
     """One group's CUDA machinery, created on its first CUDA collective.
 
@@ -296,6 +446,28 @@ class CudaSupport:
         self.ready_watch = StreamWatcher("freescale-comm-ready", device, wake)
         self.d2h_watch = StreamWatcher("freescale-comm-d2h", device, wake)
         self.h2d_watch = StreamWatcher("freescale-comm-h2d", device, wake)
+        self._wake = wake
+        self._ring_copies: dict[int, RingCopies] = {}
+        self._attach_lock = threading.Lock()
+        self._flags: StreamFlags | None = None
+
+    def attach(self, channel: Any) -> None:
+        """Makes a staging channel copy with this device's copy engines (on its first CUDA
+        message; callers' threads and the engine's post concurrently)."""
+        if id(channel) in self._ring_copies:
+            return
+        with self._attach_lock:
+            if id(channel) not in self._ring_copies:
+                copies = RingCopies(self, channel, self._wake)
+                channel.copies = copies
+                self._ring_copies[id(channel)] = copies
+
+    @property
+    def flags(self) -> StreamFlags:
+        """Flags for ``work.wait()`` without a CPU wait (made on first use)."""
+        if self._flags is None:
+            self._flags = StreamFlags(self.device)
+        return self._flags
 
     @property
     def pool(self) -> SlotPool:
@@ -366,6 +538,12 @@ class CudaSupport:
             watcher.close()
         for streams in self._all:
             streams.destroy()
+        for copies in self._ring_copies.values():
+            copies.close()
+        self._ring_copies = {}
+        if self._flags is not None:
+            self._flags.close()
+            self._flags = None
         if self._region is not None:
             self._region.close()
             self._region = self._pool = None
