@@ -122,6 +122,8 @@ def row(summary: dict[str, Any]) -> dict[str, Any]:
         "collision_pct": summary["collision_pct"],
         "prefetch_mb": summary["prefetch_mb"],
         "peak_host_mb": summary["peak_host_mb"],
+        # The runs share their processes: what this one added to the resident size.
+        "host_growth_mb": summary["peak_host_mb"] - summary.get("host_start_mb", 0.0),
         "peak_device_mb": summary["peak_device_mb"],
         "digest": summary["digest"],
     }
@@ -182,6 +184,7 @@ COLUMNS = (
     ("coll %", "collision_pct", "{:.1f}"),
     ("prefetch MB", "prefetch_mb", "{:.2f}"),
     ("host MB", "peak_host_mb", "{:.0f}"),
+    ("host +MB", "host_growth_mb", "{:.0f}"),
     ("dev MB", "peak_device_mb", "{:.0f}"),
 )
 
@@ -190,7 +193,7 @@ def setting_table(name: str, setting: dict[str, Any]) -> str:
     """One setting's configurations as rows (times in ms), its exactness and verdict."""
     cells = [[title for title, _, _ in COLUMNS]]
     for r in setting["rows"]:
-        cells.append(["-" if r[k] is None else f.format(r[k]) for _, k, f in COLUMNS])
+        cells.append(["-" if r.get(k) is None else f.format(r[k]) for _, k, f in COLUMNS])
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
     lines = [f"== {name} (ms unless noted) =="]
     for c in cells:
@@ -349,11 +352,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scale-steps", type=int, default=2)
     parser.add_argument("--scale-budget-s", type=float, default=150.0)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a CPU dry run)")
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="output folders of earlier calls whose results join this one's (--parts none: "
+        "only merge and report)",
+    )
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"settings": {}, "argv": sys.argv[1:] if argv is None else list(argv)}
+    # Each call adds its parts to what earlier calls with the same --out measured.
+    saved = out / "e2e.json"
+    results: dict[str, Any] = json.loads(saved.read_text()) if saved.exists() else {}
+    results.setdefault("settings", {})
+    for folder in args.merge:
+        other = json.loads((folder / "e2e.json").read_text())
+        if "scale" not in other and (folder / "scale.json").exists():  # cut short by its bound
+            other["scale"] = json.loads((folder / "scale.json").read_text())
+        results["settings"].update(other.pop("settings", {}))
+        results.setdefault("calls", []).extend(other.pop("calls", []))
+        other.pop("wall_s", None)
+        results.update(other)
+    results.setdefault("calls", []).append(sys.argv[1:] if argv is None else list(argv))
     started = time.time()
 
     def save() -> None:
@@ -393,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )  # fmt: skip
         results["scale"] = simulate(config, out)
         save()
-    results["wall_s"] = time.time() - started
+    results["wall_s"] = results.get("wall_s", 0.0) + time.time() - started
     save()
     plot(results, out)
     text = report(results)

@@ -544,12 +544,12 @@ class TrainPipeline:
                 times.prefetch_bytes += latest.prefetch_bytes
         for key in [k for k in self._seen_embedding if k[1] < self.step - 3]:
             del self._seen_embedding[key]
-        times.host_bytes = _resident_bytes()
+        times.host_bytes = resident_bytes()
         if self.device.type == "cuda":
             times.peak_device_bytes = float(torch.cuda.max_memory_allocated(self.device))
 
 
-def _resident_bytes() -> float:
+def resident_bytes() -> float:
     """This process's resident memory now (Linux), else its peak so far."""
     try:
         with open("/proc/self/statm") as statm:

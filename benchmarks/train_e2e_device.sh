@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# benchmarks/train_e2e.py on the GPU machine in one call. The CPU ablation (2, then 4 ranks) runs
+# on cores 2-15 while the scale simulation runs on the GPU from cores 0-1 (disjoint cores; they
+# share memory bandwidth), then 2 ranks share the H200 alone. Each part has its own time bound,
+# so one that overruns leaves the others' results; everything lands in $OUT/e2e.tar.gz.
+# The command installs the wheels and sets PYTHONPATH first (benchmarks/README.md).
+set -u
+DIR=/tmp/e2e
+mkdir -p "$DIR/cpu" "$DIR/gpu"
+part() {  # part SECONDS CORES DIR ARGS...
+  local limit=$1 cores=$2 out=$3; shift 3
+  timeout "$limit" taskset -c "$cores" python3 benchmarks/train_e2e.py --out "$out" "$@" 2>&1 \
+    | grep -v '|' >> "$out/log.txt"
+}
+{ nproc; nvidia-smi --query-gpu=name,memory.used --format=csv; } | tee "$DIR/machine.txt"
+(
+  part "${CPU_S:-100}" 2-15 "$DIR/cpu" --parts cpu --cpu-worlds 2
+  part "${CPU_S:-100}" 2-15 "$DIR/cpu" --parts cpu --cpu-worlds 4
+) &
+part "${SCALE_S:-230}" 0,1 "$DIR/gpu" --parts scale --scale-budget-s "${SCALE_BUDGET_S:-200}"
+wait
+part "${CUDA_S:-100}" 0-15 "$DIR/gpu" --parts cuda
+tail -n 60 "$DIR/cpu/log.txt" "$DIR/gpu/log.txt"
+tar czf "${OUT:-/tmp}/e2e.tar.gz" -C /tmp e2e
