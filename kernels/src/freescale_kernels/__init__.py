@@ -16,13 +16,18 @@ from freescale_kernels.api import (
     unique_with_inverse,
 )
 from freescale_kernels.layout import Dispatched, Jagged, UniqueResult
+from freescale_kernels.tiles import TUNED, CopyTile, SumTile, Tiles
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BACKEND_ENV",
+    "TUNED",
+    "CopyTile",
     "Dispatched",
     "Jagged",
+    "SumTile",
+    "Tiles",
     "UniqueResult",
     "jagged_index_select",
     "keyed_transpose",

@@ -1,7 +1,9 @@
 """The operations: one dispatcher each, over the Triton kernel and the PyTorch reference.
 
 Every function takes ``backend``: ``"triton"``, ``"reference"``, ``"auto"`` or ``None`` (then
-``FREESCALE_KERNELS_BACKEND``, else ``"auto"``: Triton for CUDA tensors, the reference elsewhere).
+``FREESCALE_KERNELS_BACKEND``, else ``"auto"``: Triton for CUDA tensors, the reference elsewhere),
+and every one but ``unique_with_inverse`` takes ``tiles``, the Triton kernels' tile shapes
+(``freescale_kernels.tiles``; default ``TUNED``).
 Both backends return the same values, bit for bit, except where a docstring says otherwise
 (float sums). Triton is imported only when the Triton backend runs.
 
@@ -26,6 +28,7 @@ import torch
 from freescale_kernels._backend import resolve_backend
 from freescale_kernels.layout import Dispatched, Jagged, UniqueResult
 from freescale_kernels.ops import reference
+from freescale_kernels.tiles import TUNED, Tiles
 
 
 def jagged_index_select(
@@ -36,6 +39,7 @@ def jagged_index_select(
     offsets: torch.Tensor | None = None,
     output_size: int | None = None,
     backend: str | None = None,
+    tiles: Tiles = TUNED,
 ) -> Jagged:
     """The runs of the samples at ``indices``, in that order, in every key.
 
@@ -47,6 +51,7 @@ def jagged_index_select(
             (int32 or int64), when the caller already has them.
         output_size: optional number of output rows; passing it saves a host sync.
         backend: see the module docstring.
+        tiles: see the module docstring.
 
     Returns:
         ``Jagged(values, lengths)`` with lengths ``[M]`` or ``[F, M]`` in ``lengths.dtype``.
@@ -65,7 +70,7 @@ def jagged_index_select(
         from freescale_kernels.ops import index_select
 
         return index_select.jagged_index_select(
-            values, lengths, indices, offsets=offsets, output_size=output_size
+            values, lengths, indices, offsets=offsets, output_size=output_size, tile=tiles.copy
         )
     return reference.jagged_index_select(
         values, lengths, indices, offsets=offsets, output_size=output_size
@@ -79,6 +84,7 @@ def ranged_dispatch(
     world_size: int,
     *,
     backend: str | None = None,
+    tiles: Tiles = TUNED,
 ) -> Dispatched:
     """Packs a keyed jagged tensor into AllToAll send order by each sample's destination rank.
 
@@ -93,6 +99,7 @@ def ranged_dispatch(
             range-checked (that would cost a host sync): a rank outside it corrupts the result.
         world_size: number of ranks.
         backend: see the module docstring.
+        tiles: see the module docstring.
 
     Returns:
         ``Dispatched(values, lengths, rank_splits, key_splits, sample_counts, order)``.
@@ -113,7 +120,7 @@ def ranged_dispatch(
     if resolve_backend(backend, values) == "triton":
         from freescale_kernels.ops import ranged
 
-        return ranged.ranged_dispatch(values, lengths, ranks, world_size)
+        return ranged.ranged_dispatch(values, lengths, ranks, world_size, tiles.copy)
     return reference.ranged_dispatch(values, lengths, ranks, world_size)
 
 
@@ -124,6 +131,7 @@ def ranged_combine(
     num_keys: int,
     *,
     backend: str | None = None,
+    tiles: Tiles = TUNED,
 ) -> Jagged:
     """The inverse of ``ranged_dispatch``: a rank-major buffer back to key-major sample order.
 
@@ -139,6 +147,7 @@ def ranged_combine(
             the Triton backend sorts them as int32).
         num_keys: ``F``.
         backend: see the module docstring.
+        tiles: see the module docstring.
 
     Returns:
         ``Jagged(values, lengths)``: key-major values, lengths ``[F, B]``. Differentiable; the
@@ -154,7 +163,7 @@ def ranged_combine(
     if resolve_backend(backend, values) == "triton":
         from freescale_kernels.ops import ranged
 
-        return ranged.ranged_combine(values, lengths, ranks, num_keys)
+        return ranged.ranged_combine(values, lengths, ranks, num_keys, tiles.copy)
     return reference.ranged_combine(values, lengths, ranks, num_keys)
 
 
@@ -166,6 +175,7 @@ def keyed_transpose(
     *,
     to_key_major: bool = True,
     backend: str | None = None,
+    tiles: Tiles = TUNED,
 ) -> Jagged:
     """Rank-major (rank, key, sample) <-> key-major (key, rank, sample) jagged layouts.
 
@@ -180,6 +190,7 @@ def keyed_transpose(
         num_keys: ``F``.
         to_key_major: the direction; ``False`` transposes key-major to rank-major.
         backend: see the module docstring.
+        tiles: see the module docstring.
 
     Returns:
         ``Jagged(values, lengths)``: lengths ``[F, N]`` when key-major, flat ``[F * N]`` when
@@ -195,7 +206,9 @@ def keyed_transpose(
     if resolve_backend(backend, values) == "triton":
         from freescale_kernels.ops import ranged
 
-        return ranged.keyed_transpose(values, lengths, counts, num_keys, to_key_major=to_key_major)
+        return ranged.keyed_transpose(
+            values, lengths, counts, num_keys, to_key_major=to_key_major, tile=tiles.copy
+        )
     return reference.keyed_transpose(values, lengths, counts, num_keys, to_key_major=to_key_major)
 
 
@@ -235,6 +248,7 @@ def segment_sum(
     num_segments: int | None = None,
     order: torch.Tensor | None = None,
     backend: str | None = None,
+    tiles: Tiles = TUNED,
 ) -> torch.Tensor:
     """Sums of consecutive runs of rows, in a fixed order: bitwise reproducible run to run.
 
@@ -252,6 +266,7 @@ def segment_sum(
         num_segments: ``S``, required with ``segment_ids``.
         order: optional integer ``[R]``, distinct rows of ``values`` to sum, in this order.
         backend: see the module docstring.
+        tiles: see the module docstring.
 
     Returns:
         ``[S, *item_shape]`` in ``values.dtype``; empty segments sum to 0. Differentiable.
@@ -272,7 +287,12 @@ def segment_sum(
         from freescale_kernels.ops import dedup
 
         return dedup.segment_sum(
-            values, offsets, segment_ids=segment_ids, num_segments=num_segments, order=order
+            values,
+            offsets,
+            segment_ids=segment_ids,
+            num_segments=num_segments,
+            order=order,
+            tile=tiles.segment_sum,
         )
     return reference.segment_sum(
         values, offsets, segment_ids=segment_ids, num_segments=num_segments, order=order

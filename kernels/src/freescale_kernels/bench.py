@@ -48,6 +48,7 @@ from freescale_kernels import api
 from freescale_kernels._backend import interpreting, triton_available
 from freescale_kernels.layout import Dispatched
 from freescale_kernels.ops import naive
+from freescale_kernels.tiles import TUNED, Tiles
 
 OPS = (
     "jagged_index_select",
@@ -99,6 +100,7 @@ class BenchConfig:
     rep_ms: int = 100
     graphs: bool = True  # gpu_ms, host_ms and the plan / copy split, on CUDA
     profile: bool = False
+    tiles: Tiles = TUNED
 
     @classmethod
     def quick(cls, **overrides: Any) -> BenchConfig:
@@ -196,8 +198,8 @@ def make_inputs(
     )
 
 
-def _call(op: str, inputs: Inputs, provider: str) -> Callable[[], Any]:
-    """A zero-argument call of ``op`` by ``provider``."""
+def _call(op: str, inputs: Inputs, provider: str, tiles: Tiles = TUNED) -> Callable[[], Any]:
+    """A zero-argument call of ``op`` by ``provider`` (Triton with ``tiles``)."""
     x, sent, world = inputs, inputs.sent, inputs.sent.rank_splits.numel()
     keys = x.lengths.shape[0]
     if provider == "naive":
@@ -211,29 +213,31 @@ def _call(op: str, inputs: Inputs, provider: str) -> Callable[[], Any]:
             ),
         }
         return calls[op]
-    b = provider
+    b, t = provider, tiles
     calls = {
         "jagged_index_select": lambda: api.jagged_index_select(
-            x.values, x.lengths, sent.order, output_size=x.values.shape[0], backend=b
+            x.values, x.lengths, sent.order, output_size=x.values.shape[0], backend=b, tiles=t
         ),
         "ranged_dispatch": lambda: api.ranged_dispatch(
-            x.values, x.lengths, x.ranks, world, backend=b
+            x.values, x.lengths, x.ranks, world, backend=b, tiles=t
         ),
         "ranged_combine": lambda: api.ranged_combine(
-            sent.values, sent.lengths, x.ranks, keys, backend=b
+            sent.values, sent.lengths, x.ranks, keys, backend=b, tiles=t
         ),
         "keyed_transpose": lambda: api.keyed_transpose(
-            sent.values, sent.lengths, sent.sample_counts, keys, backend=b
+            sent.values, sent.lengths, sent.sample_counts, keys, backend=b, tiles=t
         ),
         "unique_with_inverse": lambda: api.unique_with_inverse(x.ids, backend=b),
         "segment_sum": lambda: api.segment_sum(
-            x.segment_rows, x.segment_offsets, order=x.segment_order, backend=b
+            x.segment_rows, x.segment_offsets, order=x.segment_order, backend=b, tiles=t
         ),
     }
     return calls[op]
 
 
-def _split_calls(op: str, inputs: Inputs) -> tuple[Callable[[], Any], Callable[[], Any]]:
+def _split_calls(
+    op: str, inputs: Inputs, tiles: Tiles
+) -> tuple[Callable[[], Any], Callable[[], Any]]:
     """(plan, copy) of the Triton ``op``: zero-argument calls of each half alone."""
     from freescale_kernels.layout import as_rows
     from freescale_kernels.ops import index_select, jagged_copy, ranged
@@ -250,7 +254,9 @@ def _split_calls(op: str, inputs: Inputs) -> tuple[Callable[[], Any], Callable[[
 
         _, _, out_offsets, src_starts = plan()
         values = as_rows(x.values)
-        return plan, lambda: jagged_copy.gather_segments(values, out_offsets, src_starts, rows)
+        return plan, lambda: jagged_copy.gather_segments(
+            values, out_offsets, src_starts, rows, tile=tiles.copy
+        )
     if op == "ranged_dispatch":
         source = x.values
 
@@ -274,7 +280,7 @@ def _split_calls(op: str, inputs: Inputs) -> tuple[Callable[[], Any], Callable[[
             )
 
         layout = plan()[0]
-    return plan, lambda: ranged.move(source, layout)
+    return plan, lambda: ranged.move(source, layout, tiles.copy)
 
 
 def _graph_ms(fn: Callable[[], Any], config: BenchConfig) -> float:
@@ -430,7 +436,7 @@ def _profile(
         if ONLY_KIND.get(op, case_kind(case)) != case_kind(case):
             continue
         try:
-            fn = _call(op, inputs, "triton")
+            fn = _call(op, inputs, "triton", config.tiles)
             fn()
             torch.cuda.synchronize()
             spans = []
@@ -482,7 +488,8 @@ def _measure(
         check = "skipped" if triton_skip else None  # the row's note gives the reason
         if check is None:
             try:
-                diff = _same(_call(op, inputs, "triton")(), _call(op, inputs, "reference")(), op)
+                triton_out = _call(op, inputs, "triton", config.tiles)()
+                diff = _same(triton_out, _call(op, inputs, "reference")(), op)
                 check = "pass" if diff is None else f"FAIL: {diff}"
             except Exception as exc:
                 check = f"error: {_error(exc)}"
@@ -504,7 +511,7 @@ def _measure(
             rows.append(row)
             continue
         try:
-            fn = _call(op, inputs, provider)
+            fn = _call(op, inputs, provider, config.tiles)
             ms = _time_ms(fn, device, config)
             row["ms"] = ms
             row["gbps"] = moved / (ms * 1e-3) / 1e9
@@ -539,7 +546,7 @@ def _gpu_times(
         times["gpu_error"] = _error(exc)
     if provider == "triton" and op in SPLIT_OPS:
         try:
-            plan, copy = _split_calls(op, inputs)
+            plan, copy = _split_calls(op, inputs, config.tiles)
             times["plan_gpu_ms"] = _graph_ms(plan, config)
             times["copy_gpu_ms"] = _graph_ms(copy, config)
         except Exception as exc:
@@ -563,10 +570,7 @@ def _meta(config: BenchConfig) -> dict[str, Any]:
     if triton_available():
         import triton
 
-        from freescale_kernels.tune import current_tiles
-
         meta["triton"] = triton.__version__
-        meta["tiles"] = current_tiles()
     return meta
 
 

@@ -6,7 +6,9 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 from freescale_kernels._freescale_args import Parser, int_at_least, int_list, joined, name_list
 from freescale_kernels.bench import (
@@ -18,6 +20,9 @@ from freescale_kernels.bench import (
     run,
     write_report,
 )
+from freescale_kernels.tiles import TUNED, CopyTile, SumTile
+
+T = TypeVar("T", CopyTile, SumTile)
 
 
 def _defaults(name: str) -> str:
@@ -29,15 +34,18 @@ def _defaults(name: str) -> str:
     return f"(default: {show(full)}; with --quick: {show(quick)})"
 
 
-def _tile(counts: tuple[int, ...], shape: str) -> Callable[[str], tuple[int, ...]]:
-    """A tile option: ``counts`` comma-separated positive integers, ``shape`` names them."""
+def _tile(kind: type[T], counts: tuple[int, ...], shape: str) -> Callable[[str], T]:
+    """A tile option: ``counts`` comma-separated positive integers (``shape`` names them)."""
     parse_list = int_list(1)
 
-    def parse(text: str) -> tuple[int, ...]:
+    def parse(text: str) -> T:
         values = parse_list(text)
         if len(values) not in counts:
             raise argparse.ArgumentTypeError(f"{text!r} is not {shape}")
-        return values
+        try:
+            return kind(*values)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
 
     return parse
 
@@ -93,12 +101,12 @@ def _parser() -> Parser:
     )
     bench.add_argument(
         "--copy-tile",
-        type=_tile((3, 4), "bytes,max_rows,warps[,search_lanes]"),
+        type=_tile(CopyTile, (3, 4), "bytes,max_rows,warps[,search_lanes]"),
         help="copy kernel tile: bytes,max_rows,warps[,search_lanes] (default: the tuned one)",
     )
     bench.add_argument(
         "--sum-tile",
-        type=_tile((2,), "elements,warps"),
+        type=_tile(SumTile, (2,), "elements,warps"),
         help="segment-sum tile: elements,warps (default: the tuned one)",
     )
     bench.add_argument(
@@ -150,6 +158,12 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         if getattr(args, name) is not None
     }
     overrides["check"] = args.check
+    tiles = TUNED
+    if args.copy_tile:
+        tiles = replace(tiles, copy=args.copy_tile)
+    if args.sum_tile:
+        tiles = replace(tiles, segment_sum=args.sum_tile)
+    overrides["tiles"] = tiles
     return BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)
 
 
@@ -163,13 +177,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("matplotlib is not installed: no plots (pip install './kernels[plot]')")
         print("wrote " + ", ".join(str(p) for p in written))
         return 0
-    if args.copy_tile or args.sum_tile:
-        from freescale_kernels.tune import set_copy_tile, set_sum_tile
-
-        if args.copy_tile:
-            set_copy_tile(*args.copy_tile)
-        if args.sum_tile:
-            set_sum_tile(*args.sum_tile)
     report = run(_config(args), progress=True)
     print("\n".join([format_table(report), *headline(report)]))
     written = write_report(report, args.out)

@@ -52,6 +52,7 @@ from freescale_kernels.ops.jagged_copy import (
     lower_bound,
     permute_segments,
 )
+from freescale_kernels.tiles import TUNED, CopyTile
 
 # The fused planner keeps ``next_power_of_2(samples)`` samples of a few int32 quantities per
 # program in registers; 4096 samples over 16 warps is 8 per lane, which ptxas on sm_90 fits
@@ -80,10 +81,10 @@ class LayoutPlan(NamedTuple):
     positions: torch.Tensor
 
 
-def move(values: torch.Tensor, plan: LayoutPlan) -> torch.Tensor:
+def move(values: torch.Tensor, plan: LayoutPlan, tile: CopyTile = TUNED.copy) -> torch.Tensor:
     """The rows of ``values`` in the plan's output order (differentiable)."""
     return permute_segments(
-        values, plan.out_offsets, plan.src_starts, plan.in_offsets, plan.positions
+        values, plan.out_offsets, plan.src_starts, plan.in_offsets, plan.positions, tile
     )
 
 
@@ -586,22 +587,30 @@ def plan_transpose(
 
 
 def ranged_dispatch(
-    values: torch.Tensor, lengths: torch.Tensor, ranks: torch.Tensor, world_size: int
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    ranks: torch.Tensor,
+    world_size: int,
+    tile: CopyTile = TUNED.copy,
 ) -> Dispatched:
     """Triton ``freescale_kernels.ranged_dispatch`` (ranks are not range-checked)."""
     plan, key_splits, rank_splits, sample_counts, order = plan_dispatch(
         lengths, ranks, world_size, values.shape[0]
     )
-    out = move(values, plan)
+    out = move(values, plan, tile)
     return Dispatched(out, plan.out_lengths, rank_splits, key_splits, sample_counts, order)
 
 
 def ranged_combine(
-    values: torch.Tensor, lengths: torch.Tensor, ranks: torch.Tensor, num_keys: int
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    ranks: torch.Tensor,
+    num_keys: int,
+    tile: CopyTile = TUNED.copy,
 ) -> Jagged:
     """Triton ``freescale_kernels.ranged_combine``."""
     plan = plan_combine(lengths, ranks, num_keys, values.shape[0])
-    out = move(values, plan)
+    out = move(values, plan, tile)
     return Jagged(out, plan.out_lengths.reshape(num_keys, ranks.numel()))
 
 
@@ -612,12 +621,13 @@ def keyed_transpose(
     num_keys: int,
     *,
     to_key_major: bool = True,
+    tile: CopyTile = TUNED.copy,
 ) -> Jagged:
     """Triton ``freescale_kernels.keyed_transpose``."""
     plan, total = plan_transpose(
         lengths, counts, num_keys, values.shape[0], to_key_major=to_key_major
     )
-    out = move(values, plan)
+    out = move(values, plan, tile)
     out_lengths = plan.out_lengths
     if to_key_major:
         out_lengths = out_lengths.reshape(num_keys, total)
