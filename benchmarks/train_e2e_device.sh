@@ -9,7 +9,9 @@ DIR=/tmp/e2e
 mkdir -p "$DIR/cpu" "$DIR/gpu"
 part() {  # part SECONDS CORES DIR ARGS...
   local limit=$1 cores=$2 out=$3; shift 3
-  timeout "$limit" taskset -c "$cores" python3 benchmarks/train_e2e.py --out "$out" "$@" 2>&1 \
+  local pin=(taskset -c "$cores")
+  command -v taskset > /dev/null || pin=()
+  timeout "$limit" "${pin[@]}" python3 benchmarks/train_e2e.py --out "$out" "$@" 2>&1 \
     | grep -v '|' >> "$out/log.txt"
 }
 { nproc; nvidia-smi --query-gpu=name,memory.used --format=csv; } | tee "$DIR/machine.txt"
