@@ -58,6 +58,11 @@ PARTS = ("correctness", "kernels", "busbw", "latency", "staged_rates", "overlap"
 BUSBW_SIZES = [64 * MIB, 128 * MIB, 256 * MIB, 512 * MIB, 1024 * MIB]
 BUSBW_REPEATS = 7
 LATENCY_SIZES = [8, 64 << 10, 1 << 20]
+# Staging rings with more or larger slots than the default 8 x 4 MiB per direction and pair.
+POOL_VARIANTS = {
+    "staged_16x4MiB": {"staging_pool_bytes": 128 * MIB},
+    "staged_8x8MiB": {"staging_pool_bytes": 128 * MIB, "chunk_bytes": 8 * MIB},
+}
 LATENCY_CALLS = 200
 
 if triton is not None:
@@ -290,9 +295,11 @@ def _busbw(groups: dict[str, Any]) -> list[dict[str, Any]]:
             "all_to_all": lambda g, x=x, y=y: dist.all_to_all_single(y, x, group=g),
             "all_gather": lambda g, x=piece, y=y: dist.all_gather_into_tensor(y, x, group=g),
         }
-        for path in ("staged", "direct", "staged_ucx"):
+        for path in ("staged", "direct", "staged_ucx", *POOL_VARIANTS):
             if path == "staged_ucx" and size > 256 * MIB:
                 continue  # 4-7 GB/s: the large sizes would take most of the call's time
+            if path in POOL_VARIANTS and size not in (64 * MIB, 1024 * MIB):
+                continue
             for op, call in ops.items():
                 call(groups[path])
                 t = _timed(lambda call=call, path=path: call(groups[path]), BUSBW_REPEATS, gloo)
@@ -650,6 +657,12 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, queue: Any) -> No
         )
     finally:
         del os.environ["FREESCALE_HOST_ID"]
+    for name, fields in POOL_VARIANTS.items():
+        groups[name] = dist.new_group(
+            backend="freescale",
+            timeout=timeout,
+            pg_options=FreescaleOptions(cuda_path="staged", **fields),
+        )
     groups["gloo"] = dist.new_group(backend="gloo", timeout=timeout)
     if torch.cuda.device_count() > 1:  # NCCL refuses two ranks on one GPU
         groups["nccl"] = dist.new_group(backend="nccl", timeout=timeout)

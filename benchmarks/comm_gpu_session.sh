@@ -21,7 +21,7 @@ timeout "${BENCH_S:-160}" python3 benchmarks/comm_gpu.py --out "$results" \
 echo "comm_gpu rc=$?" >>"$results/comm_gpu.log"
 tail -40 "$results/comm_gpu.log"
 if [ "${LATENCY_S:-0}" -gt 0 ]; then
-  timeout "$LATENCY_S" python3 benchmarks/comm_latency.py --out "$results" \
+  timeout "$LATENCY_S" python3 benchmarks/comm_latency.py --out "$results" --cuda-path staged \
     >"$results/comm_latency.log" 2>&1
   tail -8 "$results/comm_latency.log"
 fi

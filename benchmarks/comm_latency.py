@@ -8,7 +8,7 @@ return — each single call after a barrier (so a peer's late start shows in ``_
 per-call time of 100 back-to-back calls. The marks wrap the collective's own methods: a
 diagnostic of this code, not a comparison (``multi_gpu_vs_nccl.py`` compares with NCCL).
 
-    python3 benchmarks/comm_latency.py --out $OUT     # one GPU (2 ranks share it) or CPU only
+    python3 benchmarks/comm_latency.py --out $OUT [--cuda-path staged]   # one GPU or CPU only
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _mark(marks: dict[str, float]) -> None:
     wrap("start", "started", "exit")
 
 
-def _rank(rank: int, port: int, queue: Any) -> None:
+def _rank(rank: int, port: int, queue: Any, cuda_path: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -64,8 +64,15 @@ def _rank(rank: int, port: int, queue: Any) -> None:
         torch.cuda.set_device(rank % torch.cuda.device_count())
         devices.append("cuda")
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    from freescale_comm import FreescaleOptions
+
     dist.init_process_group(
-        "freescale", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60)
+        "freescale",
+        store=store,
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=60),
+        pg_options=FreescaleOptions(cuda_path=cuda_path),
     )
     marks: dict[str, float] = {}
     _mark(marks)
@@ -116,6 +123,12 @@ def _rank(rank: int, port: int, queue: Any) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))
+    parser.add_argument(
+        "--cuda-path",
+        choices=("auto", "direct", "staged"),
+        default="auto",
+        help="FreescaleOptions.cuda_path (staged: the staging rings between these local ranks)",
+    )
     args = parser.parse_args()
     import torch.distributed as dist
 
@@ -125,7 +138,9 @@ def main() -> int:
     )
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    ranks = [context.Process(target=_rank, args=(r, store.port, queue)) for r in range(2)]
+    ranks = [
+        context.Process(target=_rank, args=(r, store.port, queue, args.cuda_path)) for r in range(2)
+    ]
     for process in ranks:
         process.start()
     try:
@@ -136,7 +151,10 @@ def main() -> int:
             if process.is_alive():
                 process.kill()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "comm_latency.json").write_text(json.dumps(results, indent=1) + "\n")
+    name = (
+        "comm_latency.json" if args.cuda_path == "auto" else f"comm_latency_{args.cuda_path}.json"
+    )
+    (args.out / name).write_text(json.dumps(results, indent=1) + "\n")
     for name, row in results.items():
         marks = "  ".join(f"{k}={v}" for k, v in row["single_call_us"].items())
         print(

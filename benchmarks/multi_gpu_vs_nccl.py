@@ -7,7 +7,9 @@ them, and a Gloo group carries this script's own barriers and agreements. Each p
 try/except and inside a global time budget (parts that no longer fit are skipped and say so):
 
 1. setup: versions, GPU links (``nvidia-smi topo -m``), a freescale and an NCCL group in one
-   process, the symmetric buffers of the NCCL copy-engine variant;
+   process, the path of each peer pair per freescale group (``paths()``: on one host the staged
+   group moves CUDA bytes through the staging rings, page-locked shared memory), the symmetric
+   buffers of the NCCL copy-engine variant;
 2. correctness: every own collective of freescale (direct and staged) on CUDA tensors between the
    GPUs, float32 / bfloat16 / int64, against NCCL's result on the same inputs and the expected
    values;
@@ -367,6 +369,10 @@ def _setup(ctx: Ctx, deadline: float) -> dict[str, Any]:
             checks[f"{name}_all_gather"] = bool(torch.equal(out, want))
         except Exception as err:
             checks[f"{name}_all_gather"] = _err(err)
+        # Which path each peer takes and why (fs_staged: the staging rings on one host).
+        info[f"{name}_paths"] = [
+            {k: row[k] for k in ("peer", "path", "cuda")} for row in ctx.groups[name].paths()
+        ]
     info["group_checks"] = checks
     if "nccl_ce" in ctx.phase["backends"]:
         ctx.progress("setup", "nccl_ce")

@@ -780,7 +780,7 @@ def ring_cuda_checks(seed: int) -> dict[str, Any]:
         report["mismatch"] = "nothing raised"
     except FreescaleValidationError as err:
         report["mismatch"] = type(err).__name__
-    # ``wait`` leaves the CPU free: ~50 ms of GPU sleep queued before the input is written.
+    # Stream order: ~50 ms of GPU sleep queued before the input is written.
     numel = 4 << 20
     x = torch.zeros(numel, device=dev)
     y = torch.full((numel,), -1.0, device=dev)

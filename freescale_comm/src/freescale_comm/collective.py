@@ -94,13 +94,9 @@ class Collective:
         self.event = threading.Event()
         # CUDA: set once every copy is enqueued and ``final`` recorded (or the collective failed).
         self.sealed = threading.Event() if plan.on_cuda else _NOT_SEALED
-        # Set once every header is judged (or the collective failed): a CUDA ``wait`` on the
-        # staging rings returns then, its stream waiting on the GPU for the rest.
-        self.judged = threading.Event()
-        # Staged CUDA collective whose every peer is reached through the staging rings: no
-        # UCX on its path, so ``wait`` may leave the CPU free (``order_after``).
+        # Staged CUDA collective whose every peer is reached through the staging rings: its
+        # data leaves with the headers (no folding, no CPU wait for a D2H copy).
         self.ring_cuda = False
-        self._flags: list[tuple[int, int]] = []  # stream flags set when its copies are done
         self._ring_events: list[torch.cuda.Event] = []  # ends of the rings' H2D copies
         # Made when asked for (``future``): most synchronous calls never ask.
         self._future: torch.futures.Future | None = None
@@ -172,7 +168,6 @@ class Collective:
             raise FreescaleValidationError(f"{self.label}: {self.plan.signature.error}")
         else:
             self._phase = "ready"
-            self.judged.set()
         g.transport.progress()
 
     def _post_headers(self) -> None:
@@ -447,7 +442,6 @@ class Collective:
                 offset = end
         self._headers = []
         self._phase = "ready"
-        self.judged.set()
 
     def _start_data(self) -> None:
         g = self.group
@@ -542,8 +536,6 @@ class Collective:
                     stream.wait_event(event)
             for dst, src in self.plan.copy_back:
                 dst.copy_(src, non_blocking=True)  # strided outputs: a copy kernel
-            for flag in self._flags:  # streams that ``wait`` left waiting go on
-                cuda.flags.write(flag, stream)
             self.final = torch.cuda.Event(blocking=True)
             self.final.record(stream)
         # Without a pipeline nothing but the end event is left: the watcher that waits for it
@@ -578,30 +570,8 @@ class Collective:
         """Completes a finished collective: buffers released, future and event set."""
         self._pinned = []
         self._ring_events = []
-        self._release_flags()
         self._set_outcome(True, self.plan.result)
         self.event.set()
-
-    def _release_flags(self) -> None:
-        flags, self._flags = self._flags, []
-        for flag in flags:
-            self._cuda.flags.release(flag)
-
-    def order_after(self, stream: torch.cuda.Stream) -> bool:
-        """Makes ``stream`` wait on the GPU for this collective's last copies, whether queued
-        yet or not (a stream flag); raises the collective's error if it failed. Returns False
-        when no flag is free (the caller then waits for the seal on the CPU)."""
-        with self._lock:
-            if self.error is not None:
-                raise self.error
-            if self.sealed.is_set():
-                stream.wait_event(self.final)
-                return True
-            flag = self._cuda.flags.wait(stream)
-            if flag is None:
-                return False
-            self._flags.append(flag)
-            return True
 
     def expire(self) -> None:
         """Fails the collective because the group's timeout passed, naming who is missing."""
@@ -662,11 +632,6 @@ class Collective:
             self._cuda.release_streams(self._streams)
             self._streams = None
         self._posted, self._unposted = [], []
-        if self._flags:
-            for flag in self._flags:
-                self._cuda.flags.set_now(flag)
-            self._release_flags()
-        self.judged.set()
         if kind in ("timeout", "peer"):
             self._abort_reason = f"rank {self.group.rank}: {self.error}"
         self._set_outcome(False, self.error)

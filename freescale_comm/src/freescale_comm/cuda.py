@@ -28,6 +28,14 @@ library's, a user's ``default_stream.wait_stream(side)``) closes the same cycle,
 here is driven by a CPU thread, not by a kernel as in NCCL. The last copies can only be enqueued
 once the last message is in, so the least-blocking safe ``wait`` is: block until then, and let
 the GPU wait for the copies.
+
+The staging rings make no UCX call on the progress path, and the same flag was built for them
+(``cuStreamWaitValue32`` on the caller's stream at ``wait``, ``cuStreamWriteValue32`` after the
+last copies): on the H200 both ranks of the overlap benchmark hung, their engine threads inside
+``cuStreamCreate`` while the callers' streams waited on flags. A stream waiting on a condition
+that later copies will satisfy can stall whatever shares its hardware queue (streams are
+multiplexed onto ``CUDA_DEVICE_MAX_CONNECTIONS`` queues), the driver's own work included; an
+event wait is safe because its event's work is already queued.
 """
 
 from __future__ import annotations
@@ -72,16 +80,6 @@ class _Driver:
         # Unified addressing: one call copies between any two of device, pinned and pageable.
         self.memcpy_async = entry(
             "cuMemcpyAsync", ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ptr
-        )
-        # Stream memory operations: the GPU waits for / writes a 32-bit flag in host memory.
-        self.wait_value = entry(
-            "cuStreamWaitValue32", ptr, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint
-        )
-        self.write_value = entry(
-            "cuStreamWriteValue32", ptr, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint
-        )
-        self.host_device_pointer = entry(
-            "cuMemHostGetDevicePointer", ctypes.POINTER(ctypes.c_uint64), ptr, ctypes.c_uint
         )
         self._device_get = entry("cuDeviceGet", ctypes.POINTER(ctypes.c_int), ctypes.c_int)
         self._primary = entry("cuDevicePrimaryCtxRetain", pptr, ctypes.c_int)
@@ -282,88 +280,12 @@ class _PinnedRegion:
 
 
 _HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2
-_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*flag - value) >= 0
-_FLAGS = 4096
 
 
 def _register(pointer: int, size: int, what: str) -> None:
     code = torch.cuda.cudart().cudaHostRegister(pointer, size, _HOST_REGISTER_PORTABLE_MAPPED)
     if int(code) != 0:
         raise FreescaleError(f"cudaHostRegister of {what} ({size} bytes) failed: {code}")
-
-
-class StreamFlags:
-    """Flags in page-locked host memory that a stream waits on and another stream sets:
-    ``work.wait()`` makes the caller's stream wait for a collective whose last copies are not
-    queued yet, without blocking the CPU (``cuStreamWaitValue32`` on the caller's stream;
-    ``cuStreamWriteValue32`` after the collective's last copies, or a plain store from the CPU
-    when it fails). Each flag only grows, and a wait is for "at least": a flag is reused by
-    the next collective at once.
-
-    Used only by collectives whose progress makes no CUDA call that waits for another stream
-    (the staging rings: copies on non-blocking streams, events): a UCX transfer of device
-    memory can synchronize with the legacy stream, which this wait would block (see the module
-    docstring).
-    """
-
-    def __init__(self, device: int) -> None:
-        self._device = device
-        size = _FLAGS * 4
-        self._region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.values = np.frombuffer(self._region, dtype=np.uint32)
-        pointer = self.values.ctypes.data
-        _register(pointer, size, "the stream flags")
-        self._pointer = pointer
-        cu = driver()
-        replaced = cu.bind(device)
-        try:
-            device_pointer = ctypes.c_uint64()
-            cu.check(
-                cu.host_device_pointer(ctypes.byref(device_pointer), ctypes.c_void_p(pointer), 0),
-                "cuMemHostGetDevicePointer",
-            )
-        finally:
-            cu.restore(replaced)
-        self._base = device_pointer.value
-        self._targets = [0] * _FLAGS
-        self._free = list(range(_FLAGS))
-        self._lock = threading.Lock()
-
-    def wait(self, stream: torch.cuda.Stream) -> tuple[int, int] | None:
-        """Makes ``stream`` wait for a new flag; returns it (None: every flag is in use)."""
-        with self._lock:
-            if not self._free:
-                return None
-            index = self._free.pop()
-            target = self._targets[index] = (self._targets[index] + 1) & 0xFFFFFFFF
-        self._op(driver().wait_value, stream, index, target, _WAIT_GEQ, "cuStreamWaitValue32")
-        return index, target
-
-    def write(self, flag: tuple[int, int], stream: torch.cuda.Stream) -> None:
-        """Sets ``flag`` once the work queued on ``stream`` so far is done."""
-        self._op(driver().write_value, stream, *flag, 0, "cuStreamWriteValue32")
-
-    def set_now(self, flag: tuple[int, int]) -> None:
-        """Sets ``flag`` from the CPU (a failed collective: its waiting stream goes on)."""
-        index, target = flag
-        self.values[index] = target
-
-    def release(self, flag: tuple[int, int]) -> None:
-        with self._lock:
-            self._free.append(flag[0])
-
-    def _op(self, fn: Any, stream: Any, index: int, value: int, flags: int, what: str) -> None:
-        cu = driver()
-        replaced = cu.bind(self._device)
-        try:
-            handle = ctypes.c_void_p(stream.cuda_stream)
-            cu.check(fn(handle, self._base + 4 * index, value, flags), what)
-        finally:
-            cu.restore(replaced)
-
-    def close(self) -> None:
-        self.values[:] = np.array(self._targets, dtype=np.uint32)  # no stream waits forever
-        torch.cuda.cudart().cudaHostUnregister(self._pointer)
 
 
 class RingCopies:
@@ -449,7 +371,6 @@ class CudaSupport:
         self._wake = wake
         self._ring_copies: dict[int, RingCopies] = {}
         self._attach_lock = threading.Lock()
-        self._flags: StreamFlags | None = None
 
     def attach(self, channel: Any) -> None:
         """Makes a staging channel copy with this device's copy engines (on its first CUDA
@@ -461,13 +382,6 @@ class CudaSupport:
                 copies = RingCopies(self, channel, self._wake)
                 channel.copies = copies
                 self._ring_copies[id(channel)] = copies
-
-    @property
-    def flags(self) -> StreamFlags:
-        """Flags for ``work.wait()`` without a CPU wait (made on first use)."""
-        if self._flags is None:
-            self._flags = StreamFlags(self.device)
-        return self._flags
 
     @property
     def pool(self) -> SlotPool:
@@ -541,9 +455,6 @@ class CudaSupport:
         for copies in self._ring_copies.values():
             copies.close()
         self._ring_copies = {}
-        if self._flags is not None:
-            self._flags.close()
-            self._flags = None
         if self._region is not None:
             self._region.close()
             self._region = self._pool = None

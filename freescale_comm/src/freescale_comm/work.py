@@ -30,14 +30,12 @@ class FreescaleWork(dist.Work):
 
     CUDA tensors: the collective is ordered after the work queued on the caller's current
     stream at call time, and ``wait`` makes the caller's current stream wait for it on the GPU.
-    On the staging rings (staged path, every peer on this host) ``wait`` blocks the CPU only
-    until every rank's header has been judged (a mismatch of inputs raises there) and leaves
-    the stream waiting on a flag that the collective's last copies set (``cuda.StreamFlags``).
-    Elsewhere it first blocks the CPU until the last message has arrived, because the last
-    copies and the event that ends them exist only then, and a stream waiting on a flag could
-    deadlock against UCX's CUDA calls (``cuda``'s module docstring); it does not wait for those
-    copies. The collective keeps its tensors referenced until its copies are done.
-    ``synchronize`` blocks until everything is done.
+    Unlike NCCL's, ``wait`` first blocks the CPU until the last message has arrived (on the
+    staging rings: until its last H2D copy is queued), because the last copies and the event
+    that ends them exist only then; it does not wait for those copies (see ``cuda``'s module
+    docstring for why a GPU-side flag is not used). A mismatch of inputs raises there. The
+    collective keeps its tensors referenced until its copies are done. ``synchronize`` blocks
+    until everything is done.
     """
 
     def __init__(self, op: Collective) -> None:
@@ -78,13 +76,6 @@ class FreescaleWork(dist.Work):
         op = self._op
         limit, short = self._bound(timeout)
         until = time.monotonic() + limit
-        if op.ring_cuda:
-            # Staging rings: the CPU waits for the verdict only (a mismatch raises here), the
-            # stream waits on the GPU for the copies, queued or not yet.
-            op.group.engine.drive(op, until, op.judged.is_set)
-            self._block(op.judged, limit, short, until)
-            if op.order_after(torch.cuda.current_stream(op.plan.cuda_index)):
-                return True
         # A claimed collective is driven here until its last copies are queued; the engine
         # thread waits for them (and frees the buffers) while the caller goes on.
         op.group.engine.drive(op, until, op.sealed.is_set)
