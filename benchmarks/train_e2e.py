@@ -351,6 +351,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cuda-local-batch", type=int, default=32)
     parser.add_argument("--scale-steps", type=int, default=2)
     parser.add_argument("--scale-budget-s", type=float, default=150.0)
+    parser.add_argument(
+        "--scale-rank-runs", type=int, default=1024, help="fewer steps past this many ranks"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a CPU dry run)")
     parser.add_argument(
         "--merge",
@@ -407,12 +410,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["collisions"] = collision_curve(histories, 64 if args.quick else 1024, 100_000, 3)
         save()
     if "scale" in parts:
-        config = ScaleConfig(steps=args.scale_steps, budget_s=args.scale_budget_s)
+        config = ScaleConfig(
+            steps=args.scale_steps,
+            budget_s=args.scale_budget_s,
+            rank_runs_per_point=args.scale_rank_runs,
+        )
         if args.quick:
             config = replace(
                 config, world_sizes=(2, 4), max_histories=(64, 128), local_batch=4,
                 embedding_dim=16, num_layers=1, num_heads=2, num_negatives=8, num_items=1000,
-                device="cpu", budget_s=None,
+                device="cpu", budget_s=None, calibration_ranks=4,
             )  # fmt: skip
         results["scale"] = simulate(config, out)
         save()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from torch import nn
 
 from freescale_balance import (
     AlphaAutoTuner,
+    CostModel,
     JaggedBatch,
     JaggedTensor,
     partition_or_keep,
@@ -51,6 +52,8 @@ class ScaleConfig:
         max_histories: maximum history lengths ``M``.
         local_batch: samples per rank (the global batch is ``N * local_batch``).
         steps: steps per point (each policy sees the same global batches).
+        rank_runs_per_point: fewer steps (at least one) where ``steps`` would time more
+            ranks than this at one point (``None``: no bound).
         policies: balancing policies (``none`` is the baseline).
         min_gain: ``BalancerConfig.min_gain`` of the balanced policies.
         min_history: shortest history (the synthetic data's).
@@ -63,6 +66,10 @@ class ScaleConfig:
         tf32: TensorFloat-32 matmuls on CUDA.
         budget_s: points whose projected time would pass this bound are skipped (``None``:
             none are).
+        calibrate: FBS and KK balance with a cost model fit to this device's measured rank
+            times (``CostModel.fit_groups`` over ``calibration_ranks`` ranks per maximum
+            history, timed before the sweep); ``False``: ``freescale train``'s FLOP model.
+        calibration_ranks: ranks timed per maximum history for the fit.
         seed: seed of the lengths, the IDs and the weights.
     """
 
@@ -70,6 +77,7 @@ class ScaleConfig:
     max_histories: tuple[int, ...] = (4096, 8192, 16384, 21504)
     local_batch: int = 128
     steps: int = 3
+    rank_runs_per_point: int | None = None
     policies: tuple[str, ...] = POLICIES
     min_gain: float = 0.05
     min_history: int = 3
@@ -81,6 +89,8 @@ class ScaleConfig:
     device: str = "cuda"
     tf32: bool = True
     budget_s: float | None = None
+    calibrate: bool = True
+    calibration_ranks: int = 12
     seed: int = 0
     lengths: LengthDistribution = field(default_factory=LengthDistribution)
 
@@ -158,22 +168,23 @@ class RankTimer:
 
 def _assignments(
     config: ScaleConfig,
+    cost: CostModel,
     lengths: torch.Tensor,
     world_size: int,
-    tuners: dict[str, AlphaAutoTuner],
+    tuner: AlphaAutoTuner,
 ) -> dict[str, torch.Tensor]:
-    costs = cost_model_for(config)(lengths)
+    costs = cost(lengths)
     local_counts = [config.local_batch] * world_size
     ranks = {}
     for policy in config.policies:
-        weights = vbs_weights(lengths, tuners[policy].alpha) if policy == "vbs" else costs
+        weights = vbs_weights(lengths, tuner.alpha) if policy == "vbs" else costs
         assignment = partition_or_keep(weights, world_size, policy, local_counts, config.min_gain)  # type: ignore[arg-type]
         ranks[policy] = assignment.ranks
     return ranks
 
 
-def cost_model_for(config: ScaleConfig) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The cost model ``freescale train`` balances with, for this model."""
+def cost_model_for(config: ScaleConfig) -> CostModel:
+    """The FLOP cost model ``freescale train`` balances with, for this model."""
     model_config = SASRecConfig(
         num_items=config.num_items,
         embedding_dim=config.embedding_dim,
@@ -185,17 +196,24 @@ def cost_model_for(config: ScaleConfig) -> Callable[[torch.Tensor], torch.Tensor
 
 
 def simulate_point(
-    config: ScaleConfig, timer: RankTimer, world_size: int, max_history: int
+    config: ScaleConfig,
+    timer: RankTimer,
+    cost: CostModel,
+    tuner: AlphaAutoTuner,
+    world_size: int,
+    max_history: int,
 ) -> dict[str, Any]:
-    """Every policy's per-rank compute times over ``config.steps`` steps at one point."""
+    """Every policy's per-rank compute times over ``config.steps`` steps at one point.
+
+    ``tuner`` is VBS's, carried from point to point as over the steps of one run.
+    """
     rng = np.random.default_rng([config.seed, world_size, max_history])
-    tuners = {p: AlphaAutoTuner() for p in config.policies}
     steps: dict[str, list[list[float]]] = {p: [] for p in config.policies}
     reused = 0
-    for _ in range(config.steps):
+    for _ in range(steps_at(config, world_size)):
         lengths = config.lengths.sample(max_history, world_size * config.local_batch, rng)
         lengths = lengths.clamp_min(config.min_history)
-        assigned = _assignments(config, lengths, world_size, tuners)
+        assigned = _assignments(config, cost, lengths, world_size, tuner)
         timed: dict[bytes, float] = {}
         for policy, ranks in assigned.items():
             times = []
@@ -212,16 +230,24 @@ def simulate_point(
             steps[policy].append(times)
             if policy == "vbs":
                 groups = [lengths[ranks == r] for r in range(world_size)]
-                tuners[policy].update(groups, torch.tensor(times).clamp_min(1e-9))
+                tuner.update(groups, torch.tensor(times).clamp_min(1e-9))
     return {
         "world_size": world_size,
         "max_history": max_history,
-        "steps": config.steps,
+        "steps": steps_at(config, world_size),
         "reused_rank_times": reused,
-        "vbs_alpha": tuners["vbs"].alpha if "vbs" in tuners else None,
+        "vbs_alpha": tuner.alpha,
         "policies": {p: summarize_steps(v) for p, v in steps.items()},
         "rank_times_s": steps,
     }
+
+
+def steps_at(config: ScaleConfig, world_size: int) -> int:
+    """Steps simulated at ``world_size`` ranks (``rank_runs_per_point`` bounds them)."""
+    if config.rank_runs_per_point is None:
+        return config.steps
+    fitting = config.rank_runs_per_point // (world_size * len(config.policies))
+    return max(1, min(config.steps, fitting))
 
 
 def summarize_steps(steps: Sequence[Sequence[float]]) -> dict[str, float]:
@@ -254,6 +280,37 @@ def against_baseline(point: dict[str, Any]) -> dict[str, dict[str, float]]:
     }
 
 
+def calibrate(config: ScaleConfig, timer: RankTimer) -> tuple[CostModel, dict[str, Any]]:
+    """A cost model fit to measured rank times, and how well it predicts them.
+
+    Per maximum history, ``calibration_ranks`` ranks: half drawn like the simulation's, half
+    the same draw sorted and cut into runs (short to long), so the fit sees a wide range.
+    """
+    rng = np.random.default_rng([config.seed, 1])
+    groups: list[torch.Tensor] = []
+    for max_history in config.max_histories:
+        half = max(config.calibration_ranks // 2, 1)
+        draw = config.lengths.sample(max_history, half * config.local_batch, rng)
+        draw = draw.clamp_min(config.min_history)
+        groups += list(draw.split(config.local_batch))
+        groups += list(draw.sort().values.split(config.local_batch))
+    times = torch.tensor([timer.time(g) for g in groups], dtype=torch.float64)
+    fitted = CostModel.fit_groups(groups, times)
+    return fitted, {
+        "cost_model": asdict(fitted),
+        "ranks": len(groups),
+        "median_relative_error": fitted.relative_error(groups, times),
+        "flop_model_relative_error": _scaled_error(cost_model_for(config), groups, times),
+    }
+
+
+def _scaled_error(cost: CostModel, groups: Sequence[torch.Tensor], times: torch.Tensor) -> float:
+    """Median relative error of ``cost`` after the best single scale (only ratios balance)."""
+    predicted = torch.stack([cost(g).sum() for g in groups])
+    scale = float((times / predicted).median())
+    return float(((predicted * scale - times).abs() / times).median())
+
+
 def _warm_up(config: ScaleConfig, timer: RankTimer) -> None:
     """First calls pay for kernels' set-up: a small and a long rank before any timing."""
     longest = max(config.max_histories)
@@ -268,22 +325,29 @@ def simulate(config: ScaleConfig, out: Path | None = None) -> dict[str, Any]:
         torch.backends.cudnn.allow_tf32 = True
     timer = RankTimer(config)
     _warm_up(config, timer)
-    cost = cost_model_for(config)
+    flops = cost_model_for(config)
+    cost, calibration = calibrate(config, timer) if config.calibrate else (flops, None)
+    tuner = AlphaAutoTuner()
     rng = np.random.default_rng(config.seed)
 
     def rank_cost(max_history: int) -> float:  # expected cost of one rank's batch
         lengths = config.lengths.sample(max_history, 4096, rng).clamp_min(config.min_history)
-        return config.local_batch * float(cost(lengths).mean())
+        return config.local_batch * float(flops(lengths).mean())
 
     points = sorted(
         ((n, m, rank_cost(m)) for n in config.world_sizes for m in config.max_histories),
         key=lambda p: p[0] * p[2],
     )
-    results: dict[str, Any] = {"config": _jsonable(config), "points": [], "skipped": []}
+    results: dict[str, Any] = {
+        "config": _jsonable(config),
+        "calibration": calibration,
+        "points": [],
+        "skipped": [],
+    }
     started = time.perf_counter()
     measured: list[tuple[float, float]] = []  # (rank cost, seconds per rank and step)
     for world_size, max_history, per_rank in points:
-        runs = world_size * len(config.policies) * config.steps
+        runs = world_size * len(config.policies) * steps_at(config, world_size)
         projected = runs * _seconds_per_rank(measured, per_rank)
         if config.budget_s is not None and time.perf_counter() - started + projected > (
             config.budget_s
@@ -291,7 +355,7 @@ def simulate(config: ScaleConfig, out: Path | None = None) -> dict[str, Any]:
             results["skipped"].append({"world_size": world_size, "max_history": max_history})
             continue
         point_started = time.perf_counter()
-        point = simulate_point(config, timer, world_size, max_history)
+        point = simulate_point(config, timer, cost, tuner, world_size, max_history)
         point["wall_s"] = time.perf_counter() - point_started
         point["against_baseline"] = against_baseline(point)
         measured.append((per_rank, point["wall_s"] / runs))
@@ -325,17 +389,28 @@ def _jsonable(config: ScaleConfig) -> dict[str, Any]:
 def table(results: dict[str, Any]) -> str:
     """One row per point and policy: step, mean rank, straggler %, bubble, against none."""
     header = (
-        f"{'N':>4} {'max hist':>8} {'policy':<6} {'step ms':>9} {'mean ms':>9} "
+        f"{'N':>4} {'max hist':>8} {'steps':>5} {'policy':<6} {'step ms':>9} {'mean ms':>9} "
         f"{'straggler %':>11} {'bubble ms':>9} {'bubble -%':>9} {'speed-up':>8}"
     )
-    lines = [header, "-" * len(header)]
+    lines = []
+    calibration = results.get("calibration")
+    if calibration:
+        fit = calibration["cost_model"]
+        lines.append(
+            f"FBS/KK cost model fit to {calibration['ranks']} timed ranks: "
+            f"{fit['quadratic']:.3g} L^2 + {fit['linear']:.3g} L + {fit['constant']:.3g} s per "
+            f"sample; median error {100 * calibration['median_relative_error']:.1f}% (FLOP "
+            f"model, best scale: {100 * calibration['flop_model_relative_error']:.1f}%)"
+        )
+    lines += [header, "-" * len(header)]
     for point in results["points"]:
         versus = point["against_baseline"]
         for policy, v in point["policies"].items():
             reduction = versus.get(policy, {}).get("bubble_reduction_pct")
             speedup = versus.get(policy, {}).get("speedup")
             lines.append(
-                f"{point['world_size']:>4} {point['max_history']:>8} {policy:<6} "
+                f"{point['world_size']:>4} {point['max_history']:>8} {point['steps']:>5} "
+                f"{policy:<6} "
                 f"{v['step_ms']:>9.1f} {v['mean_rank_ms']:>9.1f} {v['straggler_pct']:>11.1f} "
                 f"{v['bubble_ms']:>9.1f} "
                 + (f"{reduction:>9.1f} {speedup:>8.2f}" if reduction is not None else "")
