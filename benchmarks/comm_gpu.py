@@ -51,6 +51,7 @@ except ImportError:  # CPU machines: the module still imports (lint, docs)
     triton = None
 
 MIB = 1 << 20
+PCIE_GBPS = 55.0  # pinned copies each way on the H200 machine (shared/GPU.md)
 SM_COPY_PROGRAMS = 16
 MATMULS = 48
 STAGED_REPEATS = 15
@@ -786,15 +787,16 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ranks = report["ranks"]
     fig, (left, right, bw) = plt.subplots(1, 3, figsize=(19, 4.5))
     rows_bw = ranks.get("busbw") or []
-    for path, op in sorted({(r["path"], r["op"]) for r in rows_bw}):
-        mine = [r for r in rows_bw if r["path"] == path and r["op"] == op]
+    for name, op in sorted({(r["path"], r["op"]) for r in rows_bw}):
+        mine = [r for r in rows_bw if r["path"] == name and r["op"] == op]
         bw.plot(
             [r["size"] // MIB for r in mine],
             [r["busbw_gbps"] for r in mine],
             marker="o",
-            label=f"{path} {op}",
+            label=f"{name} {op}",
         )
-    bw.axhline(40, color="gray", linestyle="--", linewidth=0.8)
+    # Two ranks on one GPU share its PCIe link: each direction carries both ranks' pieces.
+    bw.axhline(PCIE_GBPS / 2, color="gray", linestyle="--", linewidth=0.8, label="PCIe bound")
     bw.set_xscale("log", base=2)
     bw.set_yscale("log")
     bw.set_xlabel("MiB per rank")

@@ -1,4 +1,4 @@
-"""Shared-memory rings between the ranks of one host, for host (CPU) bytes.
+"""Shared-memory rings between the ranks of one host, for host bytes and staged CUDA bytes.
 
 Per ordered pair of ranks on one host (same ``host_identity()``), the receiver creates a ring of
 slots in a ``/dev/shm`` segment; the sender maps it. A message is cut into slot-sized chunks:
@@ -11,6 +11,12 @@ so no slot stays taken by it and messages of different collectives never wait on
 Segments are unlinked as soon as both sides have mapped them (their memory dies with the
 processes); a segment that a crash left between creation and that point is named after its
 creator's pid and removed by the next process that starts rings on the host.
+
+Where CUDA is available a second pair of rings per pair (``Link.staging``, slots of the staging
+chunk, sparse until first used) carries staged CUDA bytes: the same protocol, with copy-engine
+copies into and out of the slots (``cuda.RingCopies``, which page-locks both rings in each
+process) instead of memcpy; a copy that ends after it starts holds the ring's counters back
+until it is done (``Channel``).
 
 Every process has one datagram socket in the abstract namespace (no file): a side that
 publishes or frees slots sends its peer one byte, which wakes the peer's progress thread from
