@@ -22,15 +22,11 @@ prioritized mode's collision AllToAll is in flight.
 
 from __future__ import annotations
 
-import faulthandler
 import json
-import multiprocessing
 import os
 import platform
-import queue as queue_module
 import statistics
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -42,6 +38,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from freescale_balance import JaggedBatch, JaggedTensor
+from freescale_embed._local_ranks import GroupSpec, run_ranks, run_reporting_ranks
 from freescale_embed.collection import ShardedEmbeddingCollection
 from freescale_embed.config import TableConfig
 from freescale_embed.optim import RowWiseAdagrad
@@ -319,21 +316,12 @@ def init_group(config: BenchConfig, rank: int, port: int) -> Any:
     return None if config.backend == "gloo" else dist.new_group(backend="gloo")
 
 
-def _rank_main(
-    rank: int, port: int, queue: Any, config: BenchConfig, timeout_s: float, progress: bool
-) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", str(config.threads))
-    torch.set_num_threads(config.threads)
-    # Every thread's stack on stderr if this rank is still running near the parent's deadline.
-    faulthandler.dump_traceback_later(max(10.0, timeout_s - 15), exit=False)
-    try:
-        device = rank_device(config, rank)
-        control = init_group(config, rank, port)
-        results = rank_results(config, device, control, progress and rank == 0)
-        queue.put((rank, "ok", results))
-        dist.destroy_process_group()
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
+def _bench_rank(config: BenchConfig, progress: bool) -> list[dict[str, Any]]:
+    """One rank of ``run_bench``, in the launcher's process group."""
+    rank = dist.get_rank()
+    device = rank_device(config, rank)
+    control = None if config.backend == "gloo" else dist.new_group(backend="gloo")
+    return rank_results(config, device, control, progress and rank == 0)
 
 
 def _after_last_arrival(spans_of_ranks: tuple[list[tuple[float, float]], ...]) -> float:
@@ -407,45 +395,16 @@ def launch_ranks(
     timeout_s: float,
     stop_on_error: bool = False,
 ) -> dict[int, tuple[str, Any]]:
-    """Runs ``target(rank, port, queue, *args)`` in ``world_size`` spawned processes around a
-    TCPStore on loopback that this process owns, and collects each rank's one reply
-    ``(rank, kind, payload)`` from ``queue`` (``kind`` ``"ok"`` or ``"error"``).
+    """Runs ``target(rank, port, queue, *args)`` on ``world_size`` local ranks of the one
+    launcher (``_local_ranks``); each rank joins its group itself on the launcher's store
+    (``port``) and reports one ``(rank, kind, payload)`` on ``queue``.
 
-    Returns the replies by rank once every rank replied, every process has exited, ``timeout_s``
-    passed, or (``stop_on_error``) a rank replied with an error; the processes are then joined
-    and killed if still alive.
+    Returns:
+        ``(kind, payload)`` by rank, ``kind`` ``"ok"``, ``"error"``, ``"timeout"`` or ``"died"``;
+        with ``stop_on_error`` the ranks not waited for once one failed are left out.
     """
-    context = multiprocessing.get_context("spawn")
-    # The parent owns the store on a free port: no window in which another process takes it.
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
-    )
-    queue = context.Queue()
-    processes = [
-        context.Process(target=target, args=(rank, store.port, queue, *args), daemon=True)
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    replies: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(replies) < world_size and time.monotonic() < deadline:
-            try:
-                rank, kind, payload = queue.get(timeout=1)
-            except queue_module.Empty:
-                if not any(p.is_alive() for p in processes):
-                    break
-                continue
-            replies[rank] = (kind, payload)
-            if stop_on_error and kind != "ok":
-                break
-    finally:
-        for process in processes:
-            process.join(10)
-            if process.is_alive():
-                process.kill()
-    return replies
+    replies = run_reporting_ranks(target, world_size, args, timeout_s, stop_on_error=stop_on_error)
+    return {rank: tuple(items[-1][-2:]) for rank, items in replies.items() if items}
 
 
 def run_bench(
@@ -457,18 +416,21 @@ def run_bench(
         config: what to run.
         timeout_s: bound on the whole run; ranks still running then are killed.
         progress: rank 0 shows a progress bar of the steps on stderr.
+
+    Raises:
+        RankFailure: a rank raised, timed out or died (every rank's traceback in the message).
     """
     load_before = os.getloadavg()
-    replies = launch_ranks(
-        _rank_main, config.world_size, (config, timeout_s, progress), timeout_s, stop_on_error=True
+    spec = GroupSpec(
+        config.world_size,
+        config.backend,
+        init_timeout_s=300.0,
+        setup="freescale_comm:register" if config.backend == "freescale" else None,
+        threads=config.threads,
+        device=config.device,
     )
-    for rank, (kind, payload) in replies.items():
-        if kind != "ok":
-            raise RuntimeError(f"bench rank {rank} failed:\n{payload}")
-    missing = sorted(set(range(config.world_size)) - set(replies))
-    if missing:
-        raise TimeoutError(f"bench ranks {missing} did not finish within {timeout_s:.0f} s")
-    report = _combine(config, [replies[rank][1] for rank in range(config.world_size)])
+    per_rank = run_ranks(spec, _bench_rank, config, progress, timeout_s=timeout_s)
+    report = _combine(config, per_rank)
     # The machine may be shared: its load says how much the timings can be trusted.
     report["environment"]["load_average_1min"] = [load_before[0], os.getloadavg()[0]]
     return report
