@@ -98,6 +98,8 @@ def test_info_says_which_path_each_pair_takes(capsys):
     assert "host identity: " in out
     assert "rank 0 -> 1: shm <= 524288 B, ucx above  (same host; host_path=auto" in out
     assert "rank 1 -> 0: shm" in out
+    # And the path of CUDA bytes (no staging rings without CUDA: UCX's device path or pipeline).
+    assert "    CUDA bytes: " in out
 
 
 class _LateCopies:
