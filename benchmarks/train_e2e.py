@@ -315,11 +315,14 @@ def plot(results: dict[str, Any], out: Path) -> None:
                 (p for p in scale["points"] if p["world_size"] == n), key=lambda p: p["max_history"]
             )
             hist = [p["max_history"] for p in points]
-            for policy in points[0]["policies"]:
+            style = ["-", "--", ":", "-."][worlds.index(n) % 4]
+            for color, policy in enumerate(points[0]["policies"]):
                 axes[0].plot(
                     hist,
                     [p["policies"][policy]["straggler_pct"] for p in points],
                     marker="o",
+                    linestyle=style,
+                    color=f"C{color}",
                     label=f"N={n} {policy}",
                 )
         axes[0].set_xlabel("max history")
@@ -327,10 +330,16 @@ def plot(results: dict[str, Any], out: Path) -> None:
         axes[0].set_xscale("log", base=2)
         axes[0].legend(fontsize=6)
         curve = results.get("collisions") or []
-        if curve:
+        for items in sorted({c["num_items"] for c in curve}):
+            points = [c for c in curve if c["num_items"] == items]
             axes[1].plot(
-                [c["max_history"] for c in curve], [c["collision_pct"] for c in curve], marker="o"
+                [c["max_history"] for c in points],
+                [c["collision_pct"] for c in points],
+                marker="o",
+                label=f"{items} items",
             )
+        if curve:
+            axes[1].legend(fontsize=7)
             axes[1].set_xscale("log", base=2)
             axes[1].set_xlabel("max history")
             axes[1].set_ylabel("collision % (consecutive steps)")
@@ -407,7 +416,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         save()
     if "collisions" in parts:
         histories = (64, 128, 256) if args.quick else (1024, 2048, 4096, 8192, 16384, 21504)
-        results["collisions"] = collision_curve(histories, 64 if args.quick else 1024, 100_000, 3)
+        batch = 64 if args.quick else 1024
+        results["collisions"] = [
+            point
+            for items in (100_000, 1_000_000)
+            for point in collision_curve(histories, batch, items, 3)
+        ]
         save()
     if "scale" in parts:
         config = ScaleConfig(
