@@ -57,10 +57,8 @@ class BenchConfig:
         env: FREESCALE_* / UCX_* variables for the ranks.
         device: ``"cpu"`` or ``"cuda"`` tensors.
         threads: torch intra-op threads per rank; 0 leaves torch's default (one per core), as
-            a training process has it. Forcing one thread hid a cost of the backend that users
-            saw (its large own-piece copy ran on torch's threads and competed with the
-            transfers: AllToAll of 16 MiB took 0.51x Gloo's time with one thread, 1.53x with
-            the default, on 2 ranks and 2 cores).
+            a training process has it: forcing one thread hid a cost of the backend that users
+            saw (its large own-piece copy ran on torch's threads; ``CHANGELOG.md``).
     """
 
     world_size: int = 2

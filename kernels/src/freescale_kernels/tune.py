@@ -65,7 +65,7 @@ def _sweep_case(case: str, world_size: int, rep_ms: int) -> tuple[list[dict], li
     copy_rows: list[dict[str, Any]] = []
     want = None
     # The GPU idles (and clocks down) while the inputs are built on the host: without a warm-up
-    # the first candidate timed reads slow (seen: 1351 vs 1854 GB/s for the same tile).
+    # the first candidate timed reads slow (benchmarks/results/kernels/NOTES.md, "Tile choice").
     _time(lambda: ranged.move(values, plan), rep_ms)
     for tile in COPY_CANDIDATES:
         row: dict[str, Any] = {"case": case, "tile": _fields(tile)}

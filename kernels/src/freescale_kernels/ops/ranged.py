@@ -250,9 +250,8 @@ def _fused_plan_kernel(
 
 def sort_ranks(ranks: torch.Tensor, world_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted ranks, stable order) with the ranks sorted as the narrowest integers that hold
-    them. ``torch.sort`` radix-sorts every bit of the key type: on one H200 (torch 2.11) 4096
-    int64 ranks took 35 us, as int16 (W=512) 16 us and as int32 (combine) 21.5 us, next to a
-    23.6 us plan. Ranks below ``world_size`` (or, without it, process ranks: below 2**31) keep
+    them. ``torch.sort`` radix-sorts every bit of the key type, so narrower keys sort faster
+    (measured in ``benchmarks/results/kernels/NOTES.md``, "Rank sort"). Ranks below ``world_size`` (or, without it, process ranks: below 2**31) keep
     their order, and the sort is stable, so the order is the same."""
     if world_size is not None and world_size <= 256 and ranks.dtype != torch.uint8:
         ranks = ranks.to(torch.uint8)
