@@ -251,8 +251,9 @@ def _fused_plan_kernel(
 def sort_ranks(ranks: torch.Tensor, world_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted ranks, stable order) with the ranks sorted as the narrowest integers that hold
     them. ``torch.sort`` radix-sorts every bit of the key type, so narrower keys sort faster
-    (measured in ``benchmarks/results/kernels/NOTES.md``, "Rank sort"). Ranks below ``world_size`` (or, without it, process ranks: below 2**31) keep
-    their order, and the sort is stable, so the order is the same."""
+    (``benchmarks/results/kernels/NOTES.md``, "Rank sort"). Ranks below ``world_size`` (or,
+    without it, process ranks: below 2**31) keep their order, and the sort is stable, so the
+    order is the same."""
     if world_size is not None and world_size <= 256 and ranks.dtype != torch.uint8:
         ranks = ranks.to(torch.uint8)
     elif world_size is not None and world_size <= 2**15 and ranks.dtype.itemsize > 2:
