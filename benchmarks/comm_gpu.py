@@ -1,7 +1,8 @@
 """GPU checks and measurements of freescale_comm's CUDA paths, in one call.
 
-Two ranks, one GPU each where the machine has two (rank r uses GPU r % device count), else both
-on GPU 0. In order, each part reported even if another fails:
+Two ranks on the one rank launcher (``freescale_comm._local_ranks``), one GPU each where the
+machine has two (rank r uses GPU r % device count), else both on GPU 0. In order, each part
+reported even if another fails:
 
 1. correctness of the direct (device buffers to UCX: cuda_ipc) and staged (chunked D2H, host
    messages, H2D) paths for every own collective, several dtypes, uneven splits, multi-chunk
@@ -21,8 +22,9 @@ on GPU 0. In order, each part reported even if another fails:
    same window, paced one slice per matmul; NCCL's own collectives too where two GPUs exist.
    Each window of 48 matmuls with traffic sits between two windows without (GPU clocks drift by
    several percent over seconds) and is compared with their mean; medians over rounds; a
-   "control" window with no traffic gives the method's own noise, and PCIe copies of the same
-   bytes in rank 0's process and in rank 1's (another CUDA context) separate the costs.
+   "control" window with no traffic gives the method's own noise (``overlap_rounds.py``, the
+   method ``multi_gpu_vs_nccl.py`` uses too), and PCIe copies of the same bytes in rank 0's
+   process and in rank 1's (another CUDA context) separate the costs.
 
 Writes ``comm_gpu.json`` under ``--out`` (default ``$OUT`` or ``out/comm_gpu``) after every part
 and prints a table last. Run on the GPU machine from the project root:
@@ -34,15 +36,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing
 import os
-import random
 import statistics
 import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from overlap_rounds import alternated_rounds
 
 try:
     import triton
@@ -535,13 +537,8 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
             (host[i * per_pcie : (i + 1) * per_pcie], dev_buf[i * per_pcie : (i + 1) * per_pcie])
             for i in range(MATMULS)
         ]
-        # "control" runs nothing beside the matmuls, like "alone": its figure is the method's
-        # own noise. Every other window sits between two "alone" windows and is compared with
-        # their mean (GPU clocks drift by several percent over seconds under a matmul load, so
-        # medians of modes measured at different times are not comparable).
-        modes = [*ops, "sm_copy", "pcie_copies", "peer_pcie_copies", "control"]
-        ratios: dict[str, list[float]] = {m: [] for m in modes}
-        alone_ms: list[float] = []
+        # The windows' schedule and figures: overlap_rounds (each window between two without
+        # traffic, a "control" window for the method's own noise, medians over rounds).
         comm_ms: dict[str, list[float]] = {m: [] for m in ops}
 
         def window(
@@ -551,7 +548,7 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
             comm_ms: Any = comm_ms,
             slices: Any = slices,
             pcie_slices: Any = pcie_slices,
-        ) -> float:
+        ) -> float | None:
             torch.cuda.synchronize()
             dist.barrier(group=gloo)
             if mode == "sm_copy":
@@ -576,21 +573,12 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
             torch.cuda.synchronize()
             if mode in ops:
                 comm_ms[mode].append(begin.elapsed_time(end))
-            return statistics.median(elapsed(marks)) if rank == 0 else 0.0
+            return statistics.median(elapsed(marks)) if rank == 0 else None
 
-        shuffle = random.Random(size)
-        for _ in range(rounds):
-            # A new order every round (the same on both ranks): a mode that leaves the GPU hot
-            # must not always precede the same other mode.
-            order = shuffle.sample(modes, len(modes))
-            before = window("alone")
-            for mode in order:
-                during = window(mode)
-                after = window("alone")
-                alone_ms.append(after)
-                if rank == 0:
-                    ratios[mode].append(during / ((before + after) / 2))
-                before = after
+        measured = alternated_rounds(
+            window, [*ops, "sm_copy", "pcie_copies", "peer_pcie_copies"], rounds, seed=size
+        )
+        alone_ms = measured.alone_ms
         if rank == 0:
             rows.append(
                 {
@@ -601,12 +589,8 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
                     "matmuls_per_window": MATMULS,
                     "matmul_alone_ms_median": statistics.median(alone_ms),
                     "matmul_alone_ms_range": [min(alone_ms), max(alone_ms)],
-                    "slowdown_pct": {
-                        m: 100 * (statistics.median(v) - 1) for m, v in ratios.items()
-                    },
-                    "slowdown_pct_range": {
-                        m: [100 * (min(v) - 1), 100 * (max(v) - 1)] for m, v in ratios.items()
-                    },
+                    "slowdown_pct": measured.slowdown_pct(),
+                    "slowdown_pct_range": measured.slowdown_pct_range(),
                     "collectives_ms_median": {m: statistics.median(v) for m, v in comm_ms.items()},
                     "sm_copy_bytes_per_window": sm_bytes,
                     "pcie_bytes_per_window_each_way": per_pcie * 4 * MATMULS,
@@ -621,30 +605,22 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
 
 
 # ----------------------------------------------------------------------------- driver
-def _rank_main(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    import faulthandler
+# In a rank: the groups the parts use, built once by ``_join_groups``.
+_GROUPS: dict[str, Any] = {}
 
+
+def _join_groups() -> int:
+    """In a rank whose default group (freescale, direct path) the launcher made: every other
+    group the parts use. Returns the number of GPUs the ranks use."""
     import torch
     import torch.distributed as dist
 
-    import freescale_comm
     from freescale_comm import FreescaleOptions
 
-    # Every thread's stack on stderr if this rank is still running near the deadline.
-    faulthandler.dump_traceback_later(max(10.0, args.timeout - 15), exit=False)
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    freescale_comm.register()
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
     timeout = timedelta(seconds=60)
-    dist.init_process_group(
-        "freescale",
-        store=store,
-        rank=rank,
-        world_size=2,
-        timeout=timeout,
-        pg_options=FreescaleOptions(cuda_path="direct"),
-    )
-    groups: dict[str, Any] = {"direct": None}
+    groups = _GROUPS
+    groups["direct"] = None
     # The staged path between ranks of one host: the staging rings.
     groups["staged"] = dist.new_group(
         backend="freescale", timeout=timeout, pg_options=FreescaleOptions(cuda_path="staged")
@@ -667,33 +643,30 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, queue: Any) -> No
     groups["gloo"] = dist.new_group(backend="gloo", timeout=timeout)
     if torch.cuda.device_count() > 1:  # NCCL refuses two ranks on one GPU
         groups["nccl"] = dist.new_group(backend="nccl", timeout=timeout)
-    report: dict[str, Any] = {"gpus_used": min(2, torch.cuda.device_count())}
-    sizes = [64 * MIB, 256 * MIB]
+    return min(2, torch.cuda.device_count())
+
+
+def _run_part(name: str, rounds: int) -> dict[str, Any]:
+    """In a rank: one part, its result (or its error) and its seconds."""
+    import torch.distributed as dist
+
+    groups, sizes = _GROUPS, [64 * MIB, 256 * MIB]
+    parts = {
+        "correctness": lambda: _correctness(groups),
+        "kernels": lambda: _kernels(groups),
+        "busbw": lambda: _busbw(groups),
+        "latency": lambda: _latency(groups),
+        "staged_rates": lambda: _staged_rates(groups, sizes),
+        "overlap": lambda: _overlap(groups, sizes, rounds),
+    }
+    t0 = time.perf_counter()
     try:
-        parts = {
-            "correctness": lambda: _correctness(groups),
-            "kernels": lambda: _kernels(groups),
-            "busbw": lambda: _busbw(groups),
-            "latency": lambda: _latency(groups),
-            "staged_rates": lambda: _staged_rates(groups, sizes),
-            "overlap": lambda: _overlap(groups, sizes, args.rounds),
-        }
-        for name in args.parts.split(","):
-            fn = parts[name]
-            t0 = time.perf_counter()
-            try:
-                report[name] = fn()
-            except Exception as err:  # report and go on: one broken part must not hide the rest
-                report[name] = {
-                    "error": f"{type(err).__name__}: {err}",
-                    "trace": traceback.format_exc()[-2000:],
-                }
-            report[f"{name}_s"] = round(time.perf_counter() - t0, 1)
-            print(f"rank {rank}: {name} done in {report[f'{name}_s']} s", flush=True)
-            if rank == 0:
-                queue.put(dict(report))
-    finally:
-        dist.destroy_process_group()
+        result: Any = parts[name]()
+    except Exception as err:  # report and go on: one broken part must not hide the rest
+        result = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-2000:]}
+    seconds = round(time.perf_counter() - t0, 1)
+    print(f"rank {dist.get_rank()}: {name} done in {seconds} s", flush=True)
+    return {name: result, f"{name}_s": seconds}
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -858,39 +831,47 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--plot", type=Path, help="only draw the figure of a saved JSON report")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.parts.split(",")) - set(PARTS))
+    if unknown:
+        parser.error(f"--parts: unknown {','.join(unknown)} (choose from {','.join(PARTS)})")
     if args.plot:
         plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
         return 0
-    import torch.distributed as dist
-
+    from freescale_comm import FreescaleOptions
+    from freescale_comm._local_ranks import GroupSpec, LocalGroup, RankFailure
     from freescale_comm.info import collect
 
-    report: dict[str, Any] = {"info": collect()}
+    report: dict[str, Any] = {"info": collect(), "ranks": {}}
     args.out.mkdir(parents=True, exist_ok=True)
-    spawn = multiprocessing.get_context("spawn")
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    # Rank r on GPU r % device count, its default group freescale on the direct path.
+    spec = GroupSpec(
+        2,
+        "freescale",
+        init_timeout_s=60.0,
+        setup="freescale_comm:register",
+        threads=None,
+        device="cuda",
+        pg_options=FreescaleOptions(cuda_path="direct"),
     )
-    queue = spawn.Queue()
-    procs = [spawn.Process(target=_rank_main, args=(r, store.port, args, queue)) for r in range(2)]
-    for proc in procs:
-        proc.start()
     deadline = time.monotonic() + args.timeout
-    report["ranks"] = {}
-    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
-        try:
-            report["ranks"] = queue.get(timeout=1)
-        except Exception:
-            continue
-        # Written after every part: a later hang still leaves the earlier results.
-        (args.out / "comm_gpu.json").write_text(json.dumps(report, indent=2, default=str))
-    while not queue.empty():
-        report["ranks"] = queue.get()
-    for proc in procs:
-        proc.join(10)
-        if proc.is_alive():
-            report.setdefault("killed", []).append(proc.name)
-            proc.kill()
+    group = LocalGroup.of(spec)
+    try:
+        group.start(args.timeout)
+        left = deadline - time.monotonic()
+        report["ranks"]["gpus_used"] = group.run(_join_groups, timeout_s=left, stop_on_error=True)[
+            0
+        ]
+        for name in args.parts.split(","):
+            left = deadline - time.monotonic()
+            replies = group.run(_run_part, name, args.rounds, timeout_s=left, stop_on_error=True)
+            report["ranks"].update(replies[0])  # rank 0's figures (rank 0 computes, rank 1 helps)
+            # Written after every part: a later hang still leaves the earlier results.
+            (args.out / "comm_gpu.json").write_text(json.dumps(report, indent=2, default=str))
+    except RankFailure as failure:  # a rank died or ran past the deadline: the launcher ended it
+        report["killed"] = [f"rank {r}: {kind}" for r, (kind, _) in failure.failures.items()]
+        report["rank_failure"] = str(failure)[-4000:]
+    finally:
+        group.close()
     (args.out / "comm_gpu.json").write_text(json.dumps(report, indent=2, default=str))
     try:
         plot(report, args.out / "comm_gpu.png")
