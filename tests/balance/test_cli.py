@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from freescale_balance import cli
+from tests.cli_refusals import assert_refused
 
 
 @pytest.mark.parametrize(
@@ -20,11 +21,7 @@ from freescale_balance import cli
     ],
 )
 def test_bad_values_are_refused_in_one_line(argv, message, capsys, tmp_path):
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["simulate", *argv, "--out", str(tmp_path)])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message in err, err
+    assert_refused(cli.main, ["simulate", *argv, "--out", str(tmp_path)], message, capsys)
     assert not any(tmp_path.iterdir())
 
 

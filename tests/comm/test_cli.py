@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from freescale_comm import bench, cli
+from tests.cli_refusals import assert_refused
 
 
 @pytest.mark.parametrize(
@@ -21,11 +22,7 @@ from freescale_comm import bench, cli
     ],
 )
 def test_bench_refuses_bad_values_in_one_line(argv, message, capsys, tmp_path):
-    with pytest.raises(SystemExit) as refused:
-        cli.main(["bench", *argv, "--out", str(tmp_path)])
-    assert refused.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message in err, err
+    assert_refused(cli.main, ["bench", *argv, "--out", str(tmp_path)], message, capsys)
     assert not any(tmp_path.iterdir())
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from freescale_kernels import cli
+from tests.cli_refusals import assert_refused
 
 
 @pytest.mark.parametrize(
@@ -27,11 +28,7 @@ from freescale_kernels import cli
 )
 def test_bad_values_are_refused_in_one_line(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as refused:
-        cli.main(argv)
-    assert refused.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message in err, err
+    assert_refused(cli.main, argv, message, capsys)
 
 
 def test_plot_refuses_a_file_that_is_not_a_report(tmp_path, capsys):

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+T = TypeVar("T")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -71,30 +74,26 @@ def float_in(low: float, high: float | None = None, *, open_low: bool = False) -
     return parse
 
 
-def int_list(minimum: int = 1) -> Callable[[str], tuple[int, ...]]:
-    """A comma-separated list of integers, each at least ``minimum``, at least one."""
-    item = int_at_least(minimum)
+def _list_of(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
+    """A comma-separated list of ``item`` values, at least one."""
 
-    def parse(text: str) -> tuple[int, ...]:
+    def parse(text: str) -> tuple[T, ...]:
         values = tuple(item(part.strip()) for part in text.split(",") if part.strip())
         if not values:
             raise argparse.ArgumentTypeError("needs at least one value")
         return values
 
     return parse
+
+
+def int_list(minimum: int = 1) -> Callable[[str], tuple[int, ...]]:
+    """A comma-separated list of integers, each at least ``minimum``, at least one."""
+    return _list_of(int_at_least(minimum))
 
 
 def float_list(low: float, high: float | None = None) -> Callable[[str], tuple[float, ...]]:
     """A comma-separated list of numbers in ``[low, high]``, at least one."""
-    item = float_in(low, high)
-
-    def parse(text: str) -> tuple[float, ...]:
-        values = tuple(item(part.strip()) for part in text.split(",") if part.strip())
-        if not values:
-            raise argparse.ArgumentTypeError("needs at least one value")
-        return values
-
-    return parse
+    return _list_of(float_in(low, high))
 
 
 def name_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
@@ -112,6 +111,13 @@ def name_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
         return names
 
     return parse
+
+
+def print_written(written: Sequence[Path], plot_extra: str) -> None:
+    """Says which files a command wrote, and how to get the plot that needs matplotlib."""
+    if len(written) == 1:
+        print(f"matplotlib is not installed: no plot (pip install '{plot_extra}')")
+    print("wrote " + ", ".join(str(path) for path in written))
 
 
 def joined(values: Sequence[object]) -> str:

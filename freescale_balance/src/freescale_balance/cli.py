@@ -11,6 +11,7 @@ from freescale_balance._freescale_args import (
     int_at_least,
     int_list,
     joined,
+    print_written,
 )
 from freescale_balance.cost_model import CostModel
 from freescale_balance.simulate import (
@@ -121,7 +122,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     if line:
         print(line)
     written = write_report(report, args.out)
-    if len(written) == 1:
-        print("matplotlib is not installed: no plot (pip install './freescale_balance[plot]')")
-    print("wrote " + ", ".join(str(p) for p in written))
+    print_written(written, "./freescale_balance[plot]")
     return 0

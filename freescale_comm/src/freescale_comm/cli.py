@@ -8,7 +8,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from freescale_comm._freescale_args import Parser, float_in, int_at_least, int_list, name_list
+from freescale_comm._freescale_args import (
+    Parser,
+    float_in,
+    int_at_least,
+    int_list,
+    name_list,
+    print_written,
+)
 
 # The collectives freescale comm bench measures (freescale_comm.bench.OPS; not imported here so
 # that --help does not import torch).
@@ -144,9 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reports.append(report)
         print(format_table(report))
         written = write_report(report, args.out)
-        if len(written) == 1:
-            print("matplotlib is not installed: no plot (pip install './freescale_comm[plot]')")
-        print("wrote " + ", ".join(str(p) for p in written))
+        print_written(written, "./freescale_comm[plot]")
     combined = args.out / "comm_bench.json"
     command = "freescale comm " + " ".join(argv if argv is not None else sys.argv[2:])
     combined.write_text(json.dumps({"command": command, "reports": reports}, indent=2))

@@ -6,7 +6,14 @@ import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
-from freescale_embed._freescale_args import Parser, float_in, float_list, int_at_least, joined
+from freescale_embed._freescale_args import (
+    Parser,
+    float_in,
+    float_list,
+    int_at_least,
+    joined,
+    print_written,
+)
 from freescale_embed.bench import BenchConfig, format_table, run_bench, write_report
 
 
@@ -139,7 +146,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = run_bench(config, progress=True)
     print(format_table(report))
     written = write_report(report, args.out)
-    if len(written) == 1:
-        print("matplotlib is not installed: no plot (pip install './freescale_embed[plot]')")
-    print("wrote " + ", ".join(str(p) for p in written))
+    print_written(written, "./freescale_embed[plot]")
     return 0 if all(point["exact"] for point in report["points"]) else 1

@@ -10,7 +10,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
-from freescale_kernels._freescale_args import Parser, int_at_least, int_list, joined, name_list
+from freescale_kernels._freescale_args import (
+    Parser,
+    int_at_least,
+    int_list,
+    joined,
+    name_list,
+    print_written,
+)
 from freescale_kernels.bench import (
     OPS,
     PROVIDERS,
@@ -173,16 +180,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = _read_report(args)
         print("\n".join([format_table(report), *headline(report)]))
         written = write_report(report, args.out or args.json.parent)
-        if len(written) == 1:
-            print("matplotlib is not installed: no plots (pip install './kernels[plot]')")
-        print("wrote " + ", ".join(str(p) for p in written))
+        print_written(written, "./kernels[plot]")
         return 0
     report = run(_config(args), progress=True)
     print("\n".join([format_table(report), *headline(report)]))
     written = write_report(report, args.out)
-    if len(written) == 1:
-        print("matplotlib is not installed: no plots (pip install './kernels[plot]')")
-    print("wrote " + ", ".join(str(p) for p in written))
+    print_written(written, "./kernels[plot]")
     failed_checks = [
         r for r in report["results"] if str(r.get("check", "")).startswith(("FAIL", "error"))
     ]
