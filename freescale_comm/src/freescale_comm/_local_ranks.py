@@ -33,7 +33,7 @@ from datetime import timedelta
 from typing import Any
 
 _SPAWN = multiprocessing.get_context("spawn")
-# In a rank: its rank and the launcher store's port (``store_port``).
+# In a rank: its rank (``local_rank``) and the launcher store's port (``store_port``).
 _RANK: int | None = None
 _STORE_PORT: int | None = None
 
@@ -93,6 +93,13 @@ def store_port() -> int:
     if _STORE_PORT is None:
         raise RuntimeError("store_port() is only known in a rank that a LocalGroup started")
     return _STORE_PORT
+
+
+def local_rank() -> int:
+    """In a rank: its rank in the launcher's group, known before any process group exists."""
+    if _RANK is None:
+        raise RuntimeError("local_rank() is only known in a rank that a LocalGroup started")
+    return _RANK
 
 
 def _join_group(rank: int, spec: GroupSpec, port: int) -> None:
