@@ -40,7 +40,7 @@ def test_dry_run_measures_every_configuration_and_checks_exactness(tmp_path, cap
     for r in setting["rows"]:
         assert r["step_ms"] > 0 and r["samples_per_s"] > 0
         assert (r["prefetch_mb"] > 0) == (r["run"]["mode"] == "prioritized")
-    assert len(results["scale"]["points"]) == 4 and len(results["collisions"]) == 3
+    assert len(results["scale"]["points"]) == 4 and len(results["collisions"]) == 2 * 3
     assert (tmp_path / "ablation.png").exists() and (tmp_path / "scale.png").exists()
     # The tables come last, the simulation's at the end.
     assert printed.rstrip().splitlines()[-1].startswith("wall")
