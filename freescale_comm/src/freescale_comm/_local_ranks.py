@@ -334,7 +334,7 @@ def _reporting_rank(
     target: Callable[..., None], argument_first: bool, args: tuple[Any, ...]
 ) -> list[tuple[Any, ...]]:
     replies = Replies()
-    rank, port = _RANK, store_port()
+    rank, port = local_rank(), store_port()
     if argument_first:
         target(rank, *args, port, replies)
     else:
