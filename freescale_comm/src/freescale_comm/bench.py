@@ -98,10 +98,12 @@ class BenchConfig:
         return (*own, "nccl") if gpus >= self.world_size else own
 
 
-def _bench_rank(config: BenchConfig) -> list[dict[str, Any]]:
-    """One rank of ``run_bench``, in the launcher's freescale group: every row of the sweep."""
+def _bench_rank(config: BenchConfig, progress: bool) -> list[dict[str, Any]]:
+    """One rank of ``run_bench``, in the launcher's freescale group: every row of the sweep
+    (``progress``: rank 0 shows a bar of the (op, size) points on stderr)."""
     import torch
     import torch.distributed as dist
+    from tqdm import tqdm
 
     from freescale_comm.options import FreescaleOptions
 
@@ -116,11 +118,12 @@ def _bench_rank(config: BenchConfig) -> list[dict[str, Any]]:
         )
     if "nccl" in names:
         groups["nccl"] = dist.new_group(backend="nccl", timeout=timeout)
-    return [
-        _measure(config, op, size, {n: groups[n] for n in names}, gloo)
-        for op in config.ops
-        for size in config.sizes()
-    ]
+    points = [(op, size) for op in config.ops for size in config.sizes()]
+    shown = progress and dist.get_rank() == 0
+    bar = tqdm(
+        points, desc=f"comm bench, {config.world_size} ranks", disable=not shown, leave=False
+    )
+    return [_measure(config, op, size, {n: groups[n] for n in names}, gloo) for op, size in bar]
 
 
 def _calls(
@@ -245,8 +248,16 @@ def run_local_ranks(
     return reported[0]
 
 
-def run_bench(config: BenchConfig, timeout_s: float = 1800) -> dict[str, Any]:
-    """Runs the sweep on ``config.world_size`` local processes; returns the report."""
+def run_bench(
+    config: BenchConfig, timeout_s: float = 1800, progress: bool = False
+) -> dict[str, Any]:
+    """Runs the sweep on ``config.world_size`` local processes; returns the report.
+
+    Args:
+        config: what to measure.
+        timeout_s: bound on the whole sweep.
+        progress: rank 0 shows a progress bar of the (op, size) points on stderr.
+    """
     import torch
 
     import freescale_comm
@@ -265,7 +276,7 @@ def run_bench(config: BenchConfig, timeout_s: float = 1800) -> dict[str, Any]:
         pg_options=FreescaleOptions(cuda_path="direct"),
     )
     # Every rank measures every row; rank 0's are reported (the times are maxima over ranks).
-    payload = run_ranks(spec, _bench_rank, config, timeout_s=timeout_s)[0]
+    payload = run_ranks(spec, _bench_rank, config, progress, timeout_s=timeout_s)[0]
 
     gpus = torch.cuda.device_count() if config.device == "cuda" else 0
     return {

@@ -146,8 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             device=args.device,
             threads=args.threads,
         )
-        print(f"{world_size} ranks: {len(config.sizes())} sizes x {len(config.ops)} ops ...")
-        report = run_bench(config)
+        report = run_bench(config, progress=True)
         reports.append(report)
         print(format_table(report))
         written = write_report(report, args.out)
