@@ -822,6 +822,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the parts as the command line says (or draws a saved report); 0."""
     parser = argparse.ArgumentParser(prog="comm_gpu")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/comm_gpu")))
     parser.add_argument("--rounds", type=int, default=20, help="overlap rounds (48 matmuls each)")
@@ -858,9 +859,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         group.start(args.timeout)
         left = deadline - time.monotonic()
-        report["ranks"]["gpus_used"] = group.run(_join_groups, timeout_s=left, stop_on_error=True)[
-            0
-        ]
+        gpus_used = group.run(_join_groups, timeout_s=left, stop_on_error=True)
+        report["ranks"]["gpus_used"] = gpus_used[0]
         for name in args.parts.split(","):
             left = deadline - time.monotonic()
             replies = group.run(_run_part, name, args.rounds, timeout_s=left, stop_on_error=True)

@@ -103,6 +103,7 @@ def _rank() -> dict[str, Any]:
 
 
 def main() -> int:
+    """Measures on two local ranks, writes the JSON and prints a line per size; 0."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))
     parser.add_argument(

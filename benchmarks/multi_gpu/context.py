@@ -74,6 +74,7 @@ class Ctx:
 
 
 def sync(ctx: Ctx) -> None:
+    """Waits for this rank's GPU work (nothing to wait for on CPU)."""
     import torch
 
     if ctx.cuda:
@@ -81,12 +82,14 @@ def sync(ctx: Ctx) -> None:
 
 
 def barrier(ctx: Ctx) -> None:
+    """A barrier of every rank over the benchmark's Gloo group."""
     import torch.distributed as dist
 
     dist.barrier(group=ctx.gloo)
 
 
 def allgather(ctx: Ctx, obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (over the Gloo group)."""
     import torch.distributed as dist
 
     out: list[Any] = [None] * ctx.n
@@ -110,6 +113,7 @@ def pattern(src: int, start: int, count: int, dev: Any) -> Any:
 def collective(
     op: str, group: Any, out: Any, inp: Any, splits: Any = None, async_op: bool = False
 ) -> Any:
+    """Issues ``op`` on ``group`` (``splits``: (output, input) splits of the uneven AllToAll)."""
     import torch.distributed as dist
 
     if op == "all_gather_into_tensor":
@@ -166,6 +170,7 @@ def time_iters(ctx: Ctx, fn: Any, warmup: int, iters: int) -> list[float]:
 
 
 def iters_for(nbytes: int) -> tuple[int, int]:
+    """(warm-up, timed) calls of a collective of ``nbytes``."""
     if nbytes <= MIB:
         return 3, 20
     if nbytes <= 32 * MIB:

@@ -123,6 +123,7 @@ CHECKS = (
 
 
 def run_correctness(ctx: Ctx, deadline: float) -> dict[str, Any]:
+    """Part 2: every check per freescale path and dtype, against NCCL and the expected values."""
     import torch
 
     rows = []

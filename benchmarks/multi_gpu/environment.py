@@ -12,6 +12,7 @@ from .settings import FREESCALE, KIB
 
 
 def run_setup(ctx: Ctx, deadline: float) -> dict[str, Any]:
+    """Part 1: what each rank runs on, a collective per group, the paths, ``nccl_ce``'s buffers."""
     import torch
     import torch.distributed as dist
 

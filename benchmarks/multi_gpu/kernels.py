@@ -10,6 +10,7 @@ from .settings import MIB
 
 
 def run_kernels(ctx: Ctx, deadline: float) -> dict[str, Any]:
+    """Part 3: CUDA kernels and copies per collective and backend, from the profiler (rank 0)."""
     import torch
 
     if not ctx.cuda:

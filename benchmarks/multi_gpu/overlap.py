@@ -158,6 +158,7 @@ def _window_with_traffic(
 
 
 def run_overlap(ctx: Ctx, deadline: float) -> dict[str, Any]:
+    """Part 5: per compute kernel, op and size, each backend's slowdown of the compute."""
     import torch
 
     args, n, rank = ctx.args, ctx.n, ctx.rank

@@ -11,6 +11,7 @@ from .sizes import fmt_size
 
 
 def draw_plots(report: dict[str, Any], out: Path) -> list[str]:
+    """Writes sweep.png and overlap.png under ``out``; the files written (or why none)."""
     try:
         import matplotlib
 

@@ -12,6 +12,7 @@ from .sizes import fmt_size
 
 
 def write_json(out: Path, report: dict[str, Any]) -> None:
+    """Rewrites the report under ``out`` (whole or not at all: a temporary file, then a rename)."""
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / (JSON_NAME + ".tmp")
     tmp.write_text(json.dumps(report, indent=1, default=str))
@@ -19,6 +20,7 @@ def write_json(out: Path, report: dict[str, Any]) -> None:
 
 
 def section_result(report: dict[str, Any], phase: str, name: str) -> Any:
+    """The result of part ``name`` of ``phase``, or ``None``."""
     return report["phases"].get(phase, {}).get("sections", {}).get(name, {}).get("result")
 
 
@@ -32,6 +34,7 @@ def main_section(report: dict[str, Any], name: str) -> Any:
 
 
 def sweep_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The sweep rows of every phase."""
     rows = []
     for phase in report["phases"]:
         result = section_result(report, phase, "sweep")
@@ -41,6 +44,7 @@ def sweep_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def overlap_combos(report: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(phase, combo) of every phase's overlap part."""
     combos = []
     for phase in report["phases"]:
         result = section_result(report, phase, "overlap")
@@ -50,6 +54,7 @@ def overlap_combos(report: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def summarize(report: dict[str, Any]) -> dict[str, Any]:
+    """The verdicts: correctness, sweep errors, peak busbw, kernels, overlap targets."""
     summary: dict[str, Any] = {}
     corr = main_section(report, "correctness")
     if isinstance(corr, dict) and "rows" in corr:
@@ -96,6 +101,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_table(report: dict[str, Any]) -> str:
+    """The short text table printed last."""
     lines = [
         f"== freescale vs NCCL, {report['nprocs']} ranks"
         f"{' (DRY RUN: CPU, Gloo for NCCL)' if report['dry_run'] else ''} =="

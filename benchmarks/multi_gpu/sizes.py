@@ -8,12 +8,14 @@ from .settings import GIB, KIB, MIB
 
 
 def parse_size(text: str) -> int:
+    """Bytes of ``8``, ``64K``, ``1MiB``, ``1G``..."""
     text = text.strip().upper().removesuffix("B").removesuffix("I")
     scale = {"K": KIB, "M": MIB, "G": GIB}.get(text[-1:], 1)
     return int(float(text.rstrip("KMG")) * scale)
 
 
 def fmt_size(nbytes: int) -> str:
+    """``nbytes`` in the largest unit that divides it."""
     for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
         if nbytes >= scale and nbytes % scale == 0:
             return f"{nbytes // scale} {unit}"
@@ -21,6 +23,7 @@ def fmt_size(nbytes: int) -> str:
 
 
 def sweep_sizes(lo: int, hi: int, factor: int) -> list[int]:
+    """Sizes from ``lo`` to ``hi``, each ``factor`` times the previous."""
     sizes, size = [], max(1, lo)
     while size <= hi:
         sizes.append(size)

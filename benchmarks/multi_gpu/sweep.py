@@ -24,6 +24,7 @@ from .sizes import fmt_size, geometry, sweep_sizes, uneven_counts
 
 
 def run_sweep(ctx: Ctx, deadline: float) -> dict[str, Any]:
+    """Part 4: every op, size and backend timed and checked (nccl-tests' sizes and busbw)."""
     import torch
 
     args, n, rank = ctx.args, ctx.n, ctx.rank
