@@ -16,30 +16,22 @@ import argparse
 import cProfile
 import io
 import json
-import os
 import pstats
 import statistics
 import time
 from datetime import timedelta
 from typing import Any
 
-from freescale_comm.bench import run_local_ranks
+from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
 
 
-def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def _rank(args: argparse.Namespace) -> dict[str, Any]:
+    """One rank on the launcher's freescale group: the figures (rank 0's are reported)."""
     import torch
     import torch.distributed as dist
 
-    import freescale_comm
-
-    torch.set_num_threads(1)
-    freescale_comm.register()
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
     timeout = timedelta(seconds=60)
-    dist.init_process_group(
-        "freescale", store=store, rank=rank, world_size=args.ranks, timeout=timeout
-    )
     gloo = dist.new_group(backend="gloo", timeout=timeout)
     n = args.ranks
     inp = torch.arange(2 * n, dtype=torch.float32)  # 8 bytes per peer
@@ -76,9 +68,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
         }
     if args.profile:
         report["profile"] = _profile(rank, calls, args.calls)
-    if rank == 0:
-        queue.put(("ok", report))
-    dist.destroy_process_group()
+    return report
 
 
 def _profile(rank: int, calls: dict[str, Any], count: int) -> dict[str, Any]:
@@ -128,9 +118,11 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
 
-    kind, report = run_local_ranks(_rank, args.ranks, args, 600)
-    if kind != "ok":
-        raise SystemExit(f"a rank failed: {report}")
+    spec = GroupSpec(args.ranks, "freescale", setup="freescale_comm:register")
+    try:
+        report = run_ranks(spec, _rank, args, timeout_s=600)[0]
+    except RankFailure as failure:
+        raise SystemExit(f"a rank failed: {failure}") from None
     profile = report.pop("profile", {})
     for key, value in profile.items():
         if key.endswith("_us"):

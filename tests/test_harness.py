@@ -91,18 +91,3 @@ def test_reporting_targets_keep_the_bench_launchers_working():
     assert launch_ranks(report_twice_the_rank, 2, (-1,), 60) == {0: ("ok", 0), 1: ("ok", 2)}
     replies = launch_ranks(report_twice_the_rank, 2, (1,), 60, stop_on_error=True)
     assert replies[1][0] == "error" and "planted report" in replies[1][1]
-
-
-def report_from_rank_zero(rank: int, argument: int, port: int, queue) -> None:
-    """A target of ``run_local_ranks``' shape: the argument before the port and queue."""
-    store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    if rank == 0:
-        queue.put(("ok", argument + 1))
-    dist.destroy_process_group()
-
-
-def test_run_local_ranks_returns_the_first_report():
-    from freescale_comm.bench import run_local_ranks
-
-    assert run_local_ranks(report_from_rank_zero, 2, 41, 60) == ("ok", 42)

@@ -330,15 +330,10 @@ class Replies:
         self.items.append(item)
 
 
-def _reporting_rank(
-    target: Callable[..., None], argument_first: bool, args: tuple[Any, ...]
-) -> list[tuple[Any, ...]]:
+def _reporting_rank(target: Callable[..., None], args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
     replies = Replies()
-    rank, port = local_rank(), store_port()
-    if argument_first:
-        target(rank, *args, port, replies)
-    else:
-        target(rank, port, replies, *args)
+    rank = local_rank()
+    target(rank, store_port(), replies, *args)
     errors = [item[-1] for item in replies.items if item[-2] != "ok"]
     if errors:
         raise RuntimeError(f"rank {rank} reported an error:\n{errors[0]}")
@@ -351,14 +346,13 @@ def run_reporting_ranks(
     args: tuple[Any, ...],
     timeout_s: float,
     *,
-    argument_first: bool = False,
     stop_on_error: bool = True,
 ) -> dict[int, list[tuple[Any, ...]]]:
     """Runs a target that joins its group itself and reports on a queue, on ``run_ranks``.
 
-    The target is called as ``target(rank, port, queue, *args)`` (``argument_first``:
-    ``target(rank, *args, port, queue)``) with the launcher store's port, and reports with
-    ``queue.put((..., kind, payload))``, ``kind`` ``"ok"`` or ``"error"``.
+    The target is called as ``target(rank, port, queue, *args)`` with the launcher store's
+    port, and reports with ``queue.put((..., kind, payload))``, ``kind`` ``"ok"`` or
+    ``"error"``.
 
     Returns:
         Per rank, the replies it put; a rank that failed or timed out gets ``[(kind, why)]``
@@ -370,7 +364,6 @@ def run_reporting_ranks(
             spec,
             _reporting_rank,
             target,
-            argument_first,
             args,
             timeout_s=timeout_s,
             stop_on_error=stop_on_error,

@@ -34,7 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from freescale_comm._local_ranks import GroupSpec, run_ranks, run_reporting_ranks
+from freescale_comm._local_ranks import GroupSpec, run_ranks
 
 OPS = ("all_gather", "all_to_all")
 
@@ -231,21 +231,6 @@ def _max_over_ranks(values: list[float], group: Any) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
-
-
-def run_local_ranks(
-    target: Callable[..., None], world_size: int, argument: Any, timeout_s: float
-) -> tuple[str, Any]:
-    """Runs ``target(rank, argument, port, queue)`` on ``world_size`` local ranks of the one
-    launcher (``_local_ranks``); each rank joins its group itself on the launcher's store
-    (``port``). Returns the first ``(kind, payload)`` a rank put on ``queue`` (``kind`` ``"ok"``
-    or ``"error"``), or why none came (``"timeout"``, ``"died"``)."""
-    replies = run_reporting_ranks(target, world_size, (argument,), timeout_s, argument_first=True)
-    failed = [items[0] for items in replies.values() if items and items[0][0] != "ok"]
-    reported = [items[0] for items in replies.values() if items]
-    if failed or not reported:
-        return failed[0] if failed else ("error", "no rank reported")
-    return reported[0]
 
 
 def run_bench(
