@@ -29,7 +29,6 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -297,23 +296,6 @@ def rank_device(config: BenchConfig, rank: int) -> torch.device:
         return torch.device("cpu")
     torch.cuda.set_device(rank % torch.cuda.device_count())
     return torch.device("cuda", torch.cuda.current_device())
-
-
-def init_group(config: BenchConfig, rank: int, port: int) -> Any:
-    """Joins the bench's process group; returns the Gloo group for barriers (``None``: default)."""
-    if config.backend == "freescale":
-        import freescale_comm
-
-        freescale_comm.register()
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
-    dist.init_process_group(
-        config.backend,
-        store=store,
-        rank=rank,
-        world_size=config.world_size,
-        timeout=timedelta(seconds=300),
-    )
-    return None if config.backend == "gloo" else dist.new_group(backend="gloo")
 
 
 def _bench_rank(config: BenchConfig, progress: bool) -> list[dict[str, Any]]:
