@@ -2,11 +2,13 @@
 and call site, per step.
 
 Each run spec (``--runs``) is trained alone on ``train_e2e.py``'s CUDA model (2 ranks sharing the
-GPU) with torch's sync debug mode on in every rank; each rank counts the calls it reported
-(``torch.cuda.set_sync_debug_mode``: reads such as ``.item()``, ``.tolist()``, ``.cpu()``,
-``nonzero``, pageable copies; not explicit stream or event synchronizations) by its thread
-and its innermost FreeScale frames. On a GPU shared by two processes each such read also waits
-for the other process's queued kernels. Writes ``syncs.json`` and prints a table.
+GPU) with torch's sync debug mode on in every rank; each rank counts the calls torch reports
+(``torch.cuda.set_sync_debug_mode``: reads such as ``.item()``, ``.tolist()``, ``nonzero``,
+pageable copies, stream synchronizations) by thread and innermost FreeScale frames, and divides
+by the run's steps (the evaluation after them included, under its own call sites). Calls made
+where no Python frame is (autograd's device thread, a backend's own threads) are printed by
+torch, not counted. On a GPU shared by two processes each such call also waits for the other
+process's queued kernels. Writes ``syncs.json`` and prints a table.
 
 Usage::
 
