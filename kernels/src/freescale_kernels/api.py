@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from freescale_kernels._backend import resolve_backend
-from freescale_kernels.layout import Dispatched, Jagged, UniqueResult
+from freescale_kernels.layout import Dispatched, JaggedTensor, UniqueResult
 from freescale_kernels.ops import reference
 from freescale_kernels.tiles import TUNED, Tiles
 
@@ -40,7 +40,7 @@ def jagged_index_select(
     output_size: int | None = None,
     backend: str | None = None,
     tiles: Tiles = TUNED,
-) -> Jagged:
+) -> JaggedTensor:
     """The runs of the samples at ``indices``, in that order, in every key.
 
     Args:
@@ -54,7 +54,7 @@ def jagged_index_select(
         tiles: see the module docstring.
 
     Returns:
-        ``Jagged(values, lengths)`` with lengths ``[M]`` or ``[F, M]`` in ``lengths.dtype``.
+        ``JaggedTensor(values, lengths)`` with lengths ``[M]`` or ``[F, M]`` in ``lengths.dtype``.
         The gradient of a run picked several times is the sum of its picks' gradients, summed
         in output order (deterministic on both backends; Triton sums bf16 in float32).
 
@@ -63,7 +63,7 @@ def jagged_index_select(
         >>> values = torch.tensor([1, 2, 3, 4, 5, 6])
         >>> lengths = torch.tensor([[2, 0, 1], [1, 2, 0]])  # 2 keys, 3 samples
         >>> jagged_index_select(values, lengths, torch.tensor([2, 0, 0]))
-        Jagged(values=tensor([3, 1, 2, 1, 2, 4, 4]), lengths=tensor([[1, 2, 2],
+        JaggedTensor(values=tensor([3, 1, 2, 1, 2, 4, 4]), lengths=tensor([[1, 2, 2],
                 [0, 1, 1]]))
     """
     if resolve_backend(backend, values) == "triton":
@@ -132,7 +132,7 @@ def ranged_combine(
     *,
     backend: str | None = None,
     tiles: Tiles = TUNED,
-) -> Jagged:
+) -> JaggedTensor:
     """The inverse of ``ranged_dispatch``: a rank-major buffer back to key-major sample order.
 
     Sample ``b``'s runs are read from rank ``ranks[b]``'s block of ``values``, where the samples
@@ -150,14 +150,14 @@ def ranged_combine(
         tiles: see the module docstring.
 
     Returns:
-        ``Jagged(values, lengths)``: key-major values, lengths ``[F, B]``. Differentiable; the
+        ``JaggedTensor(values, lengths)``: key-major values, lengths ``[F, B]``. Differentiable; the
         backward is ``ranged_dispatch``.
 
     Example (undoes the ``ranged_dispatch`` example)::
 
         >>> sent = torch.tensor([12, 10, 11, 20, 21, 22])
         >>> ranged_combine(sent, torch.tensor([1, 0, 2, 0, 1, 2]), torch.tensor([1, 0, 1]), 2)
-        Jagged(values=tensor([10, 11, 12, 20, 21, 22]), lengths=tensor([[2, 1, 0],
+        JaggedTensor(values=tensor([10, 11, 12, 20, 21, 22]), lengths=tensor([[2, 1, 0],
                 [1, 0, 2]]))
     """
     if resolve_backend(backend, values) == "triton":
@@ -176,7 +176,7 @@ def keyed_transpose(
     to_key_major: bool = True,
     backend: str | None = None,
     tiles: Tiles = TUNED,
-) -> Jagged:
+) -> JaggedTensor:
     """Rank-major (rank, key, sample) <-> key-major (key, rank, sample) jagged layouts.
 
     The ``N = counts.sum()`` samples form consecutive blocks, ``counts[r]`` for rank ``r``.
@@ -193,14 +193,14 @@ def keyed_transpose(
         tiles: see the module docstring.
 
     Returns:
-        ``Jagged(values, lengths)``: lengths ``[F, N]`` when key-major, flat ``[F * N]`` when
+        ``JaggedTensor(values, lengths)``: lengths ``[F, N]`` when key-major, flat ``[F * N]`` when
         rank-major. Differentiable; the backward is the opposite transpose.
 
     Example (2 ranks sent 1 and 2 samples of 2 keys)::
 
         >>> received = torch.tensor([12, 10, 11, 20, 21, 22])
         >>> keyed_transpose(received, torch.tensor([1, 0, 2, 0, 1, 2]), torch.tensor([1, 2]), 2)
-        Jagged(values=tensor([12, 10, 11, 20, 21, 22]), lengths=tensor([[1, 2, 0],
+        JaggedTensor(values=tensor([12, 10, 11, 20, 21, 22]), lengths=tensor([[1, 2, 0],
                 [0, 1, 2]]))
     """
     if resolve_backend(backend, values) == "triton":

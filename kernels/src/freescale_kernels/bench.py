@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 from freescale_kernels import api
 from freescale_kernels._backend import interpreting, triton_available
-from freescale_kernels.layout import Dispatched
+from freescale_kernels.layout import Dispatched, JaggedTensor
 from freescale_kernels.ops import naive
 from freescale_kernels.tiles import TUNED, Tiles
 
@@ -332,7 +332,8 @@ def _same(got: Any, want: Any, op: str) -> str | None:
     """None when ``got`` equals ``want`` (close, for float sums), else what differs."""
     if op == "segment_sum":
         return None if torch.allclose(got, want, rtol=1e-4, atol=1e-3) else "sums differ"
-    for name, a, b in zip(type(want)._fields, got, want, strict=True):
+    names = ("values", "lengths") if isinstance(want, JaggedTensor) else type(want)._fields
+    for name, a, b in zip(names, got, want, strict=True):
         if a.shape != b.shape or not torch.equal(a, b):
             return f"{name} differs"
     return None

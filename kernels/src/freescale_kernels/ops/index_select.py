@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from freescale_kernels._backend import interpreting
-from freescale_kernels.layout import Jagged, as_rows, exclusive_cumsum, keyed_lengths
+from freescale_kernels.layout import JaggedTensor, as_rows, exclusive_cumsum, keyed_lengths
 from freescale_kernels.ops.jagged_copy import (
     find_tile_segments,
     gather_segments,
@@ -302,7 +302,7 @@ def jagged_index_select(
     offsets: torch.Tensor | None = None,
     output_size: int | None = None,
     tile: CopyTile = TUNED.copy,
-) -> Jagged:
+) -> JaggedTensor:
     """Triton ``freescale_kernels.jagged_index_select`` (indices are not range-checked)."""
     keyed = keyed_lengths(lengths)
     num_keys, batch = keyed.shape
@@ -322,4 +322,4 @@ def jagged_index_select(
         out = gather_segments(rows, out_offsets, src_starts, output_size, tile=tile)
         out = out.reshape(output_size, *values.shape[1:])
     shaped = out_lengths.reshape(num_keys, index.numel()) if lengths.dim() == 2 else out_lengths
-    return Jagged(out, shaped)
+    return JaggedTensor(out, shaped)

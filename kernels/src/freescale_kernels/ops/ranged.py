@@ -39,7 +39,7 @@ import triton.language as tl
 from freescale_kernels._backend import interpreting
 from freescale_kernels.layout import (
     Dispatched,
-    Jagged,
+    JaggedTensor,
     check_ranks,
     check_world_size,
     exclusive_cumsum,
@@ -607,11 +607,11 @@ def ranged_combine(
     ranks: torch.Tensor,
     num_keys: int,
     tile: CopyTile = TUNED.copy,
-) -> Jagged:
+) -> JaggedTensor:
     """Triton ``freescale_kernels.ranged_combine``."""
     plan = plan_combine(lengths, ranks, num_keys, values.shape[0])
     out = move(values, plan, tile)
-    return Jagged(out, plan.out_lengths.reshape(num_keys, ranks.numel()))
+    return JaggedTensor(out, plan.out_lengths.reshape(num_keys, ranks.numel()))
 
 
 def keyed_transpose(
@@ -622,7 +622,7 @@ def keyed_transpose(
     *,
     to_key_major: bool = True,
     tile: CopyTile = TUNED.copy,
-) -> Jagged:
+) -> JaggedTensor:
     """Triton ``freescale_kernels.keyed_transpose``."""
     plan, total = plan_transpose(
         lengths, counts, num_keys, values.shape[0], to_key_major=to_key_major
@@ -631,4 +631,4 @@ def keyed_transpose(
     out_lengths = plan.out_lengths
     if to_key_major:
         out_lengths = out_lengths.reshape(num_keys, total)
-    return Jagged(out, out_lengths)
+    return JaggedTensor(out, out_lengths)
