@@ -19,7 +19,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from freescale_comm.bench import run_local_ranks
+from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
 
 
 def _size(text: str) -> int:
@@ -28,22 +28,13 @@ def _size(text: str) -> int:
     return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
-def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
-    if args.threads:
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One rank on the launcher's freescale group: every row (rank 0 prints them)."""
     import torch
     import torch.distributed as dist
 
-    import freescale_comm
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    freescale_comm.register()
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
     timeout = timedelta(seconds=120)
-    dist.init_process_group(
-        "freescale", store=store, rank=rank, world_size=args.ranks, timeout=timeout
-    )
     gloo = dist.new_group(backend="gloo", timeout=timeout)
     n = args.ranks
     rows = []
@@ -86,9 +77,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
                     f"  ratio {fs / gl:.2f}",
                     flush=True,
                 )
-    if rank == 0:
-        queue.put(("ok", rows))
-    dist.destroy_process_group()
+    return rows
 
 
 def main() -> None:
@@ -104,9 +93,17 @@ def main() -> None:
     args.sizes = [_size(s) for s in args.sizes.split(",")]
     args.ops = args.ops.split(",")
 
-    kind, rows = run_local_ranks(_rank, args.ranks, args, 900)
-    if kind != "ok":
-        raise SystemExit(f"a rank failed: {rows}")
+    spec = GroupSpec(
+        args.ranks,
+        "freescale",
+        init_timeout_s=120,
+        setup="freescale_comm:register",
+        threads=args.threads or None,
+    )
+    try:
+        rows = run_ranks(spec, _rank, args, timeout_s=900)[0]
+    except RankFailure as failure:
+        raise SystemExit(f"a rank failed: {failure}") from None
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -1,7 +1,8 @@
 """GPU checks and measurements of freescale_comm's CUDA paths, in one call.
 
-Two ranks, one GPU each where the machine has two (rank r uses GPU r % device count), else both
-on GPU 0. In order, each part reported even if another fails:
+Two ranks on the one rank launcher (``freescale_comm._local_ranks``), one GPU each where the
+machine has two (rank r uses GPU r % device count), else both on GPU 0. In order, each part
+reported even if another fails:
 
 1. correctness of the direct (device buffers to UCX: cuda_ipc) and staged (chunked D2H, host
    messages, H2D) paths for every own collective, several dtypes, uneven splits, multi-chunk
@@ -21,8 +22,9 @@ on GPU 0. In order, each part reported even if another fails:
    same window, paced one slice per matmul; NCCL's own collectives too where two GPUs exist.
    Each window of 48 matmuls with traffic sits between two windows without (GPU clocks drift by
    several percent over seconds) and is compared with their mean; medians over rounds; a
-   "control" window with no traffic gives the method's own noise, and PCIe copies of the same
-   bytes in rank 0's process and in rank 1's (another CUDA context) separate the costs.
+   "control" window with no traffic gives the method's own noise (``overlap_rounds.py``, the
+   method ``multi_gpu_vs_nccl.py`` uses too), and PCIe copies of the same bytes in rank 0's
+   process and in rank 1's (another CUDA context) separate the costs.
 
 Writes ``comm_gpu.json`` under ``--out`` (default ``$OUT`` or ``out/comm_gpu``) after every part
 and prints a table last. Run on the GPU machine from the project root:
@@ -34,15 +36,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing
 import os
-import random
 import statistics
 import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from overlap_rounds import alternated_rounds
 
 try:
     import triton
@@ -51,10 +53,20 @@ except ImportError:  # CPU machines: the module still imports (lint, docs)
     triton = None
 
 MIB = 1 << 20
+PCIE_GBPS = 55.0  # pinned copies each way on the H200 machine (shared/GPU.md)
 SM_COPY_PROGRAMS = 16
 MATMULS = 48
 STAGED_REPEATS = 15
-PARTS = ("correctness", "kernels", "staged_rates", "overlap")
+PARTS = ("correctness", "kernels", "busbw", "latency", "staged_rates", "overlap")
+BUSBW_SIZES = [64 * MIB, 128 * MIB, 256 * MIB, 512 * MIB, 1024 * MIB]
+BUSBW_REPEATS = 7
+LATENCY_SIZES = [8, 64 << 10, 1 << 20]
+# Staging rings with more or larger slots than the default 8 x 4 MiB per direction and pair.
+POOL_VARIANTS = {
+    "staged_16x4MiB": {"staging_pool_bytes": 128 * MIB},
+    "staged_8x8MiB": {"staging_pool_bytes": 128 * MIB, "chunk_bytes": 8 * MIB},
+}
+LATENCY_CALLS = 200
 
 if triton is not None:
 
@@ -120,7 +132,7 @@ def _correctness(groups: dict[str, Any]) -> dict[str, Any]:
     rank, n = dist.get_rank(), dist.get_world_size()
     dev = _device()
     rows = []
-    for path in ("direct", "staged"):
+    for path in ("direct", "staged", "staged_ucx"):
         group = groups[path]
         for dtype, scale in (
             (torch.float32, 1),
@@ -179,7 +191,7 @@ def _stream_semantics(groups: dict[str, Any]) -> list[dict[str, Any]]:
     big = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     numel = 16 * MIB  # 64 MiB of float32
     results = []
-    for path in ("direct", "staged"):
+    for path in ("direct", "staged", "staged_ucx"):
         group = groups[path]
         source = torch.arange(numel, device=dev, dtype=torch.float32) + rank * numel
         want = torch.cat(
@@ -238,7 +250,7 @@ def _kernels(groups: dict[str, Any]) -> dict[str, Any]:
     dev = _device()
     x = torch.randn(8 * MIB, device=dev)  # 32 MiB: several staging chunks
     result = {}
-    for path in ("direct", "staged", "sm_copy_reference"):
+    for path in ("direct", "staged", "staged_ucx", "sm_copy_reference"):
         y = torch.empty_like(x)
         torch.cuda.synchronize()
         dist.barrier(group=groups["gloo"])
@@ -265,6 +277,97 @@ def _kernels(groups: dict[str, Any]) -> dict[str, Any]:
                 "memcpy_kinds": sorted(set(other))[:8],
             }
     return result
+
+
+# ----------------------------------------------------------------------------- busbw
+def _busbw(groups: dict[str, Any]) -> list[dict[str, Any]]:
+    """nccl-tests' busbw of AllToAll and AllGather per path, 64 MiB to 1 GiB per rank: the
+    median over repeats of the slower rank's time of one call (after a warm-up call)."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    dev = _device()
+    gloo = groups["gloo"]
+    rows = []
+    for size in BUSBW_SIZES:
+        x = torch.randn(size // 4, device=dev)
+        y = torch.empty_like(x)
+        piece = x[: x.numel() // n]
+        ops = {
+            "all_to_all": lambda g, x=x, y=y: dist.all_to_all_single(y, x, group=g),
+            "all_gather": lambda g, x=piece, y=y: dist.all_gather_into_tensor(y, x, group=g),
+        }
+        for path in ("staged", "direct", "staged_ucx", *POOL_VARIANTS):
+            if path == "staged_ucx" and size > 256 * MIB:
+                continue  # 4-7 GB/s: the large sizes would take most of the call's time
+            if path in POOL_VARIANTS and size not in (64 * MIB, 1024 * MIB):
+                continue
+            for op, call in ops.items():
+                call(groups[path])
+                t = _timed(lambda call=call, path=path: call(groups[path]), BUSBW_REPEATS, gloo)
+                rows.append(
+                    {
+                        "path": path,
+                        "op": op,
+                        "size": size,
+                        "ms": 1e3 * t,
+                        "algbw_gbps": size / t / 1e9,
+                        "busbw_gbps": size * (n - 1) / n / t / 1e9,
+                    }
+                )
+        del x, y, piece, ops
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ----------------------------------------------------------------------------- latency
+def _latency(groups: dict[str, Any]) -> list[dict[str, Any]]:
+    """Small CUDA ``all_to_all_single`` per path: the host time of one call (call to return,
+    after a barrier and with the GPU idle), one call until its result is on the GPU (call to
+    the end of ``torch.cuda.synchronize``), and back-to-back calls then one synchronize
+    (per call). Medians; the slower rank."""
+    import torch
+    import torch.distributed as dist
+
+    dev = _device()
+    gloo = groups["gloo"]
+    rows = []
+    for nbytes in LATENCY_SIZES:
+        x = torch.ones(max(2, nbytes // 4), device=dev)
+        y = torch.empty_like(x)
+        for path in ("staged", "direct", "staged_ucx"):
+            group = groups[path]
+            for _ in range(10):
+                dist.all_to_all_single(y, x, group=group)
+            torch.cuda.synchronize()
+            host, done = [], []
+            for _ in range(LATENCY_CALLS // 4):
+                dist.barrier(group=gloo)
+                t0 = time.perf_counter()
+                dist.all_to_all_single(y, x, group=group)
+                host.append(time.perf_counter() - t0)
+                torch.cuda.synchronize()
+                done.append(time.perf_counter() - t0)
+            per_call = []
+            for _ in range(3):
+                torch.cuda.synchronize()
+                dist.barrier(group=gloo)
+                t0 = time.perf_counter()
+                for _ in range(LATENCY_CALLS // 2):
+                    dist.all_to_all_single(y, x, group=group)
+                torch.cuda.synchronize()
+                per_call.append((time.perf_counter() - t0) / (LATENCY_CALLS // 2))
+            rows.append(
+                {
+                    "path": path,
+                    "bytes": nbytes,
+                    "host_ms": 1e3 * _max(statistics.median(host), gloo),
+                    "done_ms": 1e3 * _max(statistics.median(done), gloo),
+                    "back_to_back_ms": 1e3 * _max(statistics.median(per_call), gloo),
+                }
+            )
+    return rows
 
 
 # ----------------------------------------------------------------------------- 3. staged rates
@@ -307,6 +410,7 @@ def _staged_rates(groups: dict[str, Any], sizes: list[int]) -> list[dict[str, An
             "host_exchange": host,
             "h2d": h2d,
             "staged": collective("staged"),
+            "staged_ucx": collective("staged_ucx"),
             "direct": collective("direct"),
         }
         times: dict[str, list[float]] = {name: [] for name in runs}
@@ -321,6 +425,7 @@ def _staged_rates(groups: dict[str, Any], sizes: list[int]) -> list[dict[str, An
             "bytes_over_pcie_each_way": peers * 4,
             "stage_ms": {k: 1e3 * v for k, v in stages.items()},
             "staged_ms": 1e3 * staged,
+            "staged_ucx_ms": 1e3 * median["staged_ucx"],
             "direct_ms": 1e3 * direct,
             "staged_vs_slowest_stage": max(stages.values()) / staged,
             "staged_algbw_gbps": size / staged / 1e9,
@@ -432,13 +537,8 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
             (host[i * per_pcie : (i + 1) * per_pcie], dev_buf[i * per_pcie : (i + 1) * per_pcie])
             for i in range(MATMULS)
         ]
-        # "control" runs nothing beside the matmuls, like "alone": its figure is the method's
-        # own noise. Every other window sits between two "alone" windows and is compared with
-        # their mean (GPU clocks drift by several percent over seconds under a matmul load, so
-        # medians of modes measured at different times are not comparable).
-        modes = [*ops, "sm_copy", "pcie_copies", "peer_pcie_copies", "control"]
-        ratios: dict[str, list[float]] = {m: [] for m in modes}
-        alone_ms: list[float] = []
+        # The windows' schedule and figures: overlap_rounds (each window between two without
+        # traffic, a "control" window for the method's own noise, medians over rounds).
         comm_ms: dict[str, list[float]] = {m: [] for m in ops}
 
         def window(
@@ -448,7 +548,7 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
             comm_ms: Any = comm_ms,
             slices: Any = slices,
             pcie_slices: Any = pcie_slices,
-        ) -> float:
+        ) -> float | None:
             torch.cuda.synchronize()
             dist.barrier(group=gloo)
             if mode == "sm_copy":
@@ -473,21 +573,12 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
             torch.cuda.synchronize()
             if mode in ops:
                 comm_ms[mode].append(begin.elapsed_time(end))
-            return statistics.median(elapsed(marks)) if rank == 0 else 0.0
+            return statistics.median(elapsed(marks)) if rank == 0 else None
 
-        shuffle = random.Random(size)
-        for _ in range(rounds):
-            # A new order every round (the same on both ranks): a mode that leaves the GPU hot
-            # must not always precede the same other mode.
-            order = shuffle.sample(modes, len(modes))
-            before = window("alone")
-            for mode in order:
-                during = window(mode)
-                after = window("alone")
-                alone_ms.append(after)
-                if rank == 0:
-                    ratios[mode].append(during / ((before + after) / 2))
-                before = after
+        measured = alternated_rounds(
+            window, [*ops, "sm_copy", "pcie_copies", "peer_pcie_copies"], rounds, seed=size
+        )
+        alone_ms = measured.alone_ms
         if rank == 0:
             rows.append(
                 {
@@ -498,12 +589,8 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
                     "matmuls_per_window": MATMULS,
                     "matmul_alone_ms_median": statistics.median(alone_ms),
                     "matmul_alone_ms_range": [min(alone_ms), max(alone_ms)],
-                    "slowdown_pct": {
-                        m: 100 * (statistics.median(v) - 1) for m, v in ratios.items()
-                    },
-                    "slowdown_pct_range": {
-                        m: [100 * (min(v) - 1), 100 * (max(v) - 1)] for m, v in ratios.items()
-                    },
+                    "slowdown_pct": measured.slowdown_pct(),
+                    "slowdown_pct_range": measured.slowdown_pct_range(),
                     "collectives_ms_median": {m: statistics.median(v) for m, v in comm_ms.items()},
                     "sm_copy_bytes_per_window": sm_bytes,
                     "pcie_bytes_per_window_each_way": per_pcie * 4 * MATMULS,
@@ -518,61 +605,68 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
 
 
 # ----------------------------------------------------------------------------- driver
-def _rank_main(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    import faulthandler
+# In a rank: the groups the parts use, built once by ``_join_groups``.
+_GROUPS: dict[str, Any] = {}
 
+
+def _join_groups() -> int:
+    """In a rank whose default group (freescale, direct path) the launcher made: every other
+    group the parts use. Returns the number of GPUs the ranks use."""
     import torch
     import torch.distributed as dist
 
-    import freescale_comm
     from freescale_comm import FreescaleOptions
 
-    # Every thread's stack on stderr if this rank is still running near the deadline.
-    faulthandler.dump_traceback_later(max(10.0, args.timeout - 15), exit=False)
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    freescale_comm.register()
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
     timeout = timedelta(seconds=60)
-    dist.init_process_group(
-        "freescale",
-        store=store,
-        rank=rank,
-        world_size=2,
-        timeout=timeout,
-        pg_options=FreescaleOptions(cuda_path="direct"),
-    )
-    groups: dict[str, Any] = {"direct": None}
+    groups = _GROUPS
+    groups["direct"] = None
+    # The staged path between ranks of one host: the staging rings.
     groups["staged"] = dist.new_group(
         backend="freescale", timeout=timeout, pg_options=FreescaleOptions(cuda_path="staged")
     )
+    # The staged path as between hosts (each rank looks as if on a host of its own): the
+    # pinned pool and UCX host messages.
+    os.environ["FREESCALE_HOST_ID"] = f"comm-gpu-host-{rank}"
+    try:
+        groups["staged_ucx"] = dist.new_group(
+            backend="freescale", timeout=timeout, pg_options=FreescaleOptions(cuda_path="staged")
+        )
+    finally:
+        del os.environ["FREESCALE_HOST_ID"]
+    for name, fields in POOL_VARIANTS.items():
+        groups[name] = dist.new_group(
+            backend="freescale",
+            timeout=timeout,
+            pg_options=FreescaleOptions(cuda_path="staged", **fields),
+        )
     groups["gloo"] = dist.new_group(backend="gloo", timeout=timeout)
     if torch.cuda.device_count() > 1:  # NCCL refuses two ranks on one GPU
         groups["nccl"] = dist.new_group(backend="nccl", timeout=timeout)
-    report: dict[str, Any] = {"gpus_used": min(2, torch.cuda.device_count())}
-    sizes = [64 * MIB, 256 * MIB]
+    return min(2, torch.cuda.device_count())
+
+
+def _run_part(name: str, rounds: int) -> dict[str, Any]:
+    """In a rank: one part, its result (or its error) and its seconds."""
+    import torch.distributed as dist
+
+    groups, sizes = _GROUPS, [64 * MIB, 256 * MIB]
+    parts = {
+        "correctness": lambda: _correctness(groups),
+        "kernels": lambda: _kernels(groups),
+        "busbw": lambda: _busbw(groups),
+        "latency": lambda: _latency(groups),
+        "staged_rates": lambda: _staged_rates(groups, sizes),
+        "overlap": lambda: _overlap(groups, sizes, rounds),
+    }
+    t0 = time.perf_counter()
     try:
-        parts = {
-            "correctness": lambda: _correctness(groups),
-            "kernels": lambda: _kernels(groups),
-            "staged_rates": lambda: _staged_rates(groups, sizes),
-            "overlap": lambda: _overlap(groups, sizes, args.rounds),
-        }
-        for name in args.parts.split(","):
-            fn = parts[name]
-            t0 = time.perf_counter()
-            try:
-                report[name] = fn()
-            except Exception as err:  # report and go on: one broken part must not hide the rest
-                report[name] = {
-                    "error": f"{type(err).__name__}: {err}",
-                    "trace": traceback.format_exc()[-2000:],
-                }
-            report[f"{name}_s"] = round(time.perf_counter() - t0, 1)
-            print(f"rank {rank}: {name} done in {report[f'{name}_s']} s", flush=True)
-            if rank == 0:
-                queue.put(dict(report))
-    finally:
-        dist.destroy_process_group()
+        result: Any = parts[name]()
+    except Exception as err:  # report and go on: one broken part must not hide the rest
+        result = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-2000:]}
+    seconds = round(time.perf_counter() - t0, 1)
+    print(f"rank {dist.get_rank()}: {name} done in {seconds} s", flush=True)
+    return {name: result, f"{name}_s": seconds}
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -605,6 +699,26 @@ def _table(report: dict[str, Any]) -> str:
             )
     else:
         lines.append(f"kernels: {kern}")
+    bw = ranks.get("busbw")
+    if isinstance(bw, list):
+        for row in bw:
+            lines.append(
+                f"busbw {row['path']:<10} {row['op']:<10} {row['size'] // MIB:>5} MiB: "
+                f"{row['ms']:8.2f} ms  algbw {row['algbw_gbps']:6.1f}  busbw "
+                f"{row['busbw_gbps']:6.1f} GB/s"
+            )
+    else:
+        lines.append(f"busbw: {bw}")
+    lat = ranks.get("latency")
+    if isinstance(lat, list):
+        for row in lat:
+            lines.append(
+                f"latency {row['path']:<10} {row['bytes']:>8} B: host {row['host_ms']:.3f} ms, "
+                f"until done {row['done_ms']:.3f} ms, back to back {row['back_to_back_ms']:.3f} "
+                "ms/call"
+            )
+    else:
+        lines.append(f"latency: {lat}")
     rates = ranks.get("staged_rates")
     if isinstance(rates, list):
         for row in rates:
@@ -613,7 +727,8 @@ def _table(report: dict[str, Any]) -> str:
                 f"staged {row['size'] // MIB:>4} MiB a2a: d2h {st['d2h']:.2f} ms, host "
                 f"{st['host_exchange']:.2f} ms, h2d {st['h2d']:.2f} ms -> staged "
                 f"{row['staged_ms']:.2f} ms = {100 * row['staged_vs_slowest_stage']:.0f}% of the "
-                f"slowest stage's rate; direct {row['direct_ms']:.2f} ms"
+                f"slowest stage's rate; staged over UCX {row['staged_ucx_ms']:.2f} ms; direct "
+                f"{row['direct_ms']:.2f} ms"
                 + (f"; nccl {row['nccl_ms']:.2f} ms" if "nccl_ms" in row else "")
             )
     else:
@@ -643,7 +758,24 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ranks = report["ranks"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, (left, right, bw) = plt.subplots(1, 3, figsize=(19, 4.5))
+    rows_bw = ranks.get("busbw") or []
+    for name, op in sorted({(r["path"], r["op"]) for r in rows_bw}):
+        mine = [r for r in rows_bw if r["path"] == name and r["op"] == op]
+        bw.plot(
+            [r["size"] // MIB for r in mine],
+            [r["busbw_gbps"] for r in mine],
+            marker="o",
+            label=f"{name} {op}",
+        )
+    # Two ranks on one GPU share its PCIe link: each direction carries both ranks' pieces.
+    bw.axhline(PCIE_GBPS / 2, color="gray", linestyle="--", linewidth=0.8, label="PCIe bound")
+    bw.set_xscale("log", base=2)
+    bw.set_yscale("log")
+    bw.set_xlabel("MiB per rank")
+    bw.set_ylabel("busbw GB/s (slower rank, median)")
+    bw.set_title("2 ranks sharing one H200")
+    bw.legend(fontsize=7)
     rows = ranks.get("overlap") or []
     modes = list(rows[0]["slowdown_pct"]) if rows else []
     width = 0.8 / max(1, len(rows))
@@ -666,11 +798,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
     left.set_title("Overlap inside one process (H200)")
     left.legend()
     rates = ranks.get("staged_rates") or []
-    labels = ["d2h", "host_exchange", "h2d", "staged", "direct"]
+    labels = ["d2h", "host_exchange", "h2d", "staged", "staged_ucx", "direct"]
     for k, row in enumerate(rates):
         values = [
             *(row["stage_ms"][name] for name in labels[:3]),
             row["staged_ms"],
+            row.get("staged_ucx_ms", 0),
             row["direct_ms"],
         ]
         right.bar(
@@ -689,6 +822,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the parts as the command line says (or draws a saved report); 0."""
     parser = argparse.ArgumentParser(prog="comm_gpu")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/comm_gpu")))
     parser.add_argument("--rounds", type=int, default=20, help="overlap rounds (48 matmuls each)")
@@ -698,39 +832,46 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--plot", type=Path, help="only draw the figure of a saved JSON report")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.parts.split(",")) - set(PARTS))
+    if unknown:
+        parser.error(f"--parts: unknown {','.join(unknown)} (choose from {','.join(PARTS)})")
     if args.plot:
         plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
         return 0
-    import torch.distributed as dist
-
+    from freescale_comm import FreescaleOptions
+    from freescale_comm._local_ranks import GroupSpec, LocalGroup, RankFailure
     from freescale_comm.info import collect
 
-    report: dict[str, Any] = {"info": collect()}
+    report: dict[str, Any] = {"info": collect(), "ranks": {}}
     args.out.mkdir(parents=True, exist_ok=True)
-    spawn = multiprocessing.get_context("spawn")
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    # Rank r on GPU r % device count, its default group freescale on the direct path.
+    spec = GroupSpec(
+        2,
+        "freescale",
+        init_timeout_s=60.0,
+        setup="freescale_comm:register",
+        threads=None,
+        device="cuda",
+        pg_options=FreescaleOptions(cuda_path="direct"),
     )
-    queue = spawn.Queue()
-    procs = [spawn.Process(target=_rank_main, args=(r, store.port, args, queue)) for r in range(2)]
-    for proc in procs:
-        proc.start()
     deadline = time.monotonic() + args.timeout
-    report["ranks"] = {}
-    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
-        try:
-            report["ranks"] = queue.get(timeout=1)
-        except Exception:
-            continue
-        # Written after every part: a later hang still leaves the earlier results.
-        (args.out / "comm_gpu.json").write_text(json.dumps(report, indent=2, default=str))
-    while not queue.empty():
-        report["ranks"] = queue.get()
-    for proc in procs:
-        proc.join(10)
-        if proc.is_alive():
-            report.setdefault("killed", []).append(proc.name)
-            proc.kill()
+    group = LocalGroup.of(spec)
+    try:
+        group.start(args.timeout)
+        left = deadline - time.monotonic()
+        gpus_used = group.run(_join_groups, timeout_s=left, stop_on_error=True)
+        report["ranks"]["gpus_used"] = gpus_used[0]
+        for name in args.parts.split(","):
+            left = deadline - time.monotonic()
+            replies = group.run(_run_part, name, args.rounds, timeout_s=left, stop_on_error=True)
+            report["ranks"].update(replies[0])  # rank 0's figures (rank 0 computes, rank 1 helps)
+            # Written after every part: a later hang still leaves the earlier results.
+            (args.out / "comm_gpu.json").write_text(json.dumps(report, indent=2, default=str))
+    except RankFailure as failure:  # a rank died or ran past the deadline: the launcher ended it
+        report["killed"] = [f"rank {r}: {kind}" for r, (kind, _) in failure.failures.items()]
+        report["rank_failure"] = str(failure)[-4000:]
+    finally:
+        group.close()
     (args.out / "comm_gpu.json").write_text(json.dumps(report, indent=2, default=str))
     try:
         plot(report, args.out / "comm_gpu.png")

@@ -20,22 +20,18 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from freescale_comm.bench import run_local_ranks
+from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
 
 
-def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One rank on the launcher's Gloo group: every row (rank 0 prints them)."""
     import torch
     import torch.distributed as dist
 
-    import freescale_comm
     from freescale_comm import FreescaleOptions
 
-    torch.set_num_threads(1)
-    freescale_comm.register()
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
     timeout = timedelta(seconds=120)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.ranks, timeout=timeout)
     groups = {
         "shm": dist.new_group(
             backend="freescale", timeout=timeout, pg_options=FreescaleOptions(host_path="shm")
@@ -101,9 +97,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
                     flush=True,
                 )
         size *= args.factor
-    if rank == 0:
-        queue.put(("ok", rows))
-    dist.destroy_process_group()
+    return rows
 
 
 def main() -> None:
@@ -117,9 +111,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    kind, rows = run_local_ranks(_rank, args.ranks, args, 900)
-    if kind != "ok":
-        raise SystemExit(f"a rank failed: {rows}")
+    spec = GroupSpec(args.ranks, "gloo", init_timeout_s=120, setup="freescale_comm:register")
+    try:
+        rows = run_ranks(spec, _rank, args, timeout_s=900)[0]
+    except RankFailure as failure:
+        raise SystemExit(f"a rank failed: {failure}") from None
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         report = {

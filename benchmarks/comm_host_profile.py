@@ -4,8 +4,10 @@ Two (or more) local ranks run back-to-back 8-byte ``all_to_all_single`` and
 ``all_gather_into_tensor`` calls on CPU tensors, freescale and a Gloo group in the same
 processes, blocks of calls alternating; the figure is the median over blocks of the slower
 rank's time per call. With ``--profile`` rank 0 also runs the loop under cProfile and prints
-the functions with the most own time, and the time from entering the call to the first posted
-message (the host work before anything leaves).
+the functions with the most own time, and the time from entering the call to its first posted
+message (the host work before anything leaves), on whichever path the call takes: ranks of one
+host send 8 bytes through the shared-memory rings, others through UCX; the posts per call on
+each path are printed beside it.
 
     python benchmarks/comm_host_profile.py [--ranks 2] [--calls 2000] [--blocks 9] [--profile]
 """
@@ -16,30 +18,23 @@ import argparse
 import cProfile
 import io
 import json
-import os
 import pstats
 import statistics
 import time
 from datetime import timedelta
 from typing import Any
 
-from freescale_comm.bench import run_local_ranks
+from freescale_comm._freescale_args import Parser, int_at_least
+from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
 
 
-def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def _rank(args: argparse.Namespace) -> dict[str, Any]:
+    """One rank on the launcher's freescale group: the figures (rank 0's are reported)."""
     import torch
     import torch.distributed as dist
 
-    import freescale_comm
-
-    torch.set_num_threads(1)
-    freescale_comm.register()
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
     timeout = timedelta(seconds=60)
-    dist.init_process_group(
-        "freescale", store=store, rank=rank, world_size=args.ranks, timeout=timeout
-    )
     gloo = dist.new_group(backend="gloo", timeout=timeout)
     n = args.ranks
     inp = torch.arange(2 * n, dtype=torch.float32)  # 8 bytes per peer
@@ -76,65 +71,94 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
         }
     if args.profile:
         report["profile"] = _profile(rank, calls, args.calls)
-    if rank == 0:
-        queue.put(("ok", report))
-    dist.destroy_process_group()
+    return report
 
 
 def _profile(rank: int, calls: dict[str, Any], count: int) -> dict[str, Any]:
     """cProfile of rank 0's freescale loop, and the time to the first posted message."""
+    from freescale_comm.shm import Hub
     from freescale_comm.transport import Transport
 
     first: list[float] = []
     started = [0.0]
-    transport = Transport._instance
-    send, recv = transport.send, transport.recv
+    posts = {"shm": 0, "ucx": 0}
+    # Every post of a message goes through one of these two: the group's shared-memory rings
+    # (peers on this host, small messages) or UCX.
+    posters = [
+        (owner, name, path)
+        for owner, name, path in (
+            (Hub._instance, "post", "shm"),
+            (Transport._instance, "send", "ucx"),
+            (Transport._instance, "recv", "ucx"),
+        )
+        if owner is not None
+    ]
 
-    def mark(post: Any) -> Any:
-        def posted(*a: Any) -> Any:
+    def mark(post: Any, path: str) -> Any:
+        def posted(*a: Any, **kw: Any) -> Any:
+            posts[path] += 1
             if started[0]:
                 first.append(time.perf_counter() - started[0])
                 started[0] = 0.0
-            return post(*a)
+            return post(*a, **kw)
 
         return posted
 
-    transport.send, transport.recv = mark(send), mark(recv)
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in posters]
+    for owner, name, path in posters:
+        setattr(owner, name, mark(getattr(owner, name), path))
     out: dict[str, Any] = {}
-    for op, call in calls.items():
-        first.clear()
-        for _ in range(count):
-            started[0] = time.perf_counter()
-            call(None)
-        out[f"{op}_first_post_us"] = statistics.median(first) * 1e6
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(count):
-            call(None)
-        profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
-        out[f"{op}_profile"] = text.getvalue() if rank == 0 else ""
-    transport.send, transport.recv = send, recv
+    try:
+        for op, call in calls.items():
+            first.clear()
+            posts.update(shm=0, ucx=0)
+            for _ in range(count):
+                started[0] = time.perf_counter()
+                call(None)
+            if not first:
+                raise RuntimeError(f"{op}: no message was posted through the rings or UCX")
+            out[f"{op}_first_post_us"] = statistics.median(first) * 1e6
+            out[f"{op}_posts_per_call"] = {path: n / count for path, n in posts.items()}
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(count):
+                call(None)
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
+            out[f"{op}_profile"] = text.getvalue() if rank == 0 else ""
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--blocks", type=int, default=9)
-    parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--json", help="write the figures here")
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int_at_least(2), default=2, help="local ranks")
+    parser.add_argument(
+        "--calls", type=int_at_least(1), default=2000, help="calls per block (and profiled)"
+    )
+    parser.add_argument(
+        "--blocks", type=int_at_least(1), default=9, help="blocks per backend, alternating"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="also profile rank 0 and time its first post"
+    )
+    parser.add_argument("--json", help="write the figures here (default: print only)")
     args = parser.parse_args()
 
-    kind, report = run_local_ranks(_rank, args.ranks, args, 600)
-    if kind != "ok":
-        raise SystemExit(f"a rank failed: {report}")
+    spec = GroupSpec(args.ranks, "freescale", setup="freescale_comm:register")
+    try:
+        report = run_ranks(spec, _rank, args, timeout_s=600)[0]
+    except RankFailure as failure:
+        raise SystemExit(f"a rank failed: {failure}") from None
     profile = report.pop("profile", {})
     for key, value in profile.items():
         if key.endswith("_us"):
             print(f"{key}: {value:.1f}")
+        elif key.endswith("_posts_per_call"):
+            print(f"{key}: " + ", ".join(f"{path} {n:g}" for path, n in value.items()))
         else:
             print(f"--- {key} ---\n{value}")
     for op in ("all_to_all", "all_gather"):
@@ -144,7 +168,7 @@ def main() -> None:
             f"gloo {r['gloo_us']:.1f} us, ratio {r['freescale_us'] / r['gloo_us']:.2f}"
         )
     if args.json:
-        report.update({k: v for k, v in profile.items() if k.endswith("_us")})
+        report.update({k: v for k, v in profile.items() if not k.endswith("_profile")})
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), **report}, f, indent=2)
 

@@ -5,21 +5,20 @@ rank 0), microseconds from the call to: ``started`` (headers posted), ``headers_
 folded into the headers has reached host memory and the headers left), ``_judge`` (every peer's
 header arrived), ``_start_data``, ``_seal`` (CUDA: last copies queued), ``_finish`` and the call's
 return — each single call after a barrier (so a peer's late start shows in ``_judge``) — and the
-per-call time of 100 back-to-back calls. The marks wrap the collective's own methods: a
-diagnostic of this code, not a comparison (``multi_gpu_vs_nccl.py`` compares with NCCL).
+per-call time of 100 back-to-back calls. The ranks run on the one rank launcher
+(``freescale_comm._local_ranks``). The marks wrap the collective's own methods: a diagnostic of
+this code, not a comparison (``multi_gpu_vs_nccl.py`` compares with NCCL).
 
-    python3 benchmarks/comm_latency.py --out $OUT     # one GPU (2 ranks share it) or CPU only
+    python3 benchmarks/comm_latency.py --out $OUT [--cuda-path staged]   # one GPU or CPU only
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import statistics
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -53,20 +52,12 @@ def _mark(marks: dict[str, float]) -> None:
     wrap("start", "started", "exit")
 
 
-def _rank(rank: int, port: int, queue: Any) -> None:
+def _rank() -> dict[str, Any]:
+    """In a rank of the launcher (its default group freescale): the figures of every size."""
     import torch
     import torch.distributed as dist
 
-    import freescale_comm  # noqa: F401  (registers the backend)
-
-    devices = ["cpu"]
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        devices.append("cuda")
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group(
-        "freescale", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60)
-    )
+    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
     marks: dict[str, float] = {}
     _mark(marks)
     results: dict[str, Any] = {}
@@ -108,35 +99,39 @@ def _rank(rank: int, port: int, queue: Any) -> None:
                 "single_call_us": single,
                 "back_to_back_us_per_call": round(statistics.median(per_call), 1),
             }
-    dist.destroy_process_group()
-    if rank == 0:
-        queue.put(results)
+    return results
 
 
 def main() -> int:
+    """Measures on two local ranks, writes the JSON and prints a line per size; 0."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))
-    args = parser.parse_args()
-    import torch.distributed as dist
-
-    # The parent owns the store on a free port (no window in which another process takes it).
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    parser.add_argument(
+        "--cuda-path",
+        choices=("auto", "direct", "staged"),
+        default="auto",
+        help="FreescaleOptions.cuda_path (staged: the staging rings between these local ranks)",
     )
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    ranks = [context.Process(target=_rank, args=(r, store.port, queue)) for r in range(2)]
-    for process in ranks:
-        process.start()
-    try:
-        results = queue.get(timeout=240)
-    finally:
-        for process in ranks:
-            process.join(30)
-            if process.is_alive():
-                process.kill()
+    args = parser.parse_args()
+    import torch
+
+    from freescale_comm import FreescaleOptions
+    from freescale_comm._local_ranks import GroupSpec, run_ranks
+
+    spec = GroupSpec(
+        2,
+        "freescale",
+        setup="freescale_comm:register",
+        threads=None,
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        pg_options=FreescaleOptions(cuda_path=args.cuda_path),
+    )
+    results = run_ranks(spec, _rank, timeout_s=240)[0]  # rank 0's marks
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "comm_latency.json").write_text(json.dumps(results, indent=1) + "\n")
+    name = (
+        "comm_latency.json" if args.cuda_path == "auto" else f"comm_latency_{args.cuda_path}.json"
+    )
+    (args.out / name).write_text(json.dumps(results, indent=1) + "\n")
     for name, row in results.items():
         marks = "  ".join(f"{k}={v}" for k, v in row["single_call_us"].items())
         print(

@@ -24,7 +24,6 @@ same structure on a CPU machine.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import os
 import platform
@@ -39,11 +38,10 @@ import torch.distributed as dist
 
 from freescale_balance import JaggedBatch
 from freescale_embed import SGD, RowWiseAdagrad, ShardedEmbeddingCollection, TableConfig
+from freescale_embed._local_ranks import GroupSpec, RankFailure, run_ranks
 from freescale_embed.bench import (
     BenchConfig,
     format_table,
-    init_group,
-    launch_ranks,
     on_device,
     rank_device,
     run_bench,
@@ -140,33 +138,32 @@ def _exactness(device: torch.device, control: Any, rates: list[float], steps: in
     return rows
 
 
-def _exact_rank(rank: int, port: int, queue: Any, args: argparse.Namespace) -> None:
-    faulthandler.dump_traceback_later(max(10.0, args.timeout - 15), exit=False)
+def _exact_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One rank of the exactness part, on the launcher's group (its device already current)."""
     config = BenchConfig(world_size=WORLD, device=args.device, backend=args.backend)
-    try:
-        device = rank_device(config, rank)
-        control = init_group(config, rank, port)
-        if control is None:  # Gloo is the backend: the CPU reference gets a group of its own
-            control = dist.new_group(backend="gloo")
-        rates = [0.05, 0.5] if args.quick else [0.0, 0.05, 0.2, 0.5]
-        result = _exactness(device, control, rates, 5 if args.quick else args.steps)
-        queue.put((rank, "ok", result))
-        dist.destroy_process_group()
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
+    device = rank_device(config, dist.get_rank())
+    control = dist.new_group(backend="gloo")  # the CPU reference's group
+    rates = [0.05, 0.5] if args.quick else [0.0, 0.05, 0.2, 0.5]
+    return _exactness(device, control, rates, 5 if args.quick else args.steps)
 
 
 def _run_exactness(args: argparse.Namespace) -> Any:
-    replies = launch_ranks(_exact_rank, WORLD, (args,), args.timeout)
-    results: dict[Any, Any] = {
-        rank: payload if kind == "ok" else {"error": payload[-3000:]}
-        for rank, (kind, payload) in replies.items()
-    }
-    if len(results) < WORLD:
-        results["missing"] = f"ranks {sorted(set(range(WORLD)) - set(results))} gave no answer"
-    return (
-        results.get(0) if all(isinstance(results.get(r), list) for r in range(WORLD)) else results
+    """Rank 0's results, or every rank's outcome when one failed."""
+    spec = GroupSpec(
+        WORLD,
+        args.backend,
+        init_timeout_s=300.0,
+        setup="freescale_comm:register" if args.backend == "freescale" else None,
+        threads=None,
+        device=args.device,
     )
+    try:
+        return run_ranks(spec, _exact_rank, args, timeout_s=args.timeout)[0]
+    except RankFailure as failure:
+        results: dict[Any, Any] = dict(failure.results)
+        for rank, (kind, detail) in failure.failures.items():
+            results[rank] = {kind: detail[-3000:]}
+        return results
 
 
 # ----------------------------------------------------------------------------- 2. bench

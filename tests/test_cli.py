@@ -12,7 +12,7 @@ from freescale_balance import _freescale_cli
 def test_missing_component_names_its_package(monkeypatch, capsys):
     monkeypatch.setattr(_freescale_cli, "entry_points", lambda group: [])
     assert _freescale_cli.main(["embed", "bench"]) == 2
-    assert "pip install freescale-embed" in capsys.readouterr().err
+    assert "pip install ./freescale_embed" in capsys.readouterr().err
     assert _freescale_cli.main(["nonsense"]) == 2
     assert "unknown command 'nonsense'" in capsys.readouterr().err
 

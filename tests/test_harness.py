@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import LocalGroup, RankFailure
+from tests.harness import GroupSpec, LocalGroup, RankFailure, run_ranks
 
 
 def all_reduce_rank() -> int:
@@ -51,3 +51,43 @@ def test_failures_name_the_rank_and_the_group_recovers():
         assert failure.value.results == {0: None}
         assert list(failure.value.failures) == [1]
         assert group.run(all_reduce_rank) == [3, 3]
+
+
+def raise_or_block(bad: int) -> None:
+    if dist.get_rank() == bad:
+        raise ValueError("planted failure")
+    dist.all_reduce(torch.ones(1))  # the peer never joins: blocked until the group's timeout
+
+
+def test_stop_on_error_does_not_wait_for_a_blocked_peer():
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match="planted failure") as failure:
+        run_ranks(GroupSpec(2, init_timeout_s=60), raise_or_block, 1, timeout_s=45)
+    assert time.monotonic() - started < 30
+    assert failure.value.failures[1][0] == "error"
+    assert failure.value.failures[0][0] == "stopped"
+
+
+def test_one_shot_run_and_bad_world_size():
+    assert run_ranks(GroupSpec(2), all_reduce_rank, timeout_s=60) == [3, 3]
+    with pytest.raises(ValueError, match="world_size must be at least 1"):
+        GroupSpec(0)
+
+
+def report_twice_the_rank(rank: int, port: int, queue, fail_on: int) -> None:
+    """A target that joins a group itself on the launcher's store and reports on a queue."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    if rank == fail_on:
+        queue.put((rank, "error", "planted report"))
+    else:
+        queue.put((rank, "ok", 2 * rank))
+    dist.destroy_process_group()
+
+
+def test_reporting_targets_keep_the_bench_launchers_working():
+    from freescale_embed.bench import launch_ranks
+
+    assert launch_ranks(report_twice_the_rank, 2, (-1,), 60) == {0: ("ok", 0), 1: ("ok", 2)}
+    replies = launch_ranks(report_twice_the_rank, 2, (1,), 60, stop_on_error=True)
+    assert replies[1][0] == "error" and "planted report" in replies[1][1]

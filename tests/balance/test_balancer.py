@@ -236,3 +236,29 @@ def test_built_in_packing_matches_when_freescale_kernels_is_disabled(local_group
     group = local_groups.get(2, env={"FREESCALE_BALANCE_KERNELS": "0"})
     results = group.run(round_trip, "kk", 11, [9, 4])
     assert sum(r["received"] for r in results) == 13
+
+
+def min_gain_steps() -> list[bool]:
+    """A batch whose FBS partition barely helps stays put; a lopsided one moves."""
+    rank = dist.get_rank()
+    balancer = Balancer(BalancerConfig(policy="fbs", length_feature="item_ids", min_gain=0.2))
+    kept = []
+    for lengths in ([[10, 11], [11, 10]], [[40, 40], [1, 1]]):
+        mine = torch.tensor(lengths[rank])
+        local = JaggedBatch(
+            features={"item_ids": JaggedTensor(torch.arange(int(mine.sum())), mine)},
+            dense={"label": torch.arange(2.0) + 10 * rank},
+        )
+        moved, plan = balancer.shuffle(local)
+        kept.append(plan.kept)
+        if plan.kept:
+            assert moved is local
+        assert balancer.unshuffle(moved, plan).equal(local)
+    balancer.close()
+    return kept
+
+
+def test_min_gain_keeps_batches_whose_balancing_gains_little(local_groups):
+    assert local_groups.get(2).run(min_gain_steps) == [[True, False], [True, False]]
+    with pytest.raises(ValueError, match="min_gain"):
+        BalancerConfig(min_gain=1.0)

@@ -1,6 +1,11 @@
-"""The shared jagged containers: selection, validation, TorchRec conversion (pure logic)."""
+"""The shared jagged containers: selection, validation, TorchRec conversion, one class across
+packages."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from freescale_balance import JaggedBatch, JaggedBatchError, JaggedTensor
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @settings(max_examples=100, deadline=None)
@@ -65,3 +72,62 @@ def test_round_trip_through_torchrec_keyed_jagged_tensor():
     assert kjt.keys() == ["a", "b"]
     back = JaggedBatch.from_keyed_jagged_tensor(kjt, dense=batch.dense)
     assert back.equal(batch)
+
+
+def test_keyed_form_unpacks_and_counts_samples():
+    keyed = JaggedTensor(torch.arange(6), torch.tensor([[2, 0, 1], [1, 2, 0]]))
+    values, lengths = keyed
+    assert values is keyed.values and lengths is keyed.lengths
+    assert keyed.batch_size == 3
+    assert keyed.offsets().tolist() == [0, 2, 2, 3, 4, 6, 6]
+    assert JaggedTensor(torch.arange(3), torch.tensor([1, 2], dtype=torch.int32)).batch_size == 2
+
+
+def test_kernels_and_balance_share_one_class():
+    fk = pytest.importorskip("freescale_kernels")
+    import freescale_balance.jagged
+
+    assert fk.JaggedTensor is JaggedTensor is freescale_balance.jagged.JaggedTensor
+    assert fk.layout.JaggedTensor is JaggedTensor
+    out = fk.ranged_combine(torch.arange(3), torch.tensor([1, 2]), torch.tensor([0, 0]), 1)
+    assert type(out) is JaggedTensor
+    with pytest.raises(JaggedBatchError):
+        out.validate()  # keyed [1, 2] lengths: validate() is for one run per sample
+
+
+def test_shared_module_is_a_relative_symlink():
+    link = ROOT / "freescale_balance" / "src" / "freescale_balance" / "_jagged.py"
+    assert link.is_symlink()
+    target = Path(link.readlink())
+    assert target.as_posix() == "../../../kernels/src/freescale_kernels/_jagged.py"
+    assert link.resolve().is_file()
+
+
+# freescale_kernels made unimportable, as if not installed.
+WITHOUT_KERNELS = """
+import sys
+
+class NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "freescale_kernels":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, NotInstalled())
+import torch
+from freescale_balance import JaggedBatch, JaggedBatchError, JaggedTensor
+
+assert JaggedTensor.__module__ == "freescale_balance._jagged", JaggedTensor.__module__
+assert "freescale_kernels" not in sys.modules
+feature = JaggedTensor(torch.arange(5), torch.tensor([2, 0, 3]))
+assert feature.select(torch.tensor([2, 0])).values.tolist() == [2, 3, 4, 0, 1]
+try:
+    JaggedBatch({"ids": JaggedTensor(torch.arange(2), torch.tensor([3]))}).validate()
+except JaggedBatchError as error:
+    assert "sum to 3" in str(error)
+else:
+    raise AssertionError("validate accepted a bad feature")
+"""
+
+
+def test_balance_works_without_kernels():
+    subprocess.run([sys.executable, "-c", WITHOUT_KERNELS], check=True, timeout=120, cwd=ROOT)

@@ -635,7 +635,7 @@ def _produce_late(values: torch.Tensor, dev: torch.device, sleep_cycles: int) ->
     return target
 
 
-def run_cuda_cases(seed: int, cases: int, cuda_path: str) -> int:
+def run_cuda_cases(seed: int, cases: int, cuda_path: str, hosts: int = 1) -> int:
     """Random AllGather / AllToAll cases on CUDA tensors over a group forced to ``cuda_path``.
 
     Per-peer sizes straddle the eager limit (data folded into the header, through page-locked
@@ -648,11 +648,15 @@ def run_cuda_cases(seed: int, cases: int, cuda_path: str) -> int:
     rank, n = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
-    group = dist.new_group(
-        backend="freescale",
-        timeout=timedelta(seconds=60),
-        pg_options=FreescaleOptions(cuda_path=cuda_path),
-    )
+    os.environ["FREESCALE_HOST_ID"] = f"test-host-{rank * hosts // n}"
+    try:
+        group = dist.new_group(
+            backend="freescale",
+            timeout=timedelta(seconds=60),
+            pg_options=FreescaleOptions(cuda_path=cuda_path),
+        )
+    finally:
+        del os.environ["FREESCALE_HOST_ID"]
     eager = FreescaleOptions().eager_bytes
     width = 16
     for case in range(cases):
@@ -712,3 +716,127 @@ def run_cuda_cases(seed: int, cases: int, cuda_path: str) -> int:
             _same(out.cpu(), want, what)
     dist.destroy_process_group(group)
     return cases
+
+
+def ring_cuda_checks(seed: int) -> dict[str, Any]:
+    """The staging rings (staged CUDA path, every peer on this host): large uneven AllToAlls
+    that wrap the rings many times in three dtypes, AllGathers (ring forwarding on 4 ranks),
+    list forms, against locally computed results; a mismatch raising on every rank; ``wait``
+    leaving the CPU free while the stream waits; the profiler's kernel count; the rings' memory
+    during and after the group. Returns what the rank saw."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from freescale_comm import FreescaleOptions, FreescaleValidationError
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    before = _ring_state()
+    group = dist.new_group(
+        backend="freescale",
+        timeout=timedelta(seconds=60),
+        pg_options=FreescaleOptions(cuda_path="staged", allgather="auto"),
+    )
+    report: dict[str, Any] = {"paths": group.paths()}
+    width = 4
+    checked = 0
+    for k, dtype in enumerate((torch.float32, torch.bfloat16, torch.int64)):
+        unit = (3 << 20) // (width * dtype.itemsize)  # 3 MiB: chunks split across slots
+        splits = [[((i + 2 * j + k) % 4) * unit + 7 * i + j for j in range(n)] for i in range(n)]
+        inputs = [
+            [make_tensor((splits[r][j], width), dtype, seed * 100 + 10 * r + j) for j in range(n)]
+            for r in range(n)
+        ]
+        out = torch.full(
+            (sum(splits[j][rank] for j in range(n)), width), 0, dtype=dtype, device=dev
+        )
+        dist.all_to_all_single(
+            out,
+            torch.cat(inputs[rank]).to(dev),
+            [splits[j][rank] for j in range(n)],
+            splits[rank],
+            group=group,
+        )
+        _same(out.cpu(), torch.cat([inputs[j][rank] for j in range(n)]), f"a2a uneven {dtype}")
+        rows = unit + 3 * k
+        pieces = [make_tensor((rows, width), dtype, seed * 7 + r) for r in range(n)]
+        gathered = torch.empty((n * rows, width), dtype=dtype, device=dev)
+        dist.all_gather_into_tensor(gathered, pieces[rank].to(dev), group=group)
+        _same(gathered.cpu(), torch.cat(pieces), f"all_gather_into_tensor {dtype}")
+        outs = [torch.empty((rows, width), dtype=dtype, device=dev) for _ in range(n)]
+        dist.all_gather(outs, pieces[rank].to(dev), group=group)
+        _same(torch.cat([o.cpu() for o in outs]), torch.cat(pieces), f"all_gather {dtype}")
+        outs = [torch.empty((splits[j][rank], width), dtype=dtype, device=dev) for j in range(n)]
+        dist.all_to_all(outs, [t.to(dev) for t in inputs[rank]], group=group)
+        for j in range(n):
+            _same(outs[j].cpu(), inputs[j][rank], f"all_to_all {dtype} from {j}")
+        checked += 4
+    report["checked"] = checked
+    # A mismatch raises on every rank; the group goes on.
+    try:
+        dist.all_to_all_single(
+            torch.empty(n * (2 + rank), device=dev), torch.empty(n * 2, device=dev), group=group
+        )
+        report["mismatch"] = "nothing raised"
+    except FreescaleValidationError as err:
+        report["mismatch"] = type(err).__name__
+    # Stream order: ~50 ms of GPU sleep queued before the input is written.
+    numel = 4 << 20
+    x = torch.zeros(numel, device=dev)
+    y = torch.full((numel,), -1.0, device=dev)
+    source = torch.arange(numel, dtype=torch.float32, device=dev) + rank * numel
+    want = torch.cat(
+        [(torch.arange(numel, dtype=torch.float32) + r * numel).view(n, -1)[rank] for r in range(n)]
+    )
+    start_event, end_event = (
+        torch.cuda.Event(enable_timing=True),
+        torch.cuda.Event(enable_timing=True),
+    )
+    start_event.record()
+    torch.cuda._sleep(100_000_000)
+    end_event.record()
+    torch.cuda.synchronize()
+    sleep_s = start_event.elapsed_time(end_event) / 1e3
+    calls = {}
+    for async_op in (False, True):
+        y.fill_(-1.0)
+        torch.cuda.synchronize()
+        dist.barrier(group=gloo_group())
+        torch.cuda._sleep(100_000_000)
+        x.copy_(source)
+        t0 = time.perf_counter()
+        work = dist.all_to_all_single(y, x, group=group, async_op=async_op)
+        if async_op:
+            work.wait()
+        returned = time.perf_counter() - t0
+        got = y.clone()  # the consumer, on the caller's stream
+        x.zero_()  # the input reused right after wait
+        torch.cuda.synchronize()
+        calls[str(async_op)] = {
+            "call_s": returned,
+            "done_s": time.perf_counter() - t0,
+            "correct": bool(torch.equal(got.cpu(), want)),
+        }
+    report["stream"] = {"sleep_s": sleep_s, "calls": calls}
+    # No kernel on the path (memcpys only).
+    src = torch.randn(8 << 20, device=dev)
+    dst = torch.empty_like(src)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            dist.all_to_all_single(dst, src, group=group)
+            dist.all_gather_into_tensor(dst, src[: src.numel() // n], group=group)
+            dist.all_to_all_single(dst, src, group=group, async_op=True).wait()
+        torch.cuda.synchronize()
+    kernels = [
+        e.name
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and not e.name.startswith(("Memcpy", "Memset"))
+    ]
+    report["kernels"] = sorted(set(kernels))
+    report["during"] = {k: v - before[k] for k, v in _ring_state().items()}
+    dist.destroy_process_group(group)
+    gc.collect()
+    report["after"] = {k: v - before[k] for k, v in _ring_state().items()}
+    return report

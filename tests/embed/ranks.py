@@ -113,7 +113,15 @@ def train(case: Case, mode: str, batches: Sequence[JaggedBatch] | None = None) -
         torch.set_num_threads(threads)
 
 
-def _train(case: Case, mode: str, batches: Sequence[JaggedBatch]) -> Run:
+def _host_copy(batch: JaggedBatch) -> JaggedBatch:
+    """Another batch with the same IDs (what a pipeline holds on the host)."""
+    return JaggedBatch(
+        {n: JaggedTensor(f.values.clone(), f.lengths.clone()) for n, f in batch.features.items()},
+        dict(batch.dense),
+    )
+
+
+def _train(case: Case, mode: str, batches: Sequence[JaggedBatch], staged: bool = False) -> Run:
     rank = dist.get_rank()
     emb = ShardedEmbeddingCollection(
         case.tables,
@@ -131,11 +139,17 @@ def _train(case: Case, mode: str, batches: Sequence[JaggedBatch]) -> Run:
     outputs = []
     for step, batch in enumerate(batches):
         emb.set_learning_rate(case.lr(step))
-        if mode == "sync":
+        last = step + 1 == len(batches)
+        following = None if last else batches[step + 1]
+        if staged:
+            # As TrainPipeline stages it: checked on the host, routed from a host copy.
+            host = None if following is None else _host_copy(following)
+            emb.stage_next(following, final=last, checked=True, next_on_host=host)
+            out = emb(batch)
+        elif mode == "sync":
             out = emb(batch)
         else:
-            last = step + 1 == len(batches)
-            out = emb(batch, None if last else batches[step + 1], final=last)
+            out = emb(batch, following, final=last)
         _loss(out, rank, step).backward()
         # A caller's collective on the same group (DDP, metrics) while prioritized mode's
         # collision gradients are still on their way: both must pair up on every rank.
@@ -203,6 +217,22 @@ def modes_agree(case: Case, check_reference: bool = True) -> dict[str, Any]:
         "lookup": [t["lookup"] for t in prioritized.telemetry],
         "worst_abs_diff": worst,
     }
+
+
+def staged_modes_agree(case: Case) -> None:
+    """Batches staged as ``TrainPipeline`` stages them (``stage_next`` with ``checked`` and a
+    host copy of the next batch) give the bits of batches passed to ``forward``, in both
+    modes."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(case.threads)
+    try:
+        batches = [make_batch(case.workload(world), rank, step) for step in range(case.steps)]
+        sync = _train(case, "sync", batches)
+        _bitwise_equal(sync, _train(case, "sync", batches, staged=True))
+        _bitwise_equal(sync, _train(case, "prioritized", batches, staged=True))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def modes_agree_with_pairwise_sums(case: Case) -> dict[str, Any]:

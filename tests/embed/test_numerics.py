@@ -92,6 +92,12 @@ def test_guardrail_falls_back_per_step_with_the_same_bits(local_groups):
         assert (lookup == "fallback") == (pct > 50.0)
 
 
+def test_batches_staged_by_a_pipeline_keep_the_bits(local_groups):
+    # A pipeline's batches are checked on the host, the next one's IDs routed from there.
+    case = ranks.Case(optimizer=RowWiseAdagrad(lr=0.1), collision_rate=0.2)
+    local_groups.get(2).run(ranks.staged_modes_agree, case, timeout_s=240)
+
+
 def test_ids_and_plans_on_groups_of_their_own(local_groups):
     # As when the collection's group is NCCL: host collectives then get Gloo groups of their own.
     case = ranks.Case(optimizer=RowWiseAdagrad(lr=0.1), collision_rate=0.2)

@@ -10,9 +10,13 @@ import torch
 
 import freescale_kernels as fk
 from freescale_kernels.ops import reference
+from freescale_kernels.tiles import TUNED, CopyTile, Tiles
 from tests.kernels.jagged_cases import DEVICE, Case, make_input, make_values
 
 pytest.importorskip("triton")
+
+# What a movement returns.
+Result = fk.JaggedTensor | fk.Dispatched
 
 CASES = [
     Case("basic"),
@@ -33,8 +37,10 @@ CASES = [
 ]
 
 
-def assert_same(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
-    for name, a, b in zip(type(want)._fields, got, want, strict=True):
+def assert_same(got: Result, want: Result) -> None:
+    assert type(got) is type(want)
+    names = ("values", "lengths") if isinstance(want, fk.JaggedTensor) else want._fields
+    for name, a, b in zip(names, got, want, strict=True):
         assert a.dtype == b.dtype, name
         assert a.shape == b.shape, name
         assert torch.equal(a, b), name
@@ -218,20 +224,22 @@ PLANNER_CASES = [
 ]
 
 
-def _run_all(case: Case) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
-    """(Triton, reference) results of every movement on ``case``."""
+def _run_all(case: Case, tiles: Tiles = TUNED) -> list[tuple[Result, Result]]:
+    """(Triton with ``tiles``, reference) results of every movement on ``case``."""
     values, lengths, ranks = make_input(case)
     world, keys = case.world_size, case.num_keys
     indices = torch.tensor([3, 1, 1, 0, 4, 2, 3], device=DEVICE) % case.batch
-    sent = fk.ranged_dispatch(values, lengths, ranks, world, backend="triton")
+    sent = fk.ranged_dispatch(values, lengths, ranks, world, backend="triton", tiles=tiles)
     pairs = [
         (sent, reference.ranged_dispatch(values, lengths, ranks, world)),
         (
-            fk.jagged_index_select(values, lengths, indices, backend="triton"),
+            fk.jagged_index_select(values, lengths, indices, backend="triton", tiles=tiles),
             reference.jagged_index_select(values, lengths, indices),
         ),
         (
-            fk.ranged_combine(sent.values, sent.lengths, ranks, keys, backend="triton"),
+            fk.ranged_combine(
+                sent.values, sent.lengths, ranks, keys, backend="triton", tiles=tiles
+            ),
             reference.ranged_combine(sent.values, sent.lengths, ranks, keys),
         ),
     ]
@@ -248,6 +256,7 @@ def _run_all(case: Case) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Ten
                     keys,
                     to_key_major=to_key_major,
                     backend="triton",
+                    tiles=tiles,
                 ),
                 reference.keyed_transpose(
                     source_values,
@@ -281,10 +290,9 @@ def test_copy_wide_search(case: Case, lanes: int, monkeypatch: pytest.MonkeyPatc
     # interpreter, so that tiles start and end inside runs and span many).
     from freescale_kernels.ops import jagged_copy
 
-    monkeypatch.setattr(jagged_copy, "_SEARCH_LANES", lanes)
     if DEVICE.type != "cuda":
         monkeypatch.setattr(jagged_copy, "_INTERPRETER_TILE_ELEMENTS", 16)
-    for got, want in _run_all(case):
+    for got, want in _run_all(case, Tiles(copy=CopyTile(search_lanes=lanes))):
         assert_same(got, want)
 
 

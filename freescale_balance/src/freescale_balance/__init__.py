@@ -18,6 +18,7 @@ from freescale_balance.partition import (
     POLICIES,
     Partition,
     partition,
+    partition_or_keep,
     straggler_fraction,
     vbs_weights,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "Partition",
     "ShufflePlan",
     "partition",
+    "partition_or_keep",
     "straggler_fraction",
     "vbs_weights",
 ]

@@ -12,20 +12,41 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
+# Command -> (distribution, its folder in a FreeScale clone, what the command does). The
+# components are installed from a clone (no package index has them), so the hint names the folder.
 COMPONENTS = {
-    "balance": ("freescale-balance", "sample load balancing by history length"),
-    "comm": ("freescale-comm", "the SM-free torch.distributed backend"),
-    "embed": ("freescale-embed", "sharded sequence embeddings with prioritized updates"),
-    "kernels": ("freescale-kernels", "Triton kernels for jagged data movement"),
-    "train": ("freescale-embed", "train a sequence recommender end to end, baseline vs FreeScale"),
+    "balance": (
+        "freescale-balance",
+        "freescale_balance",
+        "sample load balancing by history length",
+    ),
+    "comm": ("freescale-comm", "freescale_comm", "the SM-free torch.distributed backend"),
+    "embed": (
+        "freescale-embed",
+        "freescale_embed",
+        "sharded sequence embeddings with prioritized updates",
+    ),
+    "kernels": ("freescale-kernels", "kernels", "Triton kernels for jagged data movement"),
+    "train": (
+        "freescale-embed",
+        "freescale_embed",
+        "train a sequence recommender end to end, baseline vs FreeScale",
+    ),
 }
+
+
+def install_hint(name: str) -> str:
+    """The command that installs ``name``'s component, run from the root of a FreeScale clone."""
+    return f"pip install ./{COMPONENTS[name][1]}"
 
 
 def _usage(installed: set[str]) -> str:
     lines = ["usage: freescale <command> [options]", "", "commands:"]
-    for name, (package, what) in COMPONENTS.items():
-        state = "" if name in installed else f"  (not installed: pip install {package})"
+    for name, (_, _, what) in COMPONENTS.items():
+        state = "" if name in installed else f"  (not installed: {install_hint(name)})"
         lines.append(f"  {name:<8} {what}{state}")
+    lines.append("")
+    lines.append("freescale <command> --help lists a command's options and their defaults.")
     return "\n".join(lines)
 
 
@@ -40,10 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name in commands:
         return int(commands[name].load()(rest) or 0)
     if name in COMPONENTS:
-        package = COMPONENTS[name][0]
         print(
-            f"freescale {name}: this command comes with the {package} package, which is not "
-            f"installed here. Install it with: pip install {package}",
+            f"freescale {name}: this command comes with the {COMPONENTS[name][0]} package, which "
+            f"is not installed here. From the root of a FreeScale clone: {install_hint(name)}",
             file=sys.stderr,
         )
     else:

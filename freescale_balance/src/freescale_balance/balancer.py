@@ -30,7 +30,7 @@ from freescale_balance.jagged import JaggedBatch, JaggedBatchError
 from freescale_balance.partition import (
     Partition,
     Policy,
-    partition,
+    partition_or_keep,
     source_ranks,
     straggler_fraction,
     vbs_weights,
@@ -58,6 +58,11 @@ class BalancerConfig:
         cost_model: per-sample cost for ``fbs``/``kk``.
         autotune: ``vbs`` exponent tuning; ``alpha`` starts at ``autotune.initial_alpha``.
         timeout: bound of every collective on the balancer's own group.
+        min_gain: a batch whose partition lowers the slowest rank's cost (under the policy's
+            costs) by less than this fraction of it stays where it was loaded: no sample moves
+            and no AllToAll runs. The shuffle costs the two AllToAlls and the packing whatever
+            the gain, so a gain smaller than that is a loss. Every rank decides the same from
+            the gathered lengths. ``0``: every batch is partitioned by the policy.
     """
 
     policy: Policy = "fbs"
@@ -66,6 +71,11 @@ class BalancerConfig:
     cost_model: CostModel = field(default_factory=CostModel)
     autotune: AlphaAutoTuneConfig = field(default_factory=AlphaAutoTuneConfig)
     timeout: timedelta = timedelta(seconds=120)
+    min_gain: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_gain < 1.0:
+            raise ValueError(f"min_gain must be in [0, 1), got {self.min_gain}")
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,8 @@ class ShufflePlan:
         send_counts: int64 ``[world]``, samples this rank sent to each rank.
         recv_counts: int64 ``[world]``, samples this rank received from each rank.
         costs: per-sample cost the partition balanced.
+        kept: every sample stays where it was loaded (``min_gain`` not reached, or the
+            partition moved none): ``shuffle`` returned the local batch as it was.
     """
 
     partition: Partition
@@ -89,6 +101,7 @@ class ShufflePlan:
     send_counts: torch.Tensor
     recv_counts: torch.Tensor
     costs: torch.Tensor
+    kept: bool = False
 
     def straggler(self) -> float:
         """Predicted straggler fraction of the balanced batch, under ``costs``."""
@@ -231,12 +244,13 @@ class Balancer:
         valid = torch.arange(gathered.shape[1])[None, :] < local_counts[:, None]
         lengths = gathered[valid]
         costs = self._costs(lengths)
-        assignment = partition(
-            costs, self.world_size, self.config.policy, local_counts=local_counts
+        assignment = partition_or_keep(
+            costs, self.world_size, self.config.policy, local_counts, self.config.min_gain
         )
+        sources = source_ranks(local_counts)
+        kept = bool(torch.equal(assignment.ranks, sources))
         offset = int(local_counts[: self.rank].sum())
         mine = assignment.ranks[offset : offset + batch.batch_size]
-        sources = source_ranks(local_counts)
         return ShufflePlan(
             partition=assignment,
             sequence_lengths=lengths,
@@ -247,6 +261,7 @@ class Balancer:
                 sources[assignment.ranks == self.rank], minlength=self.world_size
             ),
             costs=costs,
+            kept=kept,
         )
 
     def shuffle(self, batch: JaggedBatch) -> tuple[JaggedBatch, ShufflePlan]:
@@ -259,6 +274,8 @@ class Balancer:
 
     def _shuffle(self, batch: JaggedBatch) -> tuple[JaggedBatch, ShufflePlan]:
         plan = self._plan(batch)
+        if plan.kept:  # every rank knows: no sample moves anywhere
+            return batch, plan
         return exchange_samples(batch, plan.destinations, plan.recv_counts, self.group), plan
 
     def unshuffle(

@@ -1,4 +1,4 @@
-"""The jagged batch container every FreeScale component shares.
+"""The jagged batch the components share: ``JaggedBatch`` over ``JaggedTensor`` features.
 
 A batch is ``batch_size`` samples. Each sample has, per feature, a variable-length run of values
 (a user history of item IDs, timestamps, ...) and, per dense field, one fixed-shape row (label,
@@ -20,82 +20,18 @@ if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
-class JaggedBatchError(ValueError):
-    """A batch that is not well formed (lengths, values, shapes or dtypes)."""
+try:
+    # One class, not two copies: with freescale-kernels installed, balance takes the shared
+    # module from kernels (the optional dependency's direction), so freescale_balance.JaggedTensor
+    # is freescale_kernels.JaggedTensor; without it (or with a kernels release that predates the
+    # module), balance imports its own link to the same file.
+    from freescale_kernels._jagged import JaggedBatchError, JaggedTensor
+except ModuleNotFoundError as missing:
+    if missing.name not in ("freescale_kernels", "freescale_kernels._jagged"):
+        raise
+    from freescale_balance._jagged import JaggedBatchError, JaggedTensor
 
-
-@dataclass(frozen=True)
-class JaggedTensor:
-    """Variable-length runs of values, one per sample.
-
-    Args:
-        values: ``[sum(lengths), *item_shape]``; the runs of all samples, in sample order.
-        lengths: 1-D integer tensor ``[batch_size]``, the run length of each sample.
-    """
-
-    values: torch.Tensor
-    lengths: torch.Tensor
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.lengths.numel())
-
-    def offsets(self) -> torch.Tensor:
-        """Exclusive prefix sum of ``lengths`` with a leading 0, as int64 ``[batch_size + 1]``."""
-        offsets = torch.zeros(self.lengths.numel() + 1, dtype=torch.int64)
-        torch.cumsum(self.lengths, 0, out=offsets[1:])
-        return offsets
-
-    def validate(self, name: str = "feature") -> None:
-        """Raises ``JaggedBatchError`` unless lengths are non-negative ints covering values."""
-        lengths = self.lengths
-        if lengths.dim() != 1:
-            raise JaggedBatchError(f"{name}: lengths must be 1-D, got shape {tuple(lengths.shape)}")
-        if (
-            lengths.dtype.is_floating_point
-            or lengths.dtype.is_complex
-            or lengths.dtype == torch.bool
-        ):
-            raise JaggedBatchError(
-                f"{name}: lengths must be an integer tensor, got {lengths.dtype}"
-            )
-        if self.values.dim() < 1:
-            raise JaggedBatchError(f"{name}: values must have at least one dimension")
-        if lengths.numel() and int(lengths.min()) < 0:
-            bad = int(torch.nonzero(lengths < 0)[0])
-            raise JaggedBatchError(
-                f"{name}: length of sample {bad} is negative ({int(lengths[bad])})"
-            )
-        total = int(lengths.sum()) if lengths.numel() else 0
-        if total != self.values.shape[0]:
-            raise JaggedBatchError(
-                f"{name}: lengths sum to {total} but values hold {self.values.shape[0]} items"
-            )
-
-    def select(self, indices: torch.Tensor) -> JaggedTensor:
-        """The samples at ``indices`` (any order, repeats allowed), as a new jagged tensor."""
-        indices = indices.to(torch.int64)
-        lengths = self.lengths.to(torch.int64)
-        picked_lengths = lengths[indices]
-        starts = self.offsets()[:-1][indices]
-        # Each output item reads values[start of its sample + its position within the sample].
-        out_offsets = torch.zeros_like(picked_lengths)
-        if picked_lengths.numel() > 1:
-            torch.cumsum(picked_lengths[:-1], 0, out=out_offsets[1:])
-        total = int(picked_lengths.sum()) if picked_lengths.numel() else 0
-        sample_of_item = torch.repeat_interleave(
-            torch.arange(picked_lengths.numel()), picked_lengths, output_size=total
-        )
-        source = starts[sample_of_item] + (torch.arange(total) - out_offsets[sample_of_item])
-        return JaggedTensor(self.values[source], self.lengths[indices])
-
-    def equal(self, other: JaggedTensor) -> bool:
-        return (
-            self.values.dtype == other.values.dtype
-            and self.lengths.dtype == other.lengths.dtype
-            and torch.equal(self.values, other.values)
-            and torch.equal(self.lengths, other.lengths)
-        )
+__all__ = ["JaggedBatch", "JaggedBatchError", "JaggedTensor"]
 
 
 @dataclass(frozen=True)

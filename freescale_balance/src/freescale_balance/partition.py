@@ -225,3 +225,31 @@ def partition(
     if policy == "kk":
         return partition_kk(costs, world_size)
     raise ValueError(f"unknown partition policy {policy!r}; choose one of {POLICIES}")
+
+
+def partition_or_keep(
+    costs: torch.Tensor,
+    world_size: int,
+    policy: Policy,
+    local_counts: torch.Tensor | list[int],
+    min_gain: float = 0.0,
+) -> Partition:
+    """``partition`` by ``policy``, unless it lowers the slowest rank's cost by less than
+    ``min_gain`` of it: then every sample stays on the rank it was loaded on.
+
+    This is the assignment ``Balancer`` computes on every rank (``BalancerConfig.min_gain``).
+
+    Args:
+        costs: the policy's per-sample costs over the global batch (``vbs``: its weights).
+        world_size: number of ranks.
+        policy: ``"none"``, ``"fbs"``, ``"vbs"`` or ``"kk"``.
+        local_counts: local batch sizes per source rank.
+        min_gain: fraction of the slowest rank's cost below which balancing is not worth it.
+    """
+    assignment = partition(costs, world_size, policy, local_counts=local_counts)
+    if min_gain <= 0 or policy == "none":
+        return assignment
+    loaded = partition_none(costs, world_size, local_counts)
+    peak = float(loaded.loads(costs).max()) if costs.numel() else 0.0
+    gain = peak - (float(assignment.loads(costs).max()) if costs.numel() else 0.0)
+    return loaded if gain < min_gain * peak else assignment

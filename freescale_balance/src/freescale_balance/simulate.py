@@ -16,13 +16,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from freescale_balance.autotune import AlphaAutoTuneConfig, AlphaAutoTuner
 from freescale_balance.cost_model import CostModel
 from freescale_balance.partition import POLICIES, partition, straggler_fraction, vbs_weights
 
 
-@dataclass
+@dataclass(frozen=True)
 class LengthDistribution:
     """UIH lengths: log-normal, capped at the maximum UIH length.
 
@@ -41,9 +42,23 @@ class LengthDistribution:
         return torch.from_numpy(np.clip(lengths, 1, max_uih).astype(np.int64))
 
 
-@dataclass
+@dataclass(frozen=True)
 class SimulationConfig:
-    """What ``freescale balance simulate`` sweeps."""
+    """What ``freescale balance simulate`` sweeps.
+
+    Attributes:
+        world_sizes: ranks of each simulated cluster.
+        max_uih: caps of the UIH (user interaction history) length, one sweep point each.
+        local_batch: samples per rank and step.
+        steps: global batches per point; the first ``warmup_steps`` only tune VBS's exponent.
+        warmup_steps: steps left out of the median (VBS's exponent settles first).
+        seed: seed of the length draws.
+        distribution: the UIH length distribution.
+        cost_model: per-sample cost from its length.
+        autotune: VBS's exponent tuner.
+        timing_world_size: world size of the partition timing.
+        timing_repeats: timed calls per policy (the median is reported).
+    """
 
     world_sizes: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
     max_uih: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384, 21504, 32768)
@@ -56,6 +71,17 @@ class SimulationConfig:
     autotune: AlphaAutoTuneConfig = field(default_factory=AlphaAutoTuneConfig)
     timing_world_size: int = 256
     timing_repeats: int = 30
+
+    def __post_init__(self) -> None:
+        if self.steps <= self.warmup_steps:
+            raise ValueError(
+                f"steps ({self.steps}) must exceed warmup_steps ({self.warmup_steps}): "
+                "the warm-up steps are not measured"
+            )
+        if min(self.world_sizes, default=0) < 1 or min(self.max_uih, default=0) < 1:
+            raise ValueError("world_sizes and max_uih need at least one value, each >= 1")
+        if self.local_batch < 1 or self.warmup_steps < 0 or self.timing_repeats < 1:
+            raise ValueError("local_batch and timing_repeats must be >= 1, warmup_steps >= 0")
 
 
 def _simulate_point(config: SimulationConfig, world_size: int, max_uih: int) -> dict:
@@ -101,13 +127,16 @@ def time_partitions(config: SimulationConfig) -> dict[str, float]:
     return result
 
 
-def simulate(config: SimulationConfig) -> dict:
-    """Runs the sweep; returns a JSON-ready report."""
-    points = [
-        _simulate_point(config, world_size, max_uih)
-        for world_size in config.world_sizes
-        for max_uih in config.max_uih
-    ]
+def simulate(config: SimulationConfig, progress: bool = False) -> dict:
+    """Runs the sweep; returns a JSON-ready report.
+
+    Args:
+        config: what to sweep.
+        progress: show a progress bar on stderr, one tick per (world size, max UIH) point.
+    """
+    grid = [(w, m) for w in config.world_sizes for m in config.max_uih]
+    bar = tqdm(grid, desc="simulate", unit="point", disable=not progress, leave=False)
+    points = [_simulate_point(config, world_size, max_uih) for world_size, max_uih in bar]
     return {
         "config": asdict(config),
         "points": points,

@@ -25,7 +25,6 @@ AllToAll: the whole output of ``all_to_all_single``), algbw = size / time, busbw
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import statistics
 import time
@@ -34,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from freescale_comm._local_ranks import GroupSpec, run_ranks
 
 OPS = ("all_gather", "all_to_all")
 
@@ -56,10 +57,8 @@ class BenchConfig:
         env: FREESCALE_* / UCX_* variables for the ranks.
         device: ``"cpu"`` or ``"cuda"`` tensors.
         threads: torch intra-op threads per rank; 0 leaves torch's default (one per core), as
-            a training process has it. Forcing one thread hid a cost of the backend that users
-            saw (its large own-piece copy ran on torch's threads and competed with the
-            transfers: AllToAll of 16 MiB took 0.51x Gloo's time with one thread, 1.53x with
-            the default, on 2 ranks and 2 cores).
+            a training process has it: forcing one thread hid a cost of the backend that users
+            saw (its large own-piece copy ran on torch's threads; ``CHANGELOG.md``).
     """
 
     world_size: int = 2
@@ -99,32 +98,17 @@ class BenchConfig:
         return (*own, "nccl") if gpus >= self.world_size else own
 
 
-def _rank_main(rank: int, config: BenchConfig, port: int, queue: Any) -> None:
-    os.environ.update(config.env)
-    if config.threads:
-        os.environ["OMP_NUM_THREADS"] = str(config.threads)
+def _bench_rank(config: BenchConfig, progress: bool) -> list[dict[str, Any]]:
+    """One rank of ``run_bench``, in the launcher's freescale group: every row of the sweep
+    (``progress``: rank 0 shows a bar of the (op, size) points on stderr)."""
     import torch
     import torch.distributed as dist
+    from tqdm import tqdm
 
-    import freescale_comm
     from freescale_comm.options import FreescaleOptions
 
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    freescale_comm.register()
     gpus = torch.cuda.device_count() if config.device == "cuda" else 0
-    if config.device == "cuda":
-        torch.cuda.set_device(rank % gpus)
     timeout = timedelta(seconds=120)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group(
-        "freescale",
-        store=store,
-        rank=rank,
-        world_size=config.world_size,
-        timeout=timeout,
-        pg_options=FreescaleOptions(cuda_path="direct"),
-    )
     gloo = dist.new_group(backend="gloo", timeout=timeout)
     groups: dict[str, Any] = {"freescale": None, "freescale_direct": None, "gloo": gloo}
     names = config.backends(gpus)
@@ -134,19 +118,12 @@ def _rank_main(rank: int, config: BenchConfig, port: int, queue: Any) -> None:
         )
     if "nccl" in names:
         groups["nccl"] = dist.new_group(backend="nccl", timeout=timeout)
-    try:
-        rows = [
-            _measure(config, op, size, {n: groups[n] for n in names}, gloo)
-            for op in config.ops
-            for size in config.sizes()
-        ]
-        if rank == 0:
-            queue.put(("ok", rows))
-    except BaseException as err:
-        queue.put(("error", f"rank {rank}: {type(err).__name__}: {err}"))
-        raise
-    finally:
-        dist.destroy_process_group()
+    points = [(op, size) for op in config.ops for size in config.sizes()]
+    shown = progress and dist.get_rank() == 0
+    bar = tqdm(
+        points, desc=f"comm bench, {config.world_size} ranks", disable=not shown, leave=False
+    )
+    return [_measure(config, op, size, {n: groups[n] for n in names}, gloo) for op, size in bar]
 
 
 def _calls(
@@ -256,46 +233,35 @@ def _max_over_ranks(values: list[float], group: Any) -> list[float]:
     return t.tolist()
 
 
-def run_local_ranks(
-    target: Callable[..., None], world_size: int, argument: Any, timeout_s: float
-) -> tuple[str, Any]:
-    """Runs ``target(rank, argument, port, queue)`` in ``world_size`` spawned processes around a
-    TCPStore on loopback that this process owns; returns the first ``(kind, payload)`` a rank
-    puts on ``queue`` (``kind`` ``"ok"`` or ``"error"``), then joins the processes and kills
-    those still alive."""
-    import torch.distributed as dist
+def run_bench(
+    config: BenchConfig, timeout_s: float = 1800, progress: bool = False
+) -> dict[str, Any]:
+    """Runs the sweep on ``config.world_size`` local processes; returns the report.
 
-    spawn = multiprocessing.get_context("spawn")
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
-    queue = spawn.Queue()
-    procs = [
-        spawn.Process(target=target, args=(r, argument, store.port, queue), daemon=True)
-        for r in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        return _first_report(queue, procs, timeout_s)
-    finally:
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-
-
-def run_bench(config: BenchConfig, timeout_s: float = 1800) -> dict[str, Any]:
-    """Runs the sweep on ``config.world_size`` local processes; returns the report."""
+    Args:
+        config: what to measure.
+        timeout_s: bound on the whole sweep.
+        progress: rank 0 shows a progress bar of the (op, size) points on stderr.
+    """
     import torch
 
     import freescale_comm
+    from freescale_comm.options import FreescaleOptions
+    from freescale_comm.transport import ucx_version
 
     load_at_start = os.getloadavg()[0]
-    kind, payload = run_local_ranks(_rank_main, config.world_size, config, timeout_s)
-    if kind != "ok":
-        raise RuntimeError(f"benchmark failed: {payload}")
-    from freescale_comm.transport import ucx_version
+    spec = GroupSpec(
+        config.world_size,
+        "freescale",
+        init_timeout_s=120.0,
+        env=config.env,
+        setup="freescale_comm:register",
+        threads=config.threads or None,
+        device=config.device,
+        pg_options=FreescaleOptions(cuda_path="direct"),
+    )
+    # Every rank measures every row; rank 0's are reported (the times are maxima over ranks).
+    payload = run_ranks(spec, _bench_rank, config, progress, timeout_s=timeout_s)[0]
 
     gpus = torch.cuda.device_count() if config.device == "cuda" else 0
     return {
@@ -318,25 +284,6 @@ def run_bench(config: BenchConfig, timeout_s: float = 1800) -> dict[str, Any]:
         },
         "rows": payload,
     }
-
-
-def _first_report(queue: Any, procs: list[Any], timeout_s: float) -> tuple[str, Any]:
-    """The first (kind, payload) a rank reports; ("error", why) once every rank has exited
-    without reporting, or when ``timeout_s`` has passed."""
-    import queue as queues
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            return queue.get(timeout=1.0)
-        except queues.Empty:
-            if not any(proc.is_alive() for proc in procs):
-                try:
-                    return queue.get(timeout=1.0)  # a report sent just before the exit
-                except queues.Empty:
-                    codes = [proc.exitcode for proc in procs]
-                    return "error", f"every rank exited without a report (exit codes {codes})"
-    return "error", f"no report within {timeout_s:g} s"
 
 
 def format_table(report: dict[str, Any]) -> str:

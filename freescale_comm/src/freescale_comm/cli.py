@@ -8,57 +8,58 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from freescale_comm._freescale_args import (
+    Parser,
+    float_in,
+    int_at_least,
+    int_list,
+    name_list,
+    print_written,
+)
+
+# The collectives freescale comm bench measures (freescale_comm.bench.OPS; not imported here so
+# that --help does not import torch).
+_OPS = ("all_gather", "all_to_all")
+_MAX_BYTES = 1 << 30
+_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
 
 def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().rstrip("ib").rstrip("b")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
-
-
-def _world_sizes(text: str) -> list[int]:
-    """``--world-sizes``: comma-separated rank counts, each at least 2."""
+    """A byte count such as ``4096``, ``4K``, ``64MiB`` or ``1G``, from 1 byte to 1 GiB."""
+    number = text.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = _UNITS.get(number[-1:], 1)
     try:
-        sizes = [int(w) for w in text.split(",") if w.strip()]
+        value = int(float(number[:-1] if scale > 1 else number) * scale)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of integers"
+            f"{text!r} is not a size (bytes, or with K, M, G: 4K, 64M, 1G)"
         ) from None
-    if not sizes or min(sizes) < 2:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: every world size must be at least 2 (a collective needs two ranks)"
-        )
-    return sizes
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if not 1 <= value <= _MAX_BYTES:
+        raise argparse.ArgumentTypeError(f"{text!r} must be from 1 byte to 1G")
     return value
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="freescale comm")
+def _parser() -> Parser:
+    parser = Parser(prog="freescale comm")
     commands = parser.add_subparsers(dest="command", required=True)
-    info = commands.add_parser("info", help="UCX version and transports, GPUs, PCIe, NCCL")
+    what = "UCX version and transports, GPUs, PCIe, NCCL"
+    info = commands.add_parser("info", help=what, description=what)
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     info.add_argument(
         "--ranks",
-        type=_positive,
+        type=int_at_least(0),
         default=0,
-        help="also start this many local ranks and show the path of every pair",
+        help="also start this many local ranks and show the path of every pair (0: none)",
     )
     info.add_argument(
         "--hosts",
-        type=_positive,
+        type=int_at_least(0),
         default=0,
         help="with --ranks: make the ranks look as if on this many hosts (FREESCALE_HOST_ID)",
     )
-    bench = commands.add_parser(
-        "bench", help="AllGather / AllToAll: freescale vs Gloo (CPU) or NCCL (CUDA)"
-    )
+    what = "AllGather / AllToAll: freescale vs Gloo (CPU) or NCCL (CUDA)"
+    bench = commands.add_parser("bench", help=what, description=what)
+    bench.set_defaults(parser=bench)
     bench.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -67,29 +68,51 @@ def _parser() -> argparse.ArgumentParser:
         "has a GPU of its own",
     )
     bench.add_argument(
-        "--world-sizes", type=_world_sizes, default="2", help="comma-separated, each >= 2, e.g. 2,4"
+        "--world-sizes",
+        type=int_list(2),
+        default="2",
+        help="comma-separated local rank counts, each >= 2, e.g. 2,4",
     )
-    bench.add_argument("--min-bytes", type=_size, default="4K")
-    bench.add_argument("--max-bytes", type=_size, default="64M", help="up to 1G")
-    bench.add_argument("--factor", type=_positive, default=2)
-    bench.add_argument("--ops", default="all_gather,all_to_all")
-    bench.add_argument("--warmup", type=_positive, default=5, help="untimed calls per size")
+    bench.add_argument(
+        "--min-bytes", type=_size, default="4K", help="smallest size: bytes one rank receives"
+    )
+    bench.add_argument("--max-bytes", type=_size, default="64M", help="largest size, up to 1G")
+    bench.add_argument(
+        "--factor", type=int_at_least(2), default=2, help="ratio between consecutive sizes"
+    )
+    bench.add_argument(
+        "--ops",
+        type=name_list(_OPS),
+        default=",".join(_OPS),
+        help="comma-separated collectives to measure",
+    )
+    bench.add_argument(
+        "--warmup", type=int_at_least(1), default=5, help="untimed calls per backend and size"
+    )
     bench.add_argument(
         "--blocks",
-        type=_positive,
+        type=int_at_least(1),
         default=10,
         help="timed blocks per backend and size (median reported)",
     )
     bench.add_argument(
-        "--target-s", type=float, default=0.05, help="time one block of calls aims at"
+        "--target-s",
+        type=float_in(0.0, open_low=True),
+        default=0.05,
+        help="seconds one block of calls aims at (sets the calls per block)",
     )
     bench.add_argument(
         "--threads",
-        type=int,
+        type=int_at_least(0),
         default=0,
         help="torch intra-op threads per rank (0: torch's default, as in training)",
     )
-    bench.add_argument("--out", type=Path, default=Path("out/comm_bench"))
+    bench.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out/comm_bench"),
+        help="folder for comm_bench*.json and the plots",
+    )
     return parser
 
 
@@ -105,10 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             info["paths"] = local_paths(args.ranks, args.hosts)
         print(json.dumps(info, indent=2) if args.json else format_info(info))
         return 0
+    if args.min_bytes > args.max_bytes:
+        args.parser.error(f"--min-bytes ({args.min_bytes}) exceeds --max-bytes ({args.max_bytes})")
     from freescale_comm.bench import BenchConfig, format_table, run_bench, write_report
 
-    if args.max_bytes > 1 << 30:
-        raise SystemExit("--max-bytes is limited to 1G")
     reports = []
     for world_size in args.world_sizes:
         config = BenchConfig(
@@ -116,20 +139,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             min_bytes=args.min_bytes,
             max_bytes=args.max_bytes,
             factor=args.factor,
-            ops=tuple(op for op in args.ops.split(",") if op),
+            ops=args.ops,
             warmup=args.warmup,
             blocks=args.blocks,
             target_s=args.target_s,
             device=args.device,
             threads=args.threads,
         )
-        report = run_bench(config)
+        report = run_bench(config, progress=True)
         reports.append(report)
         print(format_table(report))
         written = write_report(report, args.out)
-        if len(written) == 1:
-            print("matplotlib is not installed: no plot (pip install 'freescale-comm[plot]')")
-        print("wrote " + ", ".join(str(p) for p in written))
+        print_written(written, "./freescale_comm[plot]")
     combined = args.out / "comm_bench.json"
     command = "freescale comm " + " ".join(argv if argv is not None else sys.argv[2:])
     combined.write_text(json.dumps({"command": command, "reports": reports}, indent=2))

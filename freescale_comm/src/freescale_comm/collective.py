@@ -96,6 +96,10 @@ class Collective:
         self.event = threading.Event()
         # CUDA: set once every copy is enqueued and ``final`` recorded (or the collective failed).
         self.sealed = threading.Event() if plan.on_cuda else _NOT_SEALED
+        # Staged CUDA collective whose every peer is reached through the staging rings: its
+        # data leaves with the headers (no folding, no CPU wait for a D2H copy).
+        self.ring_cuda = False
+        self._ring_events: list[torch.cuda.Event] = []  # ends of the rings' H2D copies
         # Made when asked for (``future``): most synchronous calls never ask.
         self._future: torch.futures.Future | None = None
         self._future_lock = threading.Lock()
@@ -157,6 +161,9 @@ class Collective:
             self._ready = self._cuda.record_ready()
             if not self.plan.staged:
                 self._cuda.ready_watch.watch(self._ready)
+            self.ring_cuda = (
+                self.plan.staged and not self.plan.forwarding and g.all_on_staging_rings
+            )
         if g.options.validate and g.size > 1:
             self._post_headers()
         elif self.plan.signature.error:
@@ -202,7 +209,7 @@ class Collective:
         if unloaded:
             event = self._cuda.copy(self._streams.d2h, copies, self._cuda.d2h_watch)
             self._unloaded_headers = (event, unloaded)
-        elif not self.plan.on_cuda and not self.plan.forwarding:
+        elif (not self.plan.on_cuda or self.ring_cuda) and not self.plan.forwarding:
             self._post_early()
 
     def _post_early(self) -> None:
@@ -210,13 +217,15 @@ class Collective:
         a medium message then costs one round trip, not two. Each arrives at the receiver as
         an unexpected message, copied out of the ring into a buffer of its own, and reaches the
         output only once the receiver has judged every header consistent (a receive into the
-        output is posted only then); after a bad verdict the receivers discard it."""
+        output is posted only then); after a bad verdict the receivers discard it. On the
+        staging rings (CUDA) every send leaves early: its D2H copy waits on the GPU for the
+        caller's stream, and the receiver leaves it in the ring until its verdict."""
         g = self.group
         for transfer in self.plan.transfers:
             if (
                 transfer.send
                 and id(transfer) not in self._folded
-                and g.sends_early(transfer.peer, len(transfer.buffer))
+                and (self.ring_cuda or g.sends_early(transfer.peer, len(transfer.buffer)))
             ):
                 self._post(transfer)
                 self._early.add(id(transfer))
@@ -263,8 +272,9 @@ class Collective:
         return True
 
     def _may_fold(self) -> bool:
-        """Whether this plan's data may travel in headers (no ring forwarding)."""
-        return self.group.eager_per_peer > 0 and not self.plan.forwarding
+        """Whether this plan's data may travel in headers (no ring forwarding; not on the
+        staging rings, whose data leaves with the headers without a CPU wait for its D2H)."""
+        return self.group.eager_per_peer > 0 and not self.plan.forwarding and not self.ring_cuda
 
     def _foldable(self, send: bool) -> dict[int, list[Transfer]]:
         """Per peer, the sends (or receives) whose bytes fit in its header, in message order.
@@ -304,10 +314,18 @@ class Collective:
         self._posted.append(transfer)
 
     def _message(self, peer: int, buffer: Any, sub: int, send: bool) -> Any:
-        """Posts one tagged send to / receive from ``peer``; returns the UCX request."""
+        """Posts one tagged send to / receive from ``peer``; returns the request. Staged
+        CUDA bytes of a peer on the staging rings go there, ordered after the caller's
+        stream."""
         g = self.group
         tag = make_tag(g.group_id, self.seq, g.rank if send else peer, sub)
-        return g.post(peer, buffer, tag, send, sub)
+        ring = (
+            self.plan.staged
+            and isinstance(buffer, torch.Tensor)
+            and buffer.is_cuda
+            and g.stages_on_rings(peer)
+        )
+        return g.post(peer, buffer, tag, send, sub, self._ready if ring else None)
 
     # ----------------------------------------------------------------- engine thread
     def advance(self) -> bool:
@@ -343,17 +361,17 @@ class Collective:
             self._start_data()
             progressed = True
         if self._phase == "data":
+            progressed |= self._post_forwards()
             if self._pipeline is not None:
                 progressed |= self._advance_pipeline()
                 if self.finished:
                     return True
-                if self._pipeline.sealable:
-                    self._seal(self._streams.h2d, self._cuda.h2d_watch)
-                    progressed = True
-            else:
-                progressed |= self._post_forwards()
-                if not self._posted and not self._unposted:
-                    progressed |= self._complete()
+            if (
+                not self._posted
+                and not self._unposted
+                and (self._pipeline is None or self._pipeline.sealable)
+            ):
+                progressed |= self._complete()
         if self._phase == "sealed":
             if self._pipeline is not None:
                 progressed |= self._advance_pipeline()  # last sends; slots given back
@@ -382,6 +400,10 @@ class Collective:
                 way = "sending to" if transfer.send else "receiving from"
                 self._fail_locked(f"transport error {way} rank {transfer.peer}: {err}", "peer")
                 return True
+            if self.plan.on_cuda:
+                last = getattr(transfer.request, "last", None)  # a staging ring's H2D copies
+                if last is not None:
+                    self._ring_events.append(last)
             transfer.done = True
             transfer.request = None
         self._posted = [t for t in self._posted if not t.done]
@@ -456,21 +478,21 @@ class Collective:
         self._phase = "data"
         folded, early = self._folded, self._early
         unfolded = [t for t in self.plan.transfers if id(t) not in folded and id(t) not in early]
-        if self.plan.on_cuda:
-            self._start_cuda_data(unfolded)
-        if self._pipeline is None:
-            for transfer in unfolded:
-                if transfer.after is None:
-                    self._post(transfer)
-                else:
-                    self._unposted.append(transfer)
+        posted = self._start_cuda_data(unfolded) if self.plan.on_cuda else unfolded
+        for transfer in posted:
+            if transfer.after is None:
+                self._post(transfer)
+            else:
+                self._unposted.append(transfer)
         g.transport.progress()
         if not self.plan.on_cuda:
             # After posting: peers pull this rank's pieces while it copies its own.
             for dst, src in self.plan.local_copies:
                 host_copy(dst, src)
 
-    def _start_cuda_data(self, unfolded: list[Transfer]) -> None:
+    def _start_cuda_data(self, unfolded: list[Transfer]) -> list[Transfer]:
+        """Queues the local copies and the H2D copies of folded data; returns the messages to
+        post as they are (direct path, staging rings), the staged pipeline takes the rest."""
         from freescale_comm.staged import StagedPipeline
 
         cuda = self._cuda
@@ -480,10 +502,24 @@ class Collective:
         if self._folded_loads:
             self._folded_done = cuda.copy(streams.h2d, self._folded_loads)
             self._folded_loads = []
-        if self.plan.staged:
-            self._pipeline = StagedPipeline(
-                self.plan, cuda, streams, self._message, self.group.options.chunk_bytes, unfolded
-            )
+        if not self.plan.staged:
+            return unfolded
+        g = self.group
+        # A ring forward stays in the pipeline: it is sent from the host slot it arrived in.
+        forwarding = self.plan.forwarding
+        ringed = [t for t in unfolded if not forwarding and g.stages_on_rings(t.peer)]
+        if len(ringed) == len(unfolded):
+            return unfolded
+        ids = {id(t) for t in ringed}
+        self._pipeline = StagedPipeline(
+            self.plan,
+            cuda,
+            streams,
+            self._message,
+            g.options.chunk_bytes,
+            [t for t in unfolded if id(t) not in ids],
+        )
+        return ringed
 
     def _take_streams(self) -> CopyStreams:
         """This collective's copy streams, ordered after the caller's stream on the GPU: inputs
@@ -504,9 +540,12 @@ class Collective:
         return True
 
     def _complete(self) -> bool:
-        """Every message of a CPU or direct CUDA collective is done."""
+        """Every message of the collective is done (a staged pipeline's copies queued)."""
         if self.plan.on_cuda:
-            self._seal(self._streams.d2h, self._cuda.d2h_watch)
+            if self._pipeline is not None:
+                self._seal(self._streams.h2d, self._cuda.h2d_watch)
+            else:
+                self._seal(self._streams.d2h, self._cuda.d2h_watch)
             return True
         for dst, src in self.plan.copy_back:
             dst.copy_(src)
@@ -521,6 +560,7 @@ class Collective:
                 self._local_done,
                 self._folded_done,
                 self._pipeline and self._pipeline.last_d2h,
+                *self._ring_events,
             ):
                 if event is not None:
                     stream.wait_event(event)
@@ -559,6 +599,7 @@ class Collective:
     def _resolve(self) -> None:
         """Completes a finished collective: buffers released, future and event set."""
         self._pinned = []
+        self._ring_events = []
         self._set_outcome(True, self.plan.result)
         self.event.set()
 

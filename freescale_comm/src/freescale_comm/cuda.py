@@ -28,6 +28,14 @@ library's, a user's ``default_stream.wait_stream(side)``) closes the same cycle,
 here is driven by a CPU thread, not by a kernel as in NCCL. The last copies can only be enqueued
 once the last message is in, so the least-blocking safe ``wait`` is: block until then, and let
 the GPU wait for the copies.
+
+The staging rings make no UCX call on the progress path, and the same flag was built for them
+(``cuStreamWaitValue32`` on the caller's stream at ``wait``, ``cuStreamWriteValue32`` after the
+last copies): on the H200 both ranks of the overlap benchmark hung, their engine threads inside
+``cuStreamCreate`` while the callers' streams waited on flags. A stream waiting on a condition
+that later copies will satisfy can stall whatever shares its hardware queue (streams are
+multiplexed onto ``CUDA_DEVICE_MAX_CONNECTIONS`` queues), the driver's own work included; an
+event wait is safe because its event's work is already queued.
 """
 
 from __future__ import annotations
@@ -271,6 +279,70 @@ class _PinnedRegion:
         torch.cuda.cudart().cudaHostUnregister(self._pointer)
 
 
+_HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2
+
+
+def _register(pointer: int, size: int, what: str) -> None:
+    code = torch.cuda.cudart().cudaHostRegister(pointer, size, _HOST_REGISTER_PORTABLE_MAPPED)
+    if int(code) != 0:
+        raise FreescaleError(f"cudaHostRegister of {what} ({size} bytes) failed: {code}")
+
+
+class RingCopies:
+    """Copy-in and copy-out of one staging channel (``shm.Copies``) on copy engines: the
+    sender's D2H goes straight into a slot of shared page-locked memory, the receiver's H2D
+    straight out of it; no host-to-host copy, no kernel. Each request's first copy waits for
+    the event of its collective's caller stream; each copy records a blocking event that a
+    watcher thread waits for (it wakes the engine, which then publishes or frees the slot).
+
+    Streams and watchers are the channel's own: a channel moves its collectives' chunks in
+    collective order, but channels do not wait for each other, and a later collective's wait
+    for its caller's stream (which may wait for an earlier collective's end) must never sit in
+    front of another channel's chunks of that earlier collective. Both rings of the channel are
+    page-locked (``cudaHostRegister``) when it is attached, unregistered by ``close``.
+    """
+
+    def __init__(self, support: CudaSupport, channel: Any, wake: Callable[[], None]) -> None:
+        self._support = support
+        device = support.device
+        self._rings = (channel.out, channel.inc)
+        for ring in self._rings:
+            ring.reserve()
+            _register(ring.base.ctypes.data, ring.size, "a staging ring")
+        self._d2h = _new_stream(device)
+        self._h2d = _new_stream(device)
+        self._d2h_watch = StreamWatcher("freescale-comm-ring-d2h", device, wake)
+        self._h2d_watch = StreamWatcher("freescale-comm-ring-h2d", device, wake)
+
+    def _ordered(self, stream: torch.cuda.Stream, request: Any) -> None:
+        if request.ready is not None:
+            stream.wait_event(request.ready)
+            request.ready = None
+
+    def copy_in(self, slot: np.ndarray, request: Any, offset: int, n: int) -> Any:
+        self._ordered(self._d2h, request)
+        source = request.buffer[offset : offset + n]
+        return self._support.copy(self._d2h, [(slot, source)], self._d2h_watch)
+
+    def copy_out(self, request: Any, offset: int, slot: np.ndarray) -> Any:
+        self._ordered(self._h2d, request)
+        target = request.buffer[offset : offset + len(slot)]
+        return self._support.copy(self._h2d, [(target, slot)], self._h2d_watch)
+
+    @staticmethod
+    def done(token: Any) -> bool:
+        return token.query()
+
+    def close(self) -> None:
+        """Stops the watchers, waits for the copies, unregisters the rings."""
+        for watcher in (self._d2h_watch, self._h2d_watch):
+            watcher.close()
+        for stream in (self._d2h, self._h2d):
+            _destroy_stream(self._support.device, stream)
+        for ring in self._rings:
+            torch.cuda.cudart().cudaHostUnregister(ring.base.ctypes.data)
+
+
 class CudaSupport:
     """One group's CUDA machinery, created on its first CUDA collective.
 
@@ -296,6 +368,20 @@ class CudaSupport:
         self.ready_watch = StreamWatcher("freescale-comm-ready", device, wake)
         self.d2h_watch = StreamWatcher("freescale-comm-d2h", device, wake)
         self.h2d_watch = StreamWatcher("freescale-comm-h2d", device, wake)
+        self._wake = wake
+        self._ring_copies: dict[int, RingCopies] = {}
+        self._attach_lock = threading.Lock()
+
+    def attach(self, channel: Any) -> None:
+        """Makes a staging channel copy with this device's copy engines (on its first CUDA
+        message; callers' threads and the engine's post concurrently)."""
+        if id(channel) in self._ring_copies:
+            return
+        with self._attach_lock:
+            if id(channel) not in self._ring_copies:
+                copies = RingCopies(self, channel, self._wake)
+                channel.copies = copies
+                self._ring_copies[id(channel)] = copies
 
     @property
     def pool(self) -> SlotPool:
@@ -366,6 +452,9 @@ class CudaSupport:
             watcher.close()
         for streams in self._all:
             streams.destroy()
+        for copies in self._ring_copies.values():
+            copies.close()
+        self._ring_copies = {}
         if self._region is not None:
             self._region.close()
             self._region = self._pool = None

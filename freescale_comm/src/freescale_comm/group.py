@@ -127,7 +127,13 @@ class GroupContext:
         peers = max(1, len(local_ok))
         slots = max(2, min(64, options.shm_pool_bytes // (peers * options.shm_slot_bytes)))
         links, failures = shm.open_links(
-            self._keys, rank, local_ok, slots, options.shm_slot_bytes, self.timeout_s
+            self._keys,
+            rank,
+            local_ok,
+            slots,
+            options.shm_slot_bytes,
+            self.timeout_s,
+            staging=_staging_rings(options, peers),
         )
         self._no_rings.update(failures)
         for peer, link in links.items():
@@ -136,19 +142,45 @@ class GroupContext:
             self._hub = shm.Hub.get()
             self.transport.attach_hub(self._hub)
 
-    def post(self, peer: int, buffer: Any, tag: int, send: bool, sub: int) -> Any:
+    def post(
+        self, peer: int, buffer: Any, tag: int, send: bool, sub: int, ready: Any = None
+    ) -> Any:
         """Posts one tagged send to / receive from ``peer`` on the path for its size: the
-        shared-memory ring for host bytes between ranks of one host (``host_path``), UCX
-        otherwise. A header (``sub`` 0) counts as its largest size, which both sides know."""
+        shared-memory ring for host bytes between ranks of one host (``host_path``), the
+        staging rings for staged CUDA bytes (given ``ready``, the CUDA event their copies
+        wait for), UCX otherwise. A header (``sub`` 0) counts as its largest size, which both
+        sides know."""
         link = self._links[peer]
-        if link is not None and isinstance(buffer, np.ndarray):
+        if link is not None:
+            if ready is not None:
+                self.cuda(buffer.device.index).attach(link.staging)
+                return self._hub.post(link, buffer, tag, send, ready)
+            if not isinstance(buffer, np.ndarray):
+                return self._ucx_post(peer, buffer, tag, send)
             nbytes = self._header_room if sub == 0 else len(buffer)
             if self.options.host_path == "shm" or nbytes <= self.options.shm_max_bytes:
                 return self._hub.post(link, buffer, tag, send)
+        return self._ucx_post(peer, buffer, tag, send)
+
+    def _ucx_post(self, peer: int, buffer: Any, tag: int, send: bool) -> Any:
         endpoint = self.endpoint(peer)
         transport = self.transport
         return (
             transport.send(endpoint, buffer, tag) if send else transport.recv(endpoint, buffer, tag)
+        )
+
+    def stages_on_rings(self, peer: int) -> bool:
+        """Whether staged CUDA bytes to and from ``peer`` take the staging rings."""
+        link = self._links[peer]
+        return link is not None and link.staging is not None
+
+    @property
+    def all_on_staging_rings(self) -> bool:
+        """Whether every peer is reached through the staging rings (every rank of the group on
+        this host): the same answer on every rank, which a collective's choices that both sides
+        of a pair must make alike (folding, algorithm) may depend on."""
+        return self.size > 1 and all(
+            self.stages_on_rings(p) for p in range(self.size) if p != self.rank
         )
 
     def sends_early(self, peer: int, nbytes: int) -> bool:
@@ -196,9 +228,24 @@ class GroupContext:
                     "peer_host": self.directory.host_of(peer),
                     "ring_messages": (link.sent, link.received) if link else (0, 0),
                     "ring_slots": link.inc.slots if link else 0,
+                    "cuda": self._cuda_path_of(peer),
                 }
             )
         return rows
+
+    def _cuda_path_of(self, peer: int) -> str:
+        """How CUDA bytes travel to ``peer``, and why (``freescale comm info``)."""
+        path = self.options.cuda_path
+        if path == "auto":
+            path = "direct" if self.transport.cuda_support else "staged"
+        if path == "direct":
+            return "direct: UCX device buffers (cuda_ipc / GPUDirect RDMA); cuda_path=" + (
+                self.options.cuda_path
+            )
+        if self.stages_on_rings(peer):
+            return "staged: staging rings (page-locked shared memory, D2H in, H2D out); same host"
+        why = "other host" if peer not in self.directory.same_host else "no staging rings"
+        return f"staged: pinned pool + UCX host messages; {why}"
 
     def next_seq(self) -> int:
         return next(self._seq)
@@ -294,6 +341,17 @@ class GroupContext:
                 self._links[peer] = None
         self.transport.release()
         self._endpoints = [None] * self.size
+
+
+def _staging_rings(options: FreescaleOptions, peers: int) -> tuple[int, int] | None:
+    """(slots, slot bytes) of the CUDA staging rings per peer on this host: a process that can
+    use CUDA makes them (sparse until first used); half the staging pool receives."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    chunk = options.chunk_bytes
+    return max(2, min(64, options.staging_pool_bytes // 2 // (peers * chunk))), chunk
 
 
 def _cuda_device() -> int | None:

@@ -89,6 +89,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         self._rank_size = (rank, size)
         # Plans by call shape: a call of a shape seen before skips building its plan.
         self._plans = algorithms.PlanCache()
+        self._direct_gather = dataclasses.replace(options, allgather="direct")
 
     def name(self) -> str:
         return BACKEND_NAME
@@ -103,6 +104,14 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             # Direct needs a UCX built with CUDA (cuda_copy / cuda_ipc); stage otherwise.
             path = "direct" if self._ctx.transport.cuda_support else "staged"
         return path == "staged"
+
+    def _gather_options(self, tensors: Sequence[torch.Tensor]) -> FreescaleOptions:
+        """The options an AllGather of ``tensors`` is planned with: on the staging rings
+        (staged CUDA, every peer on this host) the direct algorithm, whose messages each
+        leave with the headers; a ring forward would have to wait for its receive's H2D copy."""
+        if tensors and tensors[0].is_cuda and self._staged() and self._ctx.all_on_staging_rings:
+            return self._direct_gather
+        return self.options
 
     def _own(self, plan: Plan, opts: Any) -> FreescaleWork:
         """Starts ``plan`` (CUDA tensors on the staged path if so configured)."""
@@ -124,7 +133,12 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         """``dist.all_gather``: ``output_tensors[0][p]`` receives rank p's ``input_tensors[0]``."""
         return self._own(
             algorithms.all_gather(
-                "all_gather", *self._rs(), output_tensors, input_tensors, self.options, self._plans
+                "all_gather",
+                *self._rs(),
+                output_tensors,
+                input_tensors,
+                self._gather_options(input_tensors),
+                self._plans,
             ),
             opts,
         )
@@ -142,7 +156,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
                 *self._rs(),
                 output_lists,
                 input_list,
-                self.options,
+                self._gather_options(input_list),
                 self._plans,
             ),
             opts,
@@ -154,7 +168,12 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         """``dist.all_gather_into_tensor`` (torch 2.13 name)."""
         return self._own(
             algorithms.all_gather_into_tensor(
-                "all_gather_into_tensor", *self._rs(), [output], [input], self.options, self._plans
+                "all_gather_into_tensor",
+                *self._rs(),
+                [output],
+                [input],
+                self._gather_options([input]),
+                self._plans,
             ),
             opts,
         )
@@ -178,7 +197,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
                 *self._rs(),
                 list(outputs),
                 list(inputs),
-                self.options,
+                self._gather_options(inputs),
                 self._plans,
             ),
             opts,

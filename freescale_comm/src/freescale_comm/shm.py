@@ -1,4 +1,4 @@
-"""Shared-memory rings between the ranks of one host, for host (CPU) bytes.
+"""Shared-memory rings between the ranks of one host, for host bytes and staged CUDA bytes.
 
 Per ordered pair of ranks on one host (same ``host_identity()``), the receiver creates a ring of
 slots in a ``/dev/shm`` segment; the sender maps it. A message is cut into slot-sized chunks:
@@ -11,6 +11,12 @@ so no slot stays taken by it and messages of different collectives never wait on
 Segments are unlinked as soon as both sides have mapped them (their memory dies with the
 processes); a segment that a crash left between creation and that point is named after its
 creator's pid and removed by the next process that starts rings on the host.
+
+Where CUDA is available a second pair of rings per pair (``Link.staging``, slots of the staging
+chunk, sparse until first used) carries staged CUDA bytes: the same protocol, with copy-engine
+copies into and out of the slots (``cuda.RingCopies``, which page-locks both rings in each
+process) instead of memcpy; a copy that ends after it starts holds the ring's counters back
+until it is done (``Channel``).
 
 Every process has one datagram socket in the abstract namespace (no file): a side that
 publishes or frees slots sends its peer one byte, which wakes the peer's progress thread from
@@ -32,7 +38,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -108,21 +114,55 @@ def _alive(pid: int) -> bool:
 
 
 class Request:
-    """A shared-memory send or receive in flight (the interface of a UCX request)."""
+    """A shared-memory send or receive in flight (the interface of a UCX request).
 
-    __slots__ = ("buffer", "completed", "done_bytes", "error", "length", "tag")
+    ``completed`` means: a send's bytes are all in the ring (its buffer may be reused); a
+    receive's copies out of the ring are all done (host) or all queued, ``last`` being the
+    copy engine's event that ends them (CUDA: the collective orders its own end after it).
+    """
 
-    def __init__(self, buffer: np.ndarray, tag: int) -> None:
+    __slots__ = ("buffer", "completed", "done_bytes", "error", "last", "length", "ready", "tag")
+
+    def __init__(self, buffer: Any, tag: int, ready: Any = None) -> None:
         self.buffer = buffer
         self.tag = tag
         self.length = len(buffer)
         self.done_bytes = 0
         self.completed = False
         self.error: str | None = None
+        self.ready = ready  # CUDA: copies of this request wait for this event first
+        self.last: Any = None
 
     def check_error(self) -> None:
         if self.error is not None:
             raise FreescaleError(self.error)
+
+
+class HostCopies:
+    """Copy-in and copy-out of host bytes: one memcpy on the calling thread, done at once."""
+
+    @staticmethod
+    def copy_in(slot: np.ndarray, request: Request, offset: int, n: int) -> None:
+        np.copyto(slot, request.buffer[offset : offset + n])
+
+    @staticmethod
+    def copy_out(request: Request, offset: int, slot: np.ndarray) -> None:
+        np.copyto(request.buffer[offset : offset + len(slot)], slot)
+
+    @staticmethod
+    def done(token: Any) -> bool:
+        return True
+
+
+class Copies(Protocol):
+    """How a channel moves bytes into and out of its slots (``HostCopies``, or the CUDA copy
+    engines of ``cuda.RingCopies``). A copy returns a token, None when it is already done."""
+
+    def copy_in(self, slot: np.ndarray, request: Request, offset: int, n: int) -> Any: ...
+
+    def copy_out(self, request: Request, offset: int, slot: np.ndarray) -> Any: ...
+
+    def done(self, token: Any) -> bool: ...
 
 
 class _Unexpected:
@@ -137,24 +177,37 @@ class _Unexpected:
 
 
 class Ring:
-    """One direction of a pair: a segment of ``slots`` slots of ``slot_bytes``."""
+    """One direction of a pair: a segment of ``slots`` slots of ``slot_bytes``.
 
-    def __init__(self, path: str, slots: int, slot_bytes: int, create: bool) -> None:
+    Args:
+        reserve: take the memory now (a full /dev/shm fails here, not as SIGBUS later);
+            without it the segment is sparse until ``reserve`` is called (the CUDA staging
+            rings, which a process that never stages CUDA bytes never touches).
+    """
+
+    def __init__(
+        self, path: str, slots: int, slot_bytes: int, create: bool, reserve: bool = True
+    ) -> None:
         self.path = path
         self.slots = slots
         self.slot_bytes = slot_bytes
-        size = self.segment_bytes(slots, slot_bytes)
+        size = self.size = self.segment_bytes(slots, slot_bytes)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
+        self._fd: int | None = None
         try:
-            if create:
-                # Reserves the memory now: a full /dev/shm fails here, not as SIGBUS later.
+            if create and reserve:
                 os.posix_fallocate(fd, 0, size)
+            elif create:
+                os.ftruncate(fd, size)
             elif os.fstat(fd).st_size != size:
                 raise FreescaleError(f"{path} has {os.fstat(fd).st_size} bytes, not {size}")
             self._map = mmap.mmap(fd, size)
         finally:
-            os.close(fd)
+            if reserve:
+                os.close(fd)
+            else:
+                self._fd = fd  # kept for ``reserve`` (the name is unlinked soon)
         self.ctrl = np.frombuffer(self._map, dtype=np.uint64, count=_CTRL_BYTES // 8)
         self.headers = np.frombuffer(
             self._map, dtype=np.uint64, count=slots * _SLOT_HEADER, offset=_CTRL_BYTES
@@ -163,50 +216,81 @@ class Ring:
         self.data = np.frombuffer(
             self._map, dtype=np.uint8, count=slots * slot_bytes, offset=data_at
         ).reshape(slots, slot_bytes)
+        self.base = np.frombuffer(self._map, dtype=np.uint8)
 
     @staticmethod
     def segment_bytes(slots: int, slot_bytes: int) -> int:
         return _data_offset(slots) + slots * slot_bytes
 
+    def reserve(self) -> None:
+        """Takes the memory of a sparse segment (both sides may call it)."""
+        if self._fd is not None:
+            os.posix_fallocate(self._fd, 0, self.size)
+
     def close(self) -> None:
-        self.ctrl = self.headers = self.data = None
+        self.ctrl = self.headers = self.data = self.base = None
         with contextlib.suppress(BufferError):
             self._map.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def _data_offset(slots: int) -> int:
     return -(-(_CTRL_BYTES + slots * _SLOT_HEADER * 8) // 4096) * 4096
 
 
-class Link:
-    """Both directions between this process and one peer of a group on the same host."""
+class Channel:
+    """Both directions between this process and one peer over one pair of rings.
 
-    def __init__(self, hub: Hub, outgoing: Ring, incoming: Ring, peer_socket: bytes) -> None:
+    The ring protocol: the sender reserves the next free slot, copies a chunk in and writes the
+    slot header, and publishes the slot (the ring's head counter) once the copy is done; the
+    receiver reads published slots in order, copies each out into the posted receive and frees
+    it (the tail counter) once that copy is done. Copies that finish later than they start
+    (``Copies`` tokens: CUDA copy engines) keep the counters behind them, so both counters
+    still move in slot order.
+
+    Args:
+        device: the channel carries device bytes. A message whose receive is not posted then
+            stays in the ring until it is (device bytes have nowhere else to go) instead of
+            being copied out into a buffer of its own; it only waits for this rank's own
+            verdict on its collective, which needs no message of this ring. A receive is
+            complete once its copies are queued (``Request.last``).
+    """
+
+    def __init__(
+        self, hub: Hub, outgoing: Ring, incoming: Ring, peer_socket: bytes, device: bool = False
+    ) -> None:
         self.hub = hub
         self.out = outgoing
         self.inc = incoming
         self.peer_socket = peer_socket
-        self._head = int(outgoing.ctrl[0])  # slots this side published (sender)
-        self._tail = int(incoming.ctrl[8])  # slots this side consumed (receiver)
+        self.copies: Copies = HostCopies()
+        self._stall = device
+        self._head = self._reserved = int(outgoing.ctrl[0])  # published / filled (sender)
+        self._tail = self._consumed = int(incoming.ctrl[8])  # freed / read (receiver)
+        # (token, request completed by this slot or None), per reserved or consumed slot.
+        self._filling: collections.deque[tuple[Any, Request | None]] = collections.deque()
+        self._draining: collections.deque[tuple[Any, Request | None]] = collections.deque()
         self._sends: collections.deque[Request] = collections.deque()
         self._recvs: dict[int, Request] = {}
         self._unexpected: dict[int, _Unexpected] = {}
         self.closed = False
         # Collectives (tag >> SUB_BITS) whose early messages are dropped on arrival.
         self._discarded: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self.sent = self.received = 0  # messages posted on this link (tests check the path)
+        self.sent = self.received = 0  # messages posted on this channel (tests check the path)
 
     # --------------------------------------------------------------- posting (hub lock held)
-    def send(self, buffer: np.ndarray, tag: int) -> Request:
-        request = Request(buffer, tag)
+    def send(self, buffer: Any, tag: int, ready: Any = None) -> Request:
+        request = Request(buffer, tag, ready)
         self.sent += 1
         self._sends.append(request)
         if self._push():
             self.hub.signal(self.peer_socket)
         return request
 
-    def recv(self, buffer: np.ndarray, tag: int) -> Request:
-        request = Request(buffer, tag)
+    def recv(self, buffer: Any, tag: int, ready: Any = None) -> Request:
+        request = Request(buffer, tag, ready)
         self.received += 1
         early = self._unexpected.get(tag)
         if early is None:
@@ -224,47 +308,64 @@ class Link:
         if self.closed:
             return False
         pulled = self._pull()
-        pushed = self._push() if self._sends else False
+        pushed = self._push() if self._sends or self._filling else False
         if pushed or pulled:
             self.hub.signal(self.peer_socket)
         return pushed or pulled
 
+    @property
+    def busy(self) -> bool:
+        """Copies in flight (their completion wakes no epoll: the caller polls again)."""
+        return bool(self._filling or self._draining)
+
     def _push(self) -> bool:
         ring = self.out
         slots, size = ring.slots, ring.slot_bytes
-        head = self._head
-        free = slots - (head - int(ring.ctrl[8]))
-        moved = False
+        reserved = self._reserved
+        free = slots - (reserved - int(ring.ctrl[8]))
+        copies = self.copies
+        filling = self._filling
         while self._sends and free > 0:
             request = self._sends[0]
             offset = request.done_bytes
             n = min(size, request.length - offset)
-            k = head % slots
-            if n:
-                np.copyto(ring.data[k, :n], request.buffer[offset : offset + n])
+            k = reserved % slots
+            token = copies.copy_in(ring.data[k, :n], request, offset, n) if n else None
             ring.headers[k] = (request.tag, request.length, offset, n)
-            head += 1
-            ring.ctrl[0] = head  # publish: after the slot's bytes and header
+            reserved += 1
             free -= 1
-            moved = True
             request.done_bytes = offset + n
-            if request.done_bytes >= request.length:
-                request.completed = True
+            last = request.done_bytes >= request.length
+            if last:
                 self._sends.popleft()
+            filling.append((token, request if last else None))
+        self._reserved = reserved
+        # Publish in slot order the slots whose copy is done: after the slot's bytes and header.
+        head = self._head
+        while filling and (filling[0][0] is None or copies.done(filling[0][0])):
+            _, request = filling.popleft()
+            head += 1
+            if request is not None:
+                request.completed = True
+        if head == self._head:
+            return False
         self._head = head
-        return moved
+        ring.ctrl[0] = head
+        return True
 
     def _pull(self) -> bool:
         ring = self.inc
         head = int(ring.ctrl[0])
-        tail = self._tail
-        if tail == head:
-            return False
+        consumed = self._consumed
+        moved = False
         slots = ring.slots
-        while tail < head:
-            k = tail % slots
+        copies = self.copies
+        draining = self._draining
+        while consumed < head:
+            k = consumed % slots
             tag, length, offset, n = ring.headers[k].tolist()
             chunk = ring.data[k, :n]
+            token, finished = None, None
             request = self._recvs.get(tag)
             if request is not None:
                 if length > request.length:
@@ -274,13 +375,16 @@ class Link:
                     request.completed = True
                     del self._recvs[tag]
                 else:
-                    np.copyto(request.buffer[offset : offset + n], chunk)
+                    token = copies.copy_out(request, offset, chunk) if n else None
                     request.done_bytes += n
                     if request.done_bytes >= length:
-                        request.completed = True
                         del self._recvs[tag]
+                        finished = request
+                        request.last = token
             elif tag >> _SUB_BITS in self._discarded:
                 pass  # sent early for a collective that failed its verdict
+            elif self._stall:
+                break  # its receive is posted once this rank has judged its collective
             else:
                 early = self._unexpected.get(tag)
                 if early is None:
@@ -290,10 +394,26 @@ class Link:
                 if early.received >= length and early.request is not None:
                     del self._unexpected[tag]
                     self._deliver(early.request, early.data)
+            if finished is not None and (token is None or self._stall):
+                # Host bytes are in place now; a device receive is complete once its copies
+                # are queued (``last`` orders the collective's end after them).
+                finished.completed = True
+                finished = None
+            draining.append((token, finished))
+            consumed += 1
+            moved = True
+        self._consumed = consumed
+        tail = self._tail
+        while draining and (draining[0][0] is None or copies.done(draining[0][0])):
+            _, request = draining.popleft()
             tail += 1
-            ring.ctrl[8] = tail  # the slot is free again
-        self._tail = tail
-        return True
+            if request is not None:
+                request.completed = True
+        if tail != self._tail:
+            self._tail = tail
+            ring.ctrl[8] = tail  # the slots are free again
+            moved = True
+        return moved
 
     def discard(self, prefix: int) -> None:
         """Drops the messages of one collective (``tag >> SUB_BITS == prefix``) that arrived
@@ -321,8 +441,57 @@ class Link:
         self._sends.clear()
         self._recvs.clear()
         self._unexpected.clear()
+        self._filling.clear()
+        self._draining.clear()
         self.out.close()
         self.inc.close()
+
+
+class Link:
+    """Everything between this process and one peer of a group on the same host: the rings of
+    host bytes, and (where both sides made them) the staging rings of CUDA bytes, whose slots
+    the CUDA side page-locks on first use and copies into and out of with copy engines."""
+
+    def __init__(self, host: Channel, staging: Channel | None = None) -> None:
+        self.host = host
+        self.staging = staging
+        self.out, self.inc = host.out, host.inc
+
+    @property
+    def sent(self) -> int:
+        return self.host.sent
+
+    @property
+    def received(self) -> int:
+        return self.host.received
+
+    @property
+    def busy(self) -> bool:
+        return self.staging is not None and self.staging.busy
+
+    def progress(self) -> bool:
+        moved = self.host.progress()
+        if self.staging is not None:
+            moved |= self.staging.progress()
+        return moved
+
+    def channel(self, buffer: Any) -> Channel:
+        """The channel for ``buffer``: host bytes (numpy) or device bytes (staging rings)."""
+        if isinstance(buffer, np.ndarray):
+            return self.host
+        if self.staging is None:
+            raise FreescaleError("no staging rings with this peer for device bytes")
+        return self.staging
+
+    def discard(self, prefix: int) -> None:
+        self.host.discard(prefix)
+        if self.staging is not None:
+            self.staging.discard(prefix)
+
+    def close(self) -> None:
+        self.host.close()
+        if self.staging is not None:
+            self.staging.close()
 
 
 class Hub:
@@ -386,9 +555,12 @@ class Hub:
         with self.lock:
             link.discard(prefix)
 
-    def post(self, link: Link, buffer: np.ndarray, tag: int, send: bool) -> Request:
+    def post(self, link: Link, buffer: Any, tag: int, send: bool, ready: Any = None) -> Request:
+        """Posts a send or receive of host bytes (numpy) or device bytes (staging rings; CUDA
+        copies ordered after the event ``ready``)."""
         with self.lock:
-            return link.send(buffer, tag) if send else link.recv(buffer, tag)
+            channel = link.channel(buffer)
+            return channel.send(buffer, tag, ready) if send else channel.recv(buffer, tag, ready)
 
 
 def open_links(
@@ -398,55 +570,89 @@ def open_links(
     slots: int,
     slot_bytes: int,
     timeout_s: float,
+    staging: tuple[int, int] | None = None,
 ) -> tuple[dict[int, Link], dict[int, str]]:
     """Sets up the rings with ``peers`` (group ranks on this host) through the group's store.
 
     Every rank of the group calls it (with an empty list where it has no such peer). Returns
     the links, and for each peer whose link could not be made, why (both sides of a pair reach
     the same answer: a pair is used only if both sides mapped both rings).
+
+    Args:
+        staging: (slots, slot bytes) of the sparse CUDA staging rings to make beside the host
+            rings (a process with CUDA); a pair has them only if both sides made and mapped
+            them.
     """
     hub = Hub.get()
-    mine: dict[int, Ring] = {}
+    mine: dict[int, list[Ring]] = {}
     failures: dict[int, str] = {}
     for peer in peers:
-        path = hub.segment_path(f"{peer}to{rank}")
+        made: list[Ring] = []
+        paths = [hub.segment_path(f"{peer}to{rank}")]
         try:
-            mine[peer] = Ring(path, slots, slot_bytes, create=True)
-            store.set(f"freescale/shm/{peer}to{rank}", path + "\n" + hub.name.hex())
+            made.append(Ring(paths[0], slots, slot_bytes, create=True))
+            if staging is not None:
+                paths.append(hub.segment_path(f"stage-{peer}to{rank}"))
+                made.append(Ring(paths[1], *staging, create=True, reserve=False))
+            mine[peer] = made
+            store.set(f"freescale/shm/{peer}to{rank}", "\n".join([hub.name.hex(), *paths]))
         except OSError as err:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            for ring in made:
+                ring.close()
+            for path in paths:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
             store.set(f"freescale/shm/{peer}to{rank}", "")
             failures[peer] = f"could not create a ring in {_SHM_DIR}: {err}"
-    theirs: dict[int, tuple[Ring, bytes]] = {}
+    theirs: dict[int, tuple[list[Ring], bytes]] = {}
     for peer in peers:
         entry = store.get(f"freescale/shm/{rank}to{peer}").decode()
         ok = False
         if entry:
-            path, name = entry.split("\n")
+            name, *paths = entry.split("\n")
+            rings: list[Ring] = []
             try:
-                theirs[peer] = (Ring(path, slots, slot_bytes, create=False), bytes.fromhex(name))
+                rings.append(Ring(paths[0], slots, slot_bytes, create=False))
+                if staging is not None and len(paths) > 1:
+                    rings.append(Ring(paths[1], *staging, create=False, reserve=False))
+                theirs[peer] = (rings, bytes.fromhex(name))
                 ok = True
             except (OSError, FreescaleError) as err:
+                for ring in rings:
+                    ring.close()
                 failures.setdefault(peer, f"could not map rank {peer}'s ring: {err}")
-        store.set(f"freescale/shm_ok/{rank}to{peer}", "1" if ok else "0")
+        store.set(f"freescale/shm_ok/{rank}to{peer}", f"1{len(theirs[peer][0])}" if ok else "0")
     links: dict[int, Link] = {}
     for peer in peers:
-        peer_ok = store.get(f"freescale/shm_ok/{peer}to{rank}").decode() == "1"
-        if peer_ok and peer in theirs and peer in mine:
-            ring, name = theirs.pop(peer)
-            links[peer] = Link(hub, ring, mine.pop(peer), name)
+        answer = store.get(f"freescale/shm_ok/{peer}to{rank}").decode()
+        if answer.startswith("1") and peer in theirs and peer in mine:
+            (out, *out_staging), name = theirs.pop(peer)
+            inc, *inc_staging = mine.pop(peer)
+            host = Channel(hub, out, inc, name)
+            # Staging rings only where both directions were made and mapped.
+            stage = None
+            if out_staging and inc_staging and answer == "12":
+                stage = Channel(hub, out_staging[0], inc_staging[0], name, device=True)
+            else:
+                for ring in out_staging + inc_staging:
+                    ring.close()
+            links[peer] = Link(host, stage)
             hub.add(links[peer])
         else:
             failures.setdefault(peer, f"rank {peer} could not map this rank's ring")
-    # Both sides of every pair have mapped (or given up on) both rings: unlink the names, so
+    # Both sides of every pair have mapped (or given up on) every ring: unlink the names, so
     # that the memory goes away with the processes whatever happens to them.
-    for ring in [*mine.values(), *links.values()]:
-        path = ring.path if isinstance(ring, Ring) else ring.inc.path
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-    for ring in mine.values():
-        ring.close()
-    for ring, _ in theirs.values():
-        ring.close()
+    for link in links.values():
+        for channel in (link.host, link.staging):
+            if channel is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(channel.inc.path)
+    for rings in mine.values():
+        for ring in rings:
+            with contextlib.suppress(OSError):
+                os.unlink(ring.path)
+            ring.close()
+    for rings, _ in theirs.values():
+        for ring in rings:
+            ring.close()
     return links, failures

@@ -30,12 +30,12 @@ class FreescaleWork(dist.Work):
 
     CUDA tensors: the collective is ordered after the work queued on the caller's current
     stream at call time, and ``wait`` makes the caller's current stream wait for it on the GPU.
-    Unlike NCCL's, ``wait`` first blocks the CPU until the last message has arrived, because the
-    last copies (the staged path's last H2D, the final local copy) and the event that ends them
-    exist only then; it does not wait for those copies (see ``cuda``'s module docstring for why a
-    GPU-side flag is not used). A mismatch of inputs raises there. The collective keeps its
-    tensors referenced until its copies are done. ``synchronize`` blocks until everything is
-    done.
+    Unlike NCCL's, ``wait`` first blocks the CPU until the last message has arrived (on the
+    staging rings: until its last H2D copy is queued), because the last copies and the event
+    that ends them exist only then; it does not wait for those copies (see ``cuda``'s module
+    docstring for why a GPU-side flag is not used). A mismatch of inputs raises there. The
+    collective keeps its tensors referenced until its copies are done. ``synchronize`` blocks
+    until everything is done.
     """
 
     def __init__(self, op: Collective) -> None:

@@ -1,10 +1,13 @@
-"""Deterministic helpers of the hot path, in plain PyTorch.
+"""Deterministic helpers of the hot path.
 
-They stand in for ``freescale_kernels``' ``unique_with_inverse`` and ``segment_sum`` until those
-land, and keep their contracts: results depend only on the inputs, never on thread count, tensor
-size or run, and ``segment_sum``'s result for a segment depends only on that segment's rows and
-their order in the input. The prioritized mode's bitwise equality with synchronous training rests
-on these contracts. Every helper keeps its outputs on its inputs' device.
+Unique IDs come from ``freescale_kernels.unique_with_inverse`` (Triton on CUDA, its PyTorch
+reference elsewhere; integers, so exact on both). ``segment_sum`` stays here on purpose:
+``freescale_kernels.segment_sum`` fixes each segment's order from the tile, which depends on the
+mean segment length, while the prioritized mode needs a segment's sum to depend only on its own
+rows and their order (summing a part of the segments must give the bits of summing all). Every
+helper's result depends only on its inputs, never on thread count, tensor size or run, and stays
+on its inputs' device; the prioritized mode's bitwise equality with synchronous training rests on
+these contracts.
 """
 
 from __future__ import annotations
@@ -15,14 +18,14 @@ from typing import Any
 
 import torch
 
+import freescale_kernels
+
 
 def unique_with_inverse(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sorted unique values of a 1-D tensor, per input item the index of its value, and how
-    many items hold each value."""
-    unique, inverse, counts = torch.unique(
-        ids, sorted=True, return_inverse=True, return_counts=True
-    )
-    return unique, inverse, counts
+    many items hold each value (``freescale_kernels.unique_with_inverse``)."""
+    result = freescale_kernels.unique_with_inverse(ids)
+    return result.values, result.inverse, result.counts
 
 
 def segment_sum(

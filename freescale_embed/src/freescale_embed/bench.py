@@ -22,25 +22,22 @@ prioritized mode's collision AllToAll is in flight.
 
 from __future__ import annotations
 
-import faulthandler
 import json
-import multiprocessing
 import os
 import platform
-import queue as queue_module
 import statistics
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from freescale_balance import JaggedBatch, JaggedTensor
+from freescale_embed._local_ranks import GroupSpec, run_ranks, run_reporting_ranks
 from freescale_embed.collection import ShardedEmbeddingCollection
 from freescale_embed.config import TableConfig
 from freescale_embed.optim import RowWiseAdagrad
@@ -92,7 +89,37 @@ class BenchConfig:
     threads: int = 1
     seed: int = 0
     device: Literal["cpu", "cuda"] = "cpu"
-    backend: str = "gloo"
+    backend: Literal["gloo", "freescale", "nccl"] = "gloo"
+
+    def __post_init__(self) -> None:
+        at_least = {
+            "world_size": 1,
+            "steps": 1,
+            "warmup": 0,
+            "num_embeddings": 1,
+            "embedding_dim": 1,
+            "rows_per_step": 1,
+            "batch_size": 1,
+            "matmul_size": 1,
+            "matmul_repeats": 1,
+            "optimizer_params": 0,
+            "threads": 1,
+        }
+        for name, minimum in at_least.items():
+            if getattr(self, name) < minimum:
+                raise ValueError(f"{name} must be at least {minimum}, got {getattr(self, name)}")
+        if not self.collision_rates or not all(0 <= r <= 1 for r in self.collision_rates):
+            raise ValueError(f"collision_rates must be in [0, 1], got {self.collision_rates}")
+        # Step t+1 draws its rows outside step t's where they do not collide.
+        if self.num_embeddings < 2 * self.rows_per_step:
+            raise ValueError(
+                f"num_embeddings ({self.num_embeddings}) must be at least twice rows_per_step "
+                f"({self.rows_per_step}): a step's new rows come from outside the previous step's"
+            )
+        if self.dense_ms < 0:
+            raise ValueError(f"dense_ms must be >= 0, got {self.dense_ms}")
+        if self.dense == "gpu" and self.device != "cuda":
+            raise ValueError("dense 'gpu' needs device 'cuda'")
 
     def table(self) -> TableConfig:
         return TableConfig("items", self.num_embeddings, self.embedding_dim, ["history"])
@@ -164,7 +191,13 @@ def on_device(batch: JaggedBatch, device: torch.device) -> JaggedBatch:
 
 
 def _run_mode(
-    config: BenchConfig, rate: float, mode: str, device: torch.device, control: Any, dense: _Dense
+    config: BenchConfig,
+    rate: float,
+    mode: str,
+    device: torch.device,
+    control: Any,
+    dense: _Dense,
+    bar: tqdm,
 ) -> dict[str, Any]:
     rank = dist.get_rank()
     table = config.table()
@@ -205,6 +238,7 @@ def _run_mode(
         dense.step_optimizer()
         optimizer_times.append(time.perf_counter() - optimized)
         step_times.append(time.perf_counter() - started - (resumed - paused))
+        bar.update()
     emb.synchronize()
     timed = [t.as_dict() for t in emb.telemetry][config.warmup : config.warmup + config.steps]
     state_dict = {k: v.clone() for k, v in emb.state_dict().items()}
@@ -225,20 +259,26 @@ def _run_mode(
     }
 
 
-def rank_results(config: BenchConfig, device: torch.device, control: Any) -> list[dict[str, Any]]:
+def rank_results(
+    config: BenchConfig, device: torch.device, control: Any, progress: bool = False
+) -> list[dict[str, Any]]:
     """This rank's measurements of every (rate, mode), in an initialized process group.
 
     Args:
         config: what to run.
         device: this rank's device.
         control: a Gloo group for the bench's own barriers (``None``: the default group).
+        progress: show a progress bar of the steps on stderr.
     """
     results = []
     # Calibrated once: both modes of every rate run the same dense compute.
     dense = _Dense(config, device, control)
+    steps = 2 * len(config.collision_rates) * (config.warmup + config.steps + 1)
+    bar = tqdm(total=steps, desc="embed bench", unit="step", disable=not progress, leave=False)
     for rate in config.collision_rates:
-        sync = _run_mode(config, rate, "sync", device, control, dense)
-        prioritized = _run_mode(config, rate, "prioritized", device, control, dense)
+        bar.set_postfix_str(f"collision rate {rate:g}")
+        sync = _run_mode(config, rate, "sync", device, control, dense, bar)
+        prioritized = _run_mode(config, rate, "prioritized", device, control, dense, bar)
         exact = all(
             torch.equal(value, prioritized["state"][key]) for key, value in sync["state"].items()
         )
@@ -246,6 +286,7 @@ def rank_results(config: BenchConfig, device: torch.device, control: Any) -> lis
         results.append(
             {"collision_rate": rate, "sync": sync, "prioritized": prioritized, "exact": exact}
         )
+    bar.close()
     return results
 
 
@@ -257,35 +298,12 @@ def rank_device(config: BenchConfig, rank: int) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def init_group(config: BenchConfig, rank: int, port: int) -> Any:
-    """Joins the bench's process group; returns the Gloo group for barriers (``None``: default)."""
-    if config.backend == "freescale":
-        import freescale_comm
-
-        freescale_comm.register()
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
-    dist.init_process_group(
-        config.backend,
-        store=store,
-        rank=rank,
-        world_size=config.world_size,
-        timeout=timedelta(seconds=300),
-    )
-    return None if config.backend == "gloo" else dist.new_group(backend="gloo")
-
-
-def _rank_main(rank: int, port: int, queue: Any, config: BenchConfig, timeout_s: float) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", str(config.threads))
-    torch.set_num_threads(config.threads)
-    # Every thread's stack on stderr if this rank is still running near the parent's deadline.
-    faulthandler.dump_traceback_later(max(10.0, timeout_s - 15), exit=False)
-    try:
-        device = rank_device(config, rank)
-        control = init_group(config, rank, port)
-        queue.put((rank, "ok", rank_results(config, device, control)))
-        dist.destroy_process_group()
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
+def _bench_rank(config: BenchConfig, progress: bool) -> list[dict[str, Any]]:
+    """One rank of ``run_bench``, in the launcher's process group."""
+    rank = dist.get_rank()
+    device = rank_device(config, rank)
+    control = None if config.backend == "gloo" else dist.new_group(backend="gloo")
+    return rank_results(config, device, control, progress and rank == 0)
 
 
 def _after_last_arrival(spans_of_ranks: tuple[list[tuple[float, float]], ...]) -> float:
@@ -359,60 +377,42 @@ def launch_ranks(
     timeout_s: float,
     stop_on_error: bool = False,
 ) -> dict[int, tuple[str, Any]]:
-    """Runs ``target(rank, port, queue, *args)`` in ``world_size`` spawned processes around a
-    TCPStore on loopback that this process owns, and collects each rank's one reply
-    ``(rank, kind, payload)`` from ``queue`` (``kind`` ``"ok"`` or ``"error"``).
+    """Runs ``target(rank, port, queue, *args)`` on ``world_size`` local ranks of the one
+    launcher (``_local_ranks``); each rank joins its group itself on the launcher's store
+    (``port``) and reports one ``(rank, kind, payload)`` on ``queue``.
 
-    Returns the replies by rank once every rank replied, every process has exited, ``timeout_s``
-    passed, or (``stop_on_error``) a rank replied with an error; the processes are then joined
-    and killed if still alive.
+    Returns:
+        ``(kind, payload)`` by rank, ``kind`` ``"ok"``, ``"error"``, ``"timeout"`` or ``"died"``;
+        with ``stop_on_error`` the ranks not waited for once one failed are left out.
     """
-    context = multiprocessing.get_context("spawn")
-    # The parent owns the store on a free port: no window in which another process takes it.
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
-    )
-    queue = context.Queue()
-    processes = [
-        context.Process(target=target, args=(rank, store.port, queue, *args), daemon=True)
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    replies: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(replies) < world_size and time.monotonic() < deadline:
-            try:
-                rank, kind, payload = queue.get(timeout=1)
-            except queue_module.Empty:
-                if not any(p.is_alive() for p in processes):
-                    break
-                continue
-            replies[rank] = (kind, payload)
-            if stop_on_error and kind != "ok":
-                break
-    finally:
-        for process in processes:
-            process.join(10)
-            if process.is_alive():
-                process.kill()
-    return replies
+    replies = run_reporting_ranks(target, world_size, args, timeout_s, stop_on_error=stop_on_error)
+    return {rank: tuple(items[-1][-2:]) for rank, items in replies.items() if items}
 
 
-def run_bench(config: BenchConfig, timeout_s: float = 1800.0) -> dict[str, Any]:
-    """Starts the ranks, runs every (rate, mode) and returns the combined report."""
+def run_bench(
+    config: BenchConfig, timeout_s: float = 1800.0, progress: bool = False
+) -> dict[str, Any]:
+    """Starts the ranks, runs every (rate, mode) and returns the combined report.
+
+    Args:
+        config: what to run.
+        timeout_s: bound on the whole run; ranks still running then are killed.
+        progress: rank 0 shows a progress bar of the steps on stderr.
+
+    Raises:
+        RankFailure: a rank raised, timed out or died (every rank's traceback in the message).
+    """
     load_before = os.getloadavg()
-    replies = launch_ranks(
-        _rank_main, config.world_size, (config, timeout_s), timeout_s, stop_on_error=True
+    spec = GroupSpec(
+        config.world_size,
+        config.backend,
+        init_timeout_s=300.0,
+        setup="freescale_comm:register" if config.backend == "freescale" else None,
+        threads=config.threads,
+        device=config.device,
     )
-    for rank, (kind, payload) in replies.items():
-        if kind != "ok":
-            raise RuntimeError(f"bench rank {rank} failed:\n{payload}")
-    missing = sorted(set(range(config.world_size)) - set(replies))
-    if missing:
-        raise TimeoutError(f"bench ranks {missing} did not finish within {timeout_s:.0f} s")
-    report = _combine(config, [replies[rank][1] for rank in range(config.world_size)])
+    per_rank = run_ranks(spec, _bench_rank, config, progress, timeout_s=timeout_s)
+    report = _combine(config, per_rank)
     # The machine may be shared: its load says how much the timings can be trusted.
     report["environment"]["load_average_1min"] = [load_before[0], os.getloadavg()[0]]
     return report

@@ -85,6 +85,16 @@ class _Step:
     done: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class _Staged:
+    """What the next forward gets for its next batch (``stage_next``, or its own arguments)."""
+
+    batch: Any
+    final: bool
+    checked: bool = False
+    on_host: JaggedBatch | None = None
+
+
 class _Lookup(torch.autograd.Function):
     """Per-feature embeddings of a step; its backward runs the step's gradient sync and update."""
 
@@ -212,7 +222,7 @@ class ShardedEmbeddingCollection(nn.Module):
         self._failed: str | None = None
         self._expected_next: JaggedBatch | None = None
         # What a training pipeline staged for the next forward (``stage_next``).
-        self._staged: tuple[Any, bool] | None = None
+        self._staged: _Staged | None = None
         self._worker: Worker | None = None
         self._background: Channel | None = None
         self._background_host: Channel | None = None
@@ -245,11 +255,29 @@ class ShardedEmbeddingCollection(nn.Module):
         """Uses ``lr`` from the next backward on (updates already under way keep theirs)."""
         self.optimizer = dataclasses.replace(self.optimizer, lr=lr)
 
-    def stage_next(self, next_batch: JaggedBatch | Any | None, *, final: bool = False) -> None:
+    def stage_next(
+        self,
+        next_batch: JaggedBatch | Any | None,
+        *,
+        final: bool = False,
+        checked: bool = False,
+        next_on_host: JaggedBatch | None = None,
+    ) -> None:
         """Gives the next ``forward`` its ``next_batch`` and ``final`` when its caller passes
         neither: a training pipeline knows the next batch, the model that calls the collection
-        does not."""
-        self._staged = (next_batch, final)
+        does not.
+
+        Args:
+            checked: the caller has checked the contents of ``next_batch`` and of the next
+                forward's batch (well formed, every ID a row of its table), as
+                ``TrainPipeline`` does on the host before moving them: the collection then
+                checks only that their features are there, on its device (checking contents on
+                a GPU reads it back several times per feature).
+            next_on_host: ``next_batch`` on the host, unchanged until the step after the next
+                forward: prioritized mode routes its IDs from there instead of copying them
+                back from the device.
+        """
+        self._staged = _Staged(next_batch, final, checked, next_on_host)
 
     def forward(
         self,
@@ -284,15 +312,15 @@ class ShardedEmbeddingCollection(nn.Module):
         """
         self._check_usable()
         staged, self._staged = self._staged, None
-        if staged is not None and next_batch is None and not final:
-            next_batch, final = staged
+        if staged is None or next_batch is not None or final:
+            staged = _Staged(next_batch, final)
         self._channel.meter.take()
-        problem = self._input_problem(batch, next_batch, final)
+        problem = self._input_problem(batch, staged)
         index = self._last_step + 1
         if self.mode == "sync":
             step = self._sync_lookup(batch, index, problem)
         else:
-            step = self._prioritized_lookup(batch, next_batch, final, index, problem)
+            step = self._prioritized_lookup(batch, staged, index, problem)
         batch = step.batch if step.batch is not None else as_batch(batch)
         step.record.add_exposed(self._channel.meter.take())
         self.telemetry.append(step.record)
@@ -365,12 +393,15 @@ class ShardedEmbeddingCollection(nn.Module):
 
     # -- forward ---------------------------------------------------------------------------------
 
-    def _input_problem(self, batch: Any, next_batch: Any, final: bool) -> str | None:
+    def _input_problem(self, batch: Any, staged: _Staged) -> str | None:
+        next_batch, final = staged.batch, staged.final
         try:
             jagged = as_batch(batch)
         except TypeError as error:
             return str(error)
-        problem = batch_problem(jagged, self.shards, self.device)
+        # A prioritized step's batch was checked as the previous step's next batch.
+        checked = staged.checked or jagged is self._expected_next
+        problem = self._batch_problem(jagged, checked)
         if problem is not None:
             return problem
         if self.mode == "sync":
@@ -402,8 +433,25 @@ class ShardedEmbeddingCollection(nn.Module):
             jagged_next = as_batch(next_batch)
         except TypeError as error:
             return f"next batch: {error}"
-        problem = batch_problem(jagged_next, self.shards, self.device)
+        problem = self._batch_problem(jagged_next, staged.checked)
         return None if problem is None else f"next batch: {problem}"
+
+    def _batch_problem(self, batch: JaggedBatch, checked: bool) -> str | None:
+        """``batch_problem``; for a batch whose contents are ``checked``, only whether its
+        features are there, on the tables' device (nothing read from the device)."""
+        if not checked:
+            return batch_problem(batch, self.shards, self.device)
+        for shard in self.shards:
+            for name in shard.table.feature_names:
+                feature = batch.features.get(name)
+                if feature is None:
+                    return f"feature {name!r} (table {shard.table.name!r}) is not in the batch"
+                if feature.values.device != self.device or feature.lengths.device != self.device:
+                    return (
+                        f"feature {name!r}: IDs and lengths must be on the tables' device "
+                        f"{self.device}, got {feature.values.device} and {feature.lengths.device}"
+                    )
+        return None
 
     def _sync_lookup(self, batch: Any, index: int, problem: str | None) -> _Step:
         """Routes and looks up ``batch`` now; the preflight rides on the ID counts.
@@ -425,7 +473,7 @@ class ShardedEmbeddingCollection(nn.Module):
         return _Step(index, routes, host_routes, values, StepTelemetry(step=index))
 
     def _prioritized_lookup(
-        self, batch: Any, next_batch: Any, final: bool, index: int, problem: str | None
+        self, batch: Any, staged: _Staged, index: int, problem: str | None
     ) -> _Step:
         prepared, expected = self._prepared, self._expected_next
         if prepared is None:
@@ -449,7 +497,10 @@ class ShardedEmbeddingCollection(nn.Module):
         # too, returns outputs (that rank: the rows prefetched for the batch it announced) and
         # raises in its backward (``_await_next``), so that collectives the caller runs between
         # forward and backward (DDP's, metrics) pair up on every rank.
-        jagged_next = None if final or problem is not None else as_batch(next_batch)
+        final = staged.final
+        jagged_next = None if final or problem is not None else as_batch(staged.batch)
+        # Routing reads only IDs: from the host copy when the caller has one.
+        routed = staged.on_host if staged.on_host is not None else jagged_next
         assert self._worker is not None
         assert self._background is not None and self._background_host is not None
         assert step.host_routes is not None  # routed on the host in prioritized mode
@@ -461,7 +512,7 @@ class ShardedEmbeddingCollection(nn.Module):
             self.shards,
             self._background,
             self._background_host,
-            None if jagged_next is None else jagged_next.features,
+            None if jagged_next is None or routed is None else routed.features,
             step.host_routes,
             self.max_collision_rate,
             StepTelemetry(step=index + 1),

@@ -110,6 +110,7 @@ class _Input:
     """One step's batch as the background thread prepared it."""
 
     batch: JaggedBatch | None = None  # what this rank computes (balanced), on the device
+    host_batch: JaggedBatch | None = None  # the same on the host, when the device is not
     plan: ShufflePlan | None = None
     local_weight: int = 0  # of ``batch``, the samples this rank computes
     global_samples: int = 0
@@ -228,7 +229,8 @@ class TrainPipeline:
         """Runs one training step on the next batch of ``iterator``.
 
         ``iterator`` yields this rank's batches (``JaggedBatch`` or TorchRec
-        ``KeyedJaggedTensor``); the pipeline reads two batches ahead on its background thread.
+        ``KeyedJaggedTensor``); the pipeline reads two batches ahead on its background thread
+        and holds each until its step has run (a loader must not refill their tensors).
         Ranks whose data ended compute empty batches while others still have some (with a
         balancer, they get samples of the others); when every rank's data has ended, ``progress``
         raises ``StopIteration`` on every rank, and the next call may start a new iterator.
@@ -261,7 +263,14 @@ class TrainPipeline:
         if not following.exhausted:
             self._queue.append(self._worker.submit(self._prepare, iterator))
         for collection in self.collections.values():
-            collection.stage_next(following.batch, final=following.exhausted)
+            # Every batch was checked on the host (``_prepare``), so the collections do not
+            # check its IDs again on the device, and route the next one's from the host.
+            collection.stage_next(
+                following.batch,
+                final=following.exhausted,
+                checked=True,
+                next_on_host=following.host_batch,
+            )
         assert current.batch is not None
         self.step += 1
         loss, outputs = self._train(current, times)
@@ -370,8 +379,10 @@ class TrainPipeline:
         if self.balancer is not None:
             batch, plan = self.balancer.shuffle(batch)
             local_weight, _ = self._weight(batch)
+        moved = batch_to_device(batch, self.device)
         return _Input(
-            batch=batch_to_device(batch, self.device),
+            batch=moved,
+            host_batch=None if moved is batch else batch,
             plan=plan,
             local_weight=local_weight,
             global_samples=int(samples.sum()),
@@ -544,12 +555,12 @@ class TrainPipeline:
                 times.prefetch_bytes += latest.prefetch_bytes
         for key in [k for k in self._seen_embedding if k[1] < self.step - 3]:
             del self._seen_embedding[key]
-        times.host_bytes = _resident_bytes()
+        times.host_bytes = resident_bytes()
         if self.device.type == "cuda":
             times.peak_device_bytes = float(torch.cuda.max_memory_allocated(self.device))
 
 
-def _resident_bytes() -> float:
+def resident_bytes() -> float:
     """This process's resident memory now (Linux), else its peak so far."""
     try:
         with open("/proc/self/statm") as statm:

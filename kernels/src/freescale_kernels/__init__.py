@@ -15,14 +15,19 @@ from freescale_kernels.api import (
     segment_sum,
     unique_with_inverse,
 )
-from freescale_kernels.layout import Dispatched, Jagged, UniqueResult
+from freescale_kernels.layout import Dispatched, JaggedTensor, UniqueResult
+from freescale_kernels.tiles import TUNED, CopyTile, SumTile, Tiles
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BACKEND_ENV",
+    "TUNED",
+    "CopyTile",
     "Dispatched",
-    "Jagged",
+    "JaggedTensor",
+    "SumTile",
+    "Tiles",
     "UniqueResult",
     "jagged_index_select",
     "keyed_transpose",

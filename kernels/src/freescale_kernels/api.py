@@ -1,7 +1,9 @@
 """The operations: one dispatcher each, over the Triton kernel and the PyTorch reference.
 
 Every function takes ``backend``: ``"triton"``, ``"reference"``, ``"auto"`` or ``None`` (then
-``FREESCALE_KERNELS_BACKEND``, else ``"auto"``: Triton for CUDA tensors, the reference elsewhere).
+``FREESCALE_KERNELS_BACKEND``, else ``"auto"``: Triton for CUDA tensors, the reference elsewhere),
+and every one but ``unique_with_inverse`` takes ``tiles``, the Triton kernels' tile shapes
+(``freescale_kernels.tiles``; default ``TUNED``).
 Both backends return the same values, bit for bit, except where a docstring says otherwise
 (float sums). Triton is imported only when the Triton backend runs.
 
@@ -24,8 +26,9 @@ from __future__ import annotations
 import torch
 
 from freescale_kernels._backend import resolve_backend
-from freescale_kernels.layout import Dispatched, Jagged, UniqueResult
+from freescale_kernels.layout import Dispatched, JaggedTensor, UniqueResult
 from freescale_kernels.ops import reference
+from freescale_kernels.tiles import TUNED, Tiles
 
 
 def jagged_index_select(
@@ -36,7 +39,8 @@ def jagged_index_select(
     offsets: torch.Tensor | None = None,
     output_size: int | None = None,
     backend: str | None = None,
-) -> Jagged:
+    tiles: Tiles = TUNED,
+) -> JaggedTensor:
     """The runs of the samples at ``indices``, in that order, in every key.
 
     Args:
@@ -47,9 +51,10 @@ def jagged_index_select(
             (int32 or int64), when the caller already has them.
         output_size: optional number of output rows; passing it saves a host sync.
         backend: see the module docstring.
+        tiles: see the module docstring.
 
     Returns:
-        ``Jagged(values, lengths)`` with lengths ``[M]`` or ``[F, M]`` in ``lengths.dtype``.
+        ``JaggedTensor(values, lengths)`` with lengths ``[M]`` or ``[F, M]`` in ``lengths.dtype``.
         The gradient of a run picked several times is the sum of its picks' gradients, summed
         in output order (deterministic on both backends; Triton sums bf16 in float32).
 
@@ -58,14 +63,14 @@ def jagged_index_select(
         >>> values = torch.tensor([1, 2, 3, 4, 5, 6])
         >>> lengths = torch.tensor([[2, 0, 1], [1, 2, 0]])  # 2 keys, 3 samples
         >>> jagged_index_select(values, lengths, torch.tensor([2, 0, 0]))
-        Jagged(values=tensor([3, 1, 2, 1, 2, 4, 4]), lengths=tensor([[1, 2, 2],
+        JaggedTensor(values=tensor([3, 1, 2, 1, 2, 4, 4]), lengths=tensor([[1, 2, 2],
                 [0, 1, 1]]))
     """
     if resolve_backend(backend, values) == "triton":
         from freescale_kernels.ops import index_select
 
         return index_select.jagged_index_select(
-            values, lengths, indices, offsets=offsets, output_size=output_size
+            values, lengths, indices, offsets=offsets, output_size=output_size, tile=tiles.copy
         )
     return reference.jagged_index_select(
         values, lengths, indices, offsets=offsets, output_size=output_size
@@ -79,6 +84,7 @@ def ranged_dispatch(
     world_size: int,
     *,
     backend: str | None = None,
+    tiles: Tiles = TUNED,
 ) -> Dispatched:
     """Packs a keyed jagged tensor into AllToAll send order by each sample's destination rank.
 
@@ -93,6 +99,7 @@ def ranged_dispatch(
             range-checked (that would cost a host sync): a rank outside it corrupts the result.
         world_size: number of ranks.
         backend: see the module docstring.
+        tiles: see the module docstring.
 
     Returns:
         ``Dispatched(values, lengths, rank_splits, key_splits, sample_counts, order)``.
@@ -113,7 +120,7 @@ def ranged_dispatch(
     if resolve_backend(backend, values) == "triton":
         from freescale_kernels.ops import ranged
 
-        return ranged.ranged_dispatch(values, lengths, ranks, world_size)
+        return ranged.ranged_dispatch(values, lengths, ranks, world_size, tiles.copy)
     return reference.ranged_dispatch(values, lengths, ranks, world_size)
 
 
@@ -124,7 +131,8 @@ def ranged_combine(
     num_keys: int,
     *,
     backend: str | None = None,
-) -> Jagged:
+    tiles: Tiles = TUNED,
+) -> JaggedTensor:
     """The inverse of ``ranged_dispatch``: a rank-major buffer back to key-major sample order.
 
     Sample ``b``'s runs are read from rank ``ranks[b]``'s block of ``values``, where the samples
@@ -139,22 +147,23 @@ def ranged_combine(
             the Triton backend sorts them as int32).
         num_keys: ``F``.
         backend: see the module docstring.
+        tiles: see the module docstring.
 
     Returns:
-        ``Jagged(values, lengths)``: key-major values, lengths ``[F, B]``. Differentiable; the
+        ``JaggedTensor(values, lengths)``: key-major values, lengths ``[F, B]``. Differentiable; the
         backward is ``ranged_dispatch``.
 
     Example (undoes the ``ranged_dispatch`` example)::
 
         >>> sent = torch.tensor([12, 10, 11, 20, 21, 22])
         >>> ranged_combine(sent, torch.tensor([1, 0, 2, 0, 1, 2]), torch.tensor([1, 0, 1]), 2)
-        Jagged(values=tensor([10, 11, 12, 20, 21, 22]), lengths=tensor([[2, 1, 0],
+        JaggedTensor(values=tensor([10, 11, 12, 20, 21, 22]), lengths=tensor([[2, 1, 0],
                 [1, 0, 2]]))
     """
     if resolve_backend(backend, values) == "triton":
         from freescale_kernels.ops import ranged
 
-        return ranged.ranged_combine(values, lengths, ranks, num_keys)
+        return ranged.ranged_combine(values, lengths, ranks, num_keys, tiles.copy)
     return reference.ranged_combine(values, lengths, ranks, num_keys)
 
 
@@ -166,7 +175,8 @@ def keyed_transpose(
     *,
     to_key_major: bool = True,
     backend: str | None = None,
-) -> Jagged:
+    tiles: Tiles = TUNED,
+) -> JaggedTensor:
     """Rank-major (rank, key, sample) <-> key-major (key, rank, sample) jagged layouts.
 
     The ``N = counts.sum()`` samples form consecutive blocks, ``counts[r]`` for rank ``r``.
@@ -180,22 +190,25 @@ def keyed_transpose(
         num_keys: ``F``.
         to_key_major: the direction; ``False`` transposes key-major to rank-major.
         backend: see the module docstring.
+        tiles: see the module docstring.
 
     Returns:
-        ``Jagged(values, lengths)``: lengths ``[F, N]`` when key-major, flat ``[F * N]`` when
+        ``JaggedTensor(values, lengths)``: lengths ``[F, N]`` when key-major, flat ``[F * N]`` when
         rank-major. Differentiable; the backward is the opposite transpose.
 
     Example (2 ranks sent 1 and 2 samples of 2 keys)::
 
         >>> received = torch.tensor([12, 10, 11, 20, 21, 22])
         >>> keyed_transpose(received, torch.tensor([1, 0, 2, 0, 1, 2]), torch.tensor([1, 2]), 2)
-        Jagged(values=tensor([12, 10, 11, 20, 21, 22]), lengths=tensor([[1, 2, 0],
+        JaggedTensor(values=tensor([12, 10, 11, 20, 21, 22]), lengths=tensor([[1, 2, 0],
                 [0, 1, 2]]))
     """
     if resolve_backend(backend, values) == "triton":
         from freescale_kernels.ops import ranged
 
-        return ranged.keyed_transpose(values, lengths, counts, num_keys, to_key_major=to_key_major)
+        return ranged.keyed_transpose(
+            values, lengths, counts, num_keys, to_key_major=to_key_major, tile=tiles.copy
+        )
     return reference.keyed_transpose(values, lengths, counts, num_keys, to_key_major=to_key_major)
 
 
@@ -235,6 +248,7 @@ def segment_sum(
     num_segments: int | None = None,
     order: torch.Tensor | None = None,
     backend: str | None = None,
+    tiles: Tiles = TUNED,
 ) -> torch.Tensor:
     """Sums of consecutive runs of rows, in a fixed order: bitwise reproducible run to run.
 
@@ -252,6 +266,7 @@ def segment_sum(
         num_segments: ``S``, required with ``segment_ids``.
         order: optional integer ``[R]``, distinct rows of ``values`` to sum, in this order.
         backend: see the module docstring.
+        tiles: see the module docstring.
 
     Returns:
         ``[S, *item_shape]`` in ``values.dtype``; empty segments sum to 0. Differentiable.
@@ -272,7 +287,12 @@ def segment_sum(
         from freescale_kernels.ops import dedup
 
         return dedup.segment_sum(
-            values, offsets, segment_ids=segment_ids, num_segments=num_segments, order=order
+            values,
+            offsets,
+            segment_ids=segment_ids,
+            num_segments=num_segments,
+            order=order,
+            tile=tiles.segment_sum,
         )
     return reference.segment_sum(
         values, offsets, segment_ids=segment_ids, num_segments=num_segments, order=order

@@ -42,11 +42,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from freescale_kernels import api
 from freescale_kernels._backend import interpreting, triton_available
-from freescale_kernels.layout import Dispatched
+from freescale_kernels.layout import Dispatched, JaggedTensor
 from freescale_kernels.ops import naive
+from freescale_kernels.tiles import TUNED, Tiles
 
 OPS = (
     "jagged_index_select",
@@ -98,6 +100,7 @@ class BenchConfig:
     rep_ms: int = 100
     graphs: bool = True  # gpu_ms, host_ms and the plan / copy split, on CUDA
     profile: bool = False
+    tiles: Tiles = TUNED
 
     @classmethod
     def quick(cls, **overrides: Any) -> BenchConfig:
@@ -195,8 +198,8 @@ def make_inputs(
     )
 
 
-def _call(op: str, inputs: Inputs, provider: str) -> Callable[[], Any]:
-    """A zero-argument call of ``op`` by ``provider``."""
+def _call(op: str, inputs: Inputs, provider: str, tiles: Tiles = TUNED) -> Callable[[], Any]:
+    """A zero-argument call of ``op`` by ``provider`` (Triton with ``tiles``)."""
     x, sent, world = inputs, inputs.sent, inputs.sent.rank_splits.numel()
     keys = x.lengths.shape[0]
     if provider == "naive":
@@ -210,29 +213,31 @@ def _call(op: str, inputs: Inputs, provider: str) -> Callable[[], Any]:
             ),
         }
         return calls[op]
-    b = provider
+    b, t = provider, tiles
     calls = {
         "jagged_index_select": lambda: api.jagged_index_select(
-            x.values, x.lengths, sent.order, output_size=x.values.shape[0], backend=b
+            x.values, x.lengths, sent.order, output_size=x.values.shape[0], backend=b, tiles=t
         ),
         "ranged_dispatch": lambda: api.ranged_dispatch(
-            x.values, x.lengths, x.ranks, world, backend=b
+            x.values, x.lengths, x.ranks, world, backend=b, tiles=t
         ),
         "ranged_combine": lambda: api.ranged_combine(
-            sent.values, sent.lengths, x.ranks, keys, backend=b
+            sent.values, sent.lengths, x.ranks, keys, backend=b, tiles=t
         ),
         "keyed_transpose": lambda: api.keyed_transpose(
-            sent.values, sent.lengths, sent.sample_counts, keys, backend=b
+            sent.values, sent.lengths, sent.sample_counts, keys, backend=b, tiles=t
         ),
         "unique_with_inverse": lambda: api.unique_with_inverse(x.ids, backend=b),
         "segment_sum": lambda: api.segment_sum(
-            x.segment_rows, x.segment_offsets, order=x.segment_order, backend=b
+            x.segment_rows, x.segment_offsets, order=x.segment_order, backend=b, tiles=t
         ),
     }
     return calls[op]
 
 
-def _split_calls(op: str, inputs: Inputs) -> tuple[Callable[[], Any], Callable[[], Any]]:
+def _split_calls(
+    op: str, inputs: Inputs, tiles: Tiles
+) -> tuple[Callable[[], Any], Callable[[], Any]]:
     """(plan, copy) of the Triton ``op``: zero-argument calls of each half alone."""
     from freescale_kernels.layout import as_rows
     from freescale_kernels.ops import index_select, jagged_copy, ranged
@@ -249,7 +254,9 @@ def _split_calls(op: str, inputs: Inputs) -> tuple[Callable[[], Any], Callable[[
 
         _, _, out_offsets, src_starts = plan()
         values = as_rows(x.values)
-        return plan, lambda: jagged_copy.gather_segments(values, out_offsets, src_starts, rows)
+        return plan, lambda: jagged_copy.gather_segments(
+            values, out_offsets, src_starts, rows, tile=tiles.copy
+        )
     if op == "ranged_dispatch":
         source = x.values
 
@@ -273,7 +280,7 @@ def _split_calls(op: str, inputs: Inputs) -> tuple[Callable[[], Any], Callable[[
             )
 
         layout = plan()[0]
-    return plan, lambda: ranged.move(source, layout)
+    return plan, lambda: ranged.move(source, layout, tiles.copy)
 
 
 def _graph_ms(fn: Callable[[], Any], config: BenchConfig) -> float:
@@ -325,7 +332,8 @@ def _same(got: Any, want: Any, op: str) -> str | None:
     """None when ``got`` equals ``want`` (close, for float sums), else what differs."""
     if op == "segment_sum":
         return None if torch.allclose(got, want, rtol=1e-4, atol=1e-3) else "sums differ"
-    for name, a, b in zip(type(want)._fields, got, want, strict=True):
+    names = ("values", "lengths") if isinstance(want, JaggedTensor) else type(want)._fields
+    for name, a, b in zip(names, got, want, strict=True):
         if a.shape != b.shape or not torch.equal(a, b):
             return f"{name} differs"
     return None
@@ -368,9 +376,16 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 
 
-def run(config: BenchConfig) -> dict[str, Any]:
-    """Measures everything ``config`` asks for; never raises for a failing provider."""
+def run(config: BenchConfig, progress: bool = False) -> dict[str, Any]:
+    """Measures everything ``config`` asks for; never raises for a failing provider.
+
+    Args:
+        config: what to measure.
+        progress: show a progress bar on stderr, one tick per (case, world size).
+    """
     device = torch.device(config.device)
+    points = sum(len(world_sizes_of(config, case)) for case in cases_of(config))
+    bar = tqdm(total=points, desc="kernels bench", unit="point", disable=not progress, leave=False)
     triton_skip = _triton_skip_reason(device)
     report: dict[str, Any] = {"meta": _meta(config), "results": []}
     try:
@@ -385,6 +400,8 @@ def run(config: BenchConfig) -> dict[str, Any]:
             report["results"].append({"case": case, "error": _error(exc)})
             continue
         for world_size in world_sizes_of(config, case):
+            bar.set_postfix_str(f"{case} W={world_size}")
+            bar.update()
             try:
                 inputs = make_inputs(config, values, lengths, world_size)
             except Exception as exc:
@@ -405,6 +422,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
             del inputs
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    bar.close()
     return report
 
 
@@ -419,7 +437,7 @@ def _profile(
         if ONLY_KIND.get(op, case_kind(case)) != case_kind(case):
             continue
         try:
-            fn = _call(op, inputs, "triton")
+            fn = _call(op, inputs, "triton", config.tiles)
             fn()
             torch.cuda.synchronize()
             spans = []
@@ -468,10 +486,11 @@ def _measure(
     moved = _bytes_moved(op, inputs)
     check: str | None = None
     if config.check:
-        check = "skipped (no triton here)" if triton_skip else None
+        check = "skipped" if triton_skip else None  # the row's note gives the reason
         if check is None:
             try:
-                diff = _same(_call(op, inputs, "triton")(), _call(op, inputs, "reference")(), op)
+                triton_out = _call(op, inputs, "triton", config.tiles)()
+                diff = _same(triton_out, _call(op, inputs, "reference")(), op)
                 check = "pass" if diff is None else f"FAIL: {diff}"
             except Exception as exc:
                 check = f"error: {_error(exc)}"
@@ -493,7 +512,7 @@ def _measure(
             rows.append(row)
             continue
         try:
-            fn = _call(op, inputs, provider)
+            fn = _call(op, inputs, provider, config.tiles)
             ms = _time_ms(fn, device, config)
             row["ms"] = ms
             row["gbps"] = moved / (ms * 1e-3) / 1e9
@@ -528,7 +547,7 @@ def _gpu_times(
         times["gpu_error"] = _error(exc)
     if provider == "triton" and op in SPLIT_OPS:
         try:
-            plan, copy = _split_calls(op, inputs)
+            plan, copy = _split_calls(op, inputs, config.tiles)
             times["plan_gpu_ms"] = _graph_ms(plan, config)
             times["copy_gpu_ms"] = _graph_ms(copy, config)
         except Exception as exc:
@@ -552,10 +571,7 @@ def _meta(config: BenchConfig) -> dict[str, Any]:
     if triton_available():
         import triton
 
-        from freescale_kernels.tune import current_tiles
-
         meta["triton"] = triton.__version__
-        meta["tiles"] = current_tiles()
     return meta
 
 
@@ -605,7 +621,7 @@ def format_table(report: dict[str, Any]) -> str:
         if r.get("gpu_error"):
             note = "no graph: " + r["gpu_error"].split(":")[0]
         if "check" in r:
-            note = f"check {r['check']} {note}".strip()
+            note = f"check {r['check']}: {note}" if note else f"check {r['check']}"
         label = "naive-loop" if r["provider"] == "naive" else r["provider"]
         lines.append(
             f"{r['op']:<19} {r['case']:<10} {r['world_size']:>4} {label:<10} "

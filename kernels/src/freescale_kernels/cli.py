@@ -5,9 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
+from freescale_kernels._freescale_args import (
+    Parser,
+    int_at_least,
+    int_list,
+    joined,
+    name_list,
+    print_written,
+)
 from freescale_kernels.bench import (
     OPS,
     PROVIDERS,
@@ -17,54 +27,75 @@ from freescale_kernels.bench import (
     run,
     write_report,
 )
+from freescale_kernels.tiles import TUNED, CopyTile, SumTile
+
+T = TypeVar("T", CopyTile, SumTile)
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    return tuple(int(item) for item in text.split(",") if item)
+def _defaults(name: str) -> str:
+    """``name``'s default and its ``--quick`` value, as ``--help`` shows them."""
+    full, quick = getattr(BenchConfig(), name), getattr(BenchConfig.quick(), name)
+    show = joined if isinstance(full, tuple) else str
+    if full == quick:
+        return f"(default: {show(full)})"
+    return f"(default: {show(full)}; with --quick: {show(quick)})"
 
 
-def _name_list(choices: Sequence[str]) -> argparse.FileType:
-    def parse(text: str) -> tuple[str, ...]:
-        names = tuple(item for item in text.split(",") if item)
-        unknown = sorted(set(names) - set(choices))
-        if unknown:
-            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {list(choices)}")
-        return names
+def _tile(kind: type[T], counts: tuple[int, ...], shape: str) -> Callable[[str], T]:
+    """A tile option: ``counts`` comma-separated positive integers (``shape`` names them)."""
+    parse_list = int_list(1)
 
-    return parse  # type: ignore[return-value]
+    def parse(text: str) -> T:
+        values = parse_list(text)
+        if len(values) not in counts:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {shape}")
+        try:
+            return kind(*values)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="freescale kernels")
+def _parser() -> Parser:
+    parser = Parser(prog="freescale kernels")
     commands = parser.add_subparsers(dest="command", required=True)
-    bench = commands.add_parser(
-        "bench",
-        help="latency of Triton vs vectorized eager vs naive per-rank loops over world sizes",
-    )
+    what = "latency of Triton vs vectorized eager vs naive per-rank loops over world sizes"
+    bench = commands.add_parser("bench", help=what, description=what)
     bench.add_argument(
         "--quick", action="store_true", help="small sizes that run in seconds (CPU smoke test)"
     )
     bench.add_argument(
         "--check", action="store_true", help="verify triton == reference on the inputs first"
     )
-    bench.add_argument("--world-sizes", type=_int_list, help="comma-separated, e.g. 8,32,128,512")
-    bench.add_argument("--local-batch", type=int, help="samples per rank")
+    sized = {
+        "--world-sizes": (int_list(1), "world_sizes", "comma-separated world sizes"),
+        "--local-batch": (int_at_least(1), "local_batch", "samples per rank"),
+        "--large-batch": (
+            int_at_least(0),
+            "large_batch",
+            "samples per rank of the large cases (0: none)",
+        ),
+        "--large-world-sizes": (int_list(1), "large_world_sizes", "world sizes of the large cases"),
+        "--num-keys": (int_at_least(1), "num_keys", "keys (features) per sample"),
+        "--max-length": (int_at_least(1), "max_length", "longest run of a sample in a key"),
+        "--embedding-dim": (int_at_least(1), "embedding_dim", "row width of the rows cases"),
+        "--rep-ms": (int_at_least(1), "rep_ms", "timing budget per measurement, ms"),
+        "--seed": (int, "seed", "seed of the inputs"),
+    }
+    for option, (kind, name, meaning) in sized.items():
+        bench.add_argument(option, type=kind, help=f"{meaning} {_defaults(name)}")
     bench.add_argument(
-        "--large-batch", type=int, help="samples per rank of the large cases (0: none)"
+        "--ops", type=name_list(OPS), help=f"comma-separated subset of {joined(OPS)} (default: all)"
     )
     bench.add_argument(
-        "--large-world-sizes", type=_int_list, help="world sizes of the large cases, e.g. 8,512"
+        "--providers",
+        type=name_list(PROVIDERS),
+        help=f"comma-separated subset of {joined(PROVIDERS)} (default: all)",
     )
-    bench.add_argument("--num-keys", type=int, help="keys (features) per sample")
-    bench.add_argument("--max-length", type=int, help="longest run of a sample in a key")
-    bench.add_argument("--embedding-dim", type=int, help="row width of the rows case")
-    bench.add_argument("--ops", type=_name_list(OPS), help=f"subset of {','.join(OPS)}")
     bench.add_argument(
-        "--providers", type=_name_list(PROVIDERS), help=f"subset of {','.join(PROVIDERS)}"
+        "--device", choices=("cuda", "cpu"), help="where to measure (default: cuda when available)"
     )
-    bench.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-    bench.add_argument("--rep-ms", type=int, help="timing budget per measurement")
-    bench.add_argument("--seed", type=int)
     bench.add_argument(
         "--no-graphs",
         dest="graphs",
@@ -77,11 +108,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--copy-tile",
-        type=_int_list,
-        help="override the copy tile: bytes,max_rows,warps (see ops/jagged_copy.py)",
+        type=_tile(CopyTile, (3, 4), "bytes,max_rows,warps[,search_lanes]"),
+        help="copy kernel tile: bytes,max_rows,warps[,search_lanes] (default: the tuned one)",
     )
     bench.add_argument(
-        "--sum-tile", type=_int_list, help="override the segment-sum tile: elements,warps"
+        "--sum-tile",
+        type=_tile(SumTile, (2,), "elements,warps"),
+        help="segment-sum tile: elements,warps (default: the tuned one)",
     )
     bench.add_argument(
         "--out",
@@ -89,12 +122,25 @@ def _parser() -> argparse.ArgumentParser:
         default=Path("out/kernels_bench"),
         help="folder for kernels_bench.json and one <op>.png per operation",
     )
-    plot = commands.add_parser(
-        "plot", help="redraw the table and plots of a kernels_bench.json (e.g. from a GPU run)"
-    )
+    what = "redraw the table and plots of a kernels_bench.json (e.g. from a GPU run)"
+    plot = commands.add_parser("plot", help=what, description=what)
+    plot.set_defaults(parser=plot)
     plot.add_argument("json", type=Path, help="a kernels_bench.json written by bench")
     plot.add_argument("--out", type=Path, help="folder for the plots (default: next to the JSON)")
     return parser
+
+
+def _read_report(args: argparse.Namespace) -> dict:
+    """The report in ``args.json``; a missing or unreadable file is refused in one line."""
+    try:
+        report = json.loads(args.json.read_text())
+    except OSError as error:
+        args.parser.error(f"cannot read {args.json}: {error.strerror or error}")
+    except ValueError as error:
+        args.parser.error(f"{args.json} is not JSON: {error}")
+    if not isinstance(report, dict) or not {"meta", "results"} <= set(report):
+        args.parser.error(f"{args.json} is not a kernels_bench.json (no meta and results)")
+    return report
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
@@ -119,32 +165,27 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         if getattr(args, name) is not None
     }
     overrides["check"] = args.check
+    tiles = TUNED
+    if args.copy_tile:
+        tiles = replace(tiles, copy=args.copy_tile)
+    if args.sum_tile:
+        tiles = replace(tiles, segment_sum=args.sum_tile)
+    overrides["tiles"] = tiles
     return BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "plot":
-        report = json.loads(args.json.read_text())
+        report = _read_report(args)
         print("\n".join([format_table(report), *headline(report)]))
         written = write_report(report, args.out or args.json.parent)
-        if len(written) == 1:
-            print("matplotlib is not installed: no plots (pip install 'freescale-kernels[plot]')")
-        print("wrote " + ", ".join(str(p) for p in written))
+        print_written(written, "./kernels[plot]")
         return 0
-    if args.copy_tile or args.sum_tile:
-        from freescale_kernels.tune import set_copy_tile, set_sum_tile
-
-        if args.copy_tile:
-            set_copy_tile(*args.copy_tile)
-        if args.sum_tile:
-            set_sum_tile(*args.sum_tile)
-    report = run(_config(args))
+    report = run(_config(args), progress=True)
     print("\n".join([format_table(report), *headline(report)]))
     written = write_report(report, args.out)
-    if len(written) == 1:
-        print("matplotlib is not installed: no plots (pip install 'freescale-kernels[plot]')")
-    print("wrote " + ", ".join(str(p) for p in written))
+    print_written(written, "./kernels[plot]")
     failed_checks = [
         r for r in report["results"] if str(r.get("check", "")).startswith(("FAIL", "error"))
     ]
@@ -152,3 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{len(failed_checks)} correctness check(s) failed", file=sys.stderr)
         return 1
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

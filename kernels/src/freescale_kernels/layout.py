@@ -1,5 +1,8 @@
 """The jagged layouts the operations read and write, their result types, and shared helpers.
 
+Movements return a ``JaggedTensor`` (``freescale_kernels._jagged``, the container
+``freescale_balance`` shares), which unpacks as ``values, lengths``.
+
 Vocabulary (TorchRec's): a *keyed jagged tensor* holds ``F`` keys (features, tables) over the same
 ``B`` samples. ``lengths`` is ``[F, B]``: the run length of sample ``b`` in key ``f``. ``values``
 holds every run, **key-major**: key 0's runs of samples ``0..B-1``, then key 1's, ... (the flat
@@ -22,17 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-
-class Jagged(NamedTuple):
-    """Values and lengths of a (keyed) jagged tensor.
-
-    Attributes:
-        values: the runs, ``[sum(lengths), *item_shape]``, in the order the lengths list them.
-        lengths: run lengths; the operation's docstring gives their shape and order.
-    """
-
-    values: torch.Tensor
-    lengths: torch.Tensor
+from freescale_kernels._jagged import JaggedTensor as JaggedTensor
 
 
 class Dispatched(NamedTuple):

@@ -3,8 +3,9 @@
 Times the copy kernel alone (``ranged.move`` of a dispatch plan, one launch) and ``segment_sum``
 on the benchmark's inputs for each candidate tile, checks every candidate's output against the
 first one bit for bit, and writes ``tune.json`` with the GB/s of each and the best candidate
-(highest geometric mean of GB/s over the cases). The chosen values are written into the modules
-by hand, with the numbers, so that the defaults do not depend on a tuning run at import.
+(highest geometric mean of GB/s over the cases). Candidates are passed to the kernels as
+``freescale_kernels.tiles`` settings; the chosen one becomes ``tiles.TUNED`` by hand, with the
+results file cited, so that the defaults do not depend on a tuning run at import.
 """
 
 from __future__ import annotations
@@ -12,62 +13,33 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
 import torch
 
-# (tile bytes, max rows, warps, search lanes): binary search first (the reference every other
-# candidate must match bit for bit), then the wide search.
+from freescale_kernels import api, bench
+from freescale_kernels.tiles import CopyTile, SumTile, Tiles
+
+# Binary search first (the reference every other candidate must match bit for bit), then the
+# wide search.
 COPY_CANDIDATES = (
-    (16384, 2048, 4, 0),
-    (8192, 1024, 4, 0),
-    (16384, 2048, 8, 0),
-    (8192, 1024, 4, 128),
-    (16384, 2048, 4, 128),
-    (16384, 2048, 8, 128),
-    (32768, 4096, 8, 128),
-    (32768, 4096, 16, 128),
+    CopyTile(16384, 2048, 4, 0),
+    CopyTile(8192, 1024, 4, 0),
+    CopyTile(16384, 2048, 8, 0),
+    CopyTile(8192, 1024, 4, 128),
+    CopyTile(16384, 2048, 4, 128),
+    CopyTile(16384, 2048, 8, 128),
+    CopyTile(32768, 4096, 8, 128),
+    CopyTile(32768, 4096, 16, 128),
 )
-# (accumulator elements, warps).
-SUM_CANDIDATES = ((2048, 4), (4096, 4), (4096, 8), (8192, 8))
+SUM_CANDIDATES = (SumTile(2048, 4), SumTile(4096, 4), SumTile(4096, 8), SumTile(8192, 8))
 
 
-def set_copy_tile(tile_bytes: int, max_rows: int, warps: int, lanes: int | None = None) -> None:
-    from freescale_kernels.ops import jagged_copy
-
-    jagged_copy._TILE_BYTES = tile_bytes
-    jagged_copy._MAX_BLOCK_R = max_rows
-    jagged_copy._NUM_WARPS = warps
-    if lanes is not None:
-        jagged_copy._SEARCH_LANES = lanes
-
-
-def set_sum_tile(elements: int, warps: int) -> None:
-    from freescale_kernels.ops import dedup
-
-    dedup._SUM_TILE_ELEMENTS = elements
-    dedup._SUM_NUM_WARPS = warps
-
-
-def current_tiles() -> dict[str, Any]:
-    from freescale_kernels.ops import dedup, jagged_copy
-
-    def knob(module: Any, name: str, default: int) -> int:
-        return getattr(module, name, default)  # older versions lack some knobs
-
-    return {
-        "copy": [
-            knob(jagged_copy, "_TILE_BYTES", 0),
-            knob(jagged_copy, "_MAX_BLOCK_R", 0),
-            knob(jagged_copy, "_NUM_WARPS", 4),
-            knob(jagged_copy, "_SEARCH_LANES", 0),
-        ],
-        "segment_sum": [
-            knob(dedup, "_SUM_TILE_ELEMENTS", 0),
-            knob(dedup, "_SUM_NUM_WARPS", 4),
-        ],
-    }
+def _fields(tile: CopyTile | SumTile) -> list[int]:
+    """``tile`` as the list its JSON row and ``--copy-tile`` / ``--sum-tile`` take."""
+    return list(astuple(tile))
 
 
 def _geomean(values: list[float]) -> float:
@@ -83,11 +55,9 @@ def _time(fn: Any, rep_ms: int) -> float:
 
 
 def _sweep_case(case: str, world_size: int, rep_ms: int) -> tuple[list[dict], list[dict]]:
-    from freescale_kernels import api, bench
     from freescale_kernels.ops import ranged
 
     config = bench.BenchConfig(rep_ms=rep_ms)
-    saved = current_tiles()
     values, lengths = bench.make_case(config, case)
     inputs = bench.make_inputs(config, values, lengths, world_size)
     plan = ranged.plan_dispatch(lengths, inputs.ranks, world_size, values.shape[0])[0]
@@ -95,37 +65,36 @@ def _sweep_case(case: str, world_size: int, rep_ms: int) -> tuple[list[dict], li
     copy_rows: list[dict[str, Any]] = []
     want = None
     # The GPU idles (and clocks down) while the inputs are built on the host: without a warm-up
-    # the first candidate timed reads slow (seen: 1351 vs 1854 GB/s for the same tile).
+    # the first candidate timed reads slow (benchmarks/results/kernels/NOTES.md, "Tile choice").
     _time(lambda: ranged.move(values, plan), rep_ms)
-    for candidate in COPY_CANDIDATES:
-        set_copy_tile(*candidate)
-        row: dict[str, Any] = {"case": case, "tile": list(candidate)}
+    for tile in COPY_CANDIDATES:
+        row: dict[str, Any] = {"case": case, "tile": _fields(tile)}
         try:
-            got = ranged.move(values, plan)
+            got = ranged.move(values, plan, tile)
             want = got if want is None else want
-            ms = _time(lambda: ranged.move(values, plan), rep_ms)
+            ms = _time(lambda tile=tile: ranged.move(values, plan, tile), rep_ms)
             row.update(ms=ms, gbps=moved / ms / 1e6, same=bool(torch.equal(got, want)))
         except Exception as exc:  # a tile that does not compile or run is out of the race
             row.update(ms=None, gbps=0.0, same=True, error=f"{type(exc).__name__}: {exc}"[:300])
         copy_rows.append(row)
-    set_copy_tile(*saved["copy"])
     sum_rows: list[dict[str, Any]] = []
     if bench.case_kind(case) == "rows":
         rows, offsets, order = inputs.segment_rows, inputs.segment_offsets, inputs.segment_order
         summed = rows.numel() * rows.element_size()
-        for candidate in SUM_CANDIDATES:
-            set_sum_tile(*candidate)
-            ms = _time(lambda: api.segment_sum(rows, offsets, order=order), rep_ms)
-            sum_rows.append(
-                {"case": case, "tile": list(candidate), "ms": ms, "gbps": summed / ms / 1e6}
+        for tile in SUM_CANDIDATES:
+            tiles = Tiles(segment_sum=tile)
+            ms = _time(
+                lambda tiles=tiles: api.segment_sum(rows, offsets, order=order, tiles=tiles),
+                rep_ms,
             )
-        set_sum_tile(*saved["segment_sum"])
+            sum_rows.append(
+                {"case": case, "tile": _fields(tile), "ms": ms, "gbps": summed / ms / 1e6}
+            )
     return copy_rows, sum_rows
 
 
 def sweep(world_size: int = 512, rep_ms: int = 50) -> dict[str, Any]:
-    from freescale_kernels import bench
-
+    """Times every candidate tile on every benchmark case; the best by geometric mean GB/s."""
     copy_gbps = bench.copy_bandwidth_gbps(bench.BenchConfig(rep_ms=rep_ms))
     result: dict[str, Any] = {"copy_gbps": copy_gbps, "world_size": world_size}
     copy_rows: list[dict[str, Any]] = []
@@ -138,17 +107,18 @@ def sweep(world_size: int = 512, rep_ms: int = 50) -> dict[str, Any]:
     result["copy"] = copy_rows
     result["segment_sum"] = sum_rows
 
-    def copy_score(candidate: tuple[int, ...]) -> float:
-        mine = [r for r in copy_rows if r["tile"] == list(candidate)]
+    def copy_score(candidate: CopyTile) -> float:
+        mine = [r for r in copy_rows if r["tile"] == _fields(candidate)]
         if not all(r["same"] for r in mine):
             return 0.0  # a candidate that moves different bytes is out
         return _geomean([r["gbps"] for r in mine])
 
-    result["best_copy"] = max(COPY_CANDIDATES, key=copy_score)
-    result["best_sum"] = max(
+    result["best_copy"] = _fields(max(COPY_CANDIDATES, key=copy_score))
+    best_sum = max(
         SUM_CANDIDATES,
-        key=lambda c: _geomean([r["gbps"] for r in sum_rows if r["tile"] == list(c)]),
+        key=lambda c: _geomean([r["gbps"] for r in sum_rows if r["tile"] == _fields(c)]),
     )
+    result["best_sum"] = _fields(best_sum)
     result["all_same"] = all(r["same"] for r in copy_rows)
     return result
 

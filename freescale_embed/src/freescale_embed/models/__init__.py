@@ -8,6 +8,7 @@ from freescale_embed.models.attention import (
 from freescale_embed.models.sasrec import (
     SASRec,
     SASRecConfig,
+    cost_model,
     fixed_width,
     item_tables,
     target_counts,
@@ -16,6 +17,7 @@ from freescale_embed.models.sasrec import (
 __all__ = [
     "SASRec",
     "SASRecConfig",
+    "cost_model",
     "fixed_width",
     "item_tables",
     "jagged_causal_attention",

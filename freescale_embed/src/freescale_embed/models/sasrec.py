@@ -10,14 +10,14 @@ the same (to float rounding) whichever rank computes it and whatever else is in 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 
-from freescale_balance import JaggedBatch, JaggedTensor
+from freescale_balance import CostModel, JaggedBatch, JaggedTensor
 from freescale_embed.collection import ShardedEmbeddingCollection
 from freescale_embed.config import TableConfig
 from freescale_embed.models.attention import (
@@ -83,14 +83,32 @@ def item_tables(config: SASRecConfig) -> list[TableConfig]:
     ]
 
 
+def cost_model(config: SASRecConfig, num_negatives: int) -> CostModel:
+    """A sample's expected training cost from its history length ``L`` (for balancing).
+
+    Per layer, attention costs ~ 4 L^2 d and the projections and MLP ~ 24 L d^2; once per
+    sample, the sampled softmax ~ 2 L K d (``K`` negatives). In units of 4 d per layer (only the
+    ratios matter).
+    """
+    layers = max(config.num_layers, 1)
+    linear = 6.0 * config.embedding_dim + num_negatives / (2.0 * layers)
+    return CostModel(quadratic=1.0, linear=linear, constant=0.0)
+
+
 def target_counts(batch: JaggedBatch) -> torch.Tensor:
     """Predicted positions per sample (int64 ``[B]``): positions ``0 .. L-2`` predict items
     ``1 .. L-1`` of a history of length ``L``."""
     return batch.features["history"].lengths.to(torch.int64) - 1
 
 
-def fixed_width(feature: JaggedTensor, name: str) -> torch.Tensor:
+def fixed_width(
+    feature: JaggedTensor, name: str, host_lengths: Sequence[int] | None = None
+) -> torch.Tensor:
     """A feature with the same number of values per sample as ``[B, width]``.
+
+    Args:
+        host_lengths: the feature's lengths on the host, if the caller has read them (else
+            they are read here).
 
     Raises:
         ValueError: if the samples' lengths differ.
@@ -98,8 +116,10 @@ def fixed_width(feature: JaggedTensor, name: str) -> torch.Tensor:
     lengths = feature.lengths
     if lengths.numel() == 0:
         return feature.values.reshape(0, 0, *feature.values.shape[1:])
-    width = int(lengths[0])
-    if not bool((lengths == width).all()):
+    if host_lengths is None:
+        host_lengths = lengths.tolist()
+    width = host_lengths[0]
+    if any(length != width for length in host_lengths):
         raise ValueError(f"feature {name!r} must have the same length in every sample")
     return feature.values.reshape(lengths.numel(), width, *feature.values.shape[1:])
 
@@ -152,15 +172,21 @@ class SASRec(nn.Module):
         self.blocks = nn.ModuleList(_Block(config) for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(config.embedding_dim)
 
-    def encode(self, items: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def encode(
+        self, items: torch.Tensor, lengths: torch.Tensor, longest: int | None = None
+    ) -> torch.Tensor:
         """Hidden states ``[T, dim]`` of jagged item embeddings ``[T, dim]``: position ``i`` of
         a sample sees its items ``0 .. i`` only.
+
+        Args:
+            longest: the largest of ``lengths``, if the caller knows it (else read here).
 
         Raises:
             ValueError: if a sample is longer than ``max_length``.
         """
         lengths = lengths.to(torch.int64)
-        longest = int(lengths.max()) if lengths.numel() else 0
+        if longest is None:
+            longest = int(lengths.max()) if lengths.numel() else 0
         if longest > self.config.max_length:
             raise ValueError(f"a history of {longest} items exceeds max_length")
         offsets = _offsets(lengths)
@@ -187,38 +213,37 @@ class SASRec(nn.Module):
             return self._empty_losses(history.values, negatives.values)
         ids = batch.features["history"].values
         lengths = history.lengths.to(torch.int64)
-        if bool((lengths < 2).any()):
+        samples = lengths.numel()
+        # Every length the step needs on the host, in one read (each read waits for the GPU).
+        host = torch.cat([lengths, negatives.lengths.to(torch.int64)]).tolist()
+        host_counts = [length - 1 for length in host[:samples]]
+        if min(host_counts) < 1:
             raise ValueError("every history needs at least 2 items (one target)")
-        offsets = _offsets(lengths)
-        last = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-        last[offsets[1:] - 1] = True
-        first = torch.zeros_like(last)
-        first[offsets[:-1]] = True
-        # Position i predicts item i+1: the inputs drop each sample's last item, the targets
-        # its first.
-        hidden = self.encode(history.values[~last], lengths - 1)
-        targets = history.values[~first]
-        target_ids = ids[~first]
-        positive = (hidden * targets).sum(-1)
-        negative_rows = fixed_width(negatives, "negatives")
-        negative_ids = fixed_width(batch.features["negatives"], "negatives")
         counts = lengths - 1
+        positions = sum(host_counts)
         sample = torch.repeat_interleave(
-            torch.arange(len(counts), device=ids.device), counts, output_size=hidden.shape[0]
+            torch.arange(samples, device=ids.device), counts, output_size=positions
         )
+        # Position i predicts item i+1: the inputs drop each sample's last item, the targets
+        # its first (sample s's j-th input is item j + s of the batch).
+        inputs = torch.arange(positions, device=ids.device) + sample
+        hidden = self.encode(history.values[inputs], counts, max(host_counts))
+        targets = history.values[inputs + 1]
+        target_ids = ids[inputs + 1]
+        positive = (hidden * targets).sum(-1)
+        negative_rows = fixed_width(negatives, "negatives", host[samples:])
+        negative_ids = fixed_width(batch.features["negatives"], "negatives", host[samples:])
         # One product per sample with its own negatives: exact work, and a sample's logits
         # are computed the same way whatever else is in the batch.
         negative_logits = torch.cat(
-            [
-                h @ rows.T
-                for h, rows in zip(hidden.split(counts.tolist()), negative_rows, strict=True)
-            ]
+            [h @ rows.T for h, rows in zip(hidden.split(host_counts), negative_rows, strict=True)]
         )
         collides = negative_ids[sample] == target_ids[:, None]
         logits = torch.cat(
             [positive[:, None], negative_logits.masked_fill(collides, -math.inf)], dim=1
         )
-        return _per_sample_sums(torch.logsumexp(logits, dim=1) - positive, sample, counts)
+        losses = torch.logsumexp(logits, dim=1) - positive
+        return _per_sample_sums(losses, sample, counts, max(host_counts))
 
     @torch.no_grad()
     def score(self, batch: JaggedBatch, item_weights: torch.Tensor) -> torch.Tensor:
@@ -248,12 +273,12 @@ class SASRec(nn.Module):
 
 
 def _per_sample_sums(
-    values: torch.Tensor, sample: torch.Tensor, counts: torch.Tensor
+    values: torch.Tensor, sample: torch.Tensor, counts: torch.Tensor, longest: int
 ) -> torch.Tensor:
     # Padded to [B, longest] (one float per position) and summed along rows: deterministic on
     # every device, where CUDA's index_add_ would add with atomics in a varying order.
     within = torch.arange(values.shape[0], device=values.device) - _offsets(counts)[sample]
-    padded = values.new_zeros(counts.numel(), int(counts.max()))
+    padded = values.new_zeros(counts.numel(), longest)
     return padded.index_put((sample, within), values).sum(1)
 
 

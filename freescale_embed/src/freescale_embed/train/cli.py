@@ -56,6 +56,13 @@ def _parser() -> argparse.ArgumentParser:
     add("--eval-users", type=int, default=_DEFAULTS.eval_users, help="users evaluated (0: all)")
     add("--threads", type=int, default=_DEFAULTS.threads, help="torch threads per rank")
     add("--deterministic", action="store_true", help="torch.use_deterministic_algorithms")
+    add(
+        "--min-balance-gain",
+        type=float,
+        default=_DEFAULTS.min_balance_gain,
+        help="keep a batch unbalanced when balancing lowers the slowest rank's predicted "
+        "compute by less than this fraction",
+    )
     add("--checkpoint-dir", default=None, help="save each run at its end; resume from it")
     add("--backend", default=FREESCALE.backend, help="FreeScale run's backend")
     add("--policy", choices=POLICIES, default=FREESCALE.policy, help="FreeScale run's balancing")
@@ -115,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             checkpoint_dir=parsed.checkpoint_dir,
             threads=parsed.threads,
             deterministic=parsed.deterministic,
+            min_balance_gain=parsed.min_balance_gain,
         )
         freescale = RunConfig("freescale", parsed.backend, parsed.policy, parsed.mode)
         runs = _runs(parsed.runs, freescale)

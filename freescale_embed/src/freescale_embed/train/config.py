@@ -55,6 +55,9 @@ class TrainConfig:
         deterministic: ``torch.use_deterministic_algorithms`` in each rank (CUDA: atomics in
             embedding and attention backward otherwise make two identical runs differ).
         timeout_s: bound of every collective and wait.
+        min_balance_gain: a balanced run keeps a batch where it was loaded when balancing
+            would lower the slowest rank's predicted compute by less than this fraction
+            (``BalancerConfig.min_gain``: the shuffle costs more than it saves).
     """
 
     dataset: Dataset = "synthetic"
@@ -77,6 +80,7 @@ class TrainConfig:
     threads: int = 1
     deterministic: bool = False
     timeout_s: float = 300.0
+    min_balance_gain: float = 0.05
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
@@ -90,6 +94,8 @@ class TrainConfig:
             )
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if not 0.0 <= self.min_balance_gain < 1.0:
+            raise ValueError(f"min_balance_gain must be in [0, 1), got {self.min_balance_gain}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
 

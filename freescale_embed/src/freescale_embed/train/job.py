@@ -16,13 +16,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from freescale_balance import Balancer, BalancerConfig, CostModel, JaggedBatch
+from freescale_balance import Balancer, BalancerConfig, JaggedBatch
 from freescale_embed import checkpoint
 from freescale_embed.collection import ShardedEmbeddingCollection
 from freescale_embed.metrics import hit_rate_and_ndcg, popularity_scores
-from freescale_embed.models import SASRec, SASRecConfig, item_tables, target_counts
+from freescale_embed.models import SASRec, SASRecConfig, cost_model, item_tables, target_counts
 from freescale_embed.optim import RowWiseAdagrad
-from freescale_embed.pipeline import PipelineConfig, TrainPipeline, batch_to_device
+from freescale_embed.pipeline import (
+    PipelineConfig,
+    TrainPipeline,
+    batch_to_device,
+    resident_bytes,
+)
 from freescale_embed.pipeline_telemetry import StepReport
 from freescale_embed.train.config import RunConfig, TrainConfig
 from freescale_embed.train.data import Data
@@ -38,11 +43,6 @@ def _group(backend: str, timeout: timedelta) -> dist.ProcessGroup:
     return dist.new_group(backend=backend, timeout=timeout)
 
 
-def _cost_model(config: TrainConfig) -> CostModel:
-    """Attention ~ 4 L^2 d, projections and MLP ~ 24 L d^2 (per layer: the ratio is what counts)."""
-    return CostModel(quadratic=1.0, linear=6.0 * config.embedding_dim, constant=0.0)
-
-
 def _progress_bar(total: int | None, name: str, enabled: bool) -> Any:
     if not enabled:
         return None
@@ -56,6 +56,8 @@ def _progress_bar(total: int | None, name: str, enabled: bool) -> Any:
 def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dict[str, Any]:
     """Trains ``run`` on every rank; returns its summary (the same on every rank)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    # Runs share the process: the resident size before this one is what it found there.
+    host_start = resident_bytes()
     timeout = timedelta(seconds=config.timeout_s)
     device = torch.device(config.device)
     if device.type == "cuda":
@@ -96,8 +98,9 @@ def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dic
             BalancerConfig(
                 policy=run.policy,  # type: ignore[arg-type]
                 length_feature="history",
-                cost_model=_cost_model(config),
+                cost_model=cost_model(model_config, config.num_negatives),
                 timeout=timeout,
+                min_gain=config.min_balance_gain,
             ),
             group=balancer_group,
         )
@@ -131,6 +134,7 @@ def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dic
         dist.destroy_process_group(dense_group)
     dist.destroy_process_group(group)
     summary = summarize(run, config, reports, quality)
+    summary["host_start_mb"] = host_start / 1e6
     if rank == 0:
         (folder / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

@@ -24,20 +24,13 @@ import triton.language as tl
 from freescale_kernels._backend import interpreting
 from freescale_kernels.layout import UniqueResult, as_rows
 from freescale_kernels.ops.reference import segment_offsets
+from freescale_kernels.tiles import TUNED, SumTile
 
 _BLOCK = 1024
 _INTERPRETER_BLOCK = 1 << 14
-# Accumulator elements per program and warps. Measured on one H200 (tune, rows read per second,
-# 256 rows per sample, ~4.5 rows per segment, fp32 [*, 128]): 2048 / 4 warps gave 1854 and 2686
-# GB/s (rows, rows-large) in one sweep, 4096 / 8 warps 1641 and 2509; a second sweep had 2692
-# against 2537 on rows-large (its rows figures are not comparable: the first candidate timed
-# there ran cold). The first version (one segment per program, 2048 elements) ran the same
-# inputs at 21% of copy bandwidth, this one at 66-79% (GPU time).
-_SUM_TILE_ELEMENTS = 2048
 _INTERPRETER_SUM_TILE_ELEMENTS = 1 << 14
 _SUM_MAX_BLOCK_D = 128
 _SUM_MAX_SEGS = 64
-_SUM_NUM_WARPS = 4
 
 
 @triton.jit
@@ -137,9 +130,9 @@ def _segment_sum_kernel(
     tl.store(target, total.to(out.dtype.element_ty), mask=seg_mask[:, None] & col_mask[None, :])
 
 
-def _sum_tile(rows: int, num_segments: int, dim: int) -> tuple[int, int, int]:
+def _sum_tile(rows: int, num_segments: int, dim: int, tile: SumTile) -> tuple[int, int, int]:
     """(segments per program, rows per step, columns) from the mean segment length."""
-    elements = _INTERPRETER_SUM_TILE_ELEMENTS if interpreting() else _SUM_TILE_ELEMENTS
+    elements = _INTERPRETER_SUM_TILE_ELEMENTS if interpreting() else tile.elements
     block_d = min(triton.next_power_of_2(dim), _SUM_MAX_BLOCK_D)
     tall = max(elements // block_d, 1)
     mean = rows // max(num_segments, 1)
@@ -167,6 +160,7 @@ class SegmentSum(torch.autograd.Function):
         values: torch.Tensor,
         offsets: torch.Tensor,
         order: torch.Tensor | None,
+        tile: SumTile,
     ) -> torch.Tensor:
         ctx.save_for_backward(offsets, order)
         ctx.in_shape = values.shape
@@ -176,7 +170,7 @@ class SegmentSum(torch.autograd.Function):
         out = torch.empty(num_segments, dim, dtype=values.dtype, device=values.device)
         if num_segments and dim:
             summed = rows.shape[0] if order is None else order.numel()
-            segs, block_r, block_d = _sum_tile(summed, num_segments, dim)
+            segs, block_r, block_d = _sum_tile(summed, num_segments, dim, tile)
             _segment_sum_kernel[(triton.cdiv(num_segments, segs), triton.cdiv(dim, block_d))](
                 rows,
                 out,
@@ -189,7 +183,7 @@ class SegmentSum(torch.autograd.Function):
                 SEGS=segs,
                 BLOCK_R=block_r,
                 BLOCK_D=block_d,
-                num_warps=1 if interpreting() else _SUM_NUM_WARPS,
+                num_warps=1 if interpreting() else tile.warps,
             )
         return out.reshape(num_segments, *values.shape[1:])
 
@@ -206,10 +200,10 @@ class SegmentSum(torch.autograd.Function):
         )
         per_row = grad.index_select(0, segment_of_row)
         if order is None:
-            return per_row, None, None
+            return per_row, None, None, None
         grad_in = per_row.new_zeros(ctx.in_shape)
         grad_in.index_copy_(0, order, per_row)
-        return grad_in, None, None
+        return grad_in, None, None, None
 
 
 def segment_sum(
@@ -219,9 +213,10 @@ def segment_sum(
     segment_ids: torch.Tensor | None = None,
     num_segments: int | None = None,
     order: torch.Tensor | None = None,
+    tile: SumTile = TUNED.segment_sum,
 ) -> torch.Tensor:
     """Triton ``freescale_kernels.segment_sum`` (offsets are not range-checked)."""
     offsets = segment_offsets(offsets, segment_ids, num_segments).contiguous()
     if order is not None:
         order = order.to(torch.int64).contiguous()
-    return SegmentSum.apply(values, offsets, order)
+    return SegmentSum.apply(values, offsets, order, tile)

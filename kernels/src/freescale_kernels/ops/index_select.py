@@ -20,13 +20,14 @@ import triton
 import triton.language as tl
 
 from freescale_kernels._backend import interpreting
-from freescale_kernels.layout import Jagged, as_rows, exclusive_cumsum, keyed_lengths
+from freescale_kernels.layout import JaggedTensor, as_rows, exclusive_cumsum, keyed_lengths
 from freescale_kernels.ops.jagged_copy import (
     find_tile_segments,
     gather_segments,
     int64_buffers,
     tile_shape,
 )
+from freescale_kernels.tiles import TUNED, CopyTile
 
 _BLOCK = 1024
 _INTERPRETER_BLOCK = 1 << 14
@@ -177,6 +178,7 @@ def _index_add(
     indices: torch.Tensor,
     num_samples: int,
     total_rows: int,
+    tile: CopyTile,
 ) -> torch.Tensor:
     """``[total_rows, D]``: for each input row, the sum of the output rows copied from it."""
     dim = grad_out.shape[1]
@@ -186,7 +188,7 @@ def _index_add(
         return grad_in
     picks = torch.argsort(indices, stable=True)
     pick_offsets = exclusive_cumsum(torch.bincount(indices, minlength=num_samples))
-    block_r, block_d = tile_shape(dim, grad_out.element_size())
+    block_r, block_d = tile_shape(dim, grad_out.element_size(), tile)
     grid = (triton.cdiv(total_rows, block_r), triton.cdiv(dim, block_d))
     _index_add_kernel[grid](
         grad_out,
@@ -220,12 +222,14 @@ class JaggedIndexSelect(torch.autograd.Function):
         indices: torch.Tensor,
         num_samples: int,
         output_size: int,
+        tile: CopyTile,
     ) -> torch.Tensor:
         ctx.save_for_backward(in_offsets, out_offsets, indices)
         ctx.num_samples = num_samples
         ctx.in_shape = values.shape
+        ctx.tile = tile
         rows = as_rows(values)
-        out = gather_segments(rows, out_offsets, src_starts, output_size)
+        out = gather_segments(rows, out_offsets, src_starts, output_size, tile=tile)
         return out.reshape(output_size, *values.shape[1:])
 
     @staticmethod
@@ -235,9 +239,9 @@ class JaggedIndexSelect(torch.autograd.Function):
         in_offsets, out_offsets, indices = ctx.saved_tensors
         rows = as_rows(grad)
         grad_in = _index_add(
-            rows, in_offsets, out_offsets, indices, ctx.num_samples, ctx.in_shape[0]
+            rows, in_offsets, out_offsets, indices, ctx.num_samples, ctx.in_shape[0], ctx.tile
         )
-        return grad_in.reshape(ctx.in_shape), None, None, None, None, None, None
+        return grad_in.reshape(ctx.in_shape), None, None, None, None, None, None, None
 
 
 def plan_select(
@@ -297,7 +301,8 @@ def jagged_index_select(
     *,
     offsets: torch.Tensor | None = None,
     output_size: int | None = None,
-) -> Jagged:
+    tile: CopyTile = TUNED.copy,
+) -> JaggedTensor:
     """Triton ``freescale_kernels.jagged_index_select`` (indices are not range-checked)."""
     keyed = keyed_lengths(lengths)
     num_keys, batch = keyed.shape
@@ -310,11 +315,11 @@ def jagged_index_select(
         output_size = int(out_offsets[-1])
     if values.requires_grad and torch.is_grad_enabled():
         out = JaggedIndexSelect.apply(
-            values, in_offsets, out_offsets, src_starts, index, batch, output_size
+            values, in_offsets, out_offsets, src_starts, index, batch, output_size, tile
         )
     else:
         rows = as_rows(values)
-        out = gather_segments(rows, out_offsets, src_starts, output_size)
+        out = gather_segments(rows, out_offsets, src_starts, output_size, tile=tile)
         out = out.reshape(output_size, *values.shape[1:])
     shaped = out_lengths.reshape(num_keys, index.numel()) if lengths.dim() == 2 else out_lengths
-    return Jagged(out, shaped)
+    return JaggedTensor(out, shaped)

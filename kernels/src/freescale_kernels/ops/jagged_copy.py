@@ -23,35 +23,19 @@ import triton.language as tl
 
 from freescale_kernels._backend import interpreting
 from freescale_kernels.layout import as_rows
+from freescale_kernels.tiles import TUNED, CopyTile
 
-# Tile shape of the copy: about ``_TILE_BYTES`` of words per program, at most ``_MAX_BLOCK_R``
-# rows (the per-row search state is what costs registers: ptxas on sm_90 gives 60 registers at
-# 1024 rows and 4 warps, 106 at 2048), ``_NUM_WARPS`` warps, and ``_SEARCH_LANES`` probes per
-# round of the search for the tile's first and last run (0: binary search).
-# Measured on one H200 with ``python -m freescale_kernels.tune`` (copy kernel alone, dispatch
-# plan at W=512; GB/s read + write against copy_ at 4226-4250 GB/s; benchmarks/results/kernels/):
-#   binary search, 16 KiB / 2048 rows / 4 warps: ids 41%, rows 64%, ids-large 50%, rows-large 84%
-#     (8 KiB / 1024 rows, the first version: 40 / 62 / 52 / 76%; 32-64 KiB tiles and 8-16 warps
-#     were slower everywhere, e.g. ids-large 34-44%)
-#   128-lane search, 8 KiB / 1024 rows / 4 warps: ids 55%, rows 74%, ids-large 68%, rows-large 90%
-#     (16 KiB / 2048 rows: 50 / 75 / 64 / 90%; larger tiles slower again)
-# The wide search is the gain: a program's two binary searches over 16K runs are 14 dependent
-# loads each, at the long L2 latencies the copy's own traffic causes, before any row moves.
-_TILE_BYTES = 8192
-_MAX_BLOCK_R = 1024
-_NUM_WARPS = 4
-_SEARCH_LANES = 128
 _MAX_BLOCK_D = 256
 # The interpreter runs programs one after another in Python, so it gets few, large tiles.
 _INTERPRETER_TILE_ELEMENTS = 1 << 16
 
 
-def tile_shape(dim: int, item_bytes: int) -> tuple[int, int]:
-    """(rows, columns) of one program's tile for rows of ``dim`` items of ``item_bytes``."""
+def tile_shape(dim: int, item_bytes: int, tile: CopyTile) -> tuple[int, int]:
+    """(rows, columns) of one program's ``tile`` for rows of ``dim`` items of ``item_bytes``."""
     block_d = min(triton.next_power_of_2(max(dim, 1)), _MAX_BLOCK_D)
     if interpreting():
         return max(_INTERPRETER_TILE_ELEMENTS // block_d, 1), block_d
-    block_r = min(max(_TILE_BYTES // (item_bytes * block_d), 1), _MAX_BLOCK_R)
+    block_r = min(max(tile.tile_bytes // (item_bytes * block_d), 1), tile.max_rows)
     return triton.next_power_of_2(block_r), block_d
 
 
@@ -201,6 +185,7 @@ def gather_segments(
     src_starts: torch.Tensor,
     total_rows: int,
     src_index: torch.Tensor | None = None,
+    tile: CopyTile = TUNED.copy,
 ) -> torch.Tensor:
     """Copies the runs described by ``out_offsets`` / ``src_starts`` out of ``[N, D]`` ``rows``.
 
@@ -211,6 +196,7 @@ def gather_segments(
             run (then output run ``i`` starts at source row ``src_starts[src_index[i]]``).
         total_rows: rows of the result, known to the caller without a device sync.
         src_index: optional ``[S]`` indirection into ``src_starts``.
+        tile: the kernel's tile shape.
 
     Returns:
         ``[total_rows, D]`` in ``rows.dtype``.
@@ -222,7 +208,7 @@ def gather_segments(
     out_words = out.view(words.dtype)
     dim = words.shape[1]
     num_segments = out_offsets.numel() - 1
-    block_r, block_d = tile_shape(dim, words.element_size())
+    block_r, block_d = tile_shape(dim, words.element_size(), tile)
     grid = (triton.cdiv(total_rows, block_r), triton.cdiv(dim, block_d))
     _gather_segments_kernel[grid](
         words,
@@ -234,10 +220,10 @@ def gather_segments(
         total_rows,
         dim,
         INDIRECT=src_index is not None,
-        LANES=_SEARCH_LANES,
+        LANES=tile.search_lanes,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
-        num_warps=1 if interpreting() else _NUM_WARPS,
+        num_warps=1 if interpreting() else tile.warps,
     )
     return out
 
@@ -257,9 +243,11 @@ class SegmentPermute(torch.autograd.Function):
         src_starts: torch.Tensor,
         in_offsets: torch.Tensor,
         positions: torch.Tensor,
+        tile: CopyTile,
     ) -> torch.Tensor:
         ctx.save_for_backward(out_offsets, in_offsets, positions)
-        out = gather_segments(as_rows(values), out_offsets, src_starts, values.shape[0])
+        ctx.tile = tile
+        out = gather_segments(as_rows(values), out_offsets, src_starts, values.shape[0], tile=tile)
         return out.reshape(values.shape)
 
     @staticmethod
@@ -268,8 +256,10 @@ class SegmentPermute(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         out_offsets, in_offsets, positions = ctx.saved_tensors
         rows = as_rows(grad)
-        back = gather_segments(rows, in_offsets, out_offsets, grad.shape[0], src_index=positions)
-        return back.reshape(grad.shape), None, None, None, None
+        back = gather_segments(
+            rows, in_offsets, out_offsets, grad.shape[0], src_index=positions, tile=ctx.tile
+        )
+        return back.reshape(grad.shape), None, None, None, None, None
 
 
 def permute_segments(
@@ -278,9 +268,11 @@ def permute_segments(
     src_starts: torch.Tensor,
     in_offsets: torch.Tensor,
     positions: torch.Tensor,
+    tile: CopyTile = TUNED.copy,
 ) -> torch.Tensor:
     """``SegmentPermute`` when a gradient is wanted, the bare copy otherwise."""
     if values.requires_grad and torch.is_grad_enabled():
-        return SegmentPermute.apply(values, out_offsets, src_starts, in_offsets, positions)
+        return SegmentPermute.apply(values, out_offsets, src_starts, in_offsets, positions, tile)
     rows = as_rows(values)
-    return gather_segments(rows, out_offsets, src_starts, values.shape[0]).reshape(values.shape)
+    out = gather_segments(rows, out_offsets, src_starts, values.shape[0], tile=tile)
+    return out.reshape(values.shape)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from freescale_kernels.layout import Dispatched, Jagged, exclusive_cumsum, keyed_lengths
+from freescale_kernels.layout import Dispatched, JaggedTensor, exclusive_cumsum, keyed_lengths
 from freescale_kernels.ops.reference import gather_segments
 
 
@@ -53,7 +53,7 @@ def ranged_dispatch(
 
 def ranged_combine(
     values: torch.Tensor, lengths: torch.Tensor, ranks: torch.Tensor, num_keys: int
-) -> Jagged:
+) -> JaggedTensor:
     """NAIVE (per-rank loop) ``ranged_combine``."""
     world_size = int(ranks.max()) + 1 if ranks.numel() else 1
     flat = lengths.reshape(-1)
@@ -77,7 +77,7 @@ def ranged_combine(
         key_lengths = torch.cat(per_key_lengths[key])
         out_values.append(_select(torch.cat(per_key_values[key]), key_lengths, inverse))
         out_lengths.append(key_lengths[inverse])
-    return Jagged(
+    return JaggedTensor(
         torch.cat(out_values) if out_values else values[:0],
         torch.stack(out_lengths) if out_lengths else flat.reshape(0, ranks.numel()),
     )
@@ -90,7 +90,7 @@ def keyed_transpose(
     num_keys: int,
     *,
     to_key_major: bool = True,
-) -> Jagged:
+) -> JaggedTensor:
     """NAIVE (per-rank loop) ``keyed_transpose``."""
     flat = lengths.reshape(-1)
     counts_list = counts.tolist()
@@ -111,4 +111,4 @@ def keyed_transpose(
     out_lengths = torch.cat([length_blocks[i] for i in pick]) if pick else flat[:0]
     if to_key_major:
         out_lengths = out_lengths.reshape(num_keys, total)
-    return Jagged(out_values, out_lengths)
+    return JaggedTensor(out_values, out_lengths)

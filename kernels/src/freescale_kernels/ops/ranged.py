@@ -39,7 +39,7 @@ import triton.language as tl
 from freescale_kernels._backend import interpreting
 from freescale_kernels.layout import (
     Dispatched,
-    Jagged,
+    JaggedTensor,
     check_ranks,
     check_world_size,
     exclusive_cumsum,
@@ -52,6 +52,7 @@ from freescale_kernels.ops.jagged_copy import (
     lower_bound,
     permute_segments,
 )
+from freescale_kernels.tiles import TUNED, CopyTile
 
 # The fused planner keeps ``next_power_of_2(samples)`` samples of a few int32 quantities per
 # program in registers; 4096 samples over 16 warps is 8 per lane, which ptxas on sm_90 fits
@@ -80,10 +81,10 @@ class LayoutPlan(NamedTuple):
     positions: torch.Tensor
 
 
-def move(values: torch.Tensor, plan: LayoutPlan) -> torch.Tensor:
+def move(values: torch.Tensor, plan: LayoutPlan, tile: CopyTile = TUNED.copy) -> torch.Tensor:
     """The rows of ``values`` in the plan's output order (differentiable)."""
     return permute_segments(
-        values, plan.out_offsets, plan.src_starts, plan.in_offsets, plan.positions
+        values, plan.out_offsets, plan.src_starts, plan.in_offsets, plan.positions, tile
     )
 
 
@@ -249,10 +250,10 @@ def _fused_plan_kernel(
 
 def sort_ranks(ranks: torch.Tensor, world_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted ranks, stable order) with the ranks sorted as the narrowest integers that hold
-    them. ``torch.sort`` radix-sorts every bit of the key type: on one H200 (torch 2.11) 4096
-    int64 ranks took 35 us, as int16 (W=512) 16 us and as int32 (combine) 21.5 us, next to a
-    23.6 us plan. Ranks below ``world_size`` (or, without it, process ranks: below 2**31) keep
-    their order, and the sort is stable, so the order is the same."""
+    them. ``torch.sort`` radix-sorts every bit of the key type, so narrower keys sort faster
+    (``benchmarks/results/kernels/NOTES.md``, "Rank sort"). Ranks below ``world_size`` (or,
+    without it, process ranks: below 2**31) keep their order, and the sort is stable, so the
+    order is the same."""
     if world_size is not None and world_size <= 256 and ranks.dtype != torch.uint8:
         ranks = ranks.to(torch.uint8)
     elif world_size is not None and world_size <= 2**15 and ranks.dtype.itemsize > 2:
@@ -586,23 +587,31 @@ def plan_transpose(
 
 
 def ranged_dispatch(
-    values: torch.Tensor, lengths: torch.Tensor, ranks: torch.Tensor, world_size: int
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    ranks: torch.Tensor,
+    world_size: int,
+    tile: CopyTile = TUNED.copy,
 ) -> Dispatched:
     """Triton ``freescale_kernels.ranged_dispatch`` (ranks are not range-checked)."""
     plan, key_splits, rank_splits, sample_counts, order = plan_dispatch(
         lengths, ranks, world_size, values.shape[0]
     )
-    out = move(values, plan)
+    out = move(values, plan, tile)
     return Dispatched(out, plan.out_lengths, rank_splits, key_splits, sample_counts, order)
 
 
 def ranged_combine(
-    values: torch.Tensor, lengths: torch.Tensor, ranks: torch.Tensor, num_keys: int
-) -> Jagged:
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    ranks: torch.Tensor,
+    num_keys: int,
+    tile: CopyTile = TUNED.copy,
+) -> JaggedTensor:
     """Triton ``freescale_kernels.ranged_combine``."""
     plan = plan_combine(lengths, ranks, num_keys, values.shape[0])
-    out = move(values, plan)
-    return Jagged(out, plan.out_lengths.reshape(num_keys, ranks.numel()))
+    out = move(values, plan, tile)
+    return JaggedTensor(out, plan.out_lengths.reshape(num_keys, ranks.numel()))
 
 
 def keyed_transpose(
@@ -612,13 +621,14 @@ def keyed_transpose(
     num_keys: int,
     *,
     to_key_major: bool = True,
-) -> Jagged:
+    tile: CopyTile = TUNED.copy,
+) -> JaggedTensor:
     """Triton ``freescale_kernels.keyed_transpose``."""
     plan, total = plan_transpose(
         lengths, counts, num_keys, values.shape[0], to_key_major=to_key_major
     )
-    out = move(values, plan)
+    out = move(values, plan, tile)
     out_lengths = plan.out_lengths
     if to_key_major:
         out_lengths = out_lengths.reshape(num_keys, total)
-    return Jagged(out, out_lengths)
+    return JaggedTensor(out, out_lengths)

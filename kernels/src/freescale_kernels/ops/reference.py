@@ -14,7 +14,7 @@ import torch
 
 from freescale_kernels.layout import (
     Dispatched,
-    Jagged,
+    JaggedTensor,
     UniqueResult,
     as_rows,
     check_ranks,
@@ -74,7 +74,7 @@ def jagged_index_select(
     *,
     offsets: torch.Tensor | None = None,
     output_size: int | None = None,
-) -> Jagged:
+) -> JaggedTensor:
     """Reference of ``freescale_kernels.jagged_index_select``."""
     keyed = keyed_lengths(lengths)
     num_keys, batch = keyed.shape
@@ -89,7 +89,7 @@ def jagged_index_select(
         output_size = int(out_lengths.sum()) if out_lengths.numel() else 0
     out = gather_segments(values, offsets.to(torch.int64)[segments], out_lengths, output_size)
     shaped = out_lengths.reshape(num_keys, index.numel()) if lengths.dim() == 2 else out_lengths
-    return Jagged(out, shaped)
+    return JaggedTensor(out, shaped)
 
 
 def ranged_dispatch(
@@ -120,7 +120,7 @@ def ranged_dispatch(
 
 def ranged_combine(
     values: torch.Tensor, lengths: torch.Tensor, ranks: torch.Tensor, num_keys: int
-) -> Jagged:
+) -> JaggedTensor:
     """Reference of ``freescale_kernels.ranged_combine``."""
     batch = ranks.numel()
     if lengths.numel() != num_keys * batch:
@@ -137,7 +137,7 @@ def ranged_combine(
     source = source.reshape(-1)
     out_lengths = flat[source]
     out = gather_segments(values, exclusive_cumsum(flat)[source], out_lengths, values.shape[0])
-    return Jagged(out, out_lengths.reshape(num_keys, batch))
+    return JaggedTensor(out, out_lengths.reshape(num_keys, batch))
 
 
 def keyed_transpose(
@@ -147,7 +147,7 @@ def keyed_transpose(
     num_keys: int,
     *,
     to_key_major: bool = True,
-) -> Jagged:
+) -> JaggedTensor:
     """Reference of ``freescale_kernels.keyed_transpose``."""
     flat = lengths.reshape(-1)
     counts = counts.to(torch.int64)
@@ -167,7 +167,7 @@ def keyed_transpose(
         source[rank_major] = key_major
     out_lengths = flat[source]
     out = gather_segments(values, exclusive_cumsum(flat)[source], out_lengths, values.shape[0])
-    return Jagged(out, out_lengths.reshape(num_keys, total) if to_key_major else out_lengths)
+    return JaggedTensor(out, out_lengths.reshape(num_keys, total) if to_key_major else out_lengths)
 
 
 def unique_with_inverse(ids: torch.Tensor) -> UniqueResult:

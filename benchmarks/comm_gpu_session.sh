@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The comm GPU work of one device call (GPU machine, from the project root, after the wheels
+# are installed and PYTHONPATH is set as /work/shared/GPU.md says): the CUDA tests, then
+# benchmarks/comm_gpu.py and benchmarks/comm_latency.py; everything lands in $OUT/comm_gpu.tgz.
+#   TEST_S, BENCH_S, LATENCY_S: time limits of the three steps; ROUNDS: overlap rounds.
+set -u -o pipefail
+results="$OUT/comm_gpu"
+mkdir -p "$results"
+{
+  date -u
+  nvidia-smi -L
+  python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
+  git rev-parse HEAD 2>/dev/null || true
+} >"$results/machine.txt" 2>&1
+timeout "${TEST_S:-120}" python3 -m pytest tests/comm/test_cuda.py -x -q -p no:cacheprovider \
+  -o faulthandler_timeout=100 >"$results/tests_cuda.log" 2>&1
+echo "tests rc=$?" >>"$results/tests_cuda.log"
+tail -3 "$results/tests_cuda.log"
+timeout "${BENCH_S:-160}" python3 benchmarks/comm_gpu.py --out "$results" \
+  --rounds "${ROUNDS:-10}" --timeout "$((${BENCH_S:-160} - 10))" >"$results/comm_gpu.log" 2>&1
+echo "comm_gpu rc=$?" >>"$results/comm_gpu.log"
+tail -40 "$results/comm_gpu.log"
+if [ "${LATENCY_S:-0}" -gt 0 ]; then
+  timeout "$LATENCY_S" python3 benchmarks/comm_latency.py --out "$results" --cuda-path staged \
+    >"$results/comm_latency.log" 2>&1
+  tail -8 "$results/comm_latency.log"
+fi
+tar czf "$OUT/comm_gpu.tgz" -C "$OUT" comm_gpu

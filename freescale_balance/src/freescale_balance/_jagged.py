@@ -1,0 +1,1 @@
+../../../kernels/src/freescale_kernels/_jagged.py

@@ -1,0 +1,1 @@
+../../../freescale_balance/src/freescale_balance/_freescale_args.py

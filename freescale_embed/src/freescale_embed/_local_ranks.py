@@ -1,0 +1,1 @@
+../../../freescale_comm/src/freescale_comm/_local_ranks.py

@@ -1,0 +1,40 @@
+"""``freescale comm``'s options: bad values refused in one line before any rank starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from freescale_comm import bench, cli
+from tests.cli_refusals import assert_refused
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ops", "foo"], "argument --ops: unknown foo; choose from all_gather,all_to_all"),
+        (["--min-bytes", "5X"], "argument --min-bytes: '5X' is not a size"),
+        (["--max-bytes", "2G"], "argument --max-bytes: '2G' must be from 1 byte to 1G"),
+        (["--min-bytes", "1M", "--max-bytes", "4K"], "--min-bytes (1048576) exceeds --max-bytes"),
+        (["--factor", "1"], "argument --factor: must be at least 2, got 1"),
+        (["--target-s", "0"], "argument --target-s: must be in (0, inf)"),
+        (["--blocks", "0"], "argument --blocks: must be at least 1"),
+        (["--threads", "-1"], "argument --threads: must be at least 0"),
+    ],
+)
+def test_bench_refuses_bad_values_in_one_line(argv, message, capsys, tmp_path):
+    assert_refused(cli.main, ["bench", *argv, "--out", str(tmp_path)], message, capsys)
+    assert not any(tmp_path.iterdir())
+
+
+def test_info_refuses_negative_ranks(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["info", "--ranks", "-1"])
+    assert "argument --ranks: must be at least 0" in capsys.readouterr().err
+
+
+def test_help_names_the_collectives_the_bench_measures(capsys):
+    assert cli._OPS == bench.OPS
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: all_gather,all_to_all)" in out and "(default: 64M)" in out

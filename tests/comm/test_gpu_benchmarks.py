@@ -1,0 +1,97 @@
+"""The GPU benchmarks on CPU: ``multi_gpu_vs_nccl.py``'s dry run (a rank dying mid-phase
+included), the overlap rounds' schedule, and the other scripts' command lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.overlap_rounds import ALONE, CONTROL, ModeDropped, alternated_rounds
+
+_BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _run(script: str, *argv: str, env: dict[str, str] | None = None, timeout: float = 60):
+    return subprocess.run(
+        [sys.executable, str(_BENCHMARKS / script), *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+
+
+@pytest.mark.timeout(420)
+def test_dry_run_retries_without_the_backend_whose_rank_died(tmp_path):
+    # Rank 1 exits in the sweep while fs_staged runs: the phase ends at once (no wait for rank 0,
+    # blocked in a collective), and the retry runs the unfinished parts without fs_staged.
+    argv = ["--dry-run", "--out", str(tmp_path), "--no-p2p-phase", "--rounds", "1"]
+    argv += ["--sections", "setup,sweep,overlap", "--max-bytes", "512"]
+    done = _run(
+        "multi_gpu_vs_nccl.py",
+        *argv,
+        env={"MULTI_GPU_BENCH_CRASH": "sweep:fs_staged"},
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "multi_gpu_vs_nccl.json").read_text())
+    main, retry = report["phases"]["main"], report["phases"]["main_retry"]
+    assert not main["completed"] and main["last_progress"] == ["sweep", "fs_staged"]
+    assert any("rank 1 exited early in sweep" in str(e) for e in main["rank_errors"])
+    assert main["retried_without"] == {"backend": "fs_staged", "stopped_in": "sweep"}
+    assert retry["completed"] and retry["backends"] == ["fs_direct", "nccl", "nccl_ce"]
+    assert set(retry["sections"]) == {"setup", "sweep", "overlap"}
+    rows = retry["sections"]["sweep"]["result"]["rows"]
+    assert rows and all(r["correct"] for r in rows)
+    assert {r["backend"] for r in rows} == {"fs_direct", "nccl"}
+    combos = retry["sections"]["overlap"]["result"]["combos"]
+    assert combos and all(
+        set(c["slowdown_pct_mean"]) == {"fs_direct", "nccl", CONTROL} for c in combos
+    )
+    assert report["summary"]["sweep_incorrect"] == []
+    assert (tmp_path / "table.txt").read_text().rstrip().splitlines()[-1].startswith("elapsed")
+
+
+def test_every_mode_sits_between_windows_alone_in_an_order_that_depends_on_the_seed_only():
+    calls: list[str] = []
+    times = {ALONE: 10.0, CONTROL: 10.0, "a": 11.0, "b": 12.0}
+
+    def window(mode: str) -> float:
+        calls.append(mode)
+        return times[mode]
+
+    measured = alternated_rounds(window, ["a", "b"], rounds=4, seed=7)
+    assert len(calls) == 4 * 7
+    traffic = [i for i, mode in enumerate(calls) if mode != ALONE]
+    assert all(calls[i - 1] == ALONE and calls[i + 1] == ALONE for i in traffic)
+    assert measured.slowdown_pct() == pytest.approx({"a": 10.0, "b": 20.0, CONTROL: 0.0})
+    again: list[str] = []
+    alternated_rounds(lambda m: again.append(m) or times[m], ["a", "b"], rounds=4, seed=7)
+    assert again == calls
+
+
+def test_a_dropped_mode_leaves_the_later_rounds_and_a_rank_that_times_nothing_has_no_ratio():
+    seen: list[str] = []
+
+    def window(mode: str) -> float | None:
+        seen.append(mode)
+        if mode == "bad":
+            raise ModeDropped(mode)
+        return None
+
+    measured = alternated_rounds(window, ["bad", "good"], rounds=3, seed=1)
+    assert seen.count("bad") == 1 and seen.count("good") == 3
+    assert measured.dropped == ["bad"] and measured.slowdown_pct() == {}
+
+
+@pytest.mark.parametrize("script", ["comm_gpu.py", "comm_latency.py", "multi_gpu_vs_nccl.py"])
+def test_command_line_imports_without_a_gpu(script):
+    done = _run(script, "--help")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--out" in done.stdout
