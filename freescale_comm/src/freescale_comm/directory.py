@@ -8,7 +8,7 @@ ranks of one host). A peer's address is read only when this rank first talks to 
 block at a time, so a rank reads what its collectives need: two blocks for a ring, all of them
 for an AllToAll. Set-up makes 6 requests per rank (8 for a block's first rank) whatever N, and
 the store reads O(N) keys and bytes in all (every rank reading every rank's address and host
-at creation was 2·N² key reads, N²·280 bytes: 290 MB at 1,024 ranks).
+at creation would be 2·N² key reads, N²·280 bytes: 290 MB at 1,024 ranks).
 
 The keys live under an incarnation prefix: ``init_process_group`` after ``destroy`` gives the new
 group the same c10d prefix, and its ranks must not read the addresses, group id or abort key of

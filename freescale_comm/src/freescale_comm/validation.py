@@ -15,8 +15,8 @@ chance). Every rank receives every header, so every rank reaches the same verdic
 N x 280 bytes; a mismatch fails the collective on all ranks, with the same message, and no data
 byte is moved. Only after the digests disagree does a second round exchange the whole table
 (``encode_table``: 24 bytes per rank of the group, per header) so that every rank names the
-first disagreeing pair the same way (``judge_table``). The full table in every header made each
-collective send N² x 24 bytes per rank (25 MB at 1,024 ranks) and judge N² entries.
+first disagreeing pair the same way (``judge_table``). The full table in every header would make
+each collective send N² x 24 bytes per rank (25 MB at 1,024 ranks) and judge N² entries.
 """
 
 from __future__ import annotations
