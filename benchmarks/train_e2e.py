@@ -6,6 +6,9 @@ histories):
 - ``cpu``: 2 and 4 ranks on the CPU, every configuration (``CPU_RUNS``);
 - ``cuda``: 2 ranks sharing one GPU, every configuration (``CUDA_RUNS``), deterministic kernels
   so that prioritized and sync runs can be compared bit for bit;
+- ``gpus``: one rank per GPU on a machine with 2 or more, at each GPU count of ``--gpu-worlds``,
+  the baseline over NCCL against each technique and FreeScale whole (``GPU_RUNS``), and
+  samples/s against GPU count;
 - ``scale``: the straggler and compute bubble of 8-256 simulated ranks, the real model's
   forward and backward per rank (``freescale_embed.train.scale``);
 - ``collisions``: collision % between consecutive steps of the data as histories grow.
@@ -63,6 +66,17 @@ CUDA_RUNS: tuple[tuple[str, str], ...] = (
     ("+prioritized", "freescale:none:prioritized"),
     ("FreeScale (all)", "freescale:fbs:prioritized"),
 )
+# One rank per GPU: the baseline is what users run today, NCCL for every collective.
+GPU_RUNS: tuple[tuple[str, str], ...] = (
+    ("baseline", "nccl:none:sync"),
+    ("+FBS", "nccl:fbs:sync"),
+    ("+KK", "nccl:kk:sync"),
+    ("+VBS", "nccl:vbs:sync"),
+    ("+prioritized", "nccl:none:prioritized"),
+    ("+freescale backend", "freescale:none:sync"),
+    ("FBS+prioritized", "nccl:fbs:prioritized"),
+    ("FreeScale (all)", "freescale:fbs:prioritized"),
+)
 # (prioritized, sync with the same balancing and backend): must give equal weights.
 BITWISE_PAIRS = (
     ("+prioritized", "baseline"),
@@ -79,6 +93,9 @@ CUDA_MODEL = [
     "--users", "16384", "--items", "100000", "--negatives", "128", "--eval-users", "256",
     "--threads", "4", "--deterministic",
 ]  # fmt: skip
+# One rank per GPU runs the shared-GPU part's model, deterministic kernels included, so that
+# prioritized and sync compare bit for bit in the same run.
+GPU_MODEL = CUDA_MODEL
 QUICK_MODEL = [
     "--device", "cpu", "--max-history", "256", "--items", "2048", "--users", "512", "--dim", "16",
     "--layers", "1", "--heads", "2", "--negatives", "8", "--eval-users", "16",
@@ -348,20 +365,68 @@ def plot(results: dict[str, Any], out: Path) -> None:
         plt.close(fig)
 
 
+def _gpu_worlds(text: str) -> list[int]:
+    """The GPU counts of the ``gpus`` part; refuses fewer than 2 GPUs before anything runs."""
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible < 2:
+        raise SystemExit(f"--parts gpus: needs 2 or more GPUs, this machine has {visible}")
+    if text:
+        worlds = [int(w) for w in text.split(",")]
+    else:
+        worlds = sorted({w for w in (2, 4, 8) if w <= visible} | {visible})
+    if any(w < 2 or w > visible for w in worlds):
+        raise SystemExit(f"--gpu-worlds: each count must be 2..{visible}, got {text}")
+    return worlds
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--parts", default="cpu,cuda,scale,collisions")
-    parser.add_argument("--cpu-worlds", default="2,4")
-    parser.add_argument("--cpu-steps", type=int, default=30)
-    parser.add_argument("--cpu-local-batch", type=int, default=8)
-    parser.add_argument("--cpu-threads", type=int, default=2)
-    parser.add_argument("--cuda-steps", type=int, default=30)
-    parser.add_argument("--cuda-local-batch", type=int, default=32)
-    parser.add_argument("--scale-steps", type=int, default=2)
-    parser.add_argument("--scale-budget-s", type=float, default=150.0)
+    parser.add_argument("--out", type=Path, required=True, help="output folder (required)")
     parser.add_argument(
-        "--scale-rank-runs", type=int, default=1024, help="fewer steps past this many ranks"
+        "--parts",
+        default="cpu,cuda,scale,collisions",
+        help="comma-separated subset of cpu,cuda,gpus,scale,collisions,none "
+        "(default: cpu,cuda,scale,collisions; gpus needs 2+ GPUs)",
+    )
+    parser.add_argument("--cpu-worlds", default="2,4", help="CPU rank counts (default: 2,4)")
+    parser.add_argument("--cpu-steps", type=int, default=30, help="steps per CPU run (default: 30)")
+    parser.add_argument(
+        "--cpu-local-batch", type=int, default=8, help="samples per CPU rank (default: 8)"
+    )
+    parser.add_argument(
+        "--cpu-threads", type=int, default=2, help="torch threads per CPU rank (default: 2)"
+    )
+    parser.add_argument(
+        "--cuda-steps", type=int, default=30, help="steps per GPU run, cuda and gpus (default: 30)"
+    )
+    parser.add_argument(
+        "--cuda-local-batch",
+        type=int,
+        default=32,
+        help="samples per GPU rank, cuda and gpus (default: 32)",
+    )
+    parser.add_argument(
+        "--gpu-worlds",
+        default="",
+        help="GPU counts of the gpus part, one rank per GPU (default: 2, 4, 8 up to the GPUs "
+        "visible, and their number)",
+    )
+    parser.add_argument(
+        "--scale-steps", type=int, default=2, help="simulated steps per point (default: 2)"
+    )
+    parser.add_argument(
+        "--scale-budget-s",
+        type=float,
+        default=150.0,
+        help="time bound of the simulation in seconds (default: 150)",
+    )
+    parser.add_argument(
+        "--scale-rank-runs",
+        type=int,
+        default=1024,
+        help="fewer steps past this many rank runs per point (default: 1024)",
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a CPU dry run)")
     parser.add_argument(
@@ -374,6 +439,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
+    unknown = parts - {"cpu", "cuda", "gpus", "scale", "collisions", "none"}
+    if unknown:
+        parser.error(f"--parts: unknown {', '.join(sorted(unknown))}")
+    gpu_worlds = _gpu_worlds(args.gpu_worlds) if "gpus" in parts else []
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     # Each call adds its parts to what earlier calls with the same --out measured.
@@ -414,6 +483,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             out / "cuda_2ranks_one_gpu", argv_, CUDA_RUNS
         )
         save()
+    for world in gpu_worlds:
+        argv_ = [
+            *GPU_MODEL, "--world-size", str(world), "--steps", str(args.cuda_steps),
+            "--batch-size", str(world * args.cuda_local_batch),
+        ]  # fmt: skip
+        results["settings"][f"gpus_{world}"] = run_setting(out / f"gpus_{world}", argv_, GPU_RUNS)
+        save()
     if "collisions" in parts:
         histories = (64, 128, 256) if args.quick else (1024, 2048, 4096, 8192, 16384, 21504)
         batch = 64 if args.quick else 1024
@@ -446,9 +522,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def gpu_scaling(settings: dict[str, Any]) -> str:
+    """Samples/s against GPU count for each configuration of the ``gpus`` part, with the
+    scaling efficiency against the smallest count (1.00 = samples/s grew with the GPUs)."""
+    worlds = sorted(int(name.split("_")[1]) for name in settings if name.startswith("gpus_"))
+    if len(worlds) < 2:
+        return ""
+    lines = [f"== samples/s against GPU count ({', '.join(map(str, worlds))}) =="]
+    base = {r["label"]: r["samples_per_s"] for r in settings[f"gpus_{worlds[0]}"]["rows"]}
+    for label in base:
+        cells = []
+        for world in worlds:
+            rows = {r["label"]: r for r in settings[f"gpus_{world}"]["rows"]}
+            rate = rows[label]["samples_per_s"]
+            efficiency = rate / base[label] * worlds[0] / world
+            cells.append(f"{world}: {rate:8.0f} ({efficiency:4.2f})")
+        lines.append(f"{label:<20} " + "  ".join(cells))
+    return "\n".join(lines)
+
+
 def report(results: dict[str, Any]) -> str:
     """Every table, the scale simulation's and the collision curve last."""
     blocks = [setting_table(name, s) for name, s in results["settings"].items()]
+    scaling = gpu_scaling(results["settings"])
+    if scaling:
+        blocks.append(scaling)
     if results.get("collisions"):
         blocks.append(
             "== collision % between consecutive steps (synthetic data) ==\n"
