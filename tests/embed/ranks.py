@@ -239,7 +239,7 @@ def modes_agree_with_pairwise_sums(case: Case) -> dict[str, Any]:
     """``modes_agree`` with the segment sums tables on CUDA use (a fixed tree per row)."""
     with (
         mock.patch("freescale_embed.transfers.segment_sum", segment_sum_pairwise),
-        mock.patch("freescale_embed.collection.segment_sum", segment_sum_pairwise),
+        mock.patch("freescale_embed.step.segment_sum", segment_sum_pairwise),
         mock.patch("freescale_embed.collisions.segment_sum", segment_sum_pairwise),
     ):
         return modes_agree(case)
@@ -255,7 +255,7 @@ def modes_agree_with_separate_host_groups(case: Case) -> dict[str, Any]:
 
     made = []
     with (
-        mock.patch("freescale_embed.collection.host_group", separate),
+        mock.patch("freescale_embed.prioritized_lookup.host_group", separate),
         mock.patch.object(ShardedEmbeddingCollection, "close", _recording_close(made)),
     ):
         result = modes_agree(case, check_reference=False)
@@ -268,10 +268,11 @@ def _recording_close(made: list[int]) -> Any:
     close = ShardedEmbeddingCollection.close
 
     def recording_close(self: ShardedEmbeddingCollection) -> None:
-        if self.mode == "prioritized":
-            made.append(len(self._own_groups))
+        prioritized = self.mode == "prioritized"
+        if prioritized:
+            made.append(len(self._strategy.own_groups))
         close(self)
-        assert not self._own_groups
+        assert not prioritized or not self._strategy.own_groups
 
     return recording_close
 
@@ -292,7 +293,7 @@ def prefetch_group_options() -> list[Any]:
     table = TableConfig("items", 64, 4, ["history"])
     emb = ShardedEmbeddingCollection([table], group=group, mode="prioritized")
     try:
-        background = emb._background.group
+        background = emb._strategy.background.group
         return [background.options == options, dist.get_backend(background)]
     finally:
         emb.close()

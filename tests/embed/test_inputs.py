@@ -215,7 +215,7 @@ def _refusals(emb: ShardedEmbeddingCollection, forward: Callable[[], object]) ->
         with pytest.raises(RuntimeError) as error:
             call()
         messages.append(str(error.value))
-    assert emb._worker is None and not emb._own_groups
+    assert emb._strategy.worker is None and not emb._strategy.own_groups
     return messages
 
 

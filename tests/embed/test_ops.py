@@ -21,7 +21,7 @@ from freescale_embed._ops import (
     unique_with_inverse,
     unpack_by_peer,
 )
-from freescale_embed.collisions import _merge_positions, pack_bits, unpack_bits
+from freescale_embed.collision_plan import _merge_positions, pack_bits, unpack_bits
 from freescale_embed.optim import initial_state
 from freescale_embed.sharding import RowShard
 from freescale_embed.workload import WorkloadConfig, make_batch, row_set

@@ -32,7 +32,7 @@ def _table_tensors(prefix: str, collection: ShardedEmbeddingCollection) -> dict[
     mesh = DeviceMesh.from_group(collection.group, collection.device.type)
     tensors: dict[str, torch.Tensor] = {}
     for name, table in collection.tables.named_shards():
-        rows = table.shard.table.num_embeddings
+        rows = table.config.num_embeddings
         for buffer in ("weight", *table.state_names):
             local = getattr(table, buffer)
             shape = (rows, *local.shape[1:])

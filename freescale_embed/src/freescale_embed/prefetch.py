@@ -4,7 +4,7 @@ With ``R_t`` the rows of step t over all ranks and ``C_t = R_t ∩ R_t+1`` its c
 
 - ``prepare_next`` (during step t, on the prefetch thread): routes step t+1's IDs (that exchange
   carries step t's preflight), finds ``C_t`` on each owner, plans the collision update
-  (``collisions``: who sends which gradient to whom) and sends every row of t+1, with the
+  (``collision_plan``: who sends which gradient to whom) and sends every row of t+1, with the
   optimizer state of the rows of ``C_t``. Step t does not change those rows before its
   backward, and every earlier update of them has already run.
 - the training thread's backward of step t then sends the gradients of ``C_t`` in one AllToAll,
@@ -37,9 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from freescale_balance import JaggedTensor
-from freescale_embed._ops import indices, isin_sorted
 from freescale_embed.channel import Channel
-from freescale_embed.collisions import CollisionPlan, plan_collisions
+from freescale_embed.collision_plan import CollisionPlan, find_collision_rows, plan_collisions
 from freescale_embed.optim import Optimizer
 from freescale_embed.routing import Routes, host_ids, route
 from freescale_embed.sharding import RowShard
@@ -220,15 +219,12 @@ def prepare_next(
         host_routes = route(ids, shards, host_channel, problem, final=features is None)
         if host_routes is None:
             return None
-        collided_rows, pending_rows, owner_rows, collisions, unique_rows = _collisions(
-            host_channel, current, host_routes
-        )
+        rows = find_collision_rows(host_channel, current, host_routes)
+        collisions, unique_rows = rows.collisions, rows.unique_rows
         fallback = max_collision_rate is not None and collisions > max_collision_rate * unique_rows
         host_plan: CollisionPlan | None = None
         if not fallback and collisions:
-            host_plan = plan_collisions(
-                tables, host_channel, current, host_routes, collided_rows, pending_rows, owner_rows
-            )
+            host_plan = plan_collisions(tables, host_channel, current, host_routes, rows)
         # One copy per dtype of everything the device needs.
         routes, plan = to_device((host_routes, host_plan), channel.device)
     finally:
@@ -259,28 +255,6 @@ def prepare_next(
     )
     record.prefetch_bytes = prepared.nbytes()
     return prepared
-
-
-def _collisions(
-    host_channel: Channel, current: Routes, routes: Routes
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], int, int]:
-    """The owner's masks of ``C_t`` over step t's and step t+1's rows (host routes), the
-    indices of both (collided first), and ``|C_t|`` and ``|R_t+1|`` over all ranks."""
-    # Both sides' rows are sorted and unique.
-    collided_rows = [
-        isin_sorted(rows_t, rows_n)
-        for rows_t, rows_n in zip(current.serve.rows, routes.serve.rows, strict=True)
-    ]
-    pending_rows = [
-        isin_sorted(rows_n, rows_t)
-        for rows_t, rows_n in zip(current.serve.rows, routes.serve.rows, strict=True)
-    ]
-    local_counts = torch.tensor(
-        [sum(int(m.sum()) for m in collided_rows), sum(r.numel() for r in routes.serve.rows)]
-    )
-    collisions, unique_rows = host_channel.all_gather(local_counts).sum(0).tolist()
-    owner_rows = indices([*collided_rows, *pending_rows])
-    return collided_rows, pending_rows, owner_rows, collisions, unique_rows
 
 
 def finish_gradients(

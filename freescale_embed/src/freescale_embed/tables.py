@@ -9,11 +9,13 @@ and keeps this rank's block of it.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from freescale_embed.config import TableConfig
 from freescale_embed.optim import Optimizer, initial_state
 from freescale_embed.sharding import RowShard
 
@@ -32,11 +34,20 @@ class TableShard(nn.Module):
         super().__init__()
         self.shard = shard
         self.register_buffer("weight", weight)
-        self.state_names = tuple(optimizer.state_shapes(shard.table.embedding_dim))
+        self.state_names = tuple(optimizer.state_shapes(self.embedding_dim))
         for name, tensor in initial_state(
-            optimizer, shard.rows, shard.table.embedding_dim, weight.dtype, weight.device
+            optimizer, shard.rows, self.embedding_dim, weight.dtype, weight.device
         ).items():
             self.register_buffer(name, tensor)
+
+    @property
+    def config(self) -> TableConfig:
+        """The table this shard is a block of."""
+        return self.shard.table
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.shard.table.embedding_dim
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.state_names}
@@ -85,7 +96,7 @@ class TableShard(nn.Module):
     ) -> None:
         # A full table (num_embeddings rows) is cut down to this rank's block before the
         # ordinary shape-checked copy; a shard of another layout fails that check.
-        full_rows, shard = self.shard.table.num_embeddings, self.shard
+        full_rows, shard = self.config.num_embeddings, self.shard
         for name in ("weight", *self.state_names):
             key = prefix + name
             value = state_dict.get(key)
@@ -102,7 +113,8 @@ class TableShard(nn.Module):
 
 
 class TableShards(nn.Module):
-    """The shards of all tables, as submodules named by table (state-dict keys ``<name>.*``).
+    """The shards of all tables, as submodules named by table (state-dict keys ``<name>.*``),
+    iterated in table order.
 
     Table names are the user's: a name such as ``items`` or ``type`` would collide with an
     attribute of ``nn.ModuleDict`` or ``nn.Module``, so shards are registered straight in
@@ -112,10 +124,16 @@ class TableShards(nn.Module):
     def __init__(self, shards: list[TableShard]) -> None:
         super().__init__()
         for shard in shards:
-            self._modules[shard.shard.table.name] = shard
+            self._modules[shard.config.name] = shard
 
     def __getitem__(self, name: str) -> TableShard:
         return self._modules[name]  # type: ignore[return-value]
+
+    def __iter__(self) -> Iterator[TableShard]:
+        return iter(self._modules.values())  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return len(self._modules)
 
     def named_shards(self) -> list[tuple[str, TableShard]]:
         return [(name, self[name]) for name in self._modules]

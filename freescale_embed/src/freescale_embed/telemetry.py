@@ -10,8 +10,18 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from freescale_embed.channel import Measured
+
+
+class TrainingMark(NamedTuple):
+    """What the training thread had added to a step's record at some point (``rewind``)."""
+
+    exposed_comm_s: float
+    prefetch_wait_s: float
+    bytes_sent: int
+    spans: int
 
 
 @dataclass
@@ -71,22 +81,24 @@ class StepTelemetry:
             self.background_comm_s += measured.seconds
             self.bytes_sent += measured.bytes_sent
 
-    def training_mark(self) -> tuple[float, float, int, int]:
+    def training_mark(self) -> TrainingMark:
         """What the training thread has added so far (for ``rewind``)."""
         with self._lock:
-            return (
+            return TrainingMark(
                 self.exposed_comm_s,
                 self.prefetch_wait_s,
                 self.bytes_sent,
                 len(self.collective_spans),
             )
 
-    def rewind(self, mark: tuple[float, float, int, int]) -> None:
+    def rewind(self, mark: TrainingMark) -> None:
         """Drops what the training thread added since ``mark`` (a step that was undone, so
         that its retry is not counted twice)."""
         with self._lock:
-            self.exposed_comm_s, self.prefetch_wait_s, self.bytes_sent, spans = mark
-            del self.collective_spans[spans:]
+            self.exposed_comm_s = mark.exposed_comm_s
+            self.prefetch_wait_s = mark.prefetch_wait_s
+            self.bytes_sent = mark.bytes_sent
+            del self.collective_spans[mark.spans :]
 
     def as_dict(self) -> dict[str, object]:
         with self._lock:

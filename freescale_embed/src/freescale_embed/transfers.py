@@ -185,7 +185,7 @@ def send_rows_with_state(
         table.weight.index_select(0, local)
         for table, local in zip(tables, serve.local, strict=True)
     ]
-    widths = [table.shard.table.embedding_dim for table in tables]
+    widths = [table.embedding_dim for table in tables]
     if stateful is None or not tables[0].state_names:
         received = exchange(rows, widths, serve.host_counts, request.host_counts, channel)
         return received, [{} for _ in tables]
@@ -268,7 +268,7 @@ def _gradient_layout(
 ) -> tuple[list[int], list[list[int]], list[list[int]]]:
     """A gradient exchange's widths and its send and receive count tables."""
     request, serve = routes.request, routes.serve
-    widths = [table.shard.table.embedding_dim for table in tables]
+    widths = [table.embedding_dim for table in tables]
     if part is None:
         return widths, request.host_counts, serve.host_counts
     return widths, part.request_counts, part.serve_counts
@@ -296,3 +296,18 @@ def apply_gradients(
             entry_gradients[t], inverse, serve.rows[t].numel(), len(serve.host_counts)
         )
         table.apply(optimizer, _select(serve.rows[t], rows, t), _select(per_row, rows, t), step)
+
+
+def sync_gradients(
+    tables: Sequence[TableShard],
+    routes: Routes,
+    occurrence_gradients: Sequence[torch.Tensor],
+    channel: Channel,
+    optimizer: Optimizer,
+    step: int,
+) -> None:
+    """A synchronous backward of every row of a step: per-ID sums, the gradient AllToAll to the
+    owners, and the optimizer there."""
+    gradients = unique_gradients(routes.request, occurrence_gradients)
+    entry_gradients = send_gradients(tables, routes, gradients, channel)
+    apply_gradients(tables, routes.serve, entry_gradients, optimizer, step)
