@@ -1,0 +1,70 @@
+"""Every CPU-capable benchmark script runs end to end on tiny sizes, and the CUDA-only ones parse
+their command line; the bigger scripts have dry runs of their own (``tests/comm/
+test_gpu_benchmarks.py``, ``tests/embed/test_train_e2e.py``, ``test_train_torchrec.py``,
+``tests/comm/test_liveness.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *argv: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    # The scripts import `benchmarks.*` helpers by the repository's root, as their READMEs run them.
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [sys.executable, str(_ROOT / "benchmarks" / script), *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=_ROOT,
+        check=False,
+    )
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("script", "argv", "written"),
+    [
+        (
+            "comm_alternating.py",
+            ["--ranks", "2", "--sizes", "8,64K", "--calls", "5", "--blocks", "1"],
+            "--json",
+        ),
+        (
+            "comm_host_paths.py",
+            [
+                *("--ranks", "2", "--blocks", "1", "--min-bytes", "4096"),
+                *("--max-bytes", "65536", "--factor", "16", "--target-s", "0.01"),
+            ],
+            "--out",
+        ),
+        ("comm_host_profile.py", ["--calls", "20", "--blocks", "1", "--profile"], "--json"),
+        ("embed_gpu.py", ["--device", "cpu", "--backend", "gloo", "--quick"], "--out"),
+    ],
+)
+def test_cpu_benchmark_runs_on_tiny_sizes(tmp_path, script, argv, written):
+    target = tmp_path / "out.json" if written == "--json" else tmp_path / "out"
+    done = _run(script, *argv, written, str(target), timeout=140)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    files = [target] if target.suffix == ".json" else sorted(target.rglob("*.json"))
+    assert files and all(json.loads(f.read_text()) for f in files)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("script", ["balance_gpu_layer.py", "train_gpu.py", "train_e2e_syncs.py"])
+def test_cuda_only_benchmark_parses_its_command_line(script):
+    done = _run(script, "--help", timeout=50)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage:" in done.stdout
