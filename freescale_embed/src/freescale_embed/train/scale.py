@@ -119,13 +119,7 @@ class RankTimer:
         self.config = config
         self.device = torch.device(config.device)
         generator = torch.Generator().manual_seed(config.seed)
-        model_config = SASRecConfig(
-            num_items=config.num_items,
-            embedding_dim=config.embedding_dim,
-            num_layers=config.num_layers,
-            num_heads=config.num_heads,
-            max_length=max(config.max_histories),
-        )
+        model_config = model_config_for(config)
         self.model_config = model_config
         torch.manual_seed(config.seed)
         items = LocalItems(item_tables(model_config)[0], generator)
@@ -183,16 +177,20 @@ def _assignments(
     return ranks
 
 
-def cost_model_for(config: ScaleConfig) -> CostModel:
-    """The FLOP cost model ``freescale train`` balances with, for this model."""
-    model_config = SASRecConfig(
+def model_config_for(config: ScaleConfig) -> SASRecConfig:
+    """The simulated ranks' SASRec, long enough for the longest history simulated."""
+    return SASRecConfig(
         num_items=config.num_items,
         embedding_dim=config.embedding_dim,
         num_layers=config.num_layers,
         num_heads=config.num_heads,
         max_length=max(config.max_histories),
     )
-    return cost_model(model_config, config.num_negatives)
+
+
+def cost_model_for(config: ScaleConfig) -> CostModel:
+    """The FLOP cost model ``freescale train`` balances with, for this model."""
+    return cost_model(model_config_for(config), config.num_negatives)
 
 
 def simulate_point(
