@@ -240,6 +240,18 @@ def _data_offset(slots: int) -> int:
     return -(-(_CTRL_BYTES + slots * _SLOT_HEADER * 8) // 4096) * 4096
 
 
+def _retire_done(queue: collections.deque[tuple[Any, Request | None]], copies: Copies) -> int:
+    """Pops the leading slots of ``queue`` whose copy is done (token ``None`` or done),
+    completing the request a slot ends; returns how many slots it popped."""
+    count = 0
+    while queue and (queue[0][0] is None or copies.done(queue[0][0])):
+        _, request = queue.popleft()
+        count += 1
+        if request is not None:
+            request.completed = True
+    return count
+
+
 class Channel:
     """Both directions between this process and one peer over one pair of rings.
 
@@ -341,12 +353,7 @@ class Channel:
             filling.append((token, request if last else None))
         self._reserved = reserved
         # Publish in slot order the slots whose copy is done: after the slot's bytes and header.
-        head = self._head
-        while filling and (filling[0][0] is None or copies.done(filling[0][0])):
-            _, request = filling.popleft()
-            head += 1
-            if request is not None:
-                request.completed = True
+        head = self._head + _retire_done(filling, copies)
         if head == self._head:
             return False
         self._head = head
@@ -403,12 +410,7 @@ class Channel:
             consumed += 1
             moved = True
         self._consumed = consumed
-        tail = self._tail
-        while draining and (draining[0][0] is None or copies.done(draining[0][0])):
-            _, request = draining.popleft()
-            tail += 1
-            if request is not None:
-                request.completed = True
+        tail = self._tail + _retire_done(draining, copies)
         if tail != self._tail:
             self._tail = tail
             ring.ctrl[8] = tail  # the slots are free again
