@@ -99,8 +99,11 @@ def _loss(outputs: dict[str, Any], rank: int, step: int) -> torch.Tensor:
     return sum(((t * w).sum() for t, w in zip(tensors, weights, strict=True)), torch.zeros(()))
 
 
-def train(case: Case, mode: str, batches: Sequence[JaggedBatch] | None = None) -> Run:
-    """Trains a fresh collection for ``case.steps`` steps in ``mode`` on this rank's batches."""
+def train(
+    case: Case, mode: str, batches: Sequence[JaggedBatch] | None = None, staged: bool = False
+) -> Run:
+    """Trains a fresh collection for ``case.steps`` steps in ``mode`` on this rank's batches
+    (``staged``: each next batch given through ``stage_next``, as ``TrainPipeline`` does)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     workload = case.workload(world)
     threads = torch.get_num_threads()
@@ -108,7 +111,7 @@ def train(case: Case, mode: str, batches: Sequence[JaggedBatch] | None = None) -
     try:
         if batches is None:
             batches = [make_batch(workload, rank, step) for step in range(case.steps)]
-        return _train(case, mode, batches)
+        return _train(case, mode, batches, staged)
     finally:
         torch.set_num_threads(threads)
 
@@ -223,16 +226,9 @@ def staged_modes_agree(case: Case) -> None:
     """Batches staged as ``TrainPipeline`` stages them (``stage_next`` with ``checked`` and a
     host copy of the next batch) give the bits of batches passed to ``forward``, in both
     modes."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(case.threads)
-    try:
-        batches = [make_batch(case.workload(world), rank, step) for step in range(case.steps)]
-        sync = _train(case, "sync", batches)
-        _bitwise_equal(sync, _train(case, "sync", batches, staged=True))
-        _bitwise_equal(sync, _train(case, "prioritized", batches, staged=True))
-    finally:
-        torch.set_num_threads(threads)
+    sync = train(case, "sync")
+    _bitwise_equal(sync, train(case, "sync", staged=True))
+    _bitwise_equal(sync, train(case, "prioritized", staged=True))
 
 
 def modes_agree_with_pairwise_sums(case: Case) -> dict[str, Any]:
