@@ -174,18 +174,19 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)
 
 
+def _show(report: dict, out: Path) -> None:
+    """Prints the table and headline of ``report`` and writes its JSON and plots to ``out``."""
+    print("\n".join([format_table(report), *headline(report)]))
+    print_written(write_report(report, out), "./kernels[plot]")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "plot":
-        report = _read_report(args)
-        print("\n".join([format_table(report), *headline(report)]))
-        written = write_report(report, args.out or args.json.parent)
-        print_written(written, "./kernels[plot]")
+        _show(_read_report(args), args.out or args.json.parent)
         return 0
     report = run(_config(args), progress=True)
-    print("\n".join([format_table(report), *headline(report)]))
-    written = write_report(report, args.out)
-    print_written(written, "./kernels[plot]")
+    _show(report, args.out)
     failed_checks = [
         r for r in report["results"] if str(r.get("check", "")).startswith(("FAIL", "error"))
     ]
