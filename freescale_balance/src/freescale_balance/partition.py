@@ -247,9 +247,9 @@ def partition_or_keep(
         min_gain: fraction of the slowest rank's cost below which balancing is not worth it.
     """
     assignment = partition(costs, world_size, policy, local_counts=local_counts)
-    if min_gain <= 0 or policy == "none":
+    if min_gain <= 0 or policy == "none" or not costs.numel():
         return assignment
     loaded = partition_none(costs, world_size, local_counts)
-    peak = float(loaded.loads(costs).max()) if costs.numel() else 0.0
-    gain = peak - (float(assignment.loads(costs).max()) if costs.numel() else 0.0)
+    peak = float(loaded.loads(costs).max())
+    gain = peak - float(assignment.loads(costs).max())
     return loaded if gain < min_gain * peak else assignment
