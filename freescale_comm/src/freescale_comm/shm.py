@@ -240,6 +240,11 @@ def _data_offset(slots: int) -> int:
     return -(-(_CTRL_BYTES + slots * _SLOT_HEADER * 8) // 4096) * 4096
 
 
+def _too_long(length: int, request: Request) -> str:
+    """The error of a receive that a longer message arrived for."""
+    return f"a message of {length} bytes arrived for a {request.length}-byte receive"
+
+
 def _retire_done(queue: collections.deque[tuple[Any, Request | None]], copies: Copies) -> int:
     """Pops the leading slots of ``queue`` whose copy is done (token ``None`` or done),
     completing the request a slot ends; returns how many slots it popped."""
@@ -376,9 +381,7 @@ class Channel:
             request = self._recvs.get(tag)
             if request is not None:
                 if length > request.length:
-                    request.error = (
-                        f"a message of {length} bytes arrived for a {request.length}-byte receive"
-                    )
+                    request.error = _too_long(length, request)
                     request.completed = True
                     del self._recvs[tag]
                 else:
@@ -430,9 +433,7 @@ class Channel:
     @staticmethod
     def _deliver(request: Request, data: np.ndarray) -> None:
         if len(data) > request.length:
-            request.error = (
-                f"a message of {len(data)} bytes arrived for a {request.length}-byte receive"
-            )
+            request.error = _too_long(len(data), request)
         else:
             np.copyto(request.buffer[: len(data)], data)
             request.done_bytes = len(data)
