@@ -304,31 +304,20 @@ def _fused_params(optimizer: SGD | RowWiseAdagrad) -> dict[str, Any]:
     }
 
 
-def build_torchrec(
-    config: CompareConfig, dense_init: Mapping[str, torch.Tensor], table_init: torch.Tensor
-) -> tuple[Any, torch.optim.Optimizer, bool]:
-    """DMP over ``TorchRecSASRec`` with the given initial dense weights and item rows.
+def row_wise_collection(
+    tables: Sequence[TableConfig], optimizer: SGD | RowWiseAdagrad
+) -> tuple[Any, Any, Any]:
+    """A TorchRec ``EmbeddingCollection`` of ``tables`` on the meta device, row-wise sharded.
 
-    Returns the DMP model, its dense Adam, and whether ``torch.manual_seed`` alone already gave
-    the same dense weights as FreeScale's build (they are loaded from ``dense_init`` either way).
+    Returns the collection, its sharder (FBGEMM's fused ``optimizer``) and its module sharding
+    plan over all ranks of the default group, for ``DistributedModelParallel`` to apply.
     """
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingPlan
     from torchrec.modules.embedding_configs import EmbeddingConfig
     from torchrec.modules.embedding_modules import EmbeddingCollection
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     world = dist.get_world_size()
-    model_config = config.model()
-    tables = item_tables(model_config)
-    torch.manual_seed(config.seed)
-    sasrec = SASRec(model_config, TorchRecItems(tables))  # type: ignore[arg-type]
-    seeded_same = all(
-        torch.equal(p.detach(), dense_init[name]) for name, p in sasrec.named_parameters()
-    )
-    sasrec.load_state_dict(dict(dense_init), strict=True)
     ec = EmbeddingCollection(
         tables=[
             EmbeddingConfig(
@@ -341,7 +330,7 @@ def build_torchrec(
         ],
         device=torch.device("meta"),
     )
-    sharder = EmbeddingCollectionSharder(fused_params=_fused_params(config.table_optimizer()))
+    sharder = EmbeddingCollectionSharder(fused_params=_fused_params(optimizer))
     plan = construct_module_sharding_plan(
         ec,
         # The fused CPU kernel: TorchRec 1.8's default dense CPU kernel returns too few rows
@@ -352,6 +341,31 @@ def build_torchrec(
         device_type="cpu",
         sharder=sharder,
     )
+    return ec, sharder, plan
+
+
+def build_torchrec(
+    config: CompareConfig, dense_init: Mapping[str, torch.Tensor], table_init: torch.Tensor
+) -> tuple[Any, torch.optim.Optimizer, bool]:
+    """DMP over ``TorchRecSASRec`` with the given initial dense weights and item rows.
+
+    Returns the DMP model, its dense Adam, and whether ``torch.manual_seed`` alone already gave
+    the same dense weights as FreeScale's build (they are loaded from ``dense_init`` either way).
+    """
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    world = dist.get_world_size()
+    model_config = config.model()
+    tables = item_tables(model_config)
+    torch.manual_seed(config.seed)
+    sasrec = SASRec(model_config, TorchRecItems(tables))  # type: ignore[arg-type]
+    seeded_same = all(
+        torch.equal(p.detach(), dense_init[name]) for name, p in sasrec.named_parameters()
+    )
+    sasrec.load_state_dict(dict(dense_init), strict=True)
+    ec, sharder, plan = row_wise_collection(tables, config.table_optimizer())
     model = DistributedModelParallel(
         TorchRecSASRec(ec, sasrec, world),
         device=torch.device("cpu"),

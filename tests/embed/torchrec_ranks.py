@@ -20,46 +20,14 @@ from tests.embed.reference import loss_weights
 
 
 def _sharded_collection(tables: tuple[TableConfig, ...], optimizer: Any) -> Any:
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
     from torchrec.distributed.types import ShardingPlan
-    from torchrec.modules.embedding_configs import EmbeddingConfig
-    from torchrec.modules.embedding_modules import EmbeddingCollection
 
-    world = dist.get_world_size()
-    module = EmbeddingCollection(
-        tables=[
-            EmbeddingConfig(
-                name=t.name,
-                embedding_dim=t.embedding_dim,
-                num_embeddings=t.num_embeddings,
-                feature_names=list(t.feature_names),
-            )
-            for t in tables
-        ],
-        device=torch.device("meta"),
-    )
-    if isinstance(optimizer, SGD):
-        fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": optimizer.lr}
-    elif isinstance(optimizer, RowWiseAdagrad):
-        fused = {
-            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-            "learning_rate": optimizer.lr,
-            "eps": optimizer.eps,
-        }
-    else:
+    from benchmarks.train_torchrec import row_wise_collection
+
+    if not isinstance(optimizer, (SGD, RowWiseAdagrad)):
         raise AssertionError(f"no TorchRec comparison for {optimizer}")
-    sharder = EmbeddingCollectionSharder(fused_params=fused)
-    plan = construct_module_sharding_plan(
-        module,
-        per_param_sharding={t.name: row_wise(compute_kernel="fused") for t in tables},
-        local_size=world,
-        world_size=world,
-        device_type="cpu",
-        sharder=sharder,
-    )
+    module, sharder, plan = row_wise_collection(tables, optimizer)
     return DistributedModelParallel(
         module,
         device=torch.device("cpu"),
@@ -69,17 +37,9 @@ def _sharded_collection(tables: tuple[TableConfig, ...], optimizer: Any) -> Any:
     )
 
 
-def _local_shards(model: Any) -> dict[str, tuple[int, torch.Tensor]]:
-    """Table name -> (first row, local rows) of this rank's TorchRec shard (a live view)."""
-    shards = {}
-    for key, value in model.state_dict().items():
-        name = key.split(".")[-2]
-        (shard,) = value.local_shards()
-        shards[name] = (shard.metadata.shard_offsets[0], shard.tensor)
-    return shards
-
-
 def _gather_full(model: Any, tables: tuple[TableConfig, ...]) -> dict[str, torch.Tensor]:
+    from benchmarks.train_torchrec import _local_shards
+
     pieces: list[Any] = [None] * dist.get_world_size()
     local = {name: (start, rows.clone()) for name, (start, rows) in _local_shards(model).items()}
     dist.all_gather_object(pieces, local)
@@ -96,6 +56,8 @@ def _gather_full(model: Any, tables: tuple[TableConfig, ...]) -> dict[str, torch
 def torchrec_agrees(case: Case) -> dict[str, float]:
     """Our sync run equals TorchRec's sharded run, outputs and tables, to float32 rounding."""
     from torchrec.distributed import comm_ops
+
+    from benchmarks.train_torchrec import _local_shards
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ours = train(case, "sync")
