@@ -199,6 +199,15 @@ def _bad_batches(kind: str, bad_rank: int) -> list[JaggedBatch]:
     return batches
 
 
+def _sgd_pipeline(
+    model: nn.Module, balancer: Balancer | None = None, config: PipelineConfig | None = None
+) -> TrainPipeline:
+    """A pipeline that trains ``model``'s MLP with plain SGD."""
+    return TrainPipeline(
+        model, torch.optim.SGD(model.mlp.parameters(), lr=0.1), balancer=balancer, config=config
+    )
+
+
 def refused(kind: str, mode: str, bad_rank: int = 1) -> str:
     """Trains until the pipeline refuses; returns the error every rank raised."""
     if kind == "not_per_sample":
@@ -207,11 +216,7 @@ def refused(kind: str, mode: str, bad_rank: int = 1) -> str:
         model = NaNAtStep(mode, bad_rank, bad_step=3)
     else:
         model = TinyRecommender(mode)
-    pipeline = TrainPipeline(
-        model,
-        torch.optim.SGD(model.mlp.parameters(), lr=0.1),
-        config=PipelineConfig(),
-    )
+    pipeline = _sgd_pipeline(model)
     iterator = iter(_bad_batches(kind, bad_rank))
     message = "no error"
     try:
@@ -229,12 +234,7 @@ def without_outputs() -> str:
     """A balanced run that keeps per-sample outputs where they were computed."""
     model = TinyRecommender("prioritized")
     balancer = Balancer(BalancerConfig(policy="fbs"))
-    pipeline = TrainPipeline(
-        model,
-        torch.optim.SGD(model.mlp.parameters(), lr=0.1),
-        balancer=balancer,
-        config=PipelineConfig(return_outputs=False),
-    )
+    pipeline = _sgd_pipeline(model, balancer, PipelineConfig(return_outputs=False))
     iterator = iter(list(local_batches(5, 3, 8)))
     outputs = []
     while True:
@@ -257,12 +257,7 @@ def dies_mid_step(dead_rank: int, timeout_s: float) -> str:
     bound = timedelta(seconds=timeout_s)
     model = TinyRecommender("prioritized")
     balancer = Balancer(BalancerConfig(policy="fbs", timeout=bound))
-    pipeline = TrainPipeline(
-        model,
-        torch.optim.SGD(model.mlp.parameters(), lr=0.1),
-        balancer=balancer,
-        config=PipelineConfig(timeout=bound),
-    )
+    pipeline = _sgd_pipeline(model, balancer, PipelineConfig(timeout=bound))
     iterator = iter(list(local_batches(7, 8, 8)))
     started = time.monotonic()
     try:
