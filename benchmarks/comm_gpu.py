@@ -132,7 +132,7 @@ def _correctness(groups: dict[str, Any]) -> dict[str, Any]:
     rank, n = dist.get_rank(), dist.get_world_size()
     dev = _device()
     rows = []
-    for path in ("direct", "staged", "staged_ucx"):
+    for path in ("ipc", "direct", "staged", "staged_ucx"):
         group = groups[path]
         for dtype, scale in (
             (torch.float32, 1),
@@ -191,7 +191,7 @@ def _stream_semantics(groups: dict[str, Any]) -> list[dict[str, Any]]:
     big = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     numel = 16 * MIB  # 64 MiB of float32
     results = []
-    for path in ("direct", "staged", "staged_ucx"):
+    for path in ("ipc", "direct", "staged", "staged_ucx"):
         group = groups[path]
         source = torch.arange(numel, device=dev, dtype=torch.float32) + rank * numel
         want = torch.cat(
@@ -250,7 +250,7 @@ def _kernels(groups: dict[str, Any]) -> dict[str, Any]:
     dev = _device()
     x = torch.randn(8 * MIB, device=dev)  # 32 MiB: several staging chunks
     result = {}
-    for path in ("direct", "staged", "staged_ucx", "sm_copy_reference"):
+    for path in ("ipc", "direct", "staged", "staged_ucx", "sm_copy_reference"):
         y = torch.empty_like(x)
         torch.cuda.synchronize()
         dist.barrier(group=groups["gloo"])
@@ -298,7 +298,7 @@ def _busbw(groups: dict[str, Any]) -> list[dict[str, Any]]:
             "all_to_all": lambda g, x=x, y=y: dist.all_to_all_single(y, x, group=g),
             "all_gather": lambda g, x=piece, y=y: dist.all_gather_into_tensor(y, x, group=g),
         }
-        for path in ("staged", "direct", "staged_ucx", *POOL_VARIANTS):
+        for path in ("ipc", "staged", "direct", "staged_ucx", *POOL_VARIANTS):
             if path == "staged_ucx" and size > 256 * MIB:
                 continue  # 4-7 GB/s: the large sizes would take most of the call's time
             if path in POOL_VARIANTS and size not in (64 * MIB, 1024 * MIB):
@@ -336,7 +336,7 @@ def _latency(groups: dict[str, Any]) -> list[dict[str, Any]]:
     for nbytes in LATENCY_SIZES:
         x = torch.ones(max(2, nbytes // 4), device=dev)
         y = torch.empty_like(x)
-        for path in ("staged", "direct", "staged_ucx"):
+        for path in ("ipc", "staged", "direct", "staged_ucx"):
             group = groups[path]
             for _ in range(10):
                 dist.all_to_all_single(y, x, group=group)
@@ -621,7 +621,10 @@ def _join_groups() -> int:
     timeout = timedelta(seconds=60)
     groups = _GROUPS
     groups["direct"] = None
-    # The staged path between ranks of one host: the staging rings.
+    # Between ranks of one host: copy-engine pulls through CUDA IPC, and the staging rings.
+    groups["ipc"] = dist.new_group(
+        backend="freescale", timeout=timeout, pg_options=FreescaleOptions(cuda_path="ipc")
+    )
     groups["staged"] = dist.new_group(
         backend="freescale", timeout=timeout, pg_options=FreescaleOptions(cuda_path="staged")
     )

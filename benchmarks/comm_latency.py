@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 SIZES = (8, 64 << 10, 1 << 20)
-MARKED = ("_judge", "_start_data", "_seal", "_finish")
+MARKED = ("_judge", "_start_data", "_seal", "_start_ipc", "_finish")
 
 
 def _mark(marks: dict[str, float]) -> None:
@@ -50,6 +50,23 @@ def _mark(marks: dict[str, float]) -> None:
         wrap(name, name)
     wrap("_post_loaded_headers", "headers_out", "true")
     wrap("start", "started", "exit")
+    try:  # the IPC path's own steps (CUDA machines)
+        from freescale_comm import ipc
+    except ImportError:
+        return
+    wrap("_post_headers", "headers_posted", "exit")
+    for owner, name, label in (
+        (ipc.Export, "__init__", "exported"),
+        (ipc.IpcPath, "enqueue", "enqueued"),
+    ):
+        original = getattr(owner, name)
+
+        def marked(self: Any, *args: Any, original: Any = original, label: str = label) -> Any:
+            result = original(self, *args)
+            marks.setdefault(label, time.perf_counter())
+            return result
+
+        setattr(owner, name, marked)
 
 
 def _rank() -> dict[str, Any]:
@@ -108,7 +125,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))
     parser.add_argument(
         "--cuda-path",
-        choices=("auto", "direct", "staged"),
+        choices=("auto", "direct", "staged", "ipc"),
         default="auto",
         help="FreescaleOptions.cuda_path (staged: the staging rings between these local ranks)",
     )

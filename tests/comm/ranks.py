@@ -718,12 +718,12 @@ def run_cuda_cases(seed: int, cases: int, cuda_path: str, hosts: int = 1) -> int
     return cases
 
 
-def ring_cuda_checks(seed: int) -> dict[str, Any]:
-    """The staging rings (staged CUDA path, every peer on this host): large uneven AllToAlls
-    that wrap the rings many times in three dtypes, AllGathers (ring forwarding on 4 ranks),
-    list forms, against locally computed results; a mismatch raising on every rank; ``wait``
-    leaving the CPU free while the stream waits; the profiler's kernel count; the rings' memory
-    during and after the group. Returns what the rank saw."""
+def ring_cuda_checks(seed: int, cuda_path: str = "staged") -> dict[str, Any]:
+    """The paths between ranks of one host (``cuda_path``: the staging rings, or CUDA IPC):
+    large uneven AllToAlls that wrap the rings many times in three dtypes, AllGathers, list
+    forms, against locally computed results; a mismatch raising on every rank; ``wait`` and the
+    stream order; the profiler's kernel count; the rings' memory during and after the group.
+    Returns what the rank saw."""
     from torch.profiler import ProfilerActivity, profile
 
     from freescale_comm import FreescaleOptions, FreescaleValidationError
@@ -735,7 +735,7 @@ def ring_cuda_checks(seed: int) -> dict[str, Any]:
     group = dist.new_group(
         backend="freescale",
         timeout=timedelta(seconds=60),
-        pg_options=FreescaleOptions(cuda_path="staged", allgather="auto"),
+        pg_options=FreescaleOptions(cuda_path=cuda_path, allgather="auto"),
     )
     report: dict[str, Any] = {"paths": group.paths()}
     width = 4
@@ -840,3 +840,89 @@ def ring_cuda_checks(seed: int) -> dict[str, Any]:
     gc.collect()
     report["after"] = {k: v - before[k] for k, v in _ring_state().items()}
     return report
+
+
+def ipc_special_cases(seed: int) -> dict[str, Any]:
+    """The IPC path off its main road: memory CUDA IPC cannot export (expandable segments:
+    copied through the group's scratch allocation), a group that does not validate, strided
+    outputs, several collectives in flight at once. Returns what the rank saw."""
+    from freescale_comm import FreescaleOptions, ipc
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    report: dict[str, Any] = {}
+    for validate in (True, False):
+        group = dist.new_group(
+            backend="freescale",
+            timeout=timedelta(seconds=60),
+            pg_options=FreescaleOptions(cuda_path="ipc", validate=validate),
+        )
+        rows = 1000 + 17 * seed
+        pieces = [make_tensor((rows, 3), torch.float32, seed * 11 + r) for r in range(n)]
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        try:
+            torch.cuda.empty_cache()
+            mine = pieces[rank].to(dev)
+            report[f"exportable_{validate}"] = ipc._export(mine.data_ptr()) is not None
+            gathered = torch.empty((n * rows, 3), device=dev)
+            dist.all_gather_into_tensor(gathered, mine, group=group)
+            _same(gathered.cpu(), torch.cat(pieces), f"expandable all_gather validate={validate}")
+        finally:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        # Strided output: received contiguous, copied into place after the pulls.
+        wide = torch.zeros((n * rows, 6), device=dev)
+        dist.all_gather_into_tensor(wide[:, ::2], pieces[rank].to(dev), group=group)
+        _same(wide[:, ::2].cpu(), torch.cat(pieces), f"strided all_gather validate={validate}")
+        # Eight AllToAlls in flight, then their waits in order.
+        inputs = [torch.full((n * 4096,), float(rank * 100 + k), device=dev) for k in range(8)]
+        outputs = [torch.empty(n * 4096, device=dev) for _ in range(8)]
+        works = [
+            dist.all_to_all_single(o, i, group=group, async_op=True)
+            for o, i in zip(outputs, inputs, strict=True)
+        ]
+        for work in works:
+            work.wait()
+        for k, out in enumerate(outputs):
+            want = torch.cat([torch.full((4096,), float(r * 100 + k)) for r in range(n)])
+            _same(out.cpu(), want, f"in flight #{k} validate={validate}")
+        report[f"paths_{validate}"] = [row["cuda"] for row in group.paths()]
+        dist.destroy_process_group(group)
+    return report
+
+
+def die_during_ipc_collective(victim: int, delay_s: float) -> dict[str, float]:
+    """The victim exits while the survivors' IPC collectives wait for its flags on the GPU: the
+    survivors must raise, and their streams drain (the waits are released)."""
+    from freescale_comm import FreescaleOptions
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    group = dist.new_group(
+        backend="freescale",
+        timeout=timedelta(seconds=20),
+        pg_options=FreescaleOptions(cuda_path="ipc"),
+    )
+    x = torch.ones(n * 1024, device=dev)
+    dist.all_to_all_single(torch.empty_like(x), x, group=group)
+    torch.cuda.synchronize()
+    dist.barrier(group=gloo_group())
+    if rank == victim:
+        time.sleep(delay_s)
+        os._exit(7)
+    start = time.monotonic()
+    try:
+        for _ in range(1_000_000):
+            dist.all_to_all_single(torch.empty_like(x), x, group=group)
+    except Exception as err:
+        raised = time.monotonic() - start
+        drained = threading.Event()
+        threading.Thread(target=lambda: (torch.cuda.synchronize(), drained.set())).start()
+        if not drained.wait(15):
+            raise RuntimeError(f"survivor {rank}: its GPU streams never drained") from err
+        raise RuntimeError(
+            f"survivor {rank} raised after {raised:.1f} s, GPU drained after "
+            f"{time.monotonic() - start:.1f} s: {err}"
+        ) from err
+    return {"raised": -1.0}

@@ -73,6 +73,7 @@ class Plan:
         result: the value of the collective's future (its output tensors).
         forwarding: some sends wait for a receive (ring): they cannot travel in the header.
         staged: CUDA bytes that move through pinned host memory (``staged``), not UCX directly.
+        ipc: CUDA bytes that each rank pulls from its peers' memory (``ipc``), no messages.
     """
 
     signature: Signature
@@ -82,6 +83,7 @@ class Plan:
     result: list[torch.Tensor] = field(default_factory=list)
     forwarding: bool = False
     staged: bool = False
+    ipc: bool = False
     template: Template | None = None
     keep: Sequence[torch.Tensor] = ()
 
@@ -89,7 +91,12 @@ class Plan:
     def on_cuda(self) -> bool:
         # Not "not cpu": a plan that refused another device (meta, ...) is judged like a CPU
         # one, so that its error reaches every rank through the headers.
-        return self.signature.device in ("cuda", "cuda-staged")
+        return self.signature.device in ("cuda", "cuda-staged", "cuda-ipc")
+
+    @property
+    def gpu_ordered(self) -> bool:
+        """CUDA copies wait for the caller's stream on the GPU (no CPU wait for it)."""
+        return self.staged or self.ipc
 
     @property
     def cuda_index(self) -> int:

@@ -51,6 +51,7 @@ from freescale_comm.validation import NEEDS_TABLE, Signature, judge, judge_table
 if TYPE_CHECKING:
     from freescale_comm.cuda import CopyStreams, CudaSupport
     from freescale_comm.group import GroupContext
+    from freescale_comm.ipc import Export, Piece
     from freescale_comm.staged import StagedPipeline
 
 _ERRORS: dict[str, type[FreescaleError]] = {
@@ -126,6 +127,8 @@ class Collective:
         self._streams: CopyStreams | None = None
         self._local_done: torch.cuda.Event | None = None
         self._pipeline: StagedPipeline | None = None
+        self._export: Export | None = None  # IPC: where this rank's pieces lie, for the peers
+        self._pulls: dict[int, list[tuple[Any, Piece]]] = {}  # IPC: where the peers' lie
         self.final: torch.cuda.Event | None = None  # the CUDA end event, once sealed
 
     @property
@@ -159,15 +162,16 @@ class Collective:
         if self.plan.on_cuda:
             self._cuda = g.cuda(self.plan.cuda_index)
             self._ready = self._cuda.record_ready()
-            if not self.plan.staged:
+            if not self.plan.gpu_ordered:
                 self._cuda.ready_watch.watch(self._ready)
             self.ring_cuda = (
                 self.plan.staged and not self.plan.forwarding and g.all_on_staging_rings
             )
-        if g.options.validate and g.size > 1:
-            self._post_headers()
-        elif self.plan.signature.error:
+        validate = g.options.validate and g.size > 1
+        if not validate and self.plan.signature.error:
             raise FreescaleValidationError(f"{self.label}: {self.plan.signature.error}")
+        if validate or (self.plan.ipc and g.size > 1):  # IPC: the headers carry descriptors
+            self._post_headers()
         else:
             self._phase = "ready"
         g.transport.progress()
@@ -183,6 +187,12 @@ class Collective:
         pinned_from = set(self._foldable(send=False)) if self.plan.on_cuda else set()
         if sends and self.plan.on_cuda:
             self._take_streams()
+        if self.plan.ipc:
+            by_peer: dict[int, list[Any]] = {}
+            for transfer in self.plan.transfers:
+                if transfer.send:
+                    by_peer.setdefault(transfer.peer, []).append(transfer.buffer)
+            self._export = g.ipc(self.plan.cuda_index).export(by_peer)
         # Room for any peer's folded data, whatever this rank expects: a peer folds by its own
         # sizes and device before anyone knows whether they agree, and a receive buffer that is
         # too small fails in UCX instead of reaching the verdict.
@@ -194,7 +204,10 @@ class Collective:
         for step in range(1, g.size):
             dst, src = (g.rank + step) % g.size, (g.rank - step) % g.size
             # The send first: the peer's data leaves before this rank's receive is posted.
-            if dst not in sends:
+            if self._export is not None:
+                message = np.concatenate([own, self._export.descriptor(dst)])
+                self._post(Transfer(dst, message, 0, send=True))
+            elif dst not in sends:
                 self._post(Transfer(dst, own, 0, send=True))
             else:
                 pieces = sends[dst]
@@ -210,7 +223,7 @@ class Collective:
             event = self._cuda.copy(self._streams.d2h, copies, self._cuda.d2h_watch)
             self._unloaded_headers = (event, unloaded)
         elif (not self.plan.on_cuda or self.ring_cuda) and not self.plan.forwarding:
-            self._post_early()
+            self._post_early()  # (IPC plans are on CUDA and never ring_cuda: nothing to send)
 
     def _post_early(self) -> None:
         """Posts with the headers the sends that take a shared-memory ring and are not folded:
@@ -273,8 +286,15 @@ class Collective:
 
     def _may_fold(self) -> bool:
         """Whether this plan's data may travel in headers (no ring forwarding; not on the
-        staging rings, whose data leaves with the headers without a CPU wait for its D2H)."""
-        return self.group.eager_per_peer > 0 and not self.plan.forwarding and not self.ring_cuda
+        staging rings, whose data leaves with the headers without a CPU wait for its D2H; not
+        on the IPC path, whose headers carry where the data lies)."""
+        plan = self.plan
+        return (
+            self.group.eager_per_peer > 0
+            and not plan.forwarding
+            and not self.ring_cuda
+            and not plan.ipc
+        )
 
     def _foldable(self, send: bool) -> dict[int, list[Transfer]]:
         """Per peer, the sends (or receives) whose bytes fit in its header, in message order.
@@ -356,10 +376,12 @@ class Collective:
             self._reject(problem or "the signature digests disagree, the tables do not")
             progressed = True
         if self._phase == "ready" and (
-            self._ready is None or self.plan.staged or self._ready.query()
+            self._ready is None or self.plan.gpu_ordered or self._ready.query()
         ):
             self._start_data()
             progressed = True
+            if self.finished:
+                return True
         if self._phase == "data":
             progressed |= self._post_forwards()
             if self._pipeline is not None:
@@ -413,7 +435,9 @@ class Collective:
         g = self.group
         size = Signature.size(g.size)
         template = self.plan.template
-        if template is not None:
+        if not g.options.validate:  # IPC headers exchanged for their descriptors only
+            problem = None
+        elif template is not None:
             # A table of headers that was judged consistent for this call shape before is
             # consistent now: compared as bytes, not judged again.
             table = b"".join([h[:size].tobytes() for h in self._headers])
@@ -433,6 +457,12 @@ class Collective:
         if problem:
             self._reject(problem)
             return
+        if self.plan.ipc:
+            try:
+                self._read_descriptors(size)
+            except FreescaleError as err:
+                self._reject(str(err))
+                return
         for peer, pieces in self._foldable(send=False).items():
             offset = size
             for transfer in pieces:
@@ -445,6 +475,22 @@ class Collective:
                 offset = end
         self._headers = []
         self._phase = "ready"
+
+    def _read_descriptors(self, size: int) -> None:
+        """IPC: where each peer's pieces for this rank lie (after the signature in its header),
+        paired with this rank's receive buffers in message order."""
+        from freescale_comm.ipc import decode
+
+        receives: dict[int, list[Any]] = {}
+        for transfer in self.plan.transfers:
+            if not transfer.send:
+                receives.setdefault(transfer.peer, []).append(transfer.buffer)
+        for step in range(1, self.group.size):  # ring order spreads who reads whom at once
+            peer = (self.group.rank - step) % self.group.size
+            buffers = receives.get(peer)
+            if buffers:
+                pieces = decode(self._headers[peer][size:], len(buffers))
+                self._pulls[peer] = list(zip(buffers, pieces, strict=True))
 
     def _diagnose(self) -> None:
         """The size digests disagree: every rank sends every peer its whole row of the size
@@ -476,6 +522,9 @@ class Collective:
     def _start_data(self) -> None:
         g = self.group
         self._phase = "data"
+        if self.plan.ipc:
+            self._start_ipc()
+            return
         folded, early = self._folded, self._early
         unfolded = [t for t in self.plan.transfers if id(t) not in folded and id(t) not in early]
         posted = self._start_cuda_data(unfolded) if self.plan.on_cuda else unfolded
@@ -520,6 +569,28 @@ class Collective:
             [t for t in unfolded if id(t) not in ids],
         )
         return ringed
+
+    def _start_ipc(self) -> None:
+        """Queues the whole collective on the group's IPC stream and seals it (``ipc``)."""
+        path = self.group.ipc(self.plan.cuda_index)
+        readers = sorted({t.peer for t in self.plan.transfers if t.send})
+        try:
+            path.enqueue(
+                self.seq, self._ready, self._export, readers, self._pulls, self.plan.local_copies
+            )
+        except FreescaleError as err:  # e.g. a peer's memory that cannot be mapped here
+            self._fail_locked(f"CUDA IPC: {err}", "peer")
+            return
+        self._pulls = {}
+        stream = path.stream
+        with torch.cuda.stream(stream):
+            for dst, src in self.plan.copy_back:
+                dst.copy_(src, non_blocking=True)  # strided outputs: a copy kernel
+            self.final = torch.cuda.Event(blocking=True)
+            self.final.record(stream)
+        self._cuda.h2d_watch.watch(self.final, self._finish_after_final)
+        self._phase = "sealed"
+        self.sealed.set()
 
     def _take_streams(self) -> CopyStreams:
         """This collective's copy streams, ordered after the caller's stream on the GPU: inputs

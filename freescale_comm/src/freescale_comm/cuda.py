@@ -62,6 +62,12 @@ _MAX_SLOTS = 64  # per kind (send / receive)
 _CLOSE_WAIT_S = 5.0
 
 
+class IpcHandle(ctypes.Structure):
+    """``CUipcMemHandle``: 64 opaque bytes naming an allocation to another process."""
+
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]  # not c_char: its value stops at a zero
+
+
 class _Driver:
     """The CUDA driver API entry points torch does not expose (through ctypes)."""
 
@@ -81,6 +87,18 @@ class _Driver:
         self.memcpy_async = entry(
             "cuMemcpyAsync", ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ptr
         )
+        u64, pu64, size = ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t
+        # Stream memory operations: 32-bit flag writes and waits ordered in a stream (``ipc``).
+        self.write_value32 = entry("cuStreamWriteValue32", ptr, u64, ctypes.c_uint32, ctypes.c_uint)
+        self.wait_value32 = entry("cuStreamWaitValue32", ptr, u64, ctypes.c_uint32, ctypes.c_uint)
+        # CUDA IPC of device memory, and what it needs: an allocation's base, plain allocations.
+        self.ipc_get_mem_handle = entry("cuIpcGetMemHandle", ctypes.POINTER(IpcHandle), u64)
+        self.ipc_open_mem_handle = entry("cuIpcOpenMemHandle", pu64, IpcHandle, ctypes.c_uint)
+        self.ipc_close_mem_handle = entry("cuIpcCloseMemHandle", u64)
+        self.mem_get_address_range = entry("cuMemGetAddressRange", pu64, ctypes.POINTER(size), u64)
+        self.mem_alloc = entry("cuMemAlloc", pu64, size)
+        self.mem_free = entry("cuMemFree", u64)
+        self.host_get_device_pointer = entry("cuMemHostGetDevicePointer", pu64, ptr, ctypes.c_uint)
         self._device_get = entry("cuDeviceGet", ctypes.POINTER(ctypes.c_int), ctypes.c_int)
         self._primary = entry("cuDevicePrimaryCtxRetain", pptr, ctypes.c_int)
         self._get_current = entry("cuCtxGetCurrent", pptr)

@@ -14,6 +14,7 @@ the same story instead of each waiting for its own timeout.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 from datetime import timedelta
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from freescale_comm.algorithms import Plan
     from freescale_comm.collective import Collective
     from freescale_comm.cuda import CudaSupport
+    from freescale_comm.ipc import IpcPath
 
 _EAGER_ROOM_BYTES = 4 << 20
 # Data messages up to this size leave with the headers over the rings (``sends_early``).
@@ -85,6 +87,7 @@ class GroupContext:
         self._graveyard: list[tuple[Plan, list[torch.Tensor]]] = []
         self._inflight: list[Collective] = []
         self._cuda: dict[int, CudaSupport] = {}
+        self._ipc: dict[int, IpcPath] = {}
         self._closed = False
         self.transport = Transport.acquire()
         self.engine = Engine.acquire(self.transport, _cuda_device())
@@ -236,6 +239,11 @@ class GroupContext:
     def _cuda_path_of(self, peer: int) -> str:
         """How CUDA bytes travel to ``peer``, and why (``freescale comm info``)."""
         path = self.options.cuda_path
+        if path == "ipc" and self.all_on_staging_rings:
+            return (
+                "ipc: copy-engine pulls from the peer's memory (CUDA IPC), flags in shared "
+                "page-locked memory; every peer on this host"
+            )
         if path == "auto":
             path = "direct" if self.transport.cuda_support else "staged"
         if path == "direct":
@@ -246,6 +254,24 @@ class GroupContext:
             return "staged: staging rings (page-locked shared memory, D2H in, H2D out); same host"
         why = "other host" if peer not in self.directory.same_host else "no staging rings"
         return f"staged: pinned pool + UCX host messages; {why}"
+
+    def ipc_fits(self, plan: Plan) -> bool:
+        """Whether every peer's IPC descriptor of ``plan`` fits in a header's room (the same
+        answer on ranks whose plans agree: it counts the messages per peer)."""
+        from freescale_comm.ipc import descriptor_bytes
+
+        pieces = collections.Counter(t.peer for t in plan.transfers if t.send)
+        return descriptor_bytes(max(pieces.values(), default=0)) <= self.eager_per_peer
+
+    def ipc(self, device: int) -> IpcPath:
+        """The IPC path's stream, flags and mappings for ``device``, made on first use."""
+        path = self._ipc.get(device)
+        if path is None:
+            from freescale_comm.ipc import IpcPath
+
+            links = {p: link for p, link in enumerate(self._links) if link is not None}
+            path = self._ipc[device] = IpcPath(device, links)
+        return path
 
     def next_seq(self) -> int:
         return next(self._seq)
@@ -316,6 +342,9 @@ class GroupContext:
         if self.broken:
             return
         self._broken = reason
+        # The GPU must not wait forever for a dead peer's flags: its queued waits pass.
+        for path in self._ipc.values():
+            path.release()
         # The store's host may be the process that died.
         with contextlib.suppress(Exception):
             self.liveness.abort(reason)
@@ -332,6 +361,9 @@ class GroupContext:
         self._inflight = []
         self.engine.unwatch(self.liveness)
         self.engine.release()
+        for path in self._ipc.values():
+            path.close()
+        self._ipc = {}
         for support in self._cuda.values():
             support.close()
         self._cuda = {}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 AllGatherAlgorithm = Literal["auto", "direct", "ring"]
-CudaPath = Literal["auto", "direct", "staged"]
+CudaPath = Literal["auto", "direct", "staged", "ipc"]
 HostPath = Literal["auto", "ucx", "shm"]
 
 _ENV_PREFIX = "FREESCALE_"
@@ -39,9 +39,12 @@ class FreescaleOptions:
             ``FREESCALE_RING_THRESHOLD_BYTES``.
         chunk_bytes: pipelining unit of the ring AllGather and of the staged CUDA path (its
             staging slot size). ``FREESCALE_CHUNK_BYTES``.
-        cuda_path: for CUDA tensors, ``direct`` (device buffers handed to UCX: cuda_ipc / RDMA),
-            ``staged`` (copy-engine D2H into pinned host memory, host transfer, H2D; chunks
-            pipelined) or ``auto``. ``FREESCALE_CUDA_PATH``.
+        cuda_path: for CUDA tensors, ``ipc`` (every peer on this host: each rank copies its
+            pieces straight out of its peers' memory, mapped through CUDA IPC, with copy
+            engines, ordered on the GPU by flags; ``staged`` where a peer is on another host),
+            ``direct`` (device buffers handed to UCX: cuda_ipc / RDMA), ``staged`` (copy-engine
+            D2H into pinned host memory, host transfer, H2D; chunks pipelined) or ``auto``.
+            ``FREESCALE_CUDA_PATH``.
         staging_pool_bytes: page-locked host memory of a group's staged path (half for send
             chunks, half for receive chunks, at least four chunks; allocated on the first staged
             collective, freed when the group is destroyed). ``FREESCALE_STAGING_POOL_BYTES``.
@@ -79,7 +82,7 @@ class FreescaleOptions:
     def __post_init__(self) -> None:
         choices = {
             "allgather": ("auto", "direct", "ring"),
-            "cuda_path": ("auto", "direct", "staged"),
+            "cuda_path": ("auto", "direct", "staged", "ipc"),
             "host_path": ("auto", "ucx", "shm"),
         }
         for name, allowed in choices.items():

@@ -97,25 +97,40 @@ class ProcessGroupFreescale(dist.ProcessGroup):
     def _rs(self) -> tuple[int, int]:
         return self._rank_size
 
-    def _staged(self) -> bool:
-        """Whether CUDA tensors take the staged path (``cuda_path``, or what UCX can do)."""
+    def _cuda_path(self) -> str:
+        """How CUDA tensors move: ``ipc``, ``direct`` or ``staged`` (``cuda_path``, where the
+        peers are, what UCX can do); the same answer on every rank."""
         path = self.options.cuda_path
+        if path == "ipc":
+            return "ipc" if self._ctx.all_on_staging_rings else "staged"
         if path == "auto":
             # Direct needs a UCX built with CUDA (cuda_copy / cuda_ipc); stage otherwise.
             path = "direct" if self._ctx.transport.cuda_support else "staged"
-        return path == "staged"
+        return path
 
     def _gather_options(self, tensors: Sequence[torch.Tensor]) -> FreescaleOptions:
-        """The options an AllGather of ``tensors`` is planned with: on the staging rings
-        (staged CUDA, every peer on this host) the direct algorithm, whose messages each
-        leave with the headers; a ring forward would have to wait for its receive's H2D copy."""
-        if tensors and tensors[0].is_cuda and self._staged() and self._ctx.all_on_staging_rings:
+        """The options an AllGather of ``tensors`` is planned with: on the staging rings or the
+        IPC path (every peer on this host) the direct algorithm, whose messages each leave
+        with the headers (IPC: every rank pulls each piece from its owner); a ring forward
+        would have to wait for its receive's copy."""
+        if (
+            tensors
+            and tensors[0].is_cuda
+            and self._cuda_path() in ("staged", "ipc")
+            and self._ctx.all_on_staging_rings
+        ):
             return self._direct_gather
         return self.options
 
     def _own(self, plan: Plan, opts: Any) -> FreescaleWork:
-        """Starts ``plan`` (CUDA tensors on the staged path if so configured)."""
-        if plan.signature.device == "cuda" and self._staged():
+        """Starts ``plan`` (CUDA tensors on the configured path)."""
+        path = self._cuda_path() if plan.signature.device == "cuda" else "cpu"
+        if path == "ipc" and not self._ctx.ipc_fits(plan):
+            path = "staged"
+        if path == "ipc":
+            plan.ipc = True
+            plan.signature = dataclasses.replace(plan.signature, device="cuda-ipc")
+        elif path == "staged":
             plan.staged = True
             plan.signature = dataclasses.replace(plan.signature, device="cuda-staged")
         op = Collective(self._ctx, plan.signature.op, plan)

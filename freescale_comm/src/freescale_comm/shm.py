@@ -47,7 +47,8 @@ from freescale_comm.errors import FreescaleError
 HOST_ENV = "FREESCALE_HOST_ID"
 _PREFIX = "freescale-ring-"
 _SHM_DIR = "/dev/shm"
-_CTRL_BYTES = 128  # head at byte 0, tail at byte 64 (separate cache lines)
+# Head at byte 0, tail at 64; the CUDA IPC path's flags at 128 and 192 (``ipc``): separate lines.
+_CTRL_BYTES = 256
 _SLOT_HEADER = 4  # uint64: tag, message length, offset of the chunk, chunk length
 _STALE_AFTER_S = 60.0
 _SUB_BITS = 16  # transport.SUB_BITS: a tag's low bits number the messages of a collective
