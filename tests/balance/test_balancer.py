@@ -10,6 +10,7 @@ from freescale_balance import (
     BalanceError,
     Balancer,
     BalancerConfig,
+    CostFitConfig,
     JaggedBatch,
     JaggedTensor,
 )
@@ -147,6 +148,46 @@ def tune_vbs() -> float:
         balancer.report_step_time(plan, seconds)
     assert balancer.tuner.alpha > start  # quadratic cost pulls alpha above its 1.5 start
     return balancer.tuner.alpha
+
+
+def known_counts_and_fit() -> tuple:
+    """``shuffle`` with agreed counts from a task on the balancer's own thread, then
+    ``observe`` with every rank's (the same) times: the fit, identical on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fit = CostFitConfig(warmup_steps=1, min_steps=2)
+    balancer = Balancer(BalancerConfig(policy="kk", length_feature="item_ids", fit=fit))
+    reference = Balancer(BalancerConfig(policy="kk", length_feature="item_ids"))
+    for step in range(5):
+        batch = random_batch(rank, step, 8 + step, max_length=400)
+        counts = torch.tensor([8 + step] * world)
+        # The task runs on the balancer's thread; its shuffle runs there at once, no preflight.
+        moved, plan = balancer.submit(balancer.shuffle, batch, counts).result(timeout=60)
+        if step < 2:  # before the fit: the same partition as with the preflight
+            expected, expected_plan = reference.shuffle(batch)
+            assert torch.equal(plan.partition.ranks, expected_plan.partition.ranks)
+            assert moved.equal(expected)
+        lengths = plan.sequence_lengths.to(torch.float64)
+        times = [
+            float((2e-9 * lengths**2 + 1e-6 * lengths + 1e-4)[plan.partition.ranks == r].sum())
+            for r in range(world)
+        ]
+        balancer.submit(balancer.observe, plan, times).result(timeout=60)
+    with pytest.raises(BalanceError, match="local_counts says rank"):
+        balancer.shuffle(random_batch(rank, 9, 3), torch.tensor([4] * world))
+    model = balancer.cost_model
+    balancer.close()
+    reference.close()
+    return balancer.cost_fit.fitted, model.quadratic, model.linear, model.constant
+
+
+def test_agreed_counts_skip_the_preflight_and_observed_times_fit_alike(local_groups):
+    results = local_groups.get(2).run(known_counts_and_fit)
+    assert results[0] == results[1]
+    fitted, quadratic, linear, constant = results[0]
+    assert fitted
+    assert quadratic == pytest.approx(2e-9, rel=1e-6)
+    assert linear == pytest.approx(1e-6, rel=1e-6)
+    assert constant == pytest.approx(1e-4, rel=1e-6)
 
 
 def test_vbs_alpha_follows_reported_step_times(local_groups):

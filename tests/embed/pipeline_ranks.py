@@ -16,6 +16,7 @@ from freescale_balance import (
     AlphaAutoTuneConfig,
     Balancer,
     BalancerConfig,
+    CostFitConfig,
     JaggedBatch,
     JaggedTensor,
 )
@@ -85,6 +86,7 @@ class Run:
     tables: dict[str, torch.Tensor]
     samples: int
     reports: int
+    cost_model: tuple[float, float, float, bool] | None = None  # the balancer's, at the end
 
 
 def train(
@@ -97,6 +99,7 @@ def train(
     optimizer: str = "sgd",
     save_to: str | None = None,
     load_from: str | None = None,
+    fit: CostFitConfig | None = None,
 ) -> Run:
     """Trains ``TinyRecommender`` on global batches up to ``steps``; ``rank_steps`` gives some
     ranks fewer batches (uneven ends); ``load_from`` resumes from a checkpoint (at its step),
@@ -105,9 +108,13 @@ def train(
     model = TinyRecommender(mode, optimizer)
     dense_optimizer = torch.optim.Adam(model.mlp.parameters(), lr=0.01)
     # VBS tunes its exponent from measured step times, which differ between runs: frozen here
-    # (the times are still reported, collectively), so that two runs balance alike.
+    # (the pipeline still gives the balancer the measured times), so that two runs balance alike.
     frozen = AlphaAutoTuneConfig(step_size=0.0)
-    balancer = None if policy is None else Balancer(BalancerConfig(policy=policy, autotune=frozen))
+    balancer = (
+        None
+        if policy is None
+        else Balancer(BalancerConfig(policy=policy, autotune=frozen, fit=fit))
+    )
     pipeline = TrainPipeline(model, dense_optimizer, balancer=balancer)
     start = 0 if load_from is None else int(checkpoint.load(load_from, pipeline)["step"])
     mine = (rank_steps or {}).get(rank, steps)
@@ -128,7 +135,11 @@ def train(
     tables = model.embeddings.state_dict(full=True)
     pipeline.close()
     model.embeddings.close()
+    fitted = None
     if balancer is not None:
+        model_ = balancer.cost_model
+        fitted_ = balancer.cost_fit is not None and balancer.cost_fit.fitted
+        fitted = (model_.quadratic, model_.linear, model_.constant, fitted_)
         balancer.close()
     return Run(
         losses=losses,
@@ -139,6 +150,7 @@ def train(
         tables={k: v for k, v in tables.items() if k.startswith("tables.")},
         samples=sum(len(r) for r in sample_ids),
         reports=reports,
+        cost_model=fitted,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from freescale_balance import CostFitConfig
 from tests.embed import pipeline_ranks
 from tests.harness import LocalGroup, RankFailure
 
@@ -54,6 +55,19 @@ def test_balanced_training_equals_the_baseline_and_prioritized_equals_sync(
         for got, loaded in zip(run.sample_ids, run.loaded_ids, strict=True):
             assert torch.equal(got, loaded)
         assert run.reports == len(run.losses)
+
+
+def test_the_pipeline_fits_the_balancers_cost_model_alike_on_every_rank(local_groups):
+    # The pipeline gives the balancer each step's gathered compute times: every rank fits the
+    # same model to the bit (and so partitions alike), and the result stays the baseline's.
+    fit = CostFitConfig(warmup_steps=1, min_steps=2)
+    group = local_groups.get(2)
+    baseline = group.run(pipeline_ranks.train, "sync", None, steps=10)
+    fitted = group.run(pipeline_ranks.train, "prioritized", "fbs", steps=10, fit=fit)
+    assert fitted[0].cost_model == fitted[1].cost_model
+    assert fitted[0].cost_model[3]  # fit, not the configured model
+    for rank in range(2):
+        _assert_runs(fitted[rank], baseline[rank], exact=False)
 
 
 def test_prioritized_without_balancing_equals_sync_with_row_wise_adagrad(local_groups):

@@ -12,6 +12,7 @@ from freescale_balance.balancer import (
     BalancerConfig,
     ShufflePlan,
 )
+from freescale_balance.cost_fit import CostFitConfig, OnlineCostFit
 from freescale_balance.cost_model import CostModel
 from freescale_balance.jagged import JaggedBatch, JaggedBatchError, JaggedTensor
 from freescale_balance.partition import (
@@ -33,10 +34,12 @@ __all__ = [
     "BalanceFuture",
     "Balancer",
     "BalancerConfig",
+    "CostFitConfig",
     "CostModel",
     "JaggedBatch",
     "JaggedBatchError",
     "JaggedTensor",
+    "OnlineCostFit",
     "Partition",
     "ShufflePlan",
     "partition",

@@ -15,7 +15,9 @@ samples were loaded on, in their original order. Samples never leave their globa
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable
+import hashlib
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from freescale_balance.autotune import AlphaAutoTuneConfig, AlphaAutoTuner
+from freescale_balance.cost_fit import CostFitConfig, OnlineCostFit, group_rows
 from freescale_balance.cost_model import CostModel
 from freescale_balance.exchange import exchange_samples
 from freescale_balance.jagged import JaggedBatch, JaggedBatchError
@@ -55,7 +58,10 @@ class BalancerConfig:
         length_feature: feature whose per-sample lengths are the UIH length (default: the first).
         candidates_field: optional dense field with each sample's number of candidates, added to
             its UIH length (the sequence the model attends over is history + candidates).
-        cost_model: per-sample cost for ``fbs``/``kk``.
+        cost_model: per-sample cost for ``fbs``/``kk`` (until ``fit`` replaces it).
+        fit: refit ``fbs``/``kk``'s cost model to the per-rank compute times given to
+            ``observe`` (least squares of ``a*L^2 + b*L + c``, identical on every rank).
+            ``None``: keep ``cost_model``.
         autotune: ``vbs`` exponent tuning; ``alpha`` starts at ``autotune.initial_alpha``.
         timeout: bound of every collective on the balancer's own group.
         min_gain: a batch whose partition lowers the slowest rank's cost (under the policy's
@@ -69,6 +75,7 @@ class BalancerConfig:
     length_feature: str | None = None
     candidates_field: str | None = None
     cost_model: CostModel = field(default_factory=CostModel)
+    fit: CostFitConfig | None = None
     autotune: AlphaAutoTuneConfig = field(default_factory=AlphaAutoTuneConfig)
     timeout: timedelta = timedelta(seconds=120)
     min_gain: float = 0.0
@@ -164,9 +171,30 @@ class Balancer:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.tuner = AlphaAutoTuner(self.config.autotune)
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="freescale-balance"
+        self.cost_fit = (
+            None
+            if self.config.fit is None
+            else OnlineCostFit(self.config.fit, self.config.cost_model)
         )
+        # Every partition so far, hashed: two runs with equal digests placed every sample alike.
+        self._partitions = hashlib.sha256()
+        self._thread_id: int | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="freescale-balance", initializer=self._on_thread
+        )
+
+    def _on_thread(self) -> None:
+        self._thread_id = threading.get_ident()
+
+    @property
+    def partition_digest(self) -> str:
+        """A hash of every partition this balancer has planned, in order."""
+        return self._partitions.hexdigest()[:16]
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The cost model ``fbs``/``kk`` balance with now (fit online with ``config.fit``)."""
+        return self.config.cost_model if self.cost_fit is None else self.cost_fit.model
 
     # -- collective helpers ------------------------------------------------------------------
 
@@ -196,7 +224,12 @@ class Balancer:
 
     # -- stages --------------------------------------------------------------------------------
 
-    def _local_problem(self, batch: JaggedBatch) -> str | None:
+    def problem(self, batch: JaggedBatch) -> str | None:
+        """What makes ``batch`` unbalanceable on this rank (local, no collective), or ``None``.
+
+        A caller that agrees batch sizes and schemas with every rank itself (``TrainPipeline``)
+        checks this first and then passes ``local_counts`` to ``shuffle``.
+        """
         try:
             batch.validate()
             self._sequence_lengths(batch)
@@ -228,15 +261,27 @@ class Balancer:
     def _costs(self, lengths: torch.Tensor) -> torch.Tensor:
         if self.config.policy == "vbs":
             return vbs_weights(lengths, self.tuner.alpha)
-        return self.config.cost_model(lengths)
+        return self.cost_model(lengths)
 
-    def plan(self, batch: JaggedBatch) -> ShufflePlan:
-        """Preflight, stages I+II and the partition: where every sample goes (no samples move)."""
-        return self._in_order(self._plan, batch)
+    def plan(self, batch: JaggedBatch, local_counts: torch.Tensor | None = None) -> ShufflePlan:
+        """Preflight, stages I+II and the partition: where every sample goes (no samples move).
 
-    def _plan(self, batch: JaggedBatch) -> ShufflePlan:
-        problem = self._local_problem(batch)
-        local_counts = self._preflight(problem, batch.schema_digest(), batch.batch_size)
+        Args:
+            local_counts: every rank's local batch size (int64 ``[world]``), when the caller has
+                already agreed them and the batches' schema digests with every rank and found
+                no rank's ``problem``: the preflight is skipped. The same on every rank.
+        """
+        return self._in_order(self._plan, batch, local_counts)
+
+    def _plan(self, batch: JaggedBatch, local_counts: torch.Tensor | None = None) -> ShufflePlan:
+        if local_counts is None:
+            problem = self.problem(batch)
+            local_counts = self._preflight(problem, batch.schema_digest(), batch.batch_size)
+        elif int(local_counts[self.rank]) != batch.batch_size:
+            raise BalanceError(
+                f"local_counts says rank {self.rank} holds {int(local_counts[self.rank])} "
+                f"samples, its batch holds {batch.batch_size}"
+            )
         local = self._sequence_lengths(batch)
         padded = torch.full((int(local_counts.max()),), -1, dtype=torch.int64)
         padded[: local.numel()] = local
@@ -247,6 +292,7 @@ class Balancer:
         assignment = partition_or_keep(
             costs, self.world_size, self.config.policy, local_counts, self.config.min_gain
         )
+        self._partitions.update(assignment.ranks.to(torch.int64).numpy().tobytes())
         sources = source_ranks(local_counts)
         kept = bool(torch.equal(assignment.ranks, sources))
         offset = int(local_counts[: self.rank].sum())
@@ -264,16 +310,23 @@ class Balancer:
             kept=kept,
         )
 
-    def shuffle(self, batch: JaggedBatch) -> tuple[JaggedBatch, ShufflePlan]:
+    def shuffle(
+        self, batch: JaggedBatch, local_counts: torch.Tensor | None = None
+    ) -> tuple[JaggedBatch, ShufflePlan]:
         """Moves each sample of the global batch to its assigned rank.
+
+        Args:
+            local_counts: as for ``plan`` (skips the preflight).
 
         Returns:
             The samples this rank computes (in global-batch order) and the plan to undo it.
         """
-        return self._in_order(self._shuffle, batch)
+        return self._in_order(self._shuffle, batch, local_counts)
 
-    def _shuffle(self, batch: JaggedBatch) -> tuple[JaggedBatch, ShufflePlan]:
-        plan = self._plan(batch)
+    def _shuffle(
+        self, batch: JaggedBatch, local_counts: torch.Tensor | None = None
+    ) -> tuple[JaggedBatch, ShufflePlan]:
+        plan = self._plan(batch, local_counts)
         if plan.kept:  # every rank knows: no sample moves anywhere
             return batch, plan
         return exchange_samples(batch, plan.destinations, plan.recv_counts, self.group), plan
@@ -338,8 +391,41 @@ class Balancer:
         groups = [plan.sequence_lengths[plan.partition.ranks == r] for r in range(self.world_size)]
         return self.tuner.update(groups, times)
 
+    def observe(self, plan: ShufflePlan, seconds: Sequence[float]) -> None:
+        """Learns from every rank's measured compute time of the step ``plan`` balanced.
+
+        ``vbs`` tunes its exponent; ``fbs``/``kk`` refit their cost model when ``config.fit``
+        is set. No collective: ``seconds`` (one per rank) must be the same on every rank (e.g.
+        gathered) and observed at the same point of the call order on every rank (``submit``
+        it), so every rank balances the next batches alike.
+        """
+        self._in_order(self._observe, plan, list(seconds))
+
+    def _observe(self, plan: ShufflePlan, seconds: list[float]) -> None:
+        if len(seconds) != self.world_size:
+            raise ValueError(f"{len(seconds)} times for {self.world_size} ranks")
+        if self.config.policy == "vbs":
+            ranks = plan.partition.ranks
+            groups = [plan.sequence_lengths[ranks == r] for r in range(self.world_size)]
+            self.tuner.update(groups, torch.tensor(seconds, dtype=torch.float64))
+        elif self.cost_fit is not None and self.config.policy in ("fbs", "kk"):
+            rows = group_rows(plan.sequence_lengths, plan.partition.ranks, self.world_size)
+            self.cost_fit.observe(rows, seconds)
+
+    def submit(self, fn: Callable[..., _T], *args: Any) -> concurrent.futures.Future[_T]:
+        """Runs ``fn(*args)`` on the balancer's thread after every call submitted before it.
+
+        ``fn`` may call the balancer's synchronous methods (they run at once there), so a
+        caller with background work around balancing (``TrainPipeline``: load, check, balance)
+        runs it on this one thread instead of handing each batch from its own thread to this.
+        """
+        return self._executor.submit(fn, *args)
+
     def _in_order(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Runs ``fn`` on the balancer's thread after every call submitted before it."""
+        """Runs ``fn`` on the balancer's thread after every call submitted before it (at once
+        when called from that thread)."""
+        if threading.get_ident() == self._thread_id:
+            return fn(*args)
         return BalanceFuture(self._executor.submit(fn, *args), self.config.timeout).wait()
 
     def close(self) -> None:

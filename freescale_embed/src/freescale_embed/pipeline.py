@@ -12,8 +12,12 @@ Per step t, on every rank::
     background thread   per-sample outputs of t back to the ranks that loaded them (unshuffle)
 
 Every collective of the balancer and of the input exchange is issued by the one background
-thread, in the order the training thread submits the work, so the ranks' collectives pair
-whatever the timing. The loss is the sum of per-sample losses over the **global** weight
+thread (with a balancer, the balancer's own thread), in the order the training thread submits
+the work, so the ranks' collectives pair whatever the timing. The input exchange agrees batch
+sizes and schemas for the balancer too (it runs no preflight of its own), and each step's
+gathered per-rank compute times go back to the balancer (``Balancer.observe``: VBS's exponent,
+a cost model fit to measured times) on that thread, before the batches after it are balanced.
+The loss is the sum of per-sample losses over the **global** weight
 (samples or tokens, known before the step from the input exchange), and DDP sums gradients
 instead of averaging them, so a sample's contribution to the gradient does not depend on where
 it is computed or on how many samples a rank got.
@@ -211,14 +215,21 @@ class TrainPipeline:
         self._input_group = dist.new_group(backend="gloo", timeout=timeout)
         self._status_group = dist.new_group(backend="gloo", timeout=timeout)
         self._dense = self._wrap_dense(model)
-        self._worker = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="freescale-pipeline"
+        # With a balancer its thread is the background thread: loading, checking and balancing
+        # a batch run there one after another, with no hand-off from one thread to another.
+        self._worker = (
+            None
+            if balancer is not None
+            else concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="freescale-pipeline"
+            )
         )
         self._template: JaggedBatch | None = None
         self._queue: deque[concurrent.futures.Future[_Input]] | None = None
         self._iterator: Iterator[Any] | None = None
         self._pending: RankStep | None = None  # this rank's last step, not yet gathered
         self._pending_loss = 0.0
+        self._pending_plan: ShufflePlan | None = None  # its balancing, for Balancer.observe
         self._fresh_reports: list[StepReport] = []  # gathered, not yet returned by progress
         self._seen_embedding: dict[tuple[str, int], tuple[float, float]] = {}
         self.step = 0
@@ -261,7 +272,7 @@ class TrainPipeline:
         following = self._wait_input(self._queue[1], times)
         self._queue.popleft()
         if not following.exhausted:
-            self._queue.append(self._worker.submit(self._prepare, iterator))
+            self._queue.append(self._submit(self._prepare, iterator))
         for collection in self.collections.values():
             # Every batch was checked on the host (``_prepare``), so the collections do not
             # check its IDs again on the device, and route the next one's from the host.
@@ -281,12 +292,10 @@ class TrainPipeline:
         times.wall_s = time.perf_counter() - started
         times.thread_cpu_s = time.thread_time() - cpu_started
         self._measure(times)
-        balancer = self.balancer
-        if current.plan is not None and balancer is not None and balancer.config.policy == "vbs":
-            # Collective on the balancer's group, so it is queued behind the inputs.
-            self._worker.submit(balancer.report_step_time, current.plan, times.compute_s)
         reports = self._take_reports()
+        self._observe(reports)
         self._pending, self._pending_loss = times, loss
+        self._pending_plan = current.plan
         if following.exhausted:
             reports += self._flush()
         return StepOutput(self.step, loss, reports, returned, self.config.timeout.total_seconds())
@@ -297,8 +306,14 @@ class TrainPipeline:
         return self._status_group
 
     def close(self) -> None:
-        """Stops the background thread and frees the pipeline's groups (not the collections)."""
-        self._worker.shutdown(wait=True)
+        """Stops the background thread and frees the pipeline's groups (not the collections).
+
+        With a balancer, waits for the pipeline's work on its thread (the balancer's
+        ``close`` stops that thread)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+        else:
+            self._submit(lambda: None).result(timeout=self.config.timeout.total_seconds())
         for group in (self._input_group, self._status_group):
             dist.destroy_process_group(group)
 
@@ -321,9 +336,27 @@ class TrainPipeline:
 
     # -- background thread ---------------------------------------------------------------------
 
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        """Runs ``fn`` on the background thread after everything submitted before it."""
+        if self._worker is not None:
+            return self._worker.submit(fn, *args)
+        assert self.balancer is not None
+        return self.balancer.submit(fn, *args)
+
     def _start(self, iterator: Iterator[Any]) -> None:
         self._iterator = iterator
-        self._queue = deque(self._worker.submit(self._prepare, iterator) for _ in range(2))
+        self._queue = deque(self._submit(self._prepare, iterator) for _ in range(2))
+
+    def _observe(self, reports: list[StepReport]) -> None:
+        """Gives the balancer the previous step's per-rank compute times (gathered: the same on
+        every rank), queued behind the batches already submitted, so every rank's balancer
+        learns at the same point."""
+        plan, balancer = self._pending_plan, self.balancer
+        if plan is None or balancer is None:
+            return
+        for report in reports:
+            if report.step == self.step - 1:
+                self._submit(balancer.observe, plan, report.compute_s)
 
     def _prepare(self, iterator: Iterator[Any]) -> _Input:
         """Loads, checks and balances one batch (runs on the background thread)."""
@@ -336,6 +369,8 @@ class TrainPipeline:
             problem = f"the loader raised {type(error).__name__}: {error}"
         if batch is not None:
             problem = self._batch_problem(batch)
+        if batch is not None and problem is None and self.balancer is not None:
+            problem = self.balancer.problem(batch)
         weight = 0
         if batch is not None and problem is None:
             weight, problem = self._weight(batch)
@@ -377,7 +412,8 @@ class TrainPipeline:
             self._template = _empty_like(batch)
         plan, local_weight = None, weight
         if self.balancer is not None:
-            batch, plan = self.balancer.shuffle(batch)
+            # The exchange above agreed counts and schemas: no preflight of the balancer's.
+            batch, plan = self.balancer.shuffle(batch, local_counts=samples)
             local_weight, _ = self._weight(batch)
         moved = batch_to_device(batch, self.device)
         return _Input(
@@ -534,7 +570,7 @@ class TrainPipeline:
             done.set_result(outputs)
             return done
         balancer = self.balancer
-        return self._worker.submit(
+        return self._submit(
             lambda: dict(balancer.unshuffle(JaggedBatch(dense=outputs), plan).dense)
         )
 

@@ -83,10 +83,12 @@ class PrioritizedLookup:
         self._device = device
         self._telemetry = telemetry
         self._max_collision_rate = max_collision_rate
-        # The same backend as the training thread's: it moves the same tensors (CUDA ones
-        # cannot go through Gloo), and on ``freescale`` the prefetch stays off the SMs.
+        # On a GPU, the same backend as the training thread's: it moves the same tensors (CUDA
+        # ones cannot go through Gloo), and on ``freescale`` the prefetch stays off the SMs. On
+        # the CPU, Gloo: these collectives are off the critical path, and more traffic on the
+        # freescale engine's Python thread takes the GIL from the training thread.
         group = channel.group
-        backend = dist.get_backend(group)
+        backend = dist.get_backend(group) if device.type != "cpu" else "gloo"
         background_group = dist.new_group(
             ranks=dist.get_process_group_ranks(group),
             backend=backend,

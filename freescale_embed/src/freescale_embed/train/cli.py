@@ -63,6 +63,12 @@ def _parser() -> argparse.ArgumentParser:
         help="keep a batch unbalanced when balancing lowers the slowest rank's predicted "
         "compute by less than this fraction",
     )
+    add(
+        "--flop-cost-model",
+        action="store_true",
+        help="FBS/KK balance with the FLOP cost model throughout, not one fit to measured "
+        "per-rank compute times",
+    )
     add("--checkpoint-dir", default=None, help="save each run at its end; resume from it")
     add("--backend", default=FREESCALE.backend, help="FreeScale run's backend")
     add("--policy", choices=POLICIES, default=FREESCALE.policy, help="FreeScale run's balancing")
@@ -123,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             threads=parsed.threads,
             deterministic=parsed.deterministic,
             min_balance_gain=parsed.min_balance_gain,
+            fit_cost_model=not parsed.flop_cost_model,
         )
         freescale = RunConfig("freescale", parsed.backend, parsed.policy, parsed.mode)
         runs = _runs(parsed.runs, freescale)

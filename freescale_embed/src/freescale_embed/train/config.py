@@ -58,6 +58,11 @@ class TrainConfig:
         min_balance_gain: a balanced run keeps a batch where it was loaded when balancing
             would lower the slowest rank's predicted compute by less than this fraction
             (``BalancerConfig.min_gain``: the shuffle costs more than it saves).
+        fit_cost_model: FBS and KK balance with a cost model fit online to the ranks'
+            measured compute times (``BalancerConfig.fit``); ``False``: the FLOP model.
+
+    Ranks that share a GPU never balance (their compute is that GPU's, however samples are
+    split): a run with a policy then trains unbalanced, and its summary says so.
     """
 
     dataset: Dataset = "synthetic"
@@ -81,6 +86,7 @@ class TrainConfig:
     deterministic: bool = False
     timeout_s: float = 300.0
     min_balance_gain: float = 0.05
+    fit_cost_model: bool = True
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from freescale_balance import Balancer, BalancerConfig, JaggedBatch
+from freescale_balance import Balancer, BalancerConfig, CostFitConfig, JaggedBatch
 from freescale_embed import checkpoint
 from freescale_embed.collection import ShardedEmbeddingCollection
 from freescale_embed.metrics import hit_rate_and_ndcg, popularity_scores
@@ -89,7 +89,10 @@ def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dic
     model = SASRec(model_config, embeddings).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     balancer = None
-    if run.policy != "none":
+    # Ranks that share a GPU share its compute: moving samples from one to the other changes
+    # neither's step (the faster one's time goes to the other's kernels) and costs the shuffle.
+    balanced = run.policy != "none" and not shared_gpu
+    if balanced:
         # The balancer moves CPU tensors on a background thread: Gloo, whatever the backend
         # (freescale's CPU path bought nothing there and its engine threads took the GIL from
         # the training thread).
@@ -98,7 +101,10 @@ def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dic
             BalancerConfig(
                 policy=run.policy,  # type: ignore[arg-type]
                 length_feature="history",
+                # The FLOP model until enough steps are measured, then a fit to the ranks'
+                # measured compute (the FLOP model is off by tens of % on real hardware).
                 cost_model=cost_model(model_config, config.num_negatives),
+                fit=CostFitConfig() if config.fit_cost_model else None,
                 timeout=timeout,
                 min_gain=config.min_balance_gain,
             ),
@@ -125,6 +131,7 @@ def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dic
         checkpoint.save(saved, pipeline)
     quality = _evaluate(model, embeddings, data, device)
     quality["digest"] = _digest(model, embeddings)
+    balancing = _balancing(run, balancer, shared_gpu)
     pipeline.close()
     embeddings.close()
     if balancer is not None:
@@ -134,10 +141,26 @@ def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dic
         dist.destroy_process_group(dense_group)
     dist.destroy_process_group(group)
     summary = summarize(run, config, reports, quality)
+    summary["balancing"] = balancing
     summary["host_start_mb"] = host_start / 1e6
     if rank == 0:
         (folder / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def _balancing(run: RunConfig, balancer: Balancer | None, shared_gpu: bool) -> dict[str, Any]:
+    """Whether the run balanced, and with which cost model at its end (the same on every rank)."""
+    if balancer is None:
+        reason = "ranks share a GPU" if run.policy != "none" and shared_gpu else None
+        return {"balanced": False, "skipped": reason}
+    model = balancer.cost_model
+    return {
+        "balanced": True,
+        "cost_model": [model.quadratic, model.linear, model.constant],
+        "cost_model_fitted": balancer.cost_fit is not None and balancer.cost_fit.fitted,
+        # With a fit to measured times, two runs may place samples differently.
+        "partition_digest": balancer.partition_digest,
+    }
 
 
 def _train(
