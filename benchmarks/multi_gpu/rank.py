@@ -90,6 +90,9 @@ def init_rank(
         pg_options=FreescaleOptions(cuda_path="direct"),
     )
     ctx.groups["fs_direct"] = dist.group.WORLD
+    ctx.groups["fs_ipc"] = dist.new_group(
+        backend="freescale", timeout=timeout, pg_options=FreescaleOptions(cuda_path="ipc")
+    )
     ctx.groups["fs_staged"] = dist.new_group(
         backend="freescale", timeout=timeout, pg_options=FreescaleOptions(cuda_path="staged")
     )

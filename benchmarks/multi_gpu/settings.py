@@ -30,7 +30,7 @@ OPS = ("all_gather_into_tensor", "all_to_all_single", "all_to_all_single_uneven"
 OVERLAP_OPS = ("all_to_all_single", "all_gather_into_tensor")
 
 
-FREESCALE = ("fs_direct", "fs_staged")
+FREESCALE = ("fs_ipc", "fs_direct", "fs_staged")
 
 
 JSON_NAME = "multi_gpu_vs_nccl.json"
@@ -43,7 +43,7 @@ PHASES: list[dict[str, Any]] = [
     {
         "name": "main",
         "env": {"NCCL_CTA_POLICY": "2"},
-        "backends": ["fs_direct", "fs_staged", "nccl", "nccl_ce"],
+        "backends": ["fs_ipc", "fs_direct", "fs_staged", "nccl", "nccl_ce"],
         "sections": ["setup", "correctness", "kernels", "sweep", "overlap"],
     },
     {

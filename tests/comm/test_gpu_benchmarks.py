@@ -45,14 +45,14 @@ def test_dry_run_retries_without_the_backend_whose_rank_died(tmp_path):
     assert not main["completed"] and main["last_progress"] == ["sweep", "fs_staged"]
     assert any("rank 1 exited early in sweep" in str(e) for e in main["rank_errors"])
     assert main["retried_without"] == {"backend": "fs_staged", "stopped_in": "sweep"}
-    assert retry["completed"] and retry["backends"] == ["fs_direct", "nccl", "nccl_ce"]
+    assert retry["completed"] and retry["backends"] == ["fs_ipc", "fs_direct", "nccl", "nccl_ce"]
     assert set(retry["sections"]) == {"setup", "sweep", "overlap"}
     rows = retry["sections"]["sweep"]["result"]["rows"]
     assert rows and all(r["correct"] for r in rows)
-    assert {r["backend"] for r in rows} == {"fs_direct", "nccl"}
+    assert {r["backend"] for r in rows} == {"fs_ipc", "fs_direct", "nccl"}
     combos = retry["sections"]["overlap"]["result"]["combos"]
     assert combos and all(
-        set(c["slowdown_pct_mean"]) == {"fs_direct", "nccl", CONTROL} for c in combos
+        set(c["slowdown_pct_mean"]) == {"fs_ipc", "fs_direct", "nccl", CONTROL} for c in combos
     )
     assert report["summary"]["sweep_incorrect"] == []
     assert (tmp_path / "table.txt").read_text().rstrip().splitlines()[-1].startswith("elapsed")

@@ -5,10 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from freescale_comm import FreescaleOptions
+from freescale_comm.errors import FreescaleError
 from freescale_comm.transport import MAX_SUB, make_tag
 from freescale_comm.validation import (
     NEEDS_TABLE,
@@ -265,3 +267,28 @@ def test_a_disagreement_in_a_large_group_is_named_in_few_words():
         "ranks disagree: ranks 0, 500 have dtype torch.int64, "
         "ranks 1-499, 501-999 have dtype torch.float32"
     )
+
+
+def test_ipc_descriptors_round_trip_and_refuse_a_wrong_count():
+    from freescale_comm import ipc
+
+    pieces = [(bytes(range(64)), 5, 7), (bytes(64), 1 << 40, 11)]
+    room = np.zeros(1000, dtype=np.uint8)  # a header's room: the descriptor, then garbage
+    message = ipc.encode(pieces)
+    room[: len(message)] = message
+    assert [(p.handle, p.offset, p.nbytes) for p in ipc.decode(room, 2)] == pieces
+    with pytest.raises(FreescaleError, match="names 2 pieces, 3 expected"):
+        ipc.decode(room, 3)
+    assert ipc.decode(np.zeros(8, dtype=np.uint8), 0) == []
+    assert ipc.pieces_in(8 + 80 * 3 + 79) == 3 and ipc.pieces_in(0) == 0
+
+
+def test_device_bytes_slice_like_flat_bytes():
+    from freescale_comm.algorithms import DeviceBytes, address
+
+    flat, host = DeviceBytes(4096, 100), np.arange(100)
+    for span in (slice(10, 20), slice(90, 200), slice(None, 30), slice(50, 40)):
+        got, want = flat[span], host[span]
+        assert len(got) == len(want)
+        if len(want):
+            assert address(got) == 4096 + int(want[0])

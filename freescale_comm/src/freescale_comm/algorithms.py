@@ -19,6 +19,7 @@ raise here: they go into the plan's signature, so that every rank learns of them
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import itertools
 import math
@@ -33,8 +34,32 @@ from freescale_comm.options import FreescaleOptions
 from freescale_comm.transport import MAX_SUB
 from freescale_comm.validation import Signature, layout
 
-# Flat contiguous bytes: a numpy uint8 array in host memory, a torch uint8 tensor on CUDA.
-Bytes = np.ndarray | torch.Tensor
+
+class DeviceBytes:
+    """Flat CUDA bytes by address: what a cached plan (``Template``) hands the IPC path, which
+    only needs addresses and lengths (slicing a torch view costs microseconds, this a tuple).
+    The call's tensors keep the memory alive (``Plan.keep``)."""
+
+    __slots__ = ("nbytes", "pointer")
+
+    def __init__(self, pointer: int, nbytes: int) -> None:
+        self.pointer = pointer
+        self.nbytes = nbytes
+
+    def data_ptr(self) -> int:
+        return self.pointer
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __getitem__(self, span: slice) -> DeviceBytes:
+        start, stop, _ = span.indices(self.nbytes)
+        return DeviceBytes(self.pointer + start, max(0, stop - start))
+
+
+# Flat contiguous bytes: a numpy uint8 array in host memory, a torch uint8 tensor on CUDA (or
+# ``DeviceBytes`` in a cached IPC plan).
+Bytes = np.ndarray | torch.Tensor | DeviceBytes
 
 
 @dataclass(eq=False)
@@ -121,15 +146,18 @@ class Template:
     messages: list[tuple[int, int, int, int, int, bool, int, int]]
     copies: list[tuple[int, int, int, int, int, int]]  # (dst tensor, lo, hi, src tensor, lo, hi)
     forwarding: bool
-    views: list[Any]  # per tensor: the ctypes array type of its bytes (None: empty)
+    # Per tensor: the ctypes array type of its bytes (CPU), its byte count (CUDA), None: empty.
+    views: list[Any]
     derived: dict[Any, Any] = field(default_factory=dict)
 
     def plan(self, tensors: Sequence[torch.Tensor], result: list[torch.Tensor]) -> Plan:
-        """The plan of this shape over the call's own (contiguous CPU) tensors."""
+        """The plan of this shape over the call's own (contiguous) tensors."""
         flats = [
-            np.frombuffer(view.from_address(t.data_ptr()), dtype=np.uint8)
-            if view is not None
-            else _EMPTY
+            _EMPTY
+            if view is None
+            else DeviceBytes(t.data_ptr(), view)
+            if isinstance(view, int)
+            else np.frombuffer(view.from_address(t.data_ptr()), dtype=np.uint8)
             for view, t in zip(self.views, tensors, strict=True)
         ]
         transfers: list[Transfer] = []
@@ -164,23 +192,29 @@ _CACHE_ENTRIES = 256
 class PlanCache:
     """A group's templates by call shape (op, the tensors' shapes and dtypes, splits).
 
-    Only calls whose tensors are all contiguous, on the CPU and without overlapping memory are
-    cached (a strided tensor needs a staging copy per call; an in-place AllGather skips a copy
-    that another call of the same shapes needs), and only from a shape's second call: building
-    a template costs more than the plan it saves once, and uneven AllToAlls whose splits change
-    every step (embedding lookups) would pay it on every call. Bounded: cleared when full.
+    Only calls whose tensors are all contiguous, on the CPU (or on CUDA where the group moves
+    CUDA bytes by IPC, if a plan sends at most ``cuda_pieces`` pieces to any peer: what an IPC
+    header has room to describe) and without overlapping memory are cached (a strided tensor
+    needs a staging copy per call; an in-place AllGather skips a copy that another call of the
+    same shapes needs), and only from a shape's second call: building a template costs more
+    than the plan it saves once, and uneven AllToAlls whose splits change every step (embedding
+    lookups) would pay it on every call. Bounded: cleared when full.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cuda_pieces: int = 0) -> None:
         self._templates: dict[Any, Template | None] = {}
         self._seen_once: set[Any] = set()
+        self._cuda_pieces = cuda_pieces
 
-    @staticmethod
-    def key(op: str, tensors: Sequence[torch.Tensor], extra: Any) -> Any:
+    def key(self, op: str, tensors: Sequence[torch.Tensor], extra: Any) -> Any:
         """The call's shape, or None when it must not be cached."""
         spans = []
         for t in tensors:
-            if not t.is_cpu or not t.is_contiguous() or t.layout != torch.strided:
+            if (
+                not (t.is_cpu or (self._cuda_pieces and t.is_cuda))
+                or not t.is_contiguous()
+                or t.layout != torch.strided
+            ):
                 return None
             nbytes = t.nbytes
             if nbytes:
@@ -199,6 +233,10 @@ class PlanCache:
         """Keeps ``plan`` (built over ``tensors``) as the template of ``key``, if it maps."""
         if key is None or plan.signature.error or plan.copy_back:
             return
+        if plan.on_cuda:
+            pieces = collections.Counter(t.peer for t in plan.transfers if t.send)
+            if max(pieces.values(), default=0) > self._cuda_pieces:
+                return
         if key not in self._seen_once:
             if len(self._seen_once) >= _CACHE_ENTRIES:
                 self._seen_once.clear()
@@ -236,7 +274,10 @@ class PlanCache:
         except LookupError:  # a buffer outside the call's tensors (a staging copy)
             self._templates[key] = None
             return
-        views = [ctypes.c_uint8 * size if size else None for _, size in spans]
+        views = [
+            (size if t.is_cuda else ctypes.c_uint8 * size) if size else None
+            for t, (_, size) in zip(tensors, spans, strict=True)
+        ]
         self._templates[key] = Template(
             plan.signature, plan.signature.encode(n), messages, copies, plan.forwarding, views
         )
@@ -271,8 +312,8 @@ def flat_bytes(tensor: torch.Tensor) -> Bytes:
 
 
 def address(buffer: Bytes) -> int:
-    """The first byte's address of host (numpy) or CUDA (torch) bytes."""
-    return buffer.data_ptr() if isinstance(buffer, torch.Tensor) else buffer.ctypes.data
+    """The first byte's address of host (numpy) or CUDA (torch, ``DeviceBytes``) bytes."""
+    return buffer.ctypes.data if isinstance(buffer, np.ndarray) else buffer.data_ptr()
 
 
 def _copy_own(plan: Plan, dst: Bytes, src: Bytes) -> None:

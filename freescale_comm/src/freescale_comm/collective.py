@@ -583,11 +583,12 @@ class Collective:
             return
         self._pulls = {}
         stream = path.stream
-        with torch.cuda.stream(stream):
-            for dst, src in self.plan.copy_back:
-                dst.copy_(src, non_blocking=True)  # strided outputs: a copy kernel
-            self.final = torch.cuda.Event(blocking=True)
-            self.final.record(stream)
+        if self.plan.copy_back:
+            with torch.cuda.stream(stream):
+                for dst, src in self.plan.copy_back:
+                    dst.copy_(src, non_blocking=True)  # strided outputs: a copy kernel
+        self.final = torch.cuda.Event(blocking=True)
+        self.final.record(stream)
         self._cuda.h2d_watch.watch(self.final, self._finish_after_final)
         self._phase = "sealed"
         self.sealed.set()

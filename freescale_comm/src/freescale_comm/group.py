@@ -239,7 +239,7 @@ class GroupContext:
     def _cuda_path_of(self, peer: int) -> str:
         """How CUDA bytes travel to ``peer``, and why (``freescale comm info``)."""
         path = self.options.cuda_path
-        if path == "ipc" and self.all_on_staging_rings:
+        if path in ("ipc", "auto") and self.all_on_staging_rings:
             return (
                 "ipc: copy-engine pulls from the peer's memory (CUDA IPC), flags in shared "
                 "page-locked memory; every peer on this host"
@@ -255,13 +255,18 @@ class GroupContext:
         why = "other host" if peer not in self.directory.same_host else "no staging rings"
         return f"staged: pinned pool + UCX host messages; {why}"
 
+    @property
+    def ipc_max_pieces(self) -> int:
+        """How many pieces for one peer an IPC descriptor in a header's room can name."""
+        from freescale_comm.ipc import pieces_in
+
+        return pieces_in(self.eager_per_peer)
+
     def ipc_fits(self, plan: Plan) -> bool:
         """Whether every peer's IPC descriptor of ``plan`` fits in a header's room (the same
         answer on ranks whose plans agree: it counts the messages per peer)."""
-        from freescale_comm.ipc import descriptor_bytes
-
         pieces = collections.Counter(t.peer for t in plan.transfers if t.send)
-        return descriptor_bytes(max(pieces.values(), default=0)) <= self.eager_per_peer
+        return max(pieces.values(), default=0) <= self.ipc_max_pieces
 
     def ipc(self, device: int) -> IpcPath:
         """The IPC path's stream, flags and mappings for ``device``, made on first use."""

@@ -68,9 +68,9 @@ _CLOSE_WAIT_S = 5.0
 _NO_PIECES = np.frombuffer(_COUNT.pack(0), dtype=np.uint8)
 
 
-def descriptor_bytes(pieces: int) -> int:
-    """Header bytes a peer's descriptor of ``pieces`` pieces takes."""
-    return _COUNT.size + pieces * _ENTRY.size
+def pieces_in(room: int) -> int:
+    """How many pieces a descriptor of at most ``room`` bytes can name."""
+    return max(0, (room - _COUNT.size) // _ENTRY.size)
 
 
 @dataclass(frozen=True)
@@ -89,16 +89,13 @@ def encode(pieces: Sequence[tuple[bytes, int, int]]) -> np.ndarray:
 
 
 def decode(message: np.ndarray, pieces: int) -> list[Piece]:
-    """The pieces of a descriptor that must hold ``pieces`` of them."""
-    raw = message.tobytes()
-    (count,) = _COUNT.unpack_from(raw)
-    if count != pieces or len(raw) < descriptor_bytes(count):
+    """The pieces of a descriptor (at the start of ``message``) that must name ``pieces``."""
+    (count,) = _COUNT.unpack(message[: _COUNT.size].tobytes())
+    end = _COUNT.size + count * _ENTRY.size
+    if count != pieces or len(message) < end:
         raise FreescaleError(f"a CUDA IPC descriptor names {count} pieces, {pieces} expected")
-    out = []
-    for i in range(count):
-        handle, offset, nbytes = _ENTRY.unpack_from(raw, _COUNT.size + i * _ENTRY.size)
-        out.append(Piece(handle, offset, nbytes))
-    return out
+    raw = message[_COUNT.size : end].tobytes()
+    return [Piece(*entry) for entry in _ENTRY.iter_unpack(raw)]
 
 
 class _Scratch:

@@ -43,8 +43,9 @@ class FreescaleOptions:
             pieces straight out of its peers' memory, mapped through CUDA IPC, with copy
             engines, ordered on the GPU by flags; ``staged`` where a peer is on another host),
             ``direct`` (device buffers handed to UCX: cuda_ipc / RDMA), ``staged`` (copy-engine
-            D2H into pinned host memory, host transfer, H2D; chunks pipelined) or ``auto``.
-            ``FREESCALE_CUDA_PATH``.
+            D2H into pinned host memory, host transfer, H2D; chunks pipelined) or ``auto``
+            (``ipc`` where every peer is on this host, else ``direct`` if UCX has CUDA, else
+            ``staged``). ``FREESCALE_CUDA_PATH``.
         staging_pool_bytes: page-locked host memory of a group's staged path (half for send
             chunks, half for receive chunks, at least four chunks; allocated on the first staged
             collective, freed when the group is destroyed). ``FREESCALE_STAGING_POOL_BYTES``.

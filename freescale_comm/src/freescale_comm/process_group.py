@@ -88,7 +88,9 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         self._ctx = GroupContext(store, keys, rank, size, timeout, options)
         self._rank_size = (rank, size)
         # Plans by call shape: a call of a shape seen before skips building its plan.
-        self._plans = algorithms.PlanCache()
+        # (CUDA calls too where CUDA bytes move by IPC, which takes plans of plain addresses.)
+        ipc_pieces = self._ctx.ipc_max_pieces if self._cuda_path() == "ipc" else 0
+        self._plans = algorithms.PlanCache(cuda_pieces=ipc_pieces)
         self._direct_gather = dataclasses.replace(options, allgather="direct")
 
     def name(self) -> str:
@@ -101,8 +103,10 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         """How CUDA tensors move: ``ipc``, ``direct`` or ``staged`` (``cuda_path``, where the
         peers are, what UCX can do); the same answer on every rank."""
         path = self.options.cuda_path
+        if path in ("ipc", "auto") and self._ctx.all_on_staging_rings:
+            return "ipc"
         if path == "ipc":
-            return "ipc" if self._ctx.all_on_staging_rings else "staged"
+            return "staged"
         if path == "auto":
             # Direct needs a UCX built with CUDA (cuda_copy / cuda_ipc); stage otherwise.
             path = "direct" if self._ctx.transport.cuda_support else "staged"
@@ -124,12 +128,14 @@ class ProcessGroupFreescale(dist.ProcessGroup):
 
     def _own(self, plan: Plan, opts: Any) -> FreescaleWork:
         """Starts ``plan`` (CUDA tensors on the configured path)."""
-        path = self._cuda_path() if plan.signature.device == "cuda" else "cpu"
+        device = plan.signature.device
+        path = self._cuda_path() if device == "cuda" else device
         if path == "ipc" and not self._ctx.ipc_fits(plan):
             path = "staged"
         if path == "ipc":
+            self._to_ipc(plan)
+        elif path == "cuda-ipc":  # a cached plan, made IPC at its template's first use
             plan.ipc = True
-            plan.signature = dataclasses.replace(plan.signature, device="cuda-ipc")
         elif path == "staged":
             plan.staged = True
             plan.signature = dataclasses.replace(plan.signature, device="cuda-staged")
@@ -137,6 +143,16 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         # c10d sets asyncOp=False when it will wait at once; C++ callers leave the default.
         self._ctx.launch(op, caller_waits=not getattr(opts, "asyncOp", True))
         return FreescaleWork(op)
+
+    def _to_ipc(self, plan: Plan) -> None:
+        """Makes ``plan`` an IPC plan, and its template's later plans too (a template is made
+        for one group, whose CUDA calls of one shape always take the same path)."""
+        plan.ipc = True
+        plan.signature = dataclasses.replace(plan.signature, device="cuda-ipc")
+        template = plan.template
+        if template is not None:
+            template.signature = plan.signature
+            template.header = plan.signature.encode(self._rank_size[1])
 
     # ----------------------------------------------------------------- AllGather
     def allgather(

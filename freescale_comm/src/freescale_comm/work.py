@@ -30,10 +30,11 @@ class FreescaleWork(dist.Work):
 
     CUDA tensors: the collective is ordered after the work queued on the caller's current
     stream at call time, and ``wait`` makes the caller's current stream wait for it on the GPU.
-    Unlike NCCL's, ``wait`` first blocks the CPU until the last message has arrived (on the
-    staging rings: until its last H2D copy is queued), because the last copies and the event
-    that ends them exist only then; it does not wait for those copies (see ``cuda``'s module
-    docstring for why a GPU-side flag is not used). A mismatch of inputs raises there. The
+    ``wait`` first blocks the CPU until the collective is sealed: on the IPC path once every
+    peer's header is in (the GPU orders the rest, ``ipc``); on the other paths once the last
+    message has arrived (on the staging rings: until its last H2D copy is queued), because the
+    last copies and the event that ends them exist only then (see ``cuda``'s module docstring
+    for why a flag written by the CPU is not used). A mismatch of inputs raises there. The
     collective keeps its tensors referenced until its copies are done. ``synchronize`` blocks
     until everything is done.
     """
