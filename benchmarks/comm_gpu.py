@@ -4,19 +4,21 @@ Two ranks on the one rank launcher (``freescale_comm._local_ranks``), one GPU ea
 machine has two (rank r uses GPU r % device count), else both on GPU 0. In order, each part
 reported even if another fails:
 
-1. correctness of the direct (device buffers to UCX: cuda_ipc) and staged (chunked D2H, host
-   messages, H2D) paths for every own collective, several dtypes, uneven splits, multi-chunk
-   sizes, against the result computed locally; plus stream semantics: inputs produced and
-   outputs consumed (and the input overwritten) on the caller's stream right around the call,
-   with ~8 ms of matmuls queued before it (the call's CPU time is reported beside the time until
-   everything was done: ``wait`` blocks until the last message arrived, not for the copies);
+1. correctness of the IPC (copy-engine pulls through CUDA IPC, ordered by GPU-side flags),
+   direct (device buffers to UCX: cuda_ipc) and staged (the staging rings; chunked D2H, host
+   messages, H2D over UCX) paths for every own collective, several dtypes, uneven splits,
+   multi-chunk sizes, against the result computed locally; plus stream semantics: inputs
+   produced and outputs consumed (and the input overwritten) on the caller's stream right
+   around the call, with ~8 ms of matmuls queued before it (the call's CPU time is reported
+   beside the time until everything was done);
 2. the profiler: CUDA kernels launched while the comm path runs (must be 0; memcpys are fine);
 3. the staged path's time at 64 and 256 MiB against each of its stages alone on the same bytes,
    both ranks at once as in the collective: D2H of the pieces for peers, their host exchange
    (UCX between pinned host buffers), H2D of the pieces from peers; the direct path and NCCL
    (where two GPUs exist) beside it;
 4. overlap, inside rank 0's process: per-matmul times of a bf16 8192^3 matmul loop on the
-   default stream, alone, while rank 0's own staged AllToAll / AllGather of 64 and 256 MiB run
+   default stream, alone, while rank 0's own staged AllToAll / AllGather (and IPC and direct
+   AllToAll, DtoD copies on a shared GPU) of 64 and 256 MiB run
    back to back on a side stream (NCCL-style: each ordered after the previous one's ``wait``),
    and while an SM copy kernel (Triton, 16 programs, NCCL-like) moves the same bytes in the
    same window, paced one slice per matmul; NCCL's own collectives too where two GPUs exist.
@@ -501,7 +503,11 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
                 groups["staged"],
                 lambda g, x=x, y=y: dist.all_to_all_single(y, x, group=g, async_op=True),
             ),
-            # Same-GPU direct transfers are DtoD copies (HBM traffic): reported per byte.
+            # Same-GPU IPC and direct transfers are DtoD copies (HBM traffic): per byte.
+            "ipc_all_to_all": (
+                groups["ipc"],
+                lambda g, x=x, y=y: dist.all_to_all_single(y, x, group=g, async_op=True),
+            ),
             "direct_all_to_all": (
                 groups["direct"],
                 lambda g, x=x, y=y: dist.all_to_all_single(y, x, group=g, async_op=True),

@@ -2,7 +2,8 @@
 # The comm GPU work of one device call (GPU machine, from the project root, after the wheels
 # are installed and PYTHONPATH is set as /work/shared/GPU.md says): the CUDA tests, then
 # benchmarks/comm_gpu.py and benchmarks/comm_latency.py; everything lands in $OUT/comm_gpu.tgz.
-#   TEST_S, BENCH_S, LATENCY_S: time limits of the three steps; ROUNDS: overlap rounds.
+#   TEST_S, BENCH_S, LATENCY_S: time limits of the steps (LATENCY_S per path: ipc, staged);
+#   ROUNDS: overlap rounds.
 set -u -o pipefail
 results="$OUT/comm_gpu"
 mkdir -p "$results"
@@ -21,8 +22,10 @@ timeout "${BENCH_S:-160}" python3 benchmarks/comm_gpu.py --out "$results" \
 echo "comm_gpu rc=$?" >>"$results/comm_gpu.log"
 tail -40 "$results/comm_gpu.log"
 if [ "${LATENCY_S:-0}" -gt 0 ]; then
-  timeout "$LATENCY_S" python3 benchmarks/comm_latency.py --out "$results" --cuda-path staged \
-    >"$results/comm_latency.log" 2>&1
+  for path in ipc staged; do
+    timeout "$LATENCY_S" python3 benchmarks/comm_latency.py --out "$results" --cuda-path "$path" \
+      >>"$results/comm_latency.log" 2>&1
+  done
   tail -8 "$results/comm_latency.log"
 fi
 tar czf "$OUT/comm_gpu.tgz" -C "$OUT" comm_gpu

@@ -845,7 +845,8 @@ def ring_cuda_checks(seed: int, cuda_path: str = "staged") -> dict[str, Any]:
 def ipc_special_cases(seed: int) -> dict[str, Any]:
     """The IPC path off its main road: memory CUDA IPC cannot export (expandable segments:
     copied through the group's scratch allocation), a group that does not validate, strided
-    outputs, several collectives in flight at once. Returns what the rank saw."""
+    outputs, several collectives in flight at once, CPU and CUDA calls of one shape (each with
+    its cached plan). Returns what the rank saw."""
     from freescale_comm import FreescaleOptions, ipc
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -870,6 +871,12 @@ def ipc_special_cases(seed: int) -> dict[str, Any]:
             _same(gathered.cpu(), torch.cat(pieces), f"expandable all_gather validate={validate}")
         finally:
             torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        del mine, gathered
+        torch.cuda.empty_cache()
+        for device in ("cpu", dev, "cpu", dev, dev):  # plans cached from a shape's 2nd call
+            gathered = torch.empty((n * rows, 3), device=device)
+            dist.all_gather_into_tensor(gathered, pieces[rank].to(device), group=group)
+            _same(gathered.cpu(), torch.cat(pieces), f"{device} all_gather validate={validate}")
         # Strided output: received contiguous, copied into place after the pulls.
         wide = torch.zeros((n * rows, 6), device=dev)
         dist.all_gather_into_tensor(wide[:, ::2], pieces[rank].to(dev), group=group)

@@ -273,14 +273,16 @@ def test_ipc_descriptors_round_trip_and_refuse_a_wrong_count():
     from freescale_comm import ipc
 
     pieces = [(bytes(range(64)), 5, 7), (bytes(64), 1 << 40, 11)]
-    room = np.zeros(1000, dtype=np.uint8)  # a header's room: the descriptor, then garbage
-    message = ipc.encode(pieces)
+    gpu = bytes(range(100, 116))
+    room = np.full(1000, 255, dtype=np.uint8)  # a header's room: the descriptor, then garbage
+    message = ipc.encode(gpu, pieces)
     room[: len(message)] = message
-    assert [(p.handle, p.offset, p.nbytes) for p in ipc.decode(room, 2)] == pieces
+    sender, got = ipc.decode(room, 2)
+    assert sender == gpu and [(p.handle, p.offset, p.nbytes) for p in got] == pieces
     with pytest.raises(FreescaleError, match="names 2 pieces, 3 expected"):
         ipc.decode(room, 3)
-    assert ipc.decode(np.zeros(8, dtype=np.uint8), 0) == []
-    assert ipc.pieces_in(8 + 80 * 3 + 79) == 3 and ipc.pieces_in(0) == 0
+    assert ipc.decode(ipc.encode(gpu, []), 0) == (gpu, [])
+    assert ipc.pieces_in(24 + 80 * 3 + 79) == 3 and ipc.pieces_in(0) == 0
 
 
 def test_device_bytes_slice_like_flat_bytes():

@@ -224,7 +224,7 @@ class PlanCache:
         for (_, end), (start, _) in itertools.pairwise(spans):
             if start < end:
                 return None
-        return (op, extra, *((t.shape, t.dtype) for t in tensors))
+        return (op, extra, *((t.shape, t.dtype, t.is_cuda) for t in tensors))
 
     def get(self, key: Any) -> Template | None:
         return self._templates.get(key) if key is not None else None

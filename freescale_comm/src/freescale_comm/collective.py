@@ -51,7 +51,7 @@ from freescale_comm.validation import NEEDS_TABLE, Signature, judge, judge_table
 if TYPE_CHECKING:
     from freescale_comm.cuda import CopyStreams, CudaSupport
     from freescale_comm.group import GroupContext
-    from freescale_comm.ipc import Export, Piece
+    from freescale_comm.ipc import Export, IpcPath, Piece
     from freescale_comm.staged import StagedPipeline
 
 _ERRORS: dict[str, type[FreescaleError]] = {
@@ -127,6 +127,7 @@ class Collective:
         self._streams: CopyStreams | None = None
         self._local_done: torch.cuda.Event | None = None
         self._pipeline: StagedPipeline | None = None
+        self._ipc: IpcPath | None = None  # IPC: the group's path on this device
         self._export: Export | None = None  # IPC: where this rank's pieces lie, for the peers
         self._pulls: dict[int, list[tuple[Any, Piece]]] = {}  # IPC: where the peers' lie
         self.final: torch.cuda.Event | None = None  # the CUDA end event, once sealed
@@ -192,7 +193,9 @@ class Collective:
             for transfer in self.plan.transfers:
                 if transfer.send:
                     by_peer.setdefault(transfer.peer, []).append(transfer.buffer)
-            self._export = g.ipc(self.plan.cuda_index).export(by_peer)
+            self._ipc = g.ipc(self.plan.cuda_index)
+            self._ipc.started(self.seq)
+            self._export = self._ipc.export(by_peer)
         # Room for any peer's folded data, whatever this rank expects: a peer folds by its own
         # sizes and device before anyone knows whether they agree, and a receive buffer that is
         # too small fails in UCX instead of reaching the verdict.
@@ -376,7 +379,9 @@ class Collective:
             self._reject(problem or "the signature digests disagree, the tables do not")
             progressed = True
         if self._phase == "ready" and (
-            self._ready is None or self.plan.gpu_ordered or self._ready.query()
+            self._ipc.ready(self.seq)
+            if self._ipc is not None
+            else self._ready is None or self.plan.gpu_ordered or self._ready.query()
         ):
             self._start_data()
             progressed = True
@@ -485,11 +490,13 @@ class Collective:
         for transfer in self.plan.transfers:
             if not transfer.send:
                 receives.setdefault(transfer.peer, []).append(transfer.buffer)
+        path = self._ipc
         for step in range(1, self.group.size):  # ring order spreads who reads whom at once
             peer = (self.group.rank - step) % self.group.size
-            buffers = receives.get(peer)
+            buffers = receives.get(peer, [])
+            gpu, pieces = decode(self._headers[peer][size:], len(buffers))
+            path.shares_gpu |= gpu == path.gpu
             if buffers:
-                pieces = decode(self._headers[peer][size:], len(buffers))
                 self._pulls[peer] = list(zip(buffers, pieces, strict=True))
 
     def _diagnose(self) -> None:
@@ -572,7 +579,7 @@ class Collective:
 
     def _start_ipc(self) -> None:
         """Queues the whole collective on the group's IPC stream and seals it (``ipc``)."""
-        path = self.group.ipc(self.plan.cuda_index)
+        path = self._ipc
         readers = sorted({t.peer for t in self.plan.transfers if t.send})
         try:
             path.enqueue(
@@ -589,6 +596,7 @@ class Collective:
                     dst.copy_(src, non_blocking=True)  # strided outputs: a copy kernel
         self.final = torch.cuda.Event(blocking=True)
         self.final.record(stream)
+        path.done_with(self.seq, self.final)
         self._cuda.h2d_watch.watch(self.final, self._finish_after_final)
         self._phase = "sealed"
         self.sealed.set()
@@ -729,6 +737,8 @@ class Collective:
         if kind != "validation":
             # A verdict comes after every header request and copy completed: nothing to keep.
             self.group.keep_alive(self.plan, self._pinned)
+        if self._ipc is not None:  # a later IPC collective need not wait for this one
+            self._ipc.done_with(self.seq, None)
         if self._streams is not None and self._phase != "sealed":
             # Copies still queued on them stay ahead of any later user's (stream order).
             self._cuda.release_streams(self._streams)

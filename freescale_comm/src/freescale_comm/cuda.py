@@ -102,6 +102,9 @@ class _Driver:
         self.mem_free = entry("cuMemFree", u64)
         self.host_get_device_pointer = entry("cuMemHostGetDevicePointer", pu64, ptr, ctypes.c_uint)
         self._device_get = entry("cuDeviceGet", ctypes.POINTER(ctypes.c_int), ctypes.c_int)
+        self._device_uuid = entry(
+            "cuDeviceGetUuid", ctypes.POINTER(ctypes.c_ubyte * 16), ctypes.c_int
+        )
         self._primary = entry("cuDevicePrimaryCtxRetain", pptr, ctypes.c_int)
         self._get_current = entry("cuCtxGetCurrent", pptr)
         self._set_current = entry("cuCtxSetCurrent", ptr)
@@ -133,6 +136,14 @@ class _Driver:
             return None
         self.check(self._set_current(context), "cuCtxSetCurrent")
         return current
+
+    def device_uuid(self, device: int) -> bytes:
+        """The GPU's UUID: processes that see it under other ordinals agree on it."""
+        handle = ctypes.c_int()
+        self.check(self._device_get(ctypes.byref(handle), device), "cuDeviceGet")
+        uuid = (ctypes.c_ubyte * 16)()
+        self.check(self._device_uuid(ctypes.byref(uuid), handle), "cuDeviceGetUuid")
+        return bytes(uuid)
 
     def restore(self, context: ctypes.c_void_p | None) -> None:
         """Makes current again a context that ``bind`` replaced (a caller's thread keeps the

@@ -28,6 +28,13 @@ header of ``seq``, which each peer sends before queueing anything of ``seq``; so
 ``seq`` is met by GPU work already queued in the peer, whatever either CPU does next. (The flag
 written by a CPU thread, which ``cuda``'s module docstring describes, had no such guarantee.)
 
+Collectives are queued in call order (``IpcPath.ready``), so flags grow in stream order. Where a
+peer runs on this same GPU (the descriptors name each sender's GPU), the two processes' contexts
+time-slice it: a queued wait spins through its context's slice while the peer's context, which
+would meet it, cannot run, so there each collective is queued only once the previous one has
+finished (measured on one H200 shared by 2 ranks: 4.4 ms per back-to-back 8-byte AllToAll
+without this, 1.3 ms with it).
+
 Memory that CUDA IPC cannot export (``expandable_segments``, virtual memory management) is copied
 into a scratch allocation of the group's own first, on the same stream.
 """
@@ -53,7 +60,7 @@ if TYPE_CHECKING:
     from freescale_comm.shm import Link
 
 _ENTRY = struct.Struct("<64sQQ")  # handle, offset in the allocation, bytes
-_COUNT = struct.Struct("<Q")
+_COUNT = struct.Struct("<16sQ")  # the sender's GPU (UUID), pieces
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*flag - value) >= 0
 _WRITE_DEFAULT = 0x0  # with a memory barrier: earlier copies are visible first
 _LAZY_PEER_ACCESS = 0x1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
@@ -63,9 +70,6 @@ _READY, _DONE = 16, 24  # uint64 indices in a ring's control block (``shm._CTRL_
 _RELEASE = 1 << 30  # abort: flags set this far ahead let every queued wait pass
 _MAPS_PER_PEER = 64
 _CLOSE_WAIT_S = 5.0
-
-
-_NO_PIECES = np.frombuffer(_COUNT.pack(0), dtype=np.uint8)
 
 
 def pieces_in(room: int) -> int:
@@ -82,20 +86,21 @@ class Piece:
     nbytes: int
 
 
-def encode(pieces: Sequence[tuple[bytes, int, int]]) -> np.ndarray:
-    """A descriptor: per piece (handle, offset, bytes), in message order."""
-    data = _COUNT.pack(len(pieces)) + b"".join(_ENTRY.pack(*p) for p in pieces)
+def encode(gpu: bytes, pieces: Sequence[tuple[bytes, int, int]]) -> np.ndarray:
+    """A descriptor: the sender's GPU, then per piece (handle, offset, bytes) in message order."""
+    data = _COUNT.pack(gpu, len(pieces)) + b"".join(_ENTRY.pack(*p) for p in pieces)
     return np.frombuffer(data, dtype=np.uint8)
 
 
-def decode(message: np.ndarray, pieces: int) -> list[Piece]:
-    """The pieces of a descriptor (at the start of ``message``) that must name ``pieces``."""
-    (count,) = _COUNT.unpack(message[: _COUNT.size].tobytes())
+def decode(message: np.ndarray, pieces: int) -> tuple[bytes, list[Piece]]:
+    """The sender's GPU and the pieces of a descriptor (at the start of ``message``), which
+    must name ``pieces`` of them."""
+    gpu, count = _COUNT.unpack(message[: _COUNT.size].tobytes())
     end = _COUNT.size + count * _ENTRY.size
     if count != pieces or len(message) < end:
         raise FreescaleError(f"a CUDA IPC descriptor names {count} pieces, {pieces} expected")
     raw = message[_COUNT.size : end].tobytes()
-    return [Piece(*entry) for entry in _ENTRY.iter_unpack(raw)]
+    return gpu, [Piece(*entry) for entry in _ENTRY.iter_unpack(raw)]
 
 
 class _Scratch:
@@ -158,8 +163,11 @@ class Export:
         if self.scratch_copies:
             offset, last = self.scratch_copies[-1]
             path.scratch.fit(offset + len(last))
+        self._gpu = path.gpu
         self._descriptors = {
-            peer: encode([(h if h is not None else path.scratch.handle, o, n) for h, o, n in e])
+            peer: encode(
+                self._gpu, [(h if h is not None else path.scratch.handle, o, n) for h, o, n in e]
+            )
             for peer, e in entries.items()
         }
 
@@ -192,7 +200,7 @@ class Export:
     def descriptor(self, peer: int) -> np.ndarray:
         """The descriptor of the send buffers meant for ``peer`` (none: an empty one)."""
         found = self._descriptors.get(peer)
-        return found if found is not None else _NO_PIECES
+        return found if found is not None else encode(self._gpu, [])
 
 
 def _export(pointer: int) -> tuple[int, bytes] | None:
@@ -310,11 +318,37 @@ class IpcPath:
             raise
         self._maps: dict[int, _PeerMaps] = collections.defaultdict(_PeerMaps)
         self.scratch = _Scratch(device)
+        self.gpu = driver().device_uuid(device)
         self._last_seq = 0
+        # IPC collectives started (``start``, call order) and not yet queued: queued in
+        # sequence order, so that flags grow in stream order on every rank.
+        self._unqueued: set[int] = set()
+        # A peer on this same GPU (time-sliced contexts): a queued wait for it spins through
+        # this context's time slice while the peer's context, which would meet it, cannot run;
+        # collectives are then queued one at a time (``ready``).
+        self.shares_gpu = False
+        self._last_final: torch.cuda.Event | None = None
 
     def export(self, sends: dict[int, list[Any]]) -> Export:
         """This rank's descriptors for a collective sending ``sends`` (per peer, in order)."""
         return Export(self, sends)
+
+    def started(self, seq: int) -> None:
+        """Collective ``seq`` takes this path (called in call order)."""
+        self._unqueued.add(seq)
+
+    def ready(self, seq: int) -> bool:
+        """Whether collective ``seq`` may be queued now: every earlier one is (or gave up),
+        and on a GPU shared with a peer the previous one has finished."""
+        if min(self._unqueued) != seq:
+            return False
+        return not self.shares_gpu or self._last_final is None or self._last_final.query()
+
+    def done_with(self, seq: int, final: torch.cuda.Event | None) -> None:
+        """Collective ``seq`` is queued (ending with ``final``) or failed before that."""
+        self._unqueued.discard(seq)
+        if final is not None:
+            self._last_final = final
 
     def _pair(self, peer: int) -> _Flags:
         return self._flags[peer]
