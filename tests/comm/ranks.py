@@ -898,9 +898,10 @@ def ipc_special_cases(seed: int) -> dict[str, Any]:
     return report
 
 
-def die_during_ipc_collective(victim: int, delay_s: float) -> dict[str, float]:
-    """The victim exits while the survivors' IPC collectives wait for its flags on the GPU: the
-    survivors must raise, and their streams drain (the waits are released)."""
+def die_during_ipc_collective(victim: int) -> dict[str, float]:
+    """The victim dies right after its collective is queued behind a second of GPU work: its
+    header is out, so the survivors queue theirs and wait on the GPU for its flags, which never
+    come. The survivors must raise, and their streams drain (abort releases the waits)."""
     from freescale_comm import FreescaleOptions
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -916,7 +917,8 @@ def die_during_ipc_collective(victim: int, delay_s: float) -> dict[str, float]:
     torch.cuda.synchronize()
     dist.barrier(group=gloo_group())
     if rank == victim:
-        time.sleep(delay_s)
+        torch.cuda._sleep(2_000_000_000)  # about a second before its inputs are ready
+        dist.all_to_all_single(torch.empty_like(x), x, group=group)  # returns once queued
         os._exit(7)
     start = time.monotonic()
     try:

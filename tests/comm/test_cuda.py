@@ -58,7 +58,7 @@ def test_killed_peer_on_ipc_releases_the_gpu():
     try:
         group.start()
         with pytest.raises(RankFailure) as failure:
-            group.run(ranks.die_during_ipc_collective, 1, 0.5, timeout_s=60)
+            group.run(ranks.die_during_ipc_collective, 1, timeout_s=60)
     finally:
         group.close()
     report = str(failure.value)

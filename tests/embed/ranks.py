@@ -279,9 +279,10 @@ def runs_repeat(case: Case) -> bool:
     return True
 
 
-def prefetch_group_options() -> list[Any]:
-    """A prioritized collection on a freescale subgroup with its own options: the prefetch
-    thread's group gets the same options."""
+def prefetch_group_backend() -> list[Any]:
+    """A prioritized collection of CPU tables on a freescale subgroup with its own options: the
+    prefetch thread's group is Gloo over the same ranks (off the critical path, and off the
+    freescale engine's Python thread, which would take the GIL from the training thread)."""
     from freescale_comm import FreescaleOptions
 
     options = FreescaleOptions(cuda_path="staged", chunk_bytes=1 << 20)
@@ -290,7 +291,7 @@ def prefetch_group_options() -> list[Any]:
     emb = ShardedEmbeddingCollection([table], group=group, mode="prioritized")
     try:
         background = emb._strategy.background.group
-        return [background.options == options, dist.get_backend(background)]
+        return [dist.get_backend(background), dist.get_process_group_ranks(background)]
     finally:
         emb.close()
         dist.destroy_process_group(group)

@@ -153,6 +153,6 @@ def test_bad_input_raises_everywhere_on_freescale(local_groups, mode):
 
 
 @FREESCALE
-def test_prefetch_group_keeps_the_freescale_options(local_groups):
-    results = _group(local_groups, 2, "freescale").run(ranks.prefetch_group_options)
-    assert results == [[True, "freescale"]] * 2
+def test_prefetch_group_of_cpu_tables_is_gloo(local_groups):
+    results = _group(local_groups, 2, "freescale").run(ranks.prefetch_group_backend)
+    assert results == [["gloo", [0, 1]]] * 2

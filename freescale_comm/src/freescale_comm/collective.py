@@ -194,8 +194,8 @@ class Collective:
                 if transfer.send:
                     by_peer.setdefault(transfer.peer, []).append(transfer.buffer)
             self._ipc = g.ipc(self.plan.cuda_index)
-            self._ipc.started(self.seq)
             self._export = self._ipc.export(by_peer)
+            self._ipc.started(self.seq)  # only once nothing can raise before it is in flight
         # Room for any peer's folded data, whatever this rank expects: a peer folds by its own
         # sizes and device before anyone knows whether they agree, and a receive buffer that is
         # too small fails in UCX instead of reaching the verdict.
@@ -466,7 +466,10 @@ class Collective:
             try:
                 self._read_descriptors(size)
             except FreescaleError as err:
-                self._reject(str(err))
+                # Only this rank can see it: the group is aborted, so every rank stops at once
+                # (the others would queue the collective and wait for this rank's flags).
+                self._headers = []
+                self._fail_locked(f"CUDA IPC: {err}", "peer")
                 return
         for peer, pieces in self._foldable(send=False).items():
             offset = size
@@ -496,6 +499,11 @@ class Collective:
             buffers = receives.get(peer, [])
             gpu, pieces = decode(self._headers[peer][size:], len(buffers))
             path.shares_gpu |= gpu == path.gpu
+            for buffer, piece in zip(buffers, pieces, strict=True):
+                if piece.nbytes != len(buffer):  # validate=False lets mismatched sizes through
+                    raise FreescaleError(
+                        f"rank {peer} sends {piece.nbytes} bytes into a {len(buffer)}-byte receive"
+                    )
             if buffers:
                 self._pulls[peer] = list(zip(buffers, pieces, strict=True))
 

@@ -98,7 +98,9 @@ class GroupContext:
         # liveness poll reads exists (a ``multi_get`` of a missing key would wait for it).
         self._keys = keys
         directory.start(keys, root_store(store), rank)
-        self.liveness = Liveness(keys, rank, size, options.heartbeat_s, options.dead_after_s)
+        self.liveness = Liveness(
+            keys, rank, size, options.heartbeat_s, options.dead_after_s, self.abort
+        )
         host = shm.host_identity()
         self.directory = directory.Directory(keys, rank, size, host, self.transport.address)
         self.group_id = self.directory.group_id
@@ -343,18 +345,20 @@ class GroupContext:
         return self.liveness.describe(peers)
 
     def abort(self, reason: str) -> None:
-        """Marks the group broken and tells every rank through the store (first reason wins)."""
-        if self.broken:
-            return
-        self._broken = reason
-        # The GPU must not wait forever for a dead peer's flags: its queued waits pass.
-        for path in self._ipc.values():
+        """Marks the group broken, tells every rank through the store (first reason wins) and
+        fails what is in flight; also when liveness found the failure first (``on_failure``),
+        which no collective may be polling (a sealed IPC collective waits on the GPU only)."""
+        if self._broken is None:
+            self._broken = reason
+            # The store's host may be the process that died.
+            with contextlib.suppress(Exception):
+                self.liveness.abort(reason)
+            for op in list(self._inflight):
+                op.fail(f"the group was aborted by {reason}", "peer")
+        # After the failures (a collective whose GPU waits pass must not finish as a success):
+        # the GPU must not wait forever for a dead peer's flags.
+        for path in list(self._ipc.values()):
             path.release()
-        # The store's host may be the process that died.
-        with contextlib.suppress(Exception):
-            self.liveness.abort(reason)
-        for op in list(self._inflight):
-            op.fail(f"the group was aborted by {reason}", "peer")
 
     def close(self) -> None:
         """Fails what is still in flight, frees the CUDA side, gives back engine and transport."""

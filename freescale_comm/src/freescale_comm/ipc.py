@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import logging
 import struct
 import time
 from collections.abc import Sequence
@@ -60,6 +61,8 @@ from freescale_comm.errors import FreescaleError
 
 if TYPE_CHECKING:
     from freescale_comm.shm import Link
+
+logger = logging.getLogger(__name__)
 
 _ENTRY = struct.Struct("<64sQQ")  # handle, offset in the allocation, bytes
 _COUNT = struct.Struct("<16sQ")  # the sender's GPU (UUID), pieces
@@ -165,6 +168,9 @@ class Export:
         if self.scratch_copies:
             offset, last = self.scratch_copies[-1]
             path.scratch.fit(offset + len(last))
+        # The allocation the descriptors name: a later collective may replace the scratch
+        # before this one is queued (replaced ones live as long as the group).
+        self.scratch_pointer = path.scratch.pointer
         self._gpu = path.gpu
         self._descriptors = {
             peer: encode(
@@ -219,21 +225,24 @@ def _export(pointer: int) -> tuple[int, bytes] | None:
 
 
 class _PeerMaps:
-    """One peer's allocations mapped into this process, by handle (least recently used dropped
-    past ``_MAPS_PER_PEER``, after the stream that may still read them has drained)."""
+    """One peer's allocations mapped into this process, by handle. Past ``_MAPS_PER_PEER`` the
+    least recently used ones are unmapped, but only while the stream that may read them is idle
+    and never one the collective being queued uses (the map grows instead)."""
 
     def __init__(self) -> None:
         self._maps: collections.OrderedDict[bytes, int] = collections.OrderedDict()
 
-    def pointer(self, handle: bytes, stream: torch.cuda.Stream) -> int:
+    def pointer(self, handle: bytes, stream: torch.cuda.Stream, keep: set[bytes]) -> int:
+        """The mapped address of ``handle``'s allocation; ``keep``: the handles of the
+        collective being queued."""
         mapped = self._maps.get(handle)
         if mapped is not None:
             self._maps.move_to_end(handle)
             return mapped
-        if len(self._maps) >= _MAPS_PER_PEER:
-            stream.synchronize()  # rare: a long-lived job whose peer keeps new allocations
-            _, old = self._maps.popitem(last=False)
-            driver().ipc_close_mem_handle(old)
+        if len(self._maps) >= _MAPS_PER_PEER and stream.query():
+            unused = [h for h in self._maps if h not in keep]  # least recently used first
+            for old in unused[: len(self._maps) - _MAPS_PER_PEER + 1]:
+                driver().ipc_close_mem_handle(self._maps.pop(old))
         cu = driver()
         value = IpcHandle.from_buffer_copy(handle)
         mapped_at = ctypes.c_uint64()
@@ -262,21 +271,24 @@ class _Flags:
         cu = driver()
         self._pages: list[int] = []
         bases = []
-        for ring in self._rings:
-            page = ring.base.ctypes.data
-            code = torch.cuda.cudart().cudaHostRegister(
-                page, _FLAG_PAGE, _HOST_REGISTER_PORTABLE_MAPPED
-            )
-            if int(code) != 0:
-                self.close()
-                raise FreescaleError(f"cudaHostRegister of a ring's flag page failed: {code}")
-            self._pages.append(page)
-            device = ctypes.c_uint64()
-            cu.check(
-                cu.host_get_device_pointer(ctypes.byref(device), ctypes.c_void_p(page), 0),
-                "cuMemHostGetDevicePointer",
-            )
-            bases.append(device.value)
+        try:
+            for ring in self._rings:
+                page = ring.base.ctypes.data
+                code = torch.cuda.cudart().cudaHostRegister(
+                    page, _FLAG_PAGE, _HOST_REGISTER_PORTABLE_MAPPED
+                )
+                if int(code) != 0:
+                    raise FreescaleError(f"cudaHostRegister of a ring's flag page failed: {code}")
+                self._pages.append(page)
+                device = ctypes.c_uint64()
+                cu.check(
+                    cu.host_get_device_pointer(ctypes.byref(device), ctypes.c_void_p(page), 0),
+                    "cuMemHostGetDevicePointer",
+                )
+                bases.append(device.value)
+        except FreescaleError:
+            self.close()
+            raise
         out, inc = bases
         self.my_ready, self.my_done = out + 8 * _READY, out + 8 * _DONE
         self.peer_ready, self.peer_done = inc + 8 * _READY, inc + 8 * _DONE
@@ -306,18 +318,6 @@ class IpcPath:
 
     def __init__(self, device: int, links: dict[int, Link]) -> None:
         self.device = device
-        self._links = links
-        # One stream for every IPC collective of the group: collectives run in call order,
-        # each one's flag writes before its waits (see the module docstring).
-        self.stream = _new_stream(device)
-        # Page-locked now, before any wait is queued: registering memory may wait for the GPU.
-        self._flags: dict[int, _Flags] = {}
-        try:
-            for peer, link in links.items():
-                self._flags[peer] = _Flags(link)
-        except FreescaleError:
-            self.close()
-            raise
         self._maps: dict[int, _PeerMaps] = collections.defaultdict(_PeerMaps)
         self.scratch = _Scratch(device)
         self.gpu = driver().device_uuid(device)
@@ -330,6 +330,17 @@ class IpcPath:
         # collectives are then queued one at a time (``ready``).
         self.shares_gpu = False
         self._last_final: torch.cuda.Event | None = None
+        # One stream for every IPC collective of the group: collectives run in call order,
+        # each one's flag writes before its waits (see the module docstring).
+        self.stream = _new_stream(device)
+        # Page-locked now, before any wait is queued: registering memory may wait for the GPU.
+        self._flags: dict[int, _Flags] = {}
+        try:
+            for peer, link in links.items():
+                self._flags[peer] = _Flags(link)
+        except FreescaleError:
+            self.close()
+            raise
 
     def export(self, sends: dict[int, list[Any]]) -> Export:
         """This rank's descriptors for a collective sending ``sends`` (per peer, in order)."""
@@ -382,19 +393,19 @@ class IpcPath:
             # Peers' new allocations mapped first: mapping may wait for the GPU (it took until
             # the queued matmuls were done in one measurement), and must never wait while a
             # part of this collective that a peer's queued waits need is still unqueued.
-            sources = {
-                peer: [
-                    (address(dst), self._maps[peer].pointer(p.handle, stream) + p.offset, p.nbytes)
+            sources = {}
+            for peer, pieces in pulls.items():
+                maps, keep = self._maps[peer], {p.handle for _, p in pieces}
+                sources[peer] = [
+                    (address(dst), maps.pointer(p.handle, stream, keep) + p.offset, p.nbytes)
                     for dst, p in pieces
                 ]
-                for peer, pieces in pulls.items()
-            }
             handle = ctypes.c_void_p(stream.cuda_stream)
             stream.wait_event(ready)
             flag = seq & 0xFFFFFFFF
             self._last_seq = seq
             for offset, source in export.scratch_copies:
-                _copy(cu, self.scratch.pointer + offset, address(source), len(source), handle)
+                _copy(cu, export.scratch_pointer + offset, address(source), len(source), handle)
             for peer in readers:
                 _write(cu, handle, self._pair(peer).my_ready, flag)
             for dst, src in local_copies:
@@ -416,19 +427,34 @@ class IpcPath:
             flags.release(self._last_seq)
 
     def close(self) -> None:
-        """Waits for the stream, unmaps, frees. Waits still queued after ``_CLOSE_WAIT_S`` (the
-        group is destroyed in the middle of a collective) are released first."""
-        until = time.monotonic() + _CLOSE_WAIT_S
-        while not self.stream.query() and time.monotonic() < until:
+        """Waits for the stream, then unmaps and frees. Waits still queued after
+        ``_CLOSE_WAIT_S`` (the group destroyed in the middle of a collective) are released, again
+        and again for as long once more (a peer's late flag write can undo a release); a stream
+        that still does not drain keeps its memory (logged) rather than hang the shutdown."""
+        start = time.monotonic()
+        while not self.stream.query():
+            waited = time.monotonic() - start
+            if waited > 2 * _CLOSE_WAIT_S:
+                logger.warning(
+                    "freescale: the CUDA IPC stream did not drain within %.0f s; its mappings "
+                    "and scratch memory are left to the process's end",
+                    waited,
+                )
+                return
+            if waited > _CLOSE_WAIT_S:
+                self.release()
             time.sleep(0.001)
-        if not self.stream.query():
-            self.release()
-        _destroy_stream(self.device, self.stream)
-        for maps in self._maps.values():
-            maps.close()
-        for flags in self._flags.values():
-            flags.close()
-        self.scratch.close()
+        cu = driver()
+        replaced = cu.bind(self.device)
+        try:
+            _destroy_stream(self.device, self.stream)
+            for maps in self._maps.values():
+                maps.close()
+            for flags in self._flags.values():
+                flags.close()
+            self.scratch.close()
+        finally:
+            cu.restore(replaced)
 
 
 def _copy(cu: Any, dst: int, src: int, nbytes: int, stream: ctypes.c_void_p) -> None:

@@ -20,8 +20,12 @@ the watcher of a dead rank may be idle while the others wait for that rank.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 ABORT_KEY = "abort"
 WATCHED = 2
@@ -59,12 +63,22 @@ class Liveness:
         size: ranks in the group.
         heartbeat_s: period of this rank's heartbeat.
         dead_after_s: a watched rank whose counter stands still this long is reported dead.
+        on_failure: called once, on the engine thread, with ``error()`` when a poll first finds
+            a silent rank or the abort key.
     """
 
     def __init__(
-        self, store: Any, rank: int, size: int, heartbeat_s: float, dead_after_s: float
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        heartbeat_s: float,
+        dead_after_s: float,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         self.store = store
+        self._on_failure = on_failure
+        self._told = False
         self.rank = rank
         self.size = size
         self.heartbeat_s = heartbeat_s
@@ -104,6 +118,14 @@ class Liveness:
             self.store_error = f"the c10d store is unreachable ({err})"
             self._next_beat = max(self._next_beat, now + self.heartbeat_s)
             self._next_poll = max(self._next_poll, now + self.poll_s)
+        error = self.error()
+        if error is not None and not self._told and self._on_failure is not None:
+            # Once: what nobody polls must learn of it too (GPU waits on a dead peer's flags).
+            self._told = True
+            try:
+                self._on_failure(error)
+            except Exception:  # the engine thread must live on
+                logger.exception("freescale: handling a failed peer raised")
 
     def poll(self, now: float) -> None:
         """One request: the abort key and the watched counters."""
