@@ -244,7 +244,8 @@ class GroupContext:
         if path in ("ipc", "auto") and self.all_on_staging_rings:
             return (
                 "ipc: copy-engine pulls from the peer's memory (CUDA IPC), flags in shared "
-                "page-locked memory; every peer on this host"
+                "page-locked memory; every peer on this host (a call whose descriptors do not "
+                "fit in eager_bytes is staged)"
             )
         if path == "auto":
             path = "direct" if self.transport.cuda_support else "staged"

@@ -20,12 +20,15 @@ Flags live in the first page of the pair's host rings (``shm``), page-locked and
 GPU in both processes: each rank writes only the flags of its outgoing ring and waits only on
 those of its incoming one, and both only grow (the collective's sequence number, compared
 cyclically), so they are never reset. The CPU never writes them, except to release waits when
-the group is aborted: a dead peer's flags would otherwise hold the streams forever.
+the group is aborted (by a failed collective, or by the liveness poll that finds a silent peer
+or the abort key): a dead peer's flags would otherwise hold the streams forever.
 
-Why this cannot deadlock although streams wait on flags: each collective's flag writes come
+Why this does not deadlock although streams wait on flags: each collective's flag writes come
 before its waits in one stream, and a rank queues collective ``seq`` once it has every peer's
-header of ``seq``, which each peer sends before queueing anything of ``seq``; so every wait of
-``seq`` is met by GPU work already queued in the peer, whatever either CPU does next. (The flag
+header of ``seq``, which each peer sends before queueing anything of ``seq`` (and it maps the
+peers' memory before queueing any of it); so every wait of ``seq`` is met by GPU work already
+queued in the peer, whatever either CPU does next — provided the work each rank queued on its
+own streams before the call does not itself wait for that rank's later GPU work. (The flag
 written by a CPU thread, which ``cuda``'s module docstring describes, had no such guarantee.)
 
 Collectives are queued in call order (``IpcPath.ready``), so flags grow in stream order. Where a
