@@ -51,12 +51,17 @@ def test_every_dead_set_is_watched_by_a_live_rank(size):
     assert liveness.watched_ranks(0, 1) == [] and liveness.watched_ranks(1, 2) == [0]
 
 
-def _group(server, size, prefix, heartbeat_s=0.05, dead_after_s=0.4):
+def _group(server, size, prefix, heartbeat_s=0.05, dead_after_s=0.4, on_failure=None):
     keys = dist.PrefixStore(prefix, _client(server))
     keys.set(liveness.ABORT_KEY, b"")
     return [
         liveness.Liveness(
-            dist.PrefixStore(prefix, _client(server)), r, size, heartbeat_s, dead_after_s
+            dist.PrefixStore(prefix, _client(server)),
+            r,
+            size,
+            heartbeat_s,
+            dead_after_s,
+            (lambda error, r=r: on_failure(r, error)) if on_failure else None,
         )
         for r in range(size)
     ]
@@ -128,6 +133,27 @@ def test_abort_first_reason_wins_and_stops_the_polls(store):
     assert ranks[1].abort("rank 1: second") == "rank 2: first"
     _tick_for(ranks, 0.2)
     assert all(live.error() == "the group was aborted by rank 2: first" for live in ranks)
+
+
+def test_every_rank_is_told_once_of_a_silent_rank_and_of_an_abort(store):
+    # What no collective polls (a sealed IPC collective waits on the GPU) learns of it here.
+    told: list[tuple[int, str]] = []
+    ranks = _group(store, 4, "g5", on_failure=lambda rank, error: told.append((rank, error)))
+    _tick_for(ranks, 0.3)
+    assert told == []
+    end = time.monotonic() + 5
+    while len({r for r, _ in told}) < 3 and time.monotonic() < end:
+        _tick_for(ranks, 0.02, skip={2})
+    _tick_for(ranks, 0.3, skip={2})  # more polls tell nobody twice
+    assert sorted(r for r, _ in told) == [0, 1, 3], told
+    assert all("rank 2" in error for _, error in told), told
+    # A group aborted on purpose: every rank is told, the aborting one included.
+    told.clear()
+    ranks = _group(store, 3, "g6", on_failure=lambda rank, error: told.append((rank, error)))
+    ranks[1].abort("rank 1: abort() was called")
+    _tick_for(ranks, 0.3)
+    assert sorted(r for r, _ in told) == [0, 1, 2], told
+    assert {e for _, e in told} == {"the group was aborted by rank 1: abort() was called"}
 
 
 def _join(server, size, prefix, hosts):
