@@ -927,11 +927,23 @@ def die_during_ipc_collective(victim: int) -> dict[str, float]:
     except Exception as err:
         raised = time.monotonic() - start
         drained = threading.Event()
-        threading.Thread(target=lambda: (torch.cuda.synchronize(), drained.set())).start()
+        cuda_error: list[str] = []
+
+        def drain() -> None:
+            # The released copies read the dead peer's memory, which CUDA leaves undefined
+            # once its exporter is gone: a CUDA error there is reported, a hang fails the test.
+            try:
+                torch.cuda.synchronize()
+            except RuntimeError as failure:
+                cuda_error.append(str(failure)[:200])
+            finally:
+                drained.set()
+
+        threading.Thread(target=drain, daemon=True).start()
         if not drained.wait(15):
             raise RuntimeError(f"survivor {rank}: its GPU streams never drained") from err
         raise RuntimeError(
             f"survivor {rank} raised after {raised:.1f} s, GPU drained after "
-            f"{time.monotonic() - start:.1f} s: {err}"
+            f"{time.monotonic() - start:.1f} s (CUDA error: {cuda_error or 'none'}): {err}"
         ) from err
     return {"raised": -1.0}
