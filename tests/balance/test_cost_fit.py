@@ -32,7 +32,6 @@ def test_fit_recovers_the_model_of_noiseless_rank_times():
     truth = CostModel(8e-12, 6e-8, 1.5e-4)
     rows = _rows(0, 40)
     fitted = fit_rows(rows, [_time(truth, r) for r in rows])
-    assert fitted is not None
     assert fitted.quadratic == pytest.approx(truth.quadratic, rel=1e-6)
     assert fitted.linear == pytest.approx(truth.linear, rel=1e-6)
     assert fitted.constant == pytest.approx(truth.constant, rel=1e-6)

@@ -388,6 +388,10 @@ class Balancer:
 
     def _report_step_time(self, plan: ShufflePlan, seconds: float) -> float:
         times = self._all_gather(torch.tensor([seconds], dtype=torch.float64)).flatten()
+        return self._tune(plan, times)
+
+    def _tune(self, plan: ShufflePlan, times: torch.Tensor) -> float:
+        """Tunes the VBS exponent from every rank's time of the step ``plan`` balanced."""
         groups = [plan.sequence_lengths[plan.partition.ranks == r] for r in range(self.world_size)]
         return self.tuner.update(groups, times)
 
@@ -405,9 +409,7 @@ class Balancer:
         if len(seconds) != self.world_size:
             raise ValueError(f"{len(seconds)} times for {self.world_size} ranks")
         if self.config.policy == "vbs":
-            ranks = plan.partition.ranks
-            groups = [plan.sequence_lengths[ranks == r] for r in range(self.world_size)]
-            self.tuner.update(groups, torch.tensor(seconds, dtype=torch.float64))
+            self._tune(plan, torch.tensor(seconds, dtype=torch.float64))
         elif self.cost_fit is not None and self.config.policy in ("fbs", "kk"):
             rows = group_rows(plan.sequence_lengths, plan.partition.ranks, self.world_size)
             self.cost_fit.observe(rows, seconds)

@@ -119,6 +119,13 @@ class Plan:
         return self.signature.device in ("cuda", "cuda-staged", "cuda-ipc")
 
     @property
+    def most_sends_to_one_peer(self) -> int:
+        """The largest number of messages this rank sends any one peer (what an IPC header
+        must describe)."""
+        sends = collections.Counter(t.peer for t in self.transfers if t.send)
+        return max(sends.values(), default=0)
+
+    @property
     def gpu_ordered(self) -> bool:
         """CUDA copies wait for the caller's stream on the GPU (no CPU wait for it)."""
         return self.staged or self.ipc
@@ -233,10 +240,8 @@ class PlanCache:
         """Keeps ``plan`` (built over ``tensors``) as the template of ``key``, if it maps."""
         if key is None or plan.signature.error or plan.copy_back:
             return
-        if plan.on_cuda:
-            pieces = collections.Counter(t.peer for t in plan.transfers if t.send)
-            if max(pieces.values(), default=0) > self._cuda_pieces:
-                return
+        if plan.on_cuda and plan.most_sends_to_one_peer > self._cuda_pieces:
+            return
         if key not in self._seen_once:
             if len(self._seen_once) >= _CACHE_ENTRIES:
                 self._seen_once.clear()

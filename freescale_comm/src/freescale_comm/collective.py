@@ -189,12 +189,14 @@ class Collective:
         if sends and self.plan.on_cuda:
             self._take_streams()
         if self.plan.ipc:
+            from freescale_comm.ipc import Export
+
             by_peer: dict[int, list[Any]] = {}
             for transfer in self.plan.transfers:
                 if transfer.send:
                     by_peer.setdefault(transfer.peer, []).append(transfer.buffer)
             self._ipc = g.ipc(self.plan.cuda_index)
-            self._export = self._ipc.export(by_peer)
+            self._export = Export(self._ipc, by_peer)
             self._ipc.started(self.seq)  # only once nothing can raise before it is in flight
         # Room for any peer's folded data, whatever this rank expects: a peer folds by its own
         # sizes and device before anyone knows whether they agree, and a receive buffer that is

@@ -14,7 +14,6 @@ the same story instead of each waiting for its own timeout.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 from datetime import timedelta
@@ -238,17 +237,28 @@ class GroupContext:
             )
         return rows
 
-    def _cuda_path_of(self, peer: int) -> str:
-        """How CUDA bytes travel to ``peer``, and why (``freescale comm info``)."""
+    def cuda_path(self) -> str:
+        """How CUDA tensors move: ``ipc``, ``direct`` or ``staged`` (``cuda_path``, where the
+        peers are, what UCX can do); the same answer on every rank."""
         path = self.options.cuda_path
         if path in ("ipc", "auto") and self.all_on_staging_rings:
+            return "ipc"
+        if path == "ipc":
+            return "staged"
+        if path == "auto":
+            # Direct needs a UCX built with CUDA (cuda_copy / cuda_ipc); stage otherwise.
+            path = "direct" if self.transport.cuda_support else "staged"
+        return path
+
+    def _cuda_path_of(self, peer: int) -> str:
+        """How CUDA bytes travel to ``peer``, and why (``freescale comm info``)."""
+        path = self.cuda_path()
+        if path == "ipc":
             return (
                 "ipc: copy-engine pulls from the peer's memory (CUDA IPC), flags in shared "
                 "page-locked memory; every peer on this host (a call whose descriptors do not "
                 "fit in eager_bytes is staged)"
             )
-        if path == "auto":
-            path = "direct" if self.transport.cuda_support else "staged"
         if path == "direct":
             return "direct: UCX device buffers (cuda_ipc / GPUDirect RDMA); cuda_path=" + (
                 self.options.cuda_path
@@ -268,8 +278,7 @@ class GroupContext:
     def ipc_fits(self, plan: Plan) -> bool:
         """Whether every peer's IPC descriptor of ``plan`` fits in a header's room (the same
         answer on ranks whose plans agree: it counts the messages per peer)."""
-        pieces = collections.Counter(t.peer for t in plan.transfers if t.send)
-        return max(pieces.values(), default=0) <= self.ipc_max_pieces
+        return plan.most_sends_to_one_peer <= self.ipc_max_pieces
 
     def ipc(self, device: int) -> IpcPath:
         """The IPC path's stream, flags and mappings for ``device``, made on first use."""

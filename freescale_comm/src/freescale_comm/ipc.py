@@ -59,7 +59,14 @@ import numpy as np
 import torch
 
 from freescale_comm.algorithms import address
-from freescale_comm.cuda import IpcHandle, _destroy_stream, _new_stream, driver
+from freescale_comm.cuda import (
+    _CLOSE_WAIT_S,
+    IpcHandle,
+    _destroy_stream,
+    _new_stream,
+    _register,
+    driver,
+)
 from freescale_comm.errors import FreescaleError
 
 if TYPE_CHECKING:
@@ -72,12 +79,10 @@ _COUNT = struct.Struct("<16sQ")  # the sender's GPU (UUID), pieces
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*flag - value) >= 0
 _WRITE_DEFAULT = 0x0  # with a memory barrier: earlier copies are visible first
 _LAZY_PEER_ACCESS = 0x1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-_HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2
 _FLAG_PAGE = 4096
 _READY, _DONE = 16, 24  # uint64 indices in a ring's control block (``shm._CTRL_BYTES``)
 _RELEASE = 1 << 30  # abort: flags set this far ahead let every queued wait pass
 _MAPS_PER_PEER = 64
-_CLOSE_WAIT_S = 5.0
 
 
 def pieces_in(room: int) -> int:
@@ -277,11 +282,7 @@ class _Flags:
         try:
             for ring in self._rings:
                 page = ring.base.ctypes.data
-                code = torch.cuda.cudart().cudaHostRegister(
-                    page, _FLAG_PAGE, _HOST_REGISTER_PORTABLE_MAPPED
-                )
-                if int(code) != 0:
-                    raise FreescaleError(f"cudaHostRegister of a ring's flag page failed: {code}")
+                _register(page, _FLAG_PAGE, "a ring's flag page")
                 self._pages.append(page)
                 device = ctypes.c_uint64()
                 cu.check(
@@ -345,10 +346,6 @@ class IpcPath:
             self.close()
             raise
 
-    def export(self, sends: dict[int, list[Any]]) -> Export:
-        """This rank's descriptors for a collective sending ``sends`` (per peer, in order)."""
-        return Export(self, sends)
-
     def started(self, seq: int) -> None:
         """Collective ``seq`` takes this path (called in call order)."""
         self._unqueued.add(seq)
@@ -365,9 +362,6 @@ class IpcPath:
         self._unqueued.discard(seq)
         if final is not None:
             self._last_final = final
-
-    def _pair(self, peer: int) -> _Flags:
-        return self._flags[peer]
 
     def enqueue(
         self,
@@ -410,17 +404,17 @@ class IpcPath:
             for offset, source in export.scratch_copies:
                 _copy(cu, export.scratch_pointer + offset, address(source), len(source), handle)
             for peer in readers:
-                _write(cu, handle, self._pair(peer).my_ready, flag)
+                _write(cu, handle, self._flags[peer].my_ready, flag)
             for dst, src in local_copies:
                 _copy(cu, address(dst), address(src), len(src), handle)
             for peer, copies in sources.items():
-                flags = self._pair(peer)
+                flags = self._flags[peer]
                 _wait(cu, handle, flags.peer_ready, flag)
                 for dst, src, nbytes in copies:
                     _copy(cu, dst, src, nbytes, handle)
                 _write(cu, handle, flags.my_done, flag)
             for peer in readers:
-                _wait(cu, handle, self._pair(peer).peer_done, flag)
+                _wait(cu, handle, self._flags[peer].peer_done, flag)
         finally:
             cu.restore(replaced)
 

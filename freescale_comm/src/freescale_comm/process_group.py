@@ -89,7 +89,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         self._rank_size = (rank, size)
         # Plans by call shape: a call of a shape seen before skips building its plan.
         # (CUDA calls too where CUDA bytes move by IPC, which takes plans of plain addresses.)
-        ipc_pieces = self._ctx.ipc_max_pieces if self._cuda_path() == "ipc" else 0
+        ipc_pieces = self._ctx.ipc_max_pieces if self._ctx.cuda_path() == "ipc" else 0
         self._plans = algorithms.PlanCache(cuda_pieces=ipc_pieces)
         self._direct_gather = dataclasses.replace(options, allgather="direct")
 
@@ -99,19 +99,6 @@ class ProcessGroupFreescale(dist.ProcessGroup):
     def _rs(self) -> tuple[int, int]:
         return self._rank_size
 
-    def _cuda_path(self) -> str:
-        """How CUDA tensors move: ``ipc``, ``direct`` or ``staged`` (``cuda_path``, where the
-        peers are, what UCX can do); the same answer on every rank."""
-        path = self.options.cuda_path
-        if path in ("ipc", "auto") and self._ctx.all_on_staging_rings:
-            return "ipc"
-        if path == "ipc":
-            return "staged"
-        if path == "auto":
-            # Direct needs a UCX built with CUDA (cuda_copy / cuda_ipc); stage otherwise.
-            path = "direct" if self._ctx.transport.cuda_support else "staged"
-        return path
-
     def _gather_options(self, tensors: Sequence[torch.Tensor]) -> FreescaleOptions:
         """The options an AllGather of ``tensors`` is planned with: on the staging rings or the
         IPC path (every peer on this host) the direct algorithm, whose messages each leave
@@ -120,7 +107,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         if (
             tensors
             and tensors[0].is_cuda
-            and self._cuda_path() in ("staged", "ipc")
+            and self._ctx.cuda_path() in ("staged", "ipc")
             and self._ctx.all_on_staging_rings
         ):
             return self._direct_gather
@@ -129,7 +116,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
     def _own(self, plan: Plan, opts: Any) -> FreescaleWork:
         """Starts ``plan`` (CUDA tensors on the configured path)."""
         device = plan.signature.device
-        path = self._cuda_path() if device == "cuda" else device
+        path = self._ctx.cuda_path() if device == "cuda" else device
         if path == "ipc" and not self._ctx.ipc_fits(plan):
             path = "staged"
         if path == "ipc":
