@@ -240,24 +240,28 @@ def test_fixed_size_headers_find_any_one_wrong_entry(n):
     import random
 
     rng = random.Random(n)
-    table = [[rng.randint(0, 1 << 40) for _ in range(n)] for _ in range(n)]
+    table = [[rng.getrandbits(40) for _ in range(n)] for _ in range(n)]
     sigs = [_sig(table[r], [table[s][r] for s in range(n)]) for r in range(n)]
-    assert len({len(s.encode(n)) for s in sigs}) == 1
-    assert Signature.size(n) == Signature.size(2) == len(sigs[0].encode(n))
-    assert judge([s.encode(n) for s in sigs], n, "all_to_all") is None
+    # Each rank's headers, encoded once: a wrong entry changes only its own rank's headers.
+    headers = [s.encode(n) for s in sigs]
+    tables = [s.encode_table(n) for s in sigs]
+    assert len({len(h) for h in headers}) == 1
+    assert Signature.size(n) == Signature.size(2) == len(headers[0])
+    assert judge(headers, n, "all_to_all") is None
     for _ in range(5):  # one entry off by one, on the sending or on the receiving side
         r, p = rng.randrange(n), rng.randrange(n)
         sends, recvs = list(sigs[r].send_bytes), list(sigs[r].recv_bytes)
         (sends if rng.random() < 0.5 else recvs)[p] += 1
-        bad = list(sigs)
-        bad[r] = _sig(sends, recvs)
-        assert judge([s.encode(n) for s in bad], n, "all_to_all") is NEEDS_TABLE
-        problem = judge_table([s.encode_table(n) for s in bad], n, "all_to_all")
+        bad = _sig(sends, recvs)
+        bad_headers, bad_tables = list(headers), list(tables)
+        bad_headers[r], bad_tables[r] = bad.encode(n), bad.encode_table(n)
+        assert judge(bad_headers, n, "all_to_all") is NEEDS_TABLE
+        problem = judge_table(bad_tables, n, "all_to_all")
         assert "sizes or split sizes disagree" in problem
     # The same table held by other ranks (rows swapped) is caught too.
     if n > 2:
-        swapped = [sigs[1], sigs[0], *sigs[2:]]
-        assert judge([s.encode(n) for s in swapped], n, "all_to_all") is not None
+        swapped = [headers[1], headers[0], *headers[2:]]
+        assert judge(swapped, n, "all_to_all") is not None
 
 
 def test_a_disagreement_in_a_large_group_is_named_in_few_words():
