@@ -156,14 +156,16 @@ def test_every_rank_is_told_once_of_a_silent_rank_and_of_an_abort(store):
     assert {e for _, e in told} == {"the group was aborted by rank 1: abort() was called"}
 
 
-def _join(server, size, prefix, hosts):
+def _join(clients, size, prefix, hosts):
+    """Ranks 0..size-1 set up a directory at once, rank r through ``clients[r]`` (its store
+    connection, also its root store, as ``root_store`` finds it under a group's prefix)."""
     found: list[directory.Directory | None] = [None] * size
     errors = []
 
     def rank_main(rank):
         try:
-            keys = directory.incarnation_keys(dist.PrefixStore(prefix, _client(server)), size)
-            directory.start(keys, _client(server), rank)
+            keys = directory.incarnation_keys(dist.PrefixStore(prefix, clients[rank]), size)
+            directory.start(keys, clients[rank], rank)
             found[rank] = directory.Directory(
                 keys, rank, size, hosts[rank], f"address of {rank}".encode()
             )
@@ -182,7 +184,10 @@ def _join(server, size, prefix, hosts):
 def test_directory_reads_addresses_only_on_use_and_incarnations_stay_apart(store):
     size = 10  # blocks of 4: 0-3, 4-7, 8-9
     hosts = [f"host{r % 3}" for r in range(size)]
-    first = _join(store, size, "d", hosts)
+    # One connection per rank process, kept over its incarnations (each new connection costs
+    # reverse name lookups, which a rate-limited resolver answers after seconds).
+    clients = [_client(store) for _ in range(size)]
+    first = _join(clients, size, "d", hosts)
     assert len({d.group_id for d in first}) == 1
     for rank, d in enumerate(first):
         assert d.same_host == [p for p in range(size) if hosts[p] == hosts[rank]]
@@ -192,12 +197,12 @@ def test_directory_reads_addresses_only_on_use_and_incarnations_stay_apart(store
     assert first[0].host_of(9) == "host0" and first[0].blocks_read == 1  # same host: known
     assert first[0].host_of(8) == "host2" and first[0].blocks_read == 2
     # The same prefix again (init_process_group after destroy): new keys, not the old ones.
-    second = _join(store, size, "d", [f"other{r}" for r in range(size)])
+    second = _join(clients, size, "d", [f"other{r}" for r in range(size)])
     assert second[0].group_id != first[0].group_id
     assert second[5].address(2) == b"address of 2" and second[5].host_of(2) == "other2"
     assert all(d.same_host == [r] for r, d in enumerate(second))
     # A group of another size under the same prefix (a smaller world after a failure).
-    third = _join(store, 3, "d", ["h"] * 3)
+    third = _join(clients, 3, "d", ["h"] * 3)
     assert third[2].same_host == [0, 1, 2] and third[2].address(0) == b"address of 0"
 
 
@@ -210,7 +215,7 @@ def test_scale_harness_dry_run(tmp_path):
     comm_scale.main(
         [
             "--sizes=16",
-            "--measure-s=1",
+            "--measure-s=0.5",
             "--heartbeat-s=0.2",
             "--dead-after-s=1",
             "--detect-margin-s=4",
@@ -255,8 +260,10 @@ def test_stopped_peer_makes_every_survivor_raise(world_size):
     group = _fast_group(world_size)
     victim = world_size - 1
     try:
+        # The stopped victim never answers, so the run lasts its whole bound: 3.5 s over the
+        # survivors' own (below), time for their reports to come back on a loaded machine.
         with pytest.raises(RankFailure) as failure:
-            group.run(liveness_ranks.stop_during_collective, victim, 0.5, timeout_s=15)
+            group.run(liveness_ranks.stop_during_collective, victim, 0.5, timeout_s=9)
     finally:
         group.close()  # kills the stopped process
     assert failure.value.failures[victim][0] == "timeout"
