@@ -39,24 +39,24 @@ def _rate_id(rate: float | None) -> str:
 
 
 def _cases() -> list[Any]:
-    """Every (world, optimizer, rate) on Gloo, then a subset on freescale.
+    """Every (optimizer, rate) on 2 Gloo ranks; elsewhere each optimizer and each rate once.
 
     Gloo cases come first: the harness stops a backend's groups when another backend's are asked
-    for, so alternating backends would restart ranks between cases. On freescale 2 ranks run the
-    whole matrix (about 2 s a case) and 4 ranks (about 5 s a case) the extremes, a low rate and
-    Zipf traffic, both optimizers.
+    for, so alternating backends would restart ranks between cases. On freescale 2 ranks run
+    every rate (the optimizers alternate). On 4 ranks (about 5 s a case) each backend runs both
+    optimizers, and together the four cases run no collisions, a low and a middle rate and Zipf
+    traffic: the backend changes how bytes move, not which code plans them, so the rest of the
+    matrix would re-check the same paths.
     """
-    gloo = [
-        (world, optimizer, rate, "gloo")
-        for world in (2, 4)
-        for optimizer in OPTIMIZERS
-        for rate in RATES
-    ]
+    gloo = [(2, optimizer, rate, "gloo") for optimizer in OPTIMIZERS for rate in RATES]
+    gloo += [(4, "sgd", 0.0, "gloo"), (4, "rowwise_adagrad", 0.2, "gloo")]
     freescale = [
-        *((2, optimizer, rate, "freescale") for optimizer in OPTIMIZERS for rate in RATES),
-        (4, "sgd", 0.0, "freescale"),
+        (2, "sgd", 0.0, "freescale"),
+        (2, "rowwise_adagrad", 0.05, "freescale"),
+        (2, "sgd", 0.2, "freescale"),
+        (2, "rowwise_adagrad", 0.5, "freescale"),
+        (2, "sgd", None, "freescale"),
         (4, "sgd", 0.05, "freescale"),
-        (4, "rowwise_adagrad", 0.5, "freescale"),
         (4, "rowwise_adagrad", None, "freescale"),
     ]
     return [
