@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.comm import ranks
+from tests.comm import ipc_ranks, ranks
 from tests.comm.conftest import FAST_FAILURE_ENV, SETUP
 from tests.harness import LocalGroup, RankFailure
 
@@ -31,7 +31,7 @@ def test_paths_within_a_host(fs_group, cuda_path):
         assert report["checked"] == 12
         assert report["mismatch"] == "FreescaleValidationError"
         for row in report["paths"]:
-            want = "ipc: copy-engine pulls" if cuda_path == "ipc" else "staged: staging rings"
+            want = "ipc: copy-engine copies" if cuda_path == "ipc" else "staged: staging rings"
             assert row["cuda"].startswith(want), row
         # Input produced behind ~50 ms of GPU sleep, output consumed and input overwritten on
         # the caller's stream right after the call (sync and async).
@@ -46,11 +46,36 @@ def test_paths_within_a_host(fs_group, cuda_path):
         assert report["after"] == {"mapped": 0, "files": 0}, report["after"]
 
 
-def test_ipc_special_cases(fs_group):
-    for report in fs_group.run(ranks.ipc_special_cases, 3, timeout_s=180):
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ipc_special_cases(world_size):
+    # Fresh ranks: memory cached by earlier tests' segments would not come from the
+    # expandable segments this test asks for.
+    group = LocalGroup(world_size, backend="freescale", setup=SETUP, init_timeout_s=60)
+    try:
+        group.start()
+        reports = group.run(ranks.ipc_special_cases, 3, timeout_s=180)
+    finally:
+        group.close()
+    for report in reports:
         assert report["exportable_True"] is False  # expandable segments: through the scratch
         for validate in (True, False):
             assert all(p.startswith("ipc:") for p in report[f"paths_{validate}"]), report
+
+
+def test_ipc_pushes_small_sends_into_mailboxes(fs_group):
+    from freescale_comm.ipc import MAILBOX_SLOTS
+
+    in_flight, after = range(3 * MAILBOX_SLOTS), range(100, 100 + 2 * MAILBOX_SLOTS)
+    # Every call but the first and those over a slot (each fifth) pushes; of the mismatches
+    # only rank 0's (the others' plans fail locally: they expect more bytes from themselves
+    # than they send, and send nothing), which every peer frees unread.
+    small = sum(1 for k in [*in_flight, *after] if k % 5 != 4)
+    reports = fs_group.run(ipc_ranks.ipc_mailbox_cases, 5, timeout_s=180)
+    for rank, report in enumerate(reports):
+        assert report["checked"] == 1 + len(in_flight) + len(after), report
+        assert report["mismatches"] == MAILBOX_SLOTS + 1, report
+        want = small + (MAILBOX_SLOTS + 1 if rank == 0 else 0)
+        assert report["pushes"] == [want] * (fs_group.spec.world_size - 1), (rank, report)
 
 
 def test_killed_peer_on_ipc_releases_the_gpu():

@@ -130,6 +130,9 @@ class Collective:
         self._ipc: IpcPath | None = None  # IPC: the group's path on this device
         self._export: Export | None = None  # IPC: where this rank's pieces lie, for the peers
         self._pulls: dict[int, list[tuple[Any, Piece]]] = {}  # IPC: where the peers' lie
+        # IPC: the peers that pushed into this rank's mailbox: slot, (receive, where) per piece
+        self._pushed_in: dict[int, tuple[int, list[tuple[Any, Piece]]]] = {}
+        self._pushed_slots: dict[int, int] = {}  # ... their slots, read before the verdict
         self.final: torch.cuda.Event | None = None  # the CUDA end event, once sealed
 
     @property
@@ -196,7 +199,7 @@ class Collective:
                 if transfer.send:
                     by_peer.setdefault(transfer.peer, []).append(transfer.buffer)
             self._ipc = g.ipc(self.plan.cuda_index)
-            self._export = Export(self._ipc, by_peer)
+            self._export = Export(self._ipc, self.seq, self._ready, by_peer)
             self._ipc.started(self.seq)  # only once nothing can raise before it is in flight
         # Room for any peer's folded data, whatever this rank expects: a peer folds by its own
         # sizes and device before anyone knows whether they agree, and a receive buffer that is
@@ -442,6 +445,11 @@ class Collective:
         g = self.group
         size = Signature.size(g.size)
         template = self.plan.template
+        if self.plan.ipc:  # freed unread if the verdict is bad (``_reject``)
+            from freescale_comm.ipc import pushed_slot
+
+            slots = {p: pushed_slot(h[size:]) for p, h in enumerate(self._headers) if p != g.rank}
+            self._pushed_slots = {p: slot for p, slot in slots.items() if slot >= 0}
         if not g.options.validate:  # IPC headers exchanged for their descriptors only
             problem = None
         elif template is not None:
@@ -489,7 +497,7 @@ class Collective:
     def _read_descriptors(self, size: int) -> None:
         """IPC: where each peer's pieces for this rank lie (after the signature in its header),
         paired with this rank's receive buffers in message order."""
-        from freescale_comm.ipc import decode
+        from freescale_comm.ipc import MAILBOX_SLOT_BYTES, MAILBOX_SLOTS, decode
 
         receives: dict[int, list[Any]] = {}
         for transfer in self.plan.transfers:
@@ -499,14 +507,24 @@ class Collective:
         for step in range(1, self.group.size):  # ring order spreads who reads whom at once
             peer = (self.group.rank - step) % self.group.size
             buffers = receives.get(peer, [])
-            gpu, pieces = decode(self._headers[peer][size:], len(buffers))
-            path.shares_gpu |= gpu == path.gpu
+            descriptor = decode(self._headers[peer][size:], len(buffers))
+            path.shares_gpu |= descriptor.gpu == path.gpu
+            path.learn_mailbox(peer, descriptor.mailbox)
+            pieces = descriptor.pieces
             for buffer, piece in zip(buffers, pieces, strict=True):
                 if piece.nbytes != len(buffer):  # validate=False lets mismatched sizes through
                     raise FreescaleError(
                         f"rank {peer} sends {piece.nbytes} bytes into a {len(buffer)}-byte receive"
                     )
-            if buffers:
+            if descriptor.slot >= 0:
+                start = (peer * MAILBOX_SLOTS + descriptor.slot) * MAILBOX_SLOT_BYTES
+                if descriptor.slot >= MAILBOX_SLOTS or any(
+                    p.offset < start or p.offset + p.nbytes > start + MAILBOX_SLOT_BYTES
+                    for p in pieces
+                ):
+                    raise FreescaleError(f"rank {peer} names bytes outside its mailbox slot")
+                self._pushed_in[peer] = (descriptor.slot, list(zip(buffers, pieces, strict=True)))
+            elif buffers:
                 self._pulls[peer] = list(zip(buffers, pieces, strict=True))
 
     def _diagnose(self) -> None:
@@ -534,6 +552,8 @@ class Collective:
         g.discard_early(self.seq)
         if self._early and any(t.send for t in self._posted):
             g.keep_alive(self.plan, self._pinned)
+        if self._pushed_slots:
+            self._ipc.free_slots(self.seq, self._pushed_slots)
         self._fail_locked(problem, "validation")
 
     def _start_data(self) -> None:
@@ -590,15 +610,19 @@ class Collective:
     def _start_ipc(self) -> None:
         """Queues the whole collective on the group's IPC stream and seals it (``ipc``)."""
         path = self._ipc
-        readers = sorted({t.peer for t in self.plan.transfers if t.send})
         try:
             path.enqueue(
-                self.seq, self._ready, self._export, readers, self._pulls, self.plan.local_copies
+                self.seq,
+                self._ready,
+                self._export,
+                self._pushed_in,
+                self._pulls,
+                self.plan.local_copies,
             )
         except FreescaleError as err:  # e.g. a peer's memory that cannot be mapped here
             self._fail_locked(f"CUDA IPC: {err}", "peer")
             return
-        self._pulls = {}
+        self._pulls, self._pushed_in = {}, {}
         stream = path.stream
         if self.plan.copy_back:
             with torch.cuda.stream(stream):

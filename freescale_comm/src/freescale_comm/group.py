@@ -233,6 +233,7 @@ class GroupContext:
                     "ring_messages": (link.sent, link.received) if link else (0, 0),
                     "ring_slots": link.inc.slots if link else 0,
                     "cuda": self._cuda_path_of(peer),
+                    "ipc_pushes": sum(path.pushes_to(peer) for path in self._ipc.values()),
                 }
             )
         return rows
@@ -254,10 +255,14 @@ class GroupContext:
         """How CUDA bytes travel to ``peer``, and why (``freescale comm info``)."""
         path = self.cuda_path()
         if path == "ipc":
+            from freescale_comm.ipc import MAILBOX_SLOT_BYTES
+
             return (
-                "ipc: copy-engine pulls from the peer's memory (CUDA IPC), flags in shared "
-                "page-locked memory; every peer on this host (a call whose descriptors do not "
-                "fit in eager_bytes is staged)"
+                "ipc: copy-engine copies through CUDA IPC (sends that fit a mailbox slot "
+                f"of {MAILBOX_SLOT_BYTES >> 10} KiB pushed into the peer's mailbox at the "
+                "call, larger ones pulled from the sender's memory), flags in shared page-locked "
+                "memory; every peer on this host (a call whose descriptors do not fit in "
+                "eager_bytes is staged)"
             )
         if path == "direct":
             return "direct: UCX device buffers (cuda_ipc / GPUDirect RDMA); cuda_path=" + (
@@ -287,7 +292,7 @@ class GroupContext:
             from freescale_comm.ipc import IpcPath
 
             links = {p: link for p, link in enumerate(self._links) if link is not None}
-            path = self._ipc[device] = IpcPath(device, links)
+            path = self._ipc[device] = IpcPath(device, links, self.rank, self.size)
         return path
 
     def next_seq(self) -> int:

@@ -1,4 +1,4 @@
-"""The CUDA IPC path between ranks of one host: copy-engine pulls, ordered on the GPU by flags.
+"""The CUDA IPC path between ranks of one host: copy-engine copies, ordered on the GPU by flags.
 
 Every rank of a collective tells each peer, in its validation header, where the bytes meant for
 that peer lie: a CUDA IPC handle of the allocation and an offset (``Descriptor``). Once a rank
@@ -38,6 +38,21 @@ would meet it, cannot run, so there each collective is queued only once the prev
 finished (measured on one H200 shared by 2 ranks: 4.4 ms per back-to-back 8-byte AllToAll
 without this, 1.3 ms with it).
 
+Small sends are pushed instead of pulled. Each rank keeps a mailbox, a device allocation of its own
+with ``MAILBOX_SLOTS`` slots of ``MAILBOX_SLOT_BYTES`` per sender, whose handle every descriptor
+carries; once a rank has mapped a peer's mailbox, a send to that peer that fits a slot is copied
+into it at the call, before any header leaves, on the group's push stream (behind the caller's
+stream, and behind the receiver's flag that it has read the slot's previous content), followed by a
+"pushed" flag. (A stream of their own: a push may wait for the receiver's read of an earlier
+collective, which must not hold this rank's IPC stream behind it.) The receiver's queued collective
+waits for that flag and copies out of its own mailbox into the output, so the outputs are still
+written only after the verdict, but the copy between the processes overlaps the header exchange,
+and no GPU waits for another's verdict (a pull waits for the peer's queued "ready" and then the
+peer waits for the puller's "read"). A collective that
+fails its verdict frees the slots pushed to it with CPU stores: the slot's next push is behind the
+failed one on the sender's push stream, so the store cannot let it overwrite bytes still to be
+read.
+
 Memory that CUDA IPC cannot export (``expandable_segments``, virtual memory management) is copied
 into a scratch allocation of the group's own first, on the same stream. A peer's allocation is
 mapped on its first use (0.13–0.20 ms each on the H200) and kept, up to 64 per peer: a training
@@ -50,6 +65,7 @@ import collections
 import ctypes
 import logging
 import struct
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,12 +91,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _ENTRY = struct.Struct("<64sQQ")  # handle, offset in the allocation, bytes
-_COUNT = struct.Struct("<16sQ")  # the sender's GPU (UUID), pieces
+# The sender's GPU (UUID), its mailbox's handle, the receiver's mailbox slot its pieces were
+# pushed into (-1: pull them from the handles named), pieces.
+_COUNT = struct.Struct("<16s64sqQ")
+_NO_HANDLE = bytes(64)
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*flag - value) >= 0
 _WRITE_DEFAULT = 0x0  # with a memory barrier: earlier copies are visible first
 _LAZY_PEER_ACCESS = 0x1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 _FLAG_PAGE = 4096
-_READY, _DONE = 16, 24  # uint64 indices in a ring's control block (``shm._CTRL_BYTES``)
+# uint64 indices in a ring's control block (``shm._CTRL_BYTES``): "inputs ready", "read yours",
+# "pushed into your mailbox", and per mailbox slot "read what you pushed there".
+_READY, _DONE, _PUSHED, _CONSUMED = 16, 24, 20, 28
+MAILBOX_SLOTS = 4
+MAILBOX_SLOT_BYTES = 256 << 10
 _RELEASE = 1 << 30  # abort: flags set this far ahead let every queued wait pass
 _MAPS_PER_PEER = 64
 
@@ -92,28 +115,50 @@ def pieces_in(room: int) -> int:
 
 @dataclass(frozen=True)
 class Piece:
-    """Where a peer's bytes for this rank lie: an allocation (its IPC handle), offset, size."""
+    """Where a peer's bytes for this rank lie: an allocation (its IPC handle), offset, size;
+    pushed pieces lie in this rank's mailbox, at that offset."""
 
     handle: bytes
     offset: int
     nbytes: int
 
 
-def encode(gpu: bytes, pieces: Sequence[tuple[bytes, int, int]]) -> np.ndarray:
-    """A descriptor: the sender's GPU, then per piece (handle, offset, bytes) in message order."""
-    data = _COUNT.pack(gpu, len(pieces)) + b"".join(_ENTRY.pack(*p) for p in pieces)
+@dataclass(frozen=True)
+class Descriptor:
+    """What one rank's header tells a peer: the sender's GPU and mailbox, the slot of the
+    peer's mailbox its pieces were pushed into (-1: none), and where the pieces lie."""
+
+    gpu: bytes
+    mailbox: bytes
+    slot: int
+    pieces: list[Piece]
+
+
+def encode(
+    gpu: bytes, mailbox: bytes, slot: int, pieces: Sequence[tuple[bytes, int, int]]
+) -> np.ndarray:
+    """A descriptor: its fixed part, then per piece (handle, offset, bytes) in message order."""
+    data = _COUNT.pack(gpu, mailbox, slot, len(pieces)) + b"".join(_ENTRY.pack(*p) for p in pieces)
     return np.frombuffer(data, dtype=np.uint8)
 
 
-def decode(message: np.ndarray, pieces: int) -> tuple[bytes, list[Piece]]:
-    """The sender's GPU and the pieces of a descriptor (at the start of ``message``), which
-    must name ``pieces`` of them."""
-    gpu, count = _COUNT.unpack(message[: _COUNT.size].tobytes())
+def decode(message: np.ndarray, pieces: int) -> Descriptor:
+    """The descriptor at the start of ``message``, which must name ``pieces`` pieces."""
+    gpu, mailbox, slot, count = _COUNT.unpack(message[: _COUNT.size].tobytes())
     end = _COUNT.size + count * _ENTRY.size
     if count != pieces or len(message) < end:
         raise FreescaleError(f"a CUDA IPC descriptor names {count} pieces, {pieces} expected")
     raw = message[_COUNT.size : end].tobytes()
-    return gpu, [Piece(*entry) for entry in _ENTRY.iter_unpack(raw)]
+    return Descriptor(gpu, mailbox, slot, [Piece(*entry) for entry in _ENTRY.iter_unpack(raw)])
+
+
+def pushed_slot(message: np.ndarray) -> int:
+    """The mailbox slot a header's descriptor says its pieces were pushed into (-1: none, or
+    no descriptor there); read without judging the header (``IpcPath.free_slots``)."""
+    if len(message) < _COUNT.size:
+        return -1
+    slot = _COUNT.unpack(message[: _COUNT.size].tobytes())[2]
+    return slot if 0 <= slot < MAILBOX_SLOTS else -1
 
 
 class _Scratch:
@@ -157,20 +202,28 @@ _Entry = tuple[bytes | None, int, int]  # (IPC handle, None: the scratch; offset
 
 
 class Export:
-    """This rank's side of one IPC collective: the descriptor for each peer, and the copies into
-    scratch that its memory IPC cannot export needs (queued before the ready flags).
+    """This rank's side of one IPC collective, made at the call: the sends pushed into peers'
+    mailboxes, the descriptor for each peer, and the copies into scratch that memory IPC cannot
+    export needs (queued before the ready flags).
 
     Args:
-        path: the group's IPC path (its scratch allocation).
+        path: the group's IPC path.
+        seq: the collective's sequence number.
+        ready: the event of the caller's stream at the call.
         sends: per peer, the send buffers meant for it, in message order.
     """
 
-    def __init__(self, path: IpcPath, sends: dict[int, list[Any]]) -> None:
+    def __init__(
+        self, path: IpcPath, seq: int, ready: torch.cuda.Event, sends: dict[int, list[Any]]
+    ) -> None:
         self.scratch_copies: list[tuple[int, Any]] = []  # (scratch offset, source bytes)
+        pushed, self.push_done = path.push(seq, ready, sends)
+        # The peers that read this rank's memory (and whose "read yours" it waits for).
+        self.readers = sorted(peer for peer in sends if peer not in pushed)
         cu = driver()
         replaced = cu.bind(path.device)
         try:
-            entries = self._locate(sends)
+            entries = self._locate({p: b for p, b in sends.items() if p not in pushed})
         finally:
             cu.restore(replaced)
         if self.scratch_copies:
@@ -179,13 +232,19 @@ class Export:
         # The allocation the descriptors name: a later collective may replace the scratch
         # before this one is queued (replaced ones live as long as the group).
         self.scratch_pointer = path.scratch.pointer
-        self._gpu = path.gpu
+        self._gpu, self._mailbox = path.gpu, path.mailbox.handle
         self._descriptors = {
             peer: encode(
-                self._gpu, [(h if h is not None else path.scratch.handle, o, n) for h, o, n in e]
+                self._gpu,
+                self._mailbox,
+                -1,
+                [(h if h is not None else path.scratch.handle, o, n) for h, o, n in e],
             )
             for peer, e in entries.items()
         }
+        for peer, (slot, places) in pushed.items():
+            pieces = [(_NO_HANDLE, offset, nbytes) for offset, nbytes in places]
+            self._descriptors[peer] = encode(self._gpu, self._mailbox, slot, pieces)
 
     def _locate(self, sends: dict[int, list[Any]]) -> dict[int, list[_Entry]]:
         """Per peer, (handle, offset, bytes) of each send; handle None: in the scratch
@@ -216,7 +275,7 @@ class Export:
     def descriptor(self, peer: int) -> np.ndarray:
         """The descriptor of the send buffers meant for ``peer`` (none: an empty one)."""
         found = self._descriptors.get(peer)
-        return found if found is not None else encode(self._gpu, [])
+        return found if found is not None else encode(self._gpu, self._mailbox, -1, [])
 
 
 def _export(pointer: int) -> tuple[int, bytes] | None:
@@ -251,24 +310,28 @@ class _PeerMaps:
             unused = [h for h in self._maps if h not in keep]  # least recently used first
             for old in unused[: len(self._maps) - _MAPS_PER_PEER + 1]:
                 driver().ipc_close_mem_handle(self._maps.pop(old))
-        cu = driver()
-        value = IpcHandle.from_buffer_copy(handle)
-        mapped_at = ctypes.c_uint64()
-        code = cu.ipc_open_mem_handle(ctypes.byref(mapped_at), value, _LAZY_PEER_ACCESS)
-        if code != 0:
-            raise FreescaleError(
-                f"cuIpcOpenMemHandle of a peer's memory failed with CUresult {code} (processes "
-                "in separate containers, or GPUs without peer access?); cuda_path='staged' avoids "
-                "CUDA IPC"
-            )
-        self._maps[handle] = mapped_at.value
-        return mapped_at.value
+        mapped = self._maps[handle] = _open(handle)
+        return mapped
 
     def close(self) -> None:
         cu = driver()
         for mapped in self._maps.values():
             cu.ipc_close_mem_handle(mapped)
         self._maps.clear()
+
+
+def _open(handle: bytes) -> int:
+    """Maps a peer's allocation (its IPC handle) into this process; returns its address."""
+    value = IpcHandle.from_buffer_copy(handle)
+    mapped_at = ctypes.c_uint64()
+    code = driver().ipc_open_mem_handle(ctypes.byref(mapped_at), value, _LAZY_PEER_ACCESS)
+    if code != 0:
+        raise FreescaleError(
+            f"cuIpcOpenMemHandle of a peer's memory failed with CUresult {code} (processes "
+            "in separate containers, or GPUs without peer access?); cuda_path='staged' avoids "
+            "CUDA IPC"
+        )
+    return mapped_at.value
 
 
 class _Flags:
@@ -296,14 +359,23 @@ class _Flags:
         out, inc = bases
         self.my_ready, self.my_done = out + 8 * _READY, out + 8 * _DONE
         self.peer_ready, self.peer_done = inc + 8 * _READY, inc + 8 * _DONE
+        self.my_pushed, self.peer_pushed = out + 8 * _PUSHED, inc + 8 * _PUSHED
+        self.my_consumed = [out + 8 * (_CONSUMED + slot) for slot in range(MAILBOX_SLOTS)]
+        self.peer_consumed = [inc + 8 * (_CONSUMED + slot) for slot in range(MAILBOX_SLOTS)]
+
+    def consume(self, slot: int, seq: int) -> None:
+        """Frees a slot the peer pushed collective ``seq`` into, unread (a CPU store)."""
+        ring = self._rings[0]
+        if ring.ctrl is not None:
+            ring.ctrl[_CONSUMED + slot] = seq & 0xFFFFFFFF
 
     def release(self, seq: int) -> None:
         """Sets every flag of the pair far past ``seq`` (CPU stores): queued waits pass."""
         value = (seq + _RELEASE) & 0xFFFFFFFF
         for ring in self._rings:
             if ring.ctrl is not None:
-                ring.ctrl[_READY] = value
-                ring.ctrl[_DONE] = value
+                for index in (_READY, _DONE, _PUSHED, *range(_CONSUMED, _CONSUMED + MAILBOX_SLOTS)):
+                    ring.ctrl[index] = value
 
     def close(self) -> None:
         for page in self._pages:
@@ -312,18 +384,30 @@ class _Flags:
 
 
 class IpcPath:
-    """One group's IPC machinery on one device: its stream, the pairs' flags, mapped peer
-    memory, the scratch allocation. Made on the group's first IPC collective.
+    """One group's IPC machinery on one device: its streams, the pairs' flags, mapped peer
+    memory, the mailbox and the scratch allocation. Made on the group's first IPC collective.
 
     Args:
         device: the CUDA device of the group's tensors.
         links: the shared-memory links with the peers on this host, by group rank.
+        rank: this rank in the group.
+        size: the group's size.
     """
 
-    def __init__(self, device: int, links: dict[int, Link]) -> None:
+    def __init__(self, device: int, links: dict[int, Link], rank: int, size: int) -> None:
         self.device = device
+        self._rank = rank
         self._maps: dict[int, _PeerMaps] = collections.defaultdict(_PeerMaps)
         self.scratch = _Scratch(device)
+        # Every sender's slots, by group rank (this rank's own go unused: simpler offsets).
+        self.mailbox = _Scratch(device)
+        self.mailbox.fit(size * MAILBOX_SLOTS * MAILBOX_SLOT_BYTES)
+        self._mailbox_handles: dict[int, bytes] = {}  # the peers' mailboxes, as learned
+        self._mailbox_at: dict[int, int] = {}  # ... and where they are mapped here
+        self._pushes: collections.Counter[int] = collections.Counter()  # per peer
+        self._slot_seq: dict[tuple[int, int], int] = {}  # (peer, slot): its last push's seq
+        self._last_push = 0
+        self._push_lock = threading.Lock()
         self.gpu = driver().device_uuid(device)
         self._last_seq = 0
         # IPC collectives started (``start``, call order) and not yet queued: queued in
@@ -337,6 +421,8 @@ class IpcPath:
         # One stream for every IPC collective of the group: collectives run in call order,
         # each one's flag writes before its waits (see the module docstring).
         self.stream = _new_stream(device)
+        # The pushes of every collective, in call order (their flags grow in stream order).
+        self.push_stream = _new_stream(device)
         # Page-locked now, before any wait is queued: registering memory may wait for the GPU.
         self._flags: dict[int, _Flags] = {}
         try:
@@ -345,6 +431,73 @@ class IpcPath:
         except FreescaleError:
             self.close()
             raise
+
+    def push(
+        self, seq: int, ready: torch.cuda.Event, sends: dict[int, list[Any]]
+    ) -> tuple[dict[int, tuple[int, list[tuple[int, int]]]], torch.cuda.Event | None]:
+        """Queues on the push stream the copies of the sends that fit a slot of a mailbox this
+        rank has mapped (see the module docstring).
+
+        Returns:
+            Per peer pushed to: the slot and, per send, (offset in its mailbox, bytes); and the
+            push stream's event after the copies (None: nothing pushed).
+        """
+        targets = {
+            peer: buffers
+            for peer, buffers in sends.items()
+            if peer in self._mailbox_at and sum(len(b) for b in buffers) <= MAILBOX_SLOT_BYTES
+        }
+        if not targets:
+            return {}, None
+        with self._push_lock:
+            if seq <= self._last_push:  # started out of call order by another thread: pulled
+                return {}, None
+            self._last_push = seq
+            cu = driver()
+            replaced = cu.bind(self.device)
+            try:
+                stream = self.push_stream
+                stream.wait_event(ready)
+                handle = ctypes.c_void_p(stream.cuda_stream)
+                pushed = {}
+                for peer, buffers in targets.items():
+                    flags = self._flags[peer]
+                    slot = self._pushes[peer] % MAILBOX_SLOTS
+                    self._pushes[peer] += 1
+                    previous = self._slot_seq.get((peer, slot))
+                    if previous is not None:  # the receiver has read the slot's last push
+                        _wait(cu, handle, flags.peer_consumed[slot], previous & 0xFFFFFFFF)
+                    self._slot_seq[peer, slot] = seq
+                    offset = (self._rank * MAILBOX_SLOTS + slot) * MAILBOX_SLOT_BYTES
+                    places = []
+                    for buffer in buffers:
+                        nbytes = len(buffer)
+                        _copy(cu, self._mailbox_at[peer] + offset, address(buffer), nbytes, handle)
+                        places.append((offset, nbytes))
+                        offset += nbytes
+                    _write(cu, handle, flags.my_pushed, seq & 0xFFFFFFFF)
+                    pushed[peer] = (slot, places)
+                done = torch.cuda.Event()
+                done.record(stream)
+            finally:
+                cu.restore(replaced)
+        return pushed, done
+
+    def pushes_to(self, peer: int) -> int:
+        """How many collectives pushed their sends into ``peer``'s mailbox."""
+        return self._pushes[peer]
+
+    def learn_mailbox(self, peer: int, handle: bytes) -> None:
+        """A peer's mailbox, named in its descriptor: mapped before the next collective is
+        queued, pushed into from the call after that."""
+        if handle != _NO_HANDLE:
+            self._mailbox_handles.setdefault(peer, handle)
+
+    def free_slots(self, seq: int, slots: dict[int, int]) -> None:
+        """Frees the slots (by peer) that the peers pushed collective ``seq`` into, which
+        failed its verdict unread (see the module docstring)."""
+        for peer, slot in slots.items():
+            self._flags[peer].consume(slot, seq)
 
     def started(self, seq: int) -> None:
         """Collective ``seq`` takes this path (called in call order)."""
@@ -368,7 +521,7 @@ class IpcPath:
         seq: int,
         ready: torch.cuda.Event,
         export: Export,
-        readers: Sequence[int],
+        pushed_in: dict[int, tuple[int, list[tuple[Any, Piece]]]],
         pulls: dict[int, list[tuple[Any, Piece]]],
         local_copies: Sequence[tuple[Any, Any]],
     ) -> None:
@@ -377,8 +530,9 @@ class IpcPath:
         Args:
             seq: the collective's sequence number in the group (the same on every rank).
             ready: the event of the caller's stream at the call.
-            export: this rank's side (scratch copies to make first).
-            readers: the peers that pull from this rank.
+            export: this rank's side (its pushes, its readers, scratch copies to make first).
+            pushed_in: per peer that pushed into this rank's mailbox: the slot, and per piece
+                (destination bytes, where in the mailbox it lies).
             pulls: per peer this rank pulls from, in the order to visit them: (destination
                 bytes, where they lie).
             local_copies: (destination, source) bytes of this rank's own piece.
@@ -397,23 +551,35 @@ class IpcPath:
                     (address(dst), maps.pointer(p.handle, stream, keep) + p.offset, p.nbytes)
                     for dst, p in pieces
                 ]
+            for peer, mailbox in self._mailbox_handles.items():
+                if peer not in self._mailbox_at:
+                    self._mailbox_at[peer] = _open(mailbox)
             handle = ctypes.c_void_p(stream.cuda_stream)
             stream.wait_event(ready)
+            if export.push_done is not None:  # the inputs are read until then
+                stream.wait_event(export.push_done)
             flag = seq & 0xFFFFFFFF
             self._last_seq = seq
             for offset, source in export.scratch_copies:
                 _copy(cu, export.scratch_pointer + offset, address(source), len(source), handle)
-            for peer in readers:
+            for peer in export.readers:
                 _write(cu, handle, self._flags[peer].my_ready, flag)
             for dst, src in local_copies:
                 _copy(cu, address(dst), address(src), len(src), handle)
+            for peer, (slot, pieces) in pushed_in.items():
+                flags = self._flags[peer]
+                _wait(cu, handle, flags.peer_pushed, flag)
+                for dst, piece in pieces:
+                    source = self.mailbox.pointer + piece.offset
+                    _copy(cu, address(dst), source, piece.nbytes, handle)
+                _write(cu, handle, flags.my_consumed[slot], flag)
             for peer, copies in sources.items():
                 flags = self._flags[peer]
                 _wait(cu, handle, flags.peer_ready, flag)
                 for dst, src, nbytes in copies:
                     _copy(cu, dst, src, nbytes, handle)
                 _write(cu, handle, flags.my_done, flag)
-            for peer in readers:
+            for peer in export.readers:
                 _wait(cu, handle, self._flags[peer].peer_done, flag)
         finally:
             cu.restore(replaced)
@@ -429,7 +595,7 @@ class IpcPath:
         and again for as long once more (a peer's late flag write can undo a release); a stream
         that still does not drain keeps its memory (logged) rather than hang the shutdown."""
         start = time.monotonic()
-        while not self.stream.query():
+        while not (self.stream.query() and self.push_stream.query()):
             waited = time.monotonic() - start
             if waited > 2 * _CLOSE_WAIT_S:
                 logger.warning(
@@ -445,11 +611,16 @@ class IpcPath:
         replaced = cu.bind(self.device)
         try:
             _destroy_stream(self.device, self.stream)
+            _destroy_stream(self.device, self.push_stream)
             for maps in self._maps.values():
                 maps.close()
+            for mapped in self._mailbox_at.values():
+                cu.ipc_close_mem_handle(mapped)
+            self._mailbox_at = {}
             for flags in self._flags.values():
                 flags.close()
             self.scratch.close()
+            self.mailbox.close()
         finally:
             cu.restore(replaced)
 
