@@ -277,16 +277,22 @@ def test_ipc_descriptors_round_trip_and_refuse_a_wrong_count():
     from freescale_comm import ipc
 
     pieces = [(bytes(range(64)), 5, 7), (bytes(64), 1 << 40, 11)]
-    gpu = bytes(range(100, 116))
+    gpu, mailbox = bytes(range(100, 116)), bytes(range(1, 65))
     room = np.full(1000, 255, dtype=np.uint8)  # a header's room: the descriptor, then garbage
-    message = ipc.encode(gpu, pieces)
+    message = ipc.encode(gpu, mailbox, 2, pieces)
     room[: len(message)] = message
-    sender, got = ipc.decode(room, 2)
-    assert sender == gpu and [(p.handle, p.offset, p.nbytes) for p in got] == pieces
+    got = ipc.decode(room, 2)
+    assert (got.gpu, got.mailbox, got.slot) == (gpu, mailbox, 2)
+    assert [(p.handle, p.offset, p.nbytes) for p in got.pieces] == pieces
+    assert ipc.pushed_slot(room) == 2
     with pytest.raises(FreescaleError, match="names 2 pieces, 3 expected"):
         ipc.decode(room, 3)
-    assert ipc.decode(ipc.encode(gpu, []), 0) == (gpu, [])
-    assert ipc.pieces_in(24 + 80 * 3 + 79) == 3 and ipc.pieces_in(0) == 0
+    pulled = ipc.encode(gpu, mailbox, -1, [])
+    assert ipc.decode(pulled, 0) == ipc.Descriptor(gpu, mailbox, -1, [])
+    assert ipc.pushed_slot(pulled) == -1 and ipc.pushed_slot(pulled[:10]) == -1
+    # A slot a mailbox does not have is not one the receiver frees.
+    assert ipc.pushed_slot(ipc.encode(gpu, mailbox, ipc.MAILBOX_SLOTS, [])) == -1
+    assert ipc.pieces_in(96 + 80 * 3 + 79) == 3 and ipc.pieces_in(0) == 0
 
 
 def test_device_bytes_slice_like_flat_bytes():
