@@ -23,23 +23,30 @@ __all__ = ["GroupSpec", "LocalGroup", "LocalGroups", "RankFailure", "run_ranks"]
 
 
 class LocalGroups:
-    """One started ``LocalGroup`` per (world size, backend, options), shared across tests."""
+    """One started ``LocalGroup`` per configuration (``GroupSpec``), shared across tests.
+
+    Configurations compare as specs, so ``init_timeout_s=60`` and the default (60 s) name the
+    same group.
+    """
 
     def __init__(self) -> None:
-        self._groups: dict[tuple, LocalGroup] = {}
+        self._groups: list[LocalGroup] = []
 
     def get(self, world_size: int, backend: str = "gloo", **spec: Any) -> LocalGroup:
-        key = (world_size, backend, tuple(sorted((k, repr(v)) for k, v in spec.items())))
-        if key not in self._groups:
-            # Groups of another backend belong to tests already run: stop them so their ranks
-            # (and their progress threads) do not compete with the new ones for a small machine.
-            for other_key, group in self._groups.items():
-                if other_key[1] != backend:
-                    group.close()
-            self._groups[key] = LocalGroup(world_size, backend, **spec)
-        return self._groups[key]
+        wanted = GroupSpec(world_size, backend, **spec)
+        for group in self._groups:
+            if group.spec == wanted:
+                return group
+        # Groups of another backend belong to tests already run: stop them so their ranks
+        # (and their progress threads) do not compete with the new ones for a small machine.
+        for group in self._groups:
+            if group.spec.backend != backend:
+                group.close()
+        group = LocalGroup.of(wanted)
+        self._groups.append(group)
+        return group
 
     def close(self) -> None:
-        for group in self._groups.values():
+        for group in self._groups:
             group.close()
         self._groups.clear()
