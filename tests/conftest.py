@@ -16,6 +16,9 @@ if not torch.cuda.is_available():
 
 from tests.harness import LocalGroups
 
+# Which test process runs the tests that share started groups (see the module).
+pytest_plugins = ["tests.xdist_groups"]
+
 
 @pytest.fixture(scope="session")
 def local_groups() -> Iterator[LocalGroups]:

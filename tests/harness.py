@@ -4,7 +4,8 @@ The launcher is ``freescale_comm._local_ranks`` (the bench commands use the same
 a rank costs seconds (importing torch on a small machine), so a ``LocalGroup`` starts its
 processes once and then runs any number of functions on all ranks, each run bounded in time,
 with every rank's own traceback when one raises, hangs or dies. ``LocalGroups`` keeps one started
-group per configuration across tests.
+group per configuration across tests; the tests that use it run in one test process per backend
+(``tests/xdist_groups.py``), so each configuration starts once in a run.
 
 Example::
 

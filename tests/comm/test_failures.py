@@ -10,6 +10,7 @@ import pytest
 from tests.comm import ranks
 from tests.comm.conftest import FAST_FAILURE_ENV, SETUP
 from tests.harness import LocalGroup, RankFailure
+from tests.xdist_groups import GLOO_GROUPS
 
 
 def test_bad_inputs_fail_on_every_rank_before_data_moves(fs_group):
@@ -66,6 +67,7 @@ def test_killed_peer_makes_every_survivor_raise(world_size):
     assert f"rank {world_size - 1}" in report.split("survivor")[1]
 
 
+@GLOO_GROUPS
 def test_destroy_leaves_no_threads(local_groups):
     group = local_groups.get(2)  # a Gloo world; the freescale group is made inside it
     for result in group.run(ranks.threads_after_destroy):

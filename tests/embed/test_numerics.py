@@ -18,6 +18,7 @@ from freescale_embed import SGD, Adam, RowWiseAdagrad
 from tests.embed import ranks
 from tests.embed.test_inputs import bad_batch
 from tests.harness import LocalGroup, LocalGroups
+from tests.xdist_groups import FREESCALE_GROUPS
 
 OPTIMIZERS = {"sgd": SGD(lr=0.1), "rowwise_adagrad": RowWiseAdagrad(lr=0.1)}
 # Exact collision rates of consecutive steps, and plain Zipf IDs over the whole table (None),
@@ -63,7 +64,7 @@ def _cases() -> list[Any]:
         pytest.param(
             *case,
             id=f"{case[3]}-{case[0]}ranks-{case[1]}-{_rate_id(case[2])}",
-            marks=[FREESCALE] if case[3] == "freescale" else [],
+            marks=[FREESCALE, FREESCALE_GROUPS] if case[3] == "freescale" else [],
         )
         for case in gloo + freescale
     ]
@@ -144,6 +145,7 @@ def test_prioritized_is_bitwise_sync_and_sync_is_the_reference(
 
 
 @FREESCALE
+@FREESCALE_GROUPS
 @pytest.mark.parametrize("mode", ["sync", "prioritized"])
 def test_bad_input_raises_everywhere_on_freescale(local_groups, mode):
     # The error path gathers every rank's message with the channel's own AllGathers.
@@ -153,6 +155,7 @@ def test_bad_input_raises_everywhere_on_freescale(local_groups, mode):
 
 
 @FREESCALE
+@FREESCALE_GROUPS
 def test_prefetch_group_of_cpu_tables_is_gloo(local_groups):
     results = _group(local_groups, 2, "freescale").run(ranks.prefetch_group_backend)
     assert results == [["gloo", [0, 1]]] * 2
