@@ -35,21 +35,28 @@ def stop_during_collective(victim: int, delay_s: float) -> float:
     return _loop_until_error(None, f"survivor {rank}")
 
 
-def abort_during_collective(aborter: int, delay_s: float) -> float:
-    """One rank calls ``abort()`` on a freescale subgroup the others are using."""
+def abort_during_collective(aborter: int, delay_s: float) -> dict[str, object]:
+    """One rank calls ``abort()`` on a freescale subgroup the others are using (short liveness
+    periods, as ``FAST_FAILURE_ENV`` gives a world); every rank then destroys it, and the world
+    must still work. Returns the rank's error message (the aborter: ``None``) and the world's
+    AllGather after it."""
+    from freescale_comm import FreescaleOptions
+
     rank = dist.get_rank()
-    group = dist.new_group(backend="freescale", timeout=timedelta(seconds=60))
+    options = FreescaleOptions(heartbeat_s=0.5, dead_after_s=3.0)
+    group = dist.new_group(backend="freescale", timeout=timedelta(seconds=60), pg_options=options)
     out = torch.empty(dist.get_world_size())
     dist.all_gather_into_tensor(out, torch.tensor([float(rank)]), group=group)
     dist.barrier()
+    error = None
     if rank == aborter:
         time.sleep(delay_s)
         group.abort()
-        return 0.0
-    try:
-        return _loop_until_error(group, f"rank {rank}")
-    finally:
-        dist.destroy_process_group(group)
+    else:
+        error = _error_of(lambda: _loop_until_error(group, f"rank {rank}"))
+    dist.destroy_process_group(group)
+    dist.all_gather_into_tensor(out, torch.tensor([float(rank)]))
+    return {"error": error, "world": out.tolist()}
 
 
 def dead_peer_in_one_of_two_groups(victim: int, rounds: int) -> dict[str, object]:
