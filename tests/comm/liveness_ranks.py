@@ -25,14 +25,31 @@ def _loop_until_error(group: dist.ProcessGroup | None, what: str) -> float:
 
 
 def stop_during_collective(victim: int, delay_s: float) -> float:
-    """The victim stops itself (SIGSTOP: alive, silent); the others must raise naming it."""
-    rank = dist.get_rank()
+    """The victim stops itself (SIGSTOP: alive, silent); the others must raise naming it. Once
+    every survivor has raised, survivor 0 resumes the victim (SIGCONT), so that the run ends
+    then and not at its bound."""
+    from freescale_comm._local_ranks import store_port
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    pids: list[int | None] = [None] * n
+    dist.all_gather_object(pids, os.getpid())
     dist.barrier()
     if rank == victim:
         time.sleep(delay_s)
         os.kill(os.getpid(), signal.SIGSTOP)
         return 0.0
-    return _loop_until_error(None, f"survivor {rank}")
+    try:
+        return _loop_until_error(None, f"survivor {rank}")
+    finally:
+        store = dist.TCPStore(
+            "127.0.0.1", store_port(), is_master=False, timeout=timedelta(seconds=30)
+        )
+        store.add("survivors_raised", 1)
+        if rank == 0:
+            deadline = time.monotonic() + 30
+            while store.add("survivors_raised", 0) < n - 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(pids[victim], signal.SIGCONT)
 
 
 def abort_during_collective(aborter: int, delay_s: float) -> dict[str, object]:
