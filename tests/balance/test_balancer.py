@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,6 +17,7 @@ from freescale_balance import (
     JaggedBatch,
     JaggedTensor,
 )
+from freescale_balance.exchange import KERNELS_ENV, kernels_enabled
 
 POLICIES = ("none", "fbs", "vbs", "kk")
 
@@ -273,9 +277,17 @@ def test_unshuffle_refuses_outputs_that_do_not_match_the_plan(local_groups):
     assert "rank 0: outputs hold" in messages[0]
 
 
+def round_trip_without_kernels(policy: str, seed: int, sizes: list[int]) -> dict:
+    """``round_trip`` with ``FREESCALE_BALANCE_KERNELS=0`` (read when a batch is packed): the
+    built-in packing."""
+    with mock.patch.dict(os.environ, {KERNELS_ENV: "0"}):
+        assert not kernels_enabled()
+        return round_trip(policy, seed, sizes)
+
+
 def test_built_in_packing_matches_when_freescale_kernels_is_disabled(local_groups):
-    group = local_groups.get(2, env={"FREESCALE_BALANCE_KERNELS": "0"})
-    results = group.run(round_trip, "kk", 11, [9, 4])
+    # On the shared ranks: the variable is read at each packing, not at import.
+    results = local_groups.get(2).run(round_trip_without_kernels, "kk", 11, [9, 4])
     assert sum(r["received"] for r in results) == 13
 
 
