@@ -497,7 +497,7 @@ class Collective:
     def _read_descriptors(self, size: int) -> None:
         """IPC: where each peer's pieces for this rank lie (after the signature in its header),
         paired with this rank's receive buffers in message order."""
-        from freescale_comm.ipc import MAILBOX_SLOT_BYTES, MAILBOX_SLOTS, decode
+        from freescale_comm.ipc import MAILBOX_SLOT_BYTES, MAILBOX_SLOTS, decode, slot_offset
 
         receives: dict[int, list[Any]] = {}
         for transfer in self.plan.transfers:
@@ -517,7 +517,7 @@ class Collective:
                         f"rank {peer} sends {piece.nbytes} bytes into a {len(buffer)}-byte receive"
                     )
             if descriptor.slot >= 0:
-                start = (peer * MAILBOX_SLOTS + descriptor.slot) * MAILBOX_SLOT_BYTES
+                start = slot_offset(peer, descriptor.slot)
                 if descriptor.slot >= MAILBOX_SLOTS or any(
                     p.offset < start or p.offset + p.nbytes > start + MAILBOX_SLOT_BYTES
                     for p in pieces

@@ -152,6 +152,11 @@ def decode(message: np.ndarray, pieces: int) -> Descriptor:
     return Descriptor(gpu, mailbox, slot, [Piece(*entry) for entry in _ENTRY.iter_unpack(raw)])
 
 
+def slot_offset(sender: int, slot: int) -> int:
+    """Where a sender's slot starts in a receiver's mailbox (every sender's slots, by rank)."""
+    return (sender * MAILBOX_SLOTS + slot) * MAILBOX_SLOT_BYTES
+
+
 def pushed_slot(message: np.ndarray) -> int:
     """The mailbox slot a header's descriptor says its pieces were pushed into (-1: none, or
     no descriptor there); read without judging the header (``IpcPath.free_slots``)."""
@@ -468,7 +473,7 @@ class IpcPath:
                     if previous is not None:  # the receiver has read the slot's last push
                         _wait(cu, handle, flags.peer_consumed[slot], previous & 0xFFFFFFFF)
                     self._slot_seq[peer, slot] = seq
-                    offset = (self._rank * MAILBOX_SLOTS + slot) * MAILBOX_SLOT_BYTES
+                    offset = slot_offset(self._rank, slot)
                     places = []
                     for buffer in buffers:
                         nbytes = len(buffer)
