@@ -214,6 +214,48 @@ def in_place_all_gather(elements: int) -> bool:
     return True
 
 
+def overlapping_inputs(elements: int, cuda_path: str | None = None) -> list[str]:
+    """AllToAlls whose input is their output, and an AllGather whose input overlaps a slot that
+    receives a peer's piece: every result as if the input had been copied first. On CUDA
+    tensors over a group forced to ``cuda_path`` when given, else on the CPU (world group)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    device, group = torch.device("cpu"), None
+    if cuda_path is not None:
+        from freescale_comm import FreescaleOptions
+
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        group = dist.new_group(
+            backend="freescale",
+            timeout=timedelta(seconds=60),
+            pg_options=FreescaleOptions(cuda_path=cuda_path),
+        )
+
+    def values(sender: int, peer: int) -> torch.Tensor:
+        return torch.arange(elements, dtype=torch.float32, device=device) + 1e4 * sender + peer
+
+    checked = []
+    both = torch.cat([values(rank, p) for p in range(n)])
+    dist.all_to_all_single(both, both, group=group)
+    _same(both, torch.cat([values(p, rank) for p in range(n)]), "in-place all_to_all_single")
+    checked.append("all_to_all_single")
+    pieces = [values(rank, p) for p in range(n)]
+    dist.all_to_all(pieces, pieces, group=group)
+    for p in range(n):
+        _same(pieces[p], values(p, rank), "in-place all_to_all")
+    checked.append("all_to_all")
+    out = torch.full((n * elements,), -1.0, device=device)
+    first = out[:elements]  # every rank's input is slot 0, which receives rank 0's piece
+    first.copy_(values(rank, 0))
+    dist.all_gather_into_tensor(out, first, group=group)
+    _same(out, torch.cat([values(p, 0) for p in range(n)]), "overlapping all_gather_into_tensor")
+    checked.append("all_gather_into_tensor")
+    if group is not None:
+        torch.cuda.synchronize()
+        dist.destroy_process_group(group)
+    return checked
+
+
 def subgroups() -> list[float]:
     """new_group / new_subgroups of the freescale backend, overlapping groups included."""
     rank, n = dist.get_rank(), dist.get_world_size()

@@ -46,6 +46,15 @@ def test_paths_within_a_host(fs_group, cuda_path):
         assert report["after"] == {"mapped": 0, "files": 0}, report["after"]
 
 
+@pytest.mark.parametrize("cuda_path", ["ipc", "staged", "direct"])
+def test_overlapping_inputs_and_outputs(fs_group, cuda_path):
+    want = [
+        ["all_to_all_single", "all_to_all", "all_gather_into_tensor"]
+    ] * fs_group.spec.world_size
+    for elements in (2, 40_000, 300_000):  # pushed / folded, pulled / staged, chunked
+        assert fs_group.run(ranks.overlapping_inputs, elements, cuda_path, timeout_s=120) == want
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ipc_special_cases(world_size):
     # Fresh ranks: memory cached by earlier tests' segments would not come from the

@@ -27,6 +27,13 @@ def test_in_place_all_gather(fs_group, fs_group4, elements):
         assert group.run(ranks.in_place_all_gather, elements) == [True] * group.spec.world_size
 
 
+@pytest.mark.parametrize("elements", [2, 40_000, 300_000])  # folded, rings, UCX
+def test_overlapping_inputs_and_outputs(fs_group, elements):
+    # In place on every rank: a peer's piece lands where this rank's piece for it lay.
+    want = ["all_to_all_single", "all_to_all", "all_gather_into_tensor"]
+    assert fs_group.run(ranks.overlapping_inputs, elements) == [want] * fs_group.spec.world_size
+
+
 def test_subgroups(fs_group4):
     results = fs_group4.run(ranks.subgroups)
     assert results[0] == [1.0, 1.0]

@@ -368,6 +368,11 @@ class _Builder:
         """Flat bytes of an input (a contiguous copy first if it is strided)."""
         return flat_bytes(tensor if tensor.is_contiguous() else tensor.contiguous())
 
+    def private_source(self, tensor: torch.Tensor) -> Bytes:
+        """Flat bytes of a copy of an input that shares memory with an output (on CUDA a
+        device-to-device copy on the caller's stream, so before the collective's ready point)."""
+        return flat_bytes(tensor.clone(memory_format=torch.contiguous_format))
+
     def target(self, tensor: torch.Tensor) -> Bytes:
         """Flat bytes to receive an output into (staged and copied back if it is strided)."""
         if tensor.is_contiguous():
@@ -406,6 +411,38 @@ def _pieces(data: Bytes, sizes: Sequence[int]) -> list[Bytes]:
         pieces.append(data[offset : offset + size])
         offset += size
     return pieces
+
+
+def _clashing(
+    sources: Sequence[Bytes], targets: Sequence[Bytes], own: set[tuple[int, int]]
+) -> set[int]:
+    """Indices of the sources whose bytes overlap a target's: a peer would read them while this
+    rank writes what it receives there. Exempt is this rank's own piece in place (a pair
+    (source, target) of ``own`` that is the very same bytes: never written, as FSDP calls its
+    AllGather)."""
+    spans = sorted(
+        (address(buffer), address(buffer) + len(buffer), is_target, k)
+        for is_target, buffers in ((False, sources), (True, targets))
+        for k, buffer in enumerate(buffers)
+        if len(buffer)
+    )
+    clashing: set[int] = set()
+    open_spans: list[tuple[int, bool, int]] = []  # (end, is_target, index), sorted by start
+    for start, end, is_target, k in spans:
+        open_spans = [span for span in open_spans if span[0] > start]
+        for _, other_is_target, other in open_spans:
+            if other_is_target == is_target:
+                continue
+            i, j = (other, k) if is_target else (k, other)
+            in_place = (
+                (i, j) in own
+                and len(sources[i]) == len(targets[j])
+                and (address(sources[i]) == address(targets[j]))
+            )
+            if not in_place:
+                clashing.add(i)
+        open_spans.append((end, is_target, k))
+    return clashing
 
 
 def _exchange(
@@ -472,6 +509,8 @@ def _build_all_to_all_single(
         return plan
     send = _pieces(b.source(input), send_bytes)
     recv = _pieces(b.target(output), recv_bytes)
+    if _clashing(send, recv, {(rank, rank)}):  # in place: the peers read a copy
+        send = _pieces(b.private_source(input), send_bytes)
     _exchange(plan, rank, send, recv, sub=1)
     plan.copy_back = b.copy_back
     return plan
@@ -498,6 +537,8 @@ def _build_all_to_all(
         return plan
     send = [b.source(t) for t in inputs]
     recv = [b.target(t) for t in outputs]
+    for p in _clashing(send, recv, {(rank, rank)}):
+        send[p] = b.private_source(inputs[p])
     _exchange(plan, rank, send, recv, sub=1)
     plan.copy_back = b.copy_back
     return plan
@@ -596,9 +637,13 @@ def _gather(
             or (options.allgather == "auto" and in_bytes[0] >= options.ring_threshold_bytes)
         )
     )
-    for k, tensor in enumerate(inputs):
-        source = b.source(tensor)
-        targets = targets_of(k)
+    sources = [b.source(tensor) for tensor in inputs]
+    targets_per_input = [targets_of(k) for k in range(len(inputs))]
+    every_target = [t for slots in targets_per_input for t in slots]
+    own = {(k, k * n + rank) for k in range(len(inputs))}
+    for k in _clashing(sources, every_target, own):
+        sources[k] = b.private_source(inputs[k])
+    for k, (source, targets) in enumerate(zip(sources, targets_per_input, strict=True)):
         if ring:
             _ring(plan, rank, source, targets, options.chunk_bytes)
         else:
