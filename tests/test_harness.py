@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from freescale_comm._local_ranks import RANK_START_ENV
 from tests.harness import GroupSpec, LocalGroup, RankFailure, run_ranks
 
 
@@ -34,6 +39,34 @@ def exit_on_rank(bad: int) -> None:
         os._exit(3)
 
 
+def kill_on_rank(bad: int) -> None:
+    if dist.get_rank() == bad:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def environment() -> dict[str, str]:
+    return dict(os.environ)
+
+
+def parent_pid() -> int:
+    return os.getppid()
+
+
+def fork_server_state() -> tuple[int, int, bool, bool]:
+    """The process this rank was started from: its pid, its thread count; CUDA in this rank."""
+    server = os.getppid()
+    threads = len(os.listdir(f"/proc/{server}/task"))
+    return server, threads, torch.cuda._is_in_bad_fork(), torch.cuda.is_initialized()
+
+
+def _exited(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    try:
+        return "\nState:\tZ" in status.read_text()  # a zombie nobody reaps has exited too
+    except FileNotFoundError:
+        return True
+
+
 def test_runs_many_cases_on_one_group(local_groups):
     group = local_groups.get(2)
     assert group.run(all_reduce_rank) == [3, 3]
@@ -52,6 +85,8 @@ def test_failures_name_the_rank_and_the_group_recovers():
             group.run(exit_on_rank, 1)
         assert failure.value.results == {0: None}
         assert list(failure.value.failures) == [1]
+        with pytest.raises(RankFailure, match=r"rank 1: died[\s\S]*code -9"):
+            group.run(kill_on_rank, 1)
         assert group.run(all_reduce_rank) == [3, 3]
 
 
@@ -93,3 +128,50 @@ def test_reporting_targets_keep_the_bench_launchers_working():
     assert launch_ranks(report_twice_the_rank, 2, (-1,), 60) == {0: ("ok", 0), 1: ("ok", 2)}
     replies = launch_ranks(report_twice_the_rank, 2, (1,), 60, stop_on_error=True)
     assert replies[1][0] == "error" and "planted report" in replies[1][1]
+
+
+def test_ranks_fork_from_a_server_without_threads_or_cuda(monkeypatch):
+    monkeypatch.delenv(RANK_START_ENV, raising=False)
+    # The server imported torch but started no thread and left CUDA alone, so forked ranks can
+    # use both; it is not the test process (which spawned ranks would have as parent).
+    [(server, threads, bad_fork, cuda)] = run_ranks(GroupSpec(1), fork_server_state, timeout_s=60)
+    assert server != os.getpid()
+    assert (threads, bad_fork, cuda) == (1, False, False)
+
+
+def test_forked_ranks_have_the_launching_environment_of_their_start(monkeypatch):
+    monkeypatch.delenv(RANK_START_ENV, raising=False)
+    run_ranks(GroupSpec(1, backend=None), parent_pid, timeout_s=60)  # the fork server runs now
+    monkeypatch.setenv("FREESCALE_TEST_SET_LATER", "parent")
+    monkeypatch.delenv("FREESCALE_TEST_UNSET", raising=False)
+    spec = GroupSpec(2, backend=None, env={"FREESCALE_TEST_FROM_SPEC": "spec"})
+    expected = {**os.environ, **spec.env, "OMP_NUM_THREADS": "1"}
+    assert run_ranks(spec, environment, timeout_s=60) == [expected, expected]
+
+
+def test_spawned_ranks_on_request_and_a_bad_start_method(monkeypatch):
+    monkeypatch.setenv(RANK_START_ENV, "spawn")
+    assert run_ranks(GroupSpec(1, backend=None), parent_pid, timeout_s=120) == [os.getpid()]
+    monkeypatch.setenv(RANK_START_ENV, "fork")
+    with pytest.raises(ValueError, match="FREESCALE_RANK_START must be one of"):
+        run_ranks(GroupSpec(1, backend=None), parent_pid, timeout_s=60)
+
+
+def test_the_fork_server_exits_with_the_launching_process():
+    code = (
+        "import os; from freescale_comm._local_ranks import GroupSpec, run_ranks; "
+        "print(run_ranks(GroupSpec(1, backend=None), os.getppid, timeout_s=60)[0])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != RANK_START_ENV}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    server = int(done.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while not _exited(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    exited = _exited(server)
+    if not exited:
+        os.kill(server, signal.SIGKILL)
+    assert exited

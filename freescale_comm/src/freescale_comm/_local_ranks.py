@@ -1,8 +1,8 @@
 """Local ranks on loopback: the one launcher of the tests, the bench commands and the benchmarks.
 
-``LocalGroup`` starts ``world_size`` spawned processes around a TCPStore that the parent owns
-(port 0: the OS picks a free port, no race), joins them in one ``torch.distributed`` group, and
-then runs any number of functions on every rank. Every run is bounded in time; a rank that
+``LocalGroup`` starts ``world_size`` processes around a TCPStore that the parent owns (port 0:
+the OS picks a free port, no race), joins them in one ``torch.distributed`` group, and then runs
+any number of functions on every rank. Every run is bounded in time; a rank that
 raises, hangs or dies fails the run with each rank's own traceback (a rank still running near
 the deadline first dumps every thread's stack to stderr), and the group is torn down, so the next
 run starts afresh. ``run_ranks`` is one run on a group of its own.
@@ -16,14 +16,22 @@ Example::
 
 ``fn`` must be importable by module path (a module-level function) and reads its rank from
 ``torch.distributed``; its arguments and return value must pickle.
+
+Ranks are forked from a ``multiprocessing`` fork server that has imported torch once per
+launching process, instead of each spawned afresh to import it again (seconds per rank on a small
+machine). Each rank still starts with the launching process's environment and ``sys.path`` of
+the moment it starts, and initialises CUDA, UCX, threads and sockets itself, after the fork.
+``FREESCALE_RANK_START=spawn`` spawns them instead (as where there is no fork server).
 """
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.context
 import os
 import time
 import traceback
@@ -32,7 +40,14 @@ from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
-_SPAWN = multiprocessing.get_context("spawn")
+# How ranks start: "forkserver" (the default) or "spawn".
+RANK_START_ENV = "FREESCALE_RANK_START"
+_START_METHODS = ("forkserver", "spawn")
+# What the fork server imports before it forks any rank: only modules whose import starts no
+# thread, opens no socket and leaves CUDA uninitialised (a forked child cannot use those), which
+# torch, torch.distributed (and the freescale backend's registration, through torch's entry
+# point) and this module are. This module by its own name: a rank unpickles ``_rank_main`` from it.
+_FORK_SERVER_PRELOAD = ("torch", "torch.distributed", __name__)
 # In a rank: its rank (``local_rank``) and the launcher store's port (``store_port``).
 _RANK: int | None = None
 _STORE_PORT: int | None = None
@@ -65,7 +80,9 @@ class GroupSpec:
         backend: ``torch.distributed`` backend name (``"gloo"``, ``"freescale"``, ...); ``None``:
             no group (the function joins one itself, on ``store_port()``).
         init_timeout_s: bound on joining the group and on its collectives (its ``timeout``).
-        env: environment variables set in each rank before anything is imported.
+        env: environment variables set in each rank before it joins its group (after torch's
+            import in the fork server: a variable torch reads at import needs
+            ``FREESCALE_RANK_START=spawn``).
         setup: optional ``"module:function"`` each rank calls before creating its group (e.g.
             ``"freescale_comm:register"``).
         threads: torch intra-op threads per rank (``OMP_NUM_THREADS`` too); ``None``: torch's
@@ -102,6 +119,25 @@ def local_rank() -> int:
     return _RANK
 
 
+def _start_method() -> str:
+    """The start method ``FREESCALE_RANK_START`` names; "forkserver" where it is unset."""
+    method = os.environ.get(RANK_START_ENV, "forkserver")
+    if method not in _START_METHODS:
+        raise ValueError(f"{RANK_START_ENV} must be one of {_START_METHODS}, got {method!r}")
+    if method == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    return method
+
+
+@functools.cache
+def _context(method: str) -> multiprocessing.context.BaseContext:
+    """The context ranks start from; the fork server's preload is set once, before it starts."""
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(list(_FORK_SERVER_PRELOAD))
+    return context
+
+
 def _join_group(rank: int, spec: GroupSpec, port: int) -> None:
     import importlib
 
@@ -129,9 +165,19 @@ def _join_group(rank: int, spec: GroupSpec, port: int) -> None:
     )
 
 
-def _rank_main(rank: int, spec: GroupSpec, port: int, conn: multiprocessing.connection.Connection):
+def _rank_main(
+    rank: int,
+    spec: GroupSpec,
+    port: int,
+    conn: multiprocessing.connection.Connection,
+    environ: dict[str, str],
+) -> None:
     global _RANK, _STORE_PORT
     _RANK, _STORE_PORT = rank, port
+    # A forked rank inherits the fork server's environment, of when the server started: take the
+    # launching process's of when this rank started instead, as a spawned rank has it.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(spec.env)
     if spec.threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(spec.threads)
@@ -185,14 +231,16 @@ class LocalGroup:
         """Starts the ranks and waits until every one has joined the group."""
         import torch.distributed as dist
 
+        context = _context(_start_method())
         self._store = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
         )
+        environ = dict(os.environ)
         for rank in range(self.spec.world_size):
-            parent, child = _SPAWN.Pipe()
-            process = _SPAWN.Process(
+            parent, child = context.Pipe()
+            process = context.Process(
                 target=_rank_main,
-                args=(rank, self.spec, self._store.port, child),
+                args=(rank, self.spec, self._store.port, child, environ),
                 name=f"freescale-rank{rank}",
                 daemon=True,
             )
