@@ -677,8 +677,9 @@ def _produce_late(values: torch.Tensor, dev: torch.device, sleep_cycles: int) ->
     return target
 
 
-def run_cuda_cases(seed: int, cases: int, cuda_path: str, hosts: int = 1) -> int:
-    """Random AllGather / AllToAll cases on CUDA tensors over a group forced to ``cuda_path``.
+def run_cuda_cases(seed: int, cases: int, cuda_path: str, hosts: int = 1) -> dict[str, Any]:
+    """Random AllGather / AllToAll cases on CUDA tensors over a group forced to ``cuda_path``;
+    returns the count and, per peer, the start of its CUDA path and the pushes into its mailbox.
 
     Per-peer sizes straddle the eager limit (data folded into the header, through page-locked
     host memory) and go well past it (UCX's device path, or the staged pipeline), often in one
@@ -756,8 +757,9 @@ def run_cuda_cases(seed: int, cases: int, cuda_path: str, hosts: int = 1) -> int
                 group=group,
             )
             _same(out.cpu(), want, what)
+    paths = {row["peer"]: (row["cuda"].split(":")[0], row["ipc_pushes"]) for row in group.paths()}
     dist.destroy_process_group(group)
-    return cases
+    return {"cases": cases, "paths": paths}
 
 
 def ring_cuda_checks(seed: int, cuda_path: str = "staged") -> dict[str, Any]:

@@ -14,13 +14,24 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.parametrize(
     ("cuda_path", "hosts"),
-    [("direct", 1), ("staged", 1), ("staged", 4), ("ipc", 1), ("ipc", 2)],
-    ids=["direct", "staging-rings", "staged-over-ucx", "ipc", "ipc-two-hosts-stages"],
+    [("direct", 1), ("staged", 1), ("staged", 4), ("ipc", 1), ("ipc", 2), ("auto", 2)],
+    ids=["direct", "staging-rings", "staged-over-ucx", "ipc", "ipc-and-staged", "ipc-and-direct"],
 )
 def test_cuda_cases_match_reference(fs_group, cuda_path, hosts):
     # hosts=4: every rank looks as if on a host of its own (no rings: the UCX staged pipeline).
-    counts = fs_group.run(ranks.run_cuda_cases, 3, 30, cuda_path, hosts, timeout_s=180)
-    assert counts == [30] * fs_group.spec.world_size
+    # hosts=2 (4 ranks): IPC within each pretend host, and in the same collectives the staged
+    # pipeline ("ipc") or UCX device messages ("auto") between them.
+    n = fs_group.spec.world_size
+    reports = fs_group.run(ranks.run_cuda_cases, 3, 30, cuda_path, hosts, timeout_s=180)
+    for rank, report in enumerate(reports):
+        assert report["cases"] == 30
+        for peer, (path, pushes) in report["paths"].items():
+            same_host = rank * hosts // n == peer * hosts // n
+            if cuda_path in ("ipc", "auto") and same_host:
+                assert path == "ipc" and pushes > 0, (rank, peer, path, pushes)
+            else:
+                want = "staged" if cuda_path in ("staged", "ipc") else "direct"
+                assert path == want and pushes == 0, (rank, peer, path, pushes)
 
 
 @pytest.mark.parametrize("cuda_path", ["staged", "ipc"])

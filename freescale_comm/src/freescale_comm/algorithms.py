@@ -97,8 +97,11 @@ class Plan:
         copy_back: (user tensor, contiguous staging) pairs copied after the last message.
         result: the value of the collective's future (its output tensors).
         forwarding: some sends wait for a receive (ring): they cannot travel in the header.
-        staged: CUDA bytes that move through pinned host memory (``staged``), not UCX directly.
-        ipc: CUDA bytes that each rank pulls from its peers' memory (``ipc``), no messages.
+        staged: CUDA bytes that move through pinned host memory (``staged``), not UCX directly
+            (with ``ipc``: the bytes of the peers IPC does not reach).
+        ipc: CUDA bytes that move between the ranks of one host by CUDA IPC (``ipc``), with
+            no message but the headers; ``ipc_peers``: the peers reached so (the others take
+            the staged path, or UCX device messages: ``direct_peers``).
     """
 
     signature: Signature
@@ -109,6 +112,8 @@ class Plan:
     forwarding: bool = False
     staged: bool = False
     ipc: bool = False
+    ipc_peers: frozenset[int] = frozenset()
+    direct_peers: bool = False
     template: Template | None = None
     keep: Sequence[torch.Tensor] = ()
 
@@ -127,8 +132,9 @@ class Plan:
 
     @property
     def gpu_ordered(self) -> bool:
-        """CUDA copies wait for the caller's stream on the GPU (no CPU wait for it)."""
-        return self.staged or self.ipc
+        """CUDA copies wait for the caller's stream on the GPU (no CPU wait for it): not where
+        UCX reads device memory itself (the direct path, also for peers IPC does not reach)."""
+        return self.staged or (self.ipc and not self.direct_peers)
 
     @property
     def cuda_index(self) -> int:

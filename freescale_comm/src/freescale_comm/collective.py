@@ -133,6 +133,7 @@ class Collective:
         # IPC: the peers that pushed into this rank's mailbox: slot, (receive, where) per piece
         self._pushed_in: dict[int, tuple[int, list[tuple[Any, Piece]]]] = {}
         self._pushed_slots: dict[int, int] = {}  # ... their slots, read before the verdict
+        self._ipc_done: torch.cuda.Event | None = None  # IPC part queued, others still to come
         self.final: torch.cuda.Event | None = None  # the CUDA end event, once sealed
 
     @property
@@ -195,8 +196,9 @@ class Collective:
             from freescale_comm.ipc import Export
 
             by_peer: dict[int, list[Any]] = {}
+            ipc_peers = self.plan.ipc_peers
             for transfer in self.plan.transfers:
-                if transfer.send:
+                if transfer.send and transfer.peer in ipc_peers:
                     by_peer.setdefault(transfer.peer, []).append(transfer.buffer)
             self._ipc = g.ipc(self.plan.cuda_index)
             self._export = Export(self._ipc, self.seq, self._ready, by_peer)
@@ -212,7 +214,7 @@ class Collective:
         for step in range(1, g.size):
             dst, src = (g.rank + step) % g.size, (g.rank - step) % g.size
             # The send first: the peer's data leaves before this rank's receive is posted.
-            if self._export is not None:
+            if self._export is not None and dst in self.plan.ipc_peers:
                 message = np.concatenate([own, self._export.descriptor(dst)])
                 self._post(Transfer(dst, message, 0, send=True))
             elif dst not in sends:
@@ -294,14 +296,15 @@ class Collective:
 
     def _may_fold(self) -> bool:
         """Whether this plan's data may travel in headers (no ring forwarding; not on the
-        staging rings, whose data leaves with the headers without a CPU wait for its D2H; not
-        on the IPC path, whose headers carry where the data lies)."""
+        staging rings, whose data leaves with the headers without a CPU wait for its D2H; on
+        the IPC path, whose headers carry where the data lies, only to the peers it does not
+        reach)."""
         plan = self.plan
         return (
             self.group.eager_per_peer > 0
             and not plan.forwarding
             and not self.ring_cuda
-            and not plan.ipc
+            and (not plan.ipc or len(plan.ipc_peers) < self.group.size - 1)
         )
 
     def _foldable(self, send: bool) -> dict[int, list[Transfer]]:
@@ -330,8 +333,13 @@ class Collective:
         signature = self.plan.signature
         totals = signature.send_bytes if send else signature.recv_bytes
         by_peer: dict[int, list[Transfer]] = {}
+        ipc_peers = self.plan.ipc_peers
         for transfer in self.plan.transfers:  # a plan lists each peer's messages in tag order
-            if transfer.send == send and totals[transfer.peer] <= limit:
+            if (
+                transfer.send == send
+                and totals[transfer.peer] <= limit
+                and transfer.peer not in ipc_peers
+            ):
                 by_peer.setdefault(transfer.peer, []).append(transfer)
         return by_peer
 
@@ -384,9 +392,8 @@ class Collective:
             self._reject(problem or "the signature digests disagree, the tables do not")
             progressed = True
         if self._phase == "ready" and (
-            self._ipc.ready(self.seq)
-            if self._ipc is not None
-            else self._ready is None or self.plan.gpu_ordered or self._ready.query()
+            (self._ipc is None or self._ipc.ready(self.seq))
+            and (self._ready is None or self.plan.gpu_ordered or self._ready.query())
         ):
             self._start_data()
             progressed = True
@@ -448,7 +455,7 @@ class Collective:
         if self.plan.ipc:  # freed unread if the verdict is bad (``_reject``)
             from freescale_comm.ipc import pushed_slot
 
-            slots = {p: pushed_slot(h[size:]) for p, h in enumerate(self._headers) if p != g.rank}
+            slots = {p: pushed_slot(self._headers[p][size:]) for p in self.plan.ipc_peers}
             self._pushed_slots = {p: slot for p, slot in slots.items() if slot >= 0}
         if not g.options.validate:  # IPC headers exchanged for their descriptors only
             problem = None
@@ -506,6 +513,8 @@ class Collective:
         path = self._ipc
         for step in range(1, self.group.size):  # ring order spreads who reads whom at once
             peer = (self.group.rank - step) % self.group.size
+            if peer not in self.plan.ipc_peers:
+                continue
             buffers = receives.get(peer, [])
             descriptor = decode(self._headers[peer][size:], len(buffers))
             path.shares_gpu |= descriptor.gpu == path.gpu
@@ -561,9 +570,14 @@ class Collective:
         self._phase = "data"
         if self.plan.ipc:
             self._start_ipc()
-            return
-        folded, early = self._folded, self._early
-        unfolded = [t for t in self.plan.transfers if id(t) not in folded and id(t) not in early]
+            if self._phase != "data" or self.finished:  # sealed (IPC reaches every peer), failed
+                return
+        folded, early, ipc_peers = self._folded, self._early, self.plan.ipc_peers
+        unfolded = [
+            t
+            for t in self.plan.transfers
+            if id(t) not in folded and id(t) not in early and t.peer not in ipc_peers
+        ]
         posted = self._start_cuda_data(unfolded) if self.plan.on_cuda else unfolded
         for transfer in posted:
             if transfer.after is None:
@@ -583,7 +597,7 @@ class Collective:
 
         cuda = self._cuda
         streams = self._streams or self._take_streams()
-        if self.plan.local_copies:
+        if self.plan.local_copies and not self.plan.ipc:  # IPC: queued with its copies
             self._local_done = cuda.copy(streams.d2h, self.plan.local_copies)
         if self._folded_loads:
             self._folded_done = cuda.copy(streams.h2d, self._folded_loads)
@@ -608,7 +622,9 @@ class Collective:
         return ringed
 
     def _start_ipc(self) -> None:
-        """Queues the whole collective on the group's IPC stream and seals it (``ipc``)."""
+        """Queues the collective's IPC part on the group's IPC stream (``ipc``), and seals the
+        collective if IPC reaches every peer; the peers it does not reach are left to the
+        other paths, and the collective's last copies wait for the IPC part."""
         path = self._ipc
         try:
             path.enqueue(
@@ -624,6 +640,11 @@ class Collective:
             return
         self._pulls, self._pushed_in = {}, {}
         stream = path.stream
+        if len(self.plan.ipc_peers) < self.group.size - 1:
+            self._ipc_done = torch.cuda.Event()
+            self._ipc_done.record(stream)
+            path.done_with(self.seq, self._ipc_done)
+            return
         if self.plan.copy_back:
             with torch.cuda.stream(stream):
                 for dst, src in self.plan.copy_back:
@@ -672,6 +693,7 @@ class Collective:
         with torch.cuda.stream(stream):
             for event in (
                 self._local_done,
+                self._ipc_done,
                 self._folded_done,
                 self._pipeline and self._pipeline.last_d2h,
                 *self._ring_events,

@@ -117,6 +117,7 @@ class GroupContext:
         self._links: list[Any] = [None] * size
         self._hub: Any = None
         self._no_rings: dict[int, str] = {}
+        self._ipc_peers: frozenset[int] = frozenset()
         unsupported = shm.rings_supported()
         # Every rank of the group takes part in the store exchange the same way: whether rings
         # are wanted depends only on the options, which are the same on every rank.
@@ -142,6 +143,7 @@ class GroupContext:
         self._no_rings.update(failures)
         for peer, link in links.items():
             self._links[peer] = link
+        self._ipc_peers = frozenset(links)
         if links:
             self._hub = shm.Hub.get()
             self.transport.attach_hub(self._hub)
@@ -239,31 +241,48 @@ class GroupContext:
         return rows
 
     def cuda_path(self) -> str:
-        """How CUDA tensors move: ``ipc``, ``direct`` or ``staged`` (``cuda_path``, where the
-        peers are, what UCX can do); the same answer on every rank."""
-        path = self.options.cuda_path
-        if path in ("ipc", "auto") and self.all_on_staging_rings:
+        """How CUDA tensors move: ``ipc`` (with the peers this rank shares rings with; the
+        others through ``remote_cuda_path``), ``direct`` or ``staged`` (``cuda_path``, where
+        the peers are, what UCX can do). Where it is ``ipc`` on a rank, each of its pairs takes
+        the same path on both sides: IPC within a pair that shares rings, the remote path
+        between the others."""
+        if self.options.cuda_path in ("ipc", "auto") and self.ipc_peers:
             return "ipc"
+        return self.remote_cuda_path()
+
+    def remote_cuda_path(self) -> str:
+        """How CUDA bytes move to the peers this rank shares no rings with: ``staged`` under
+        ``cuda_path="ipc"``, else the configured path, ``auto`` meaning ``direct`` where UCX
+        has CUDA (cuda_copy / cuda_ipc) and ``staged`` otherwise; the same answer on every
+        rank whose UCX agrees (a plan's signature carries it)."""
+        path = self.options.cuda_path
         if path == "ipc":
             return "staged"
         if path == "auto":
-            # Direct needs a UCX built with CUDA (cuda_copy / cuda_ipc); stage otherwise.
-            path = "direct" if self.transport.cuda_support else "staged"
+            return "direct" if self.transport.cuda_support else "staged"
         return path
+
+    @property
+    def ipc_peers(self) -> frozenset[int]:
+        """The peers that CUDA IPC reaches: those of this host this rank shares rings with
+        (their first page holds the pair's flags)."""
+        return self._ipc_peers
 
     def _cuda_path_of(self, peer: int) -> str:
         """How CUDA bytes travel to ``peer``, and why (``freescale comm info``)."""
         path = self.cuda_path()
-        if path == "ipc":
+        if path == "ipc" and peer in self.ipc_peers:
             from freescale_comm.ipc import MAILBOX_SLOT_BYTES
 
             return (
                 "ipc: copy-engine copies through CUDA IPC (sends that fit a mailbox slot "
                 f"of {MAILBOX_SLOT_BYTES >> 10} KiB pushed into the peer's mailbox at the "
                 "call, larger ones pulled from the sender's memory), flags in shared page-locked "
-                "memory; every peer on this host (a call whose descriptors do not fit in "
-                "eager_bytes is staged)"
+                "memory; same host (a call whose descriptors do not fit in eager_bytes is "
+                "staged)"
             )
+        if path == "ipc":
+            path = self.remote_cuda_path()
         if path == "direct":
             return "direct: UCX device buffers (cuda_ipc / GPUDirect RDMA); cuda_path=" + (
                 self.options.cuda_path

@@ -88,41 +88,48 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         self._ctx = GroupContext(store, keys, rank, size, timeout, options)
         self._rank_size = (rank, size)
         # Plans by call shape: a call of a shape seen before skips building its plan.
-        # (CUDA calls too where CUDA bytes move by IPC, which takes plans of plain addresses.)
-        ipc_pieces = self._ctx.ipc_max_pieces if self._ctx.cuda_path() == "ipc" else 0
+        # (CUDA calls too where CUDA bytes move by IPC to every peer, which takes plans of
+        # plain addresses; UCX needs tensors.)
+        ipc_pieces = self._ctx.ipc_max_pieces if self._ipc_reaches_all() else 0
         self._plans = algorithms.PlanCache(cuda_pieces=ipc_pieces)
         self._direct_gather = dataclasses.replace(options, allgather="direct")
 
     def name(self) -> str:
         return BACKEND_NAME
 
+    def _ipc_reaches_all(self) -> bool:
+        ctx = self._ctx
+        return ctx.cuda_path() == "ipc" and len(ctx.ipc_peers) == ctx.size - 1
+
     def _rs(self) -> tuple[int, int]:
         return self._rank_size
 
     def _gather_options(self, tensors: Sequence[torch.Tensor]) -> FreescaleOptions:
-        """The options an AllGather of ``tensors`` is planned with: on the staging rings or the
-        IPC path (every peer on this host) the direct algorithm, whose messages each leave
-        with the headers (IPC: every rank pulls each piece from its owner); a ring forward
-        would have to wait for its receive's copy."""
-        if (
-            tensors
-            and tensors[0].is_cuda
-            and self._ctx.cuda_path() in ("staged", "ipc")
-            and self._ctx.all_on_staging_rings
-        ):
-            return self._direct_gather
+        """The options an AllGather of ``tensors`` is planned with: on the staging rings (every
+        peer on this host) or where CUDA IPC may carry it (``cuda_path`` ``ipc`` or ``auto``:
+        the same choice on every rank, whoever shares its host) the direct algorithm, whose
+        messages each leave with the headers (IPC: every rank reads each piece from its
+        owner); a ring forward would have to wait for its receive's copy."""
+        if tensors and tensors[0].is_cuda:
+            ctx = self._ctx
+            if self.options.cuda_path in ("ipc", "auto") or (
+                ctx.cuda_path() == "staged" and ctx.all_on_staging_rings
+            ):
+                return self._direct_gather
         return self.options
 
     def _own(self, plan: Plan, opts: Any) -> FreescaleWork:
         """Starts ``plan`` (CUDA tensors on the configured path)."""
         device = plan.signature.device
-        path = self._ctx.cuda_path() if device == "cuda" else device
-        if path == "ipc" and not self._ctx.ipc_fits(plan):
-            path = "staged"
+        ctx = self._ctx
+        path = ctx.cuda_path() if device == "cuda" else device
+        if path == "ipc" and not ctx.ipc_fits(plan):
+            # What the ranks IPC does not reach take with this rank: the same on both sides.
+            path = "staged" if self._ipc_reaches_all() else ctx.remote_cuda_path()
         if path == "ipc":
             self._to_ipc(plan)
         elif path == "cuda-ipc":  # a cached plan, made IPC at its template's first use
-            plan.ipc = True
+            plan.ipc, plan.ipc_peers = True, ctx.ipc_peers
         elif path == "staged":
             plan.staged = True
             plan.signature = dataclasses.replace(plan.signature, device="cuda-staged")
@@ -133,8 +140,18 @@ class ProcessGroupFreescale(dist.ProcessGroup):
 
     def _to_ipc(self, plan: Plan) -> None:
         """Makes ``plan`` an IPC plan, and its template's later plans too (a template is made
-        for one group, whose CUDA calls of one shape always take the same path)."""
-        plan.ipc = True
+        for one group, whose CUDA calls of one shape always take the same path). Where some
+        peers are on other hosts, their bytes take the remote path, which the signature
+        names (a rank alone on its host takes that path with every peer)."""
+        ctx = self._ctx
+        plan.ipc, plan.ipc_peers = True, ctx.ipc_peers
+        if not self._ipc_reaches_all():
+            remote = ctx.remote_cuda_path()
+            plan.staged = remote == "staged"
+            plan.direct_peers = remote == "direct"
+            device = "cuda-staged" if plan.staged else "cuda"
+            plan.signature = dataclasses.replace(plan.signature, device=device)
+            return
         plan.signature = dataclasses.replace(plan.signature, device="cuda-ipc")
         template = plan.template
         if template is not None:
