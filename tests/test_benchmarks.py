@@ -63,7 +63,9 @@ def test_cpu_benchmark_runs_on_tiny_sizes(tmp_path, script, argv, written):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("script", ["balance_gpu_layer.py", "train_gpu.py", "train_e2e_syncs.py"])
+@pytest.mark.parametrize(
+    "script", ["balance_gpu_layer.py", "train_gpu.py", "train_e2e_syncs.py", "comm_two_hosts.py"]
+)
 def test_cuda_only_benchmark_parses_its_command_line(script):
     done = _run(script, "--help", timeout=50)
     assert done.returncode == 0, done.stderr[-2000:]
