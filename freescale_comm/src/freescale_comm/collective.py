@@ -645,16 +645,8 @@ class Collective:
             self._ipc_done.record(stream)
             path.done_with(self.seq, self._ipc_done)
             return
-        if self.plan.copy_back:
-            with torch.cuda.stream(stream):
-                for dst, src in self.plan.copy_back:
-                    dst.copy_(src, non_blocking=True)  # strided outputs: a copy kernel
-        self.final = torch.cuda.Event(blocking=True)
-        self.final.record(stream)
+        self._seal(stream, self._cuda.h2d_watch)
         path.done_with(self.seq, self.final)
-        self._cuda.h2d_watch.watch(self.final, self._finish_after_final)
-        self._phase = "sealed"
-        self.sealed.set()
 
     def _take_streams(self) -> CopyStreams:
         """This collective's copy streams, ordered after the caller's stream on the GPU: inputs
@@ -688,27 +680,30 @@ class Collective:
         return True
 
     def _seal(self, stream: torch.cuda.Stream, watcher: Any) -> None:
-        """Enqueues the CUDA collective's last copies and its end event."""
+        """Enqueues the CUDA collective's last copies and its end event on ``stream``, behind
+        every part of it (local copies, IPC, folded data, the pipeline, the rings)."""
         cuda = self._cuda
-        with torch.cuda.stream(stream):
-            for event in (
-                self._local_done,
-                self._ipc_done,
-                self._folded_done,
-                self._pipeline and self._pipeline.last_d2h,
-                *self._ring_events,
-            ):
-                if event is not None:
-                    stream.wait_event(event)
-            for dst, src in self.plan.copy_back:
-                dst.copy_(src, non_blocking=True)  # strided outputs: a copy kernel
-            self.final = torch.cuda.Event(blocking=True)
-            self.final.record(stream)
+        for event in (
+            self._local_done,
+            self._ipc_done,
+            self._folded_done,
+            self._pipeline and self._pipeline.last_d2h,
+            *self._ring_events,
+        ):
+            if event is not None:
+                stream.wait_event(event)
+        if self.plan.copy_back:
+            with torch.cuda.stream(stream):
+                for dst, src in self.plan.copy_back:
+                    dst.copy_(src, non_blocking=True)  # strided outputs: a copy kernel
+        self.final = torch.cuda.Event(blocking=True)
+        self.final.record(stream)
         # Without a pipeline nothing but the end event is left: the watcher that waits for it
         # finishes the collective, so a caller that drove it here hands nothing to the engine
         # (whose thread, busy with it, would refuse the caller's next collective its claim).
         watcher.watch(self.final, self._finish_after_final if self._pipeline is None else None)
-        cuda.release_streams(self._streams)
+        if self._streams is not None:  # IPC alone takes none
+            cuda.release_streams(self._streams)
         self._phase = "sealed"
         self.sealed.set()
 
