@@ -677,8 +677,11 @@ def _produce_late(values: torch.Tensor, dev: torch.device, sleep_cycles: int) ->
     return target
 
 
-def run_cuda_cases(seed: int, cases: int, cuda_path: str, hosts: int = 1) -> dict[str, Any]:
-    """Random AllGather / AllToAll cases on CUDA tensors over a group forced to ``cuda_path``;
+def run_cuda_cases(
+    seed: int, cases: int, cuda_path: str, hosts: int | list[int] = 1, validate: bool = True
+) -> dict[str, Any]:
+    """Random AllGather / AllToAll cases on CUDA tensors over a group forced to ``cuda_path``
+    (``hosts``: how many pretend hosts the ranks are spread over, or each rank's host);
     returns the count and, per peer, the start of its CUDA path and the pushes into its mailbox.
 
     Per-peer sizes straddle the eager limit (data folded into the header, through page-locked
@@ -691,12 +694,13 @@ def run_cuda_cases(seed: int, cases: int, cuda_path: str, hosts: int = 1) -> dic
     rank, n = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
-    os.environ["FREESCALE_HOST_ID"] = f"test-host-{rank * hosts // n}"
+    host = hosts[rank] if isinstance(hosts, list) else rank * hosts // n
+    os.environ["FREESCALE_HOST_ID"] = f"test-host-{host}"
     try:
         group = dist.new_group(
             backend="freescale",
             timeout=timedelta(seconds=60),
-            pg_options=FreescaleOptions(cuda_path=cuda_path),
+            pg_options=FreescaleOptions(cuda_path=cuda_path, validate=validate),
         )
     finally:
         del os.environ["FREESCALE_HOST_ID"]

@@ -34,6 +34,22 @@ def test_cuda_cases_match_reference(fs_group, cuda_path, hosts):
                 assert path == want and pushes == 0, (rank, peer, path, pushes)
 
 
+@pytest.mark.parametrize(("cuda_path", "validate"), [("ipc", True), ("auto", False)])
+def test_a_rank_alone_on_its_host(fs_group4, cuda_path, validate):
+    # Ranks 0-2 on one pretend host, rank 3 alone: it reaches every peer by the remote path,
+    # the others one another by IPC; without validation only IPC pairs exchange headers.
+    hosts = [0, 0, 0, 1]
+    reports = fs_group4.run(ranks.run_cuda_cases, 4, 20, cuda_path, hosts, validate, timeout_s=180)
+    remote = "staged" if cuda_path == "ipc" else "direct"
+    for rank, report in enumerate(reports):
+        assert report["cases"] == 20
+        for peer, (path, pushes) in report["paths"].items():
+            if hosts[rank] == hosts[peer]:
+                assert path == "ipc" and pushes > 0, (rank, peer, path, pushes)
+            else:
+                assert path == remote and pushes == 0, (rank, peer, path, pushes)
+
+
 @pytest.mark.parametrize("cuda_path", ["staged", "ipc"])
 def test_paths_within_a_host(fs_group, cuda_path):
     n = fs_group.spec.world_size

@@ -121,7 +121,7 @@ class Plan:
     def on_cuda(self) -> bool:
         # Not "not cpu": a plan that refused another device (meta, ...) is judged like a CPU
         # one, so that its error reaches every rank through the headers.
-        return self.signature.device in ("cuda", "cuda-staged", "cuda-ipc")
+        return self.signature.device.startswith("cuda")
 
     @property
     def most_sends_to_one_peer(self) -> int:
@@ -206,12 +206,12 @@ class PlanCache:
     """A group's templates by call shape (op, the tensors' shapes and dtypes, splits).
 
     Only calls whose tensors are all contiguous, on the CPU (or on CUDA where the group moves
-    CUDA bytes by IPC, if a plan sends at most ``cuda_pieces`` pieces to any peer: what an IPC
-    header has room to describe) and without overlapping memory are cached (a strided tensor
-    needs a staging copy per call; an in-place AllGather skips a copy that another call of the
-    same shapes needs), and only from a shape's second call: building a template costs more
-    than the plan it saves once, and uneven AllToAlls whose splits change every step (embedding
-    lookups) would pay it on every call. Bounded: cleared when full.
+    CUDA bytes by IPC to every peer, if a plan sends at most ``cuda_pieces`` pieces to any
+    peer: what an IPC header has room to describe) and without overlapping memory are cached
+    (a strided tensor needs a staging copy per call; an in-place AllGather skips a copy that
+    another call of the same shapes needs), and only from a shape's second call: building a
+    template costs more than the plan it saves once, and uneven AllToAlls whose splits change
+    every step (embedding lookups) would pay it on every call. Bounded: cleared when full.
     """
 
     def __init__(self, cuda_pieces: int = 0) -> None:
@@ -376,8 +376,13 @@ class _Builder:
 
     def private_source(self, tensor: torch.Tensor) -> Bytes:
         """Flat bytes of a copy of an input that shares memory with an output (on CUDA a
-        device-to-device copy on the caller's stream, so before the collective's ready point)."""
-        return flat_bytes(tensor.clone(memory_format=torch.contiguous_format))
+        device-to-device copy on the caller's stream, so before the collective's ready point;
+        on the host one memcpy on this thread, ``host_copy``)."""
+        if tensor.is_cuda:
+            return flat_bytes(tensor.clone(memory_format=torch.contiguous_format))
+        copy = flat_bytes(torch.empty(tensor.shape, dtype=tensor.dtype))
+        host_copy(copy, self.source(tensor))
+        return copy
 
     def target(self, tensor: torch.Tensor) -> Bytes:
         """Flat bytes to receive an output into (staged and copied back if it is strided)."""
@@ -417,6 +422,14 @@ def _pieces(data: Bytes, sizes: Sequence[int]) -> list[Bytes]:
         pieces.append(data[offset : offset + size])
         offset += size
     return pieces
+
+
+def _may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors' bytes overlap (cheap: what ``_clashing`` then checks
+    piece by piece); a strided tensor is sent from, or received into, a copy."""
+    if not (a.is_contiguous() and b.is_contiguous()) or not (a.nbytes and b.nbytes):
+        return False
+    return a.data_ptr() < b.data_ptr() + b.nbytes and b.data_ptr() < a.data_ptr() + a.nbytes
 
 
 def _clashing(
@@ -515,7 +528,7 @@ def _build_all_to_all_single(
         return plan
     send = _pieces(b.source(input), send_bytes)
     recv = _pieces(b.target(output), recv_bytes)
-    if _clashing(send, recv, {(rank, rank)}):  # in place: the peers read a copy
+    if _may_overlap(input, output) and _clashing(send, recv, {(rank, rank)}):  # in place
         send = _pieces(b.private_source(input), send_bytes)
     _exchange(plan, rank, send, recv, sub=1)
     plan.copy_back = b.copy_back
@@ -647,7 +660,8 @@ def _gather(
     targets_per_input = [targets_of(k) for k in range(len(inputs))]
     every_target = [t for slots in targets_per_input for t in slots]
     own = {(k, k * n + rank) for k in range(len(inputs))}
-    for k in _clashing(sources, every_target, own):
+    overlaps = any(_may_overlap(tensor, output) for tensor in inputs for output in result)
+    for k in _clashing(sources, every_target, own) if overlaps else ():
         sources[k] = b.private_source(inputs[k])
     for k, (source, targets) in enumerate(zip(sources, targets_per_input, strict=True)):
         if ring:

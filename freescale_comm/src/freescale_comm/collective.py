@@ -211,12 +211,18 @@ class Collective:
         self._headers[g.rank] = own
         unloaded: list[tuple[int, Any]] = []  # (peer, header) waiting for its D2H copies
         copies: list[tuple[np.ndarray, torch.Tensor]] = []
+        # Without validation only IPC peers exchange headers (for the descriptors): the pair
+        # agrees, and a peer IPC does not reach posts none.
+        every_peer = g.options.validate or len(self.plan.ipc_peers) == g.size - 1
+        ipc_peers = self.plan.ipc_peers
         for step in range(1, g.size):
             dst, src = (g.rank + step) % g.size, (g.rank - step) % g.size
             # The send first: the peer's data leaves before this rank's receive is posted.
-            if self._export is not None and dst in self.plan.ipc_peers:
+            if self._export is not None and dst in ipc_peers:
                 message = np.concatenate([own, self._export.descriptor(dst)])
                 self._post(Transfer(dst, message, 0, send=True))
+            elif not every_peer:
+                pass  # a peer IPC does not reach, without validation: no header
             elif dst not in sends:
                 self._post(Transfer(dst, own, 0, send=True))
             else:
@@ -227,8 +233,9 @@ class Collective:
                 else:
                     message = np.concatenate([own, *(t.buffer for t in pieces)])
                     self._post(Transfer(dst, message, 0, send=True))
-            self._headers[src] = self._header_buffer(room, src in pinned_from)
-            self._post(Transfer(src, self._headers[src], 0, send=False))
+            if every_peer or src in ipc_peers:
+                self._headers[src] = self._header_buffer(room, src in pinned_from)
+                self._post(Transfer(src, self._headers[src], 0, send=False))
         if unloaded:
             event = self._cuda.copy(self._streams.d2h, copies, self._cuda.d2h_watch)
             self._unloaded_headers = (event, unloaded)
@@ -304,7 +311,10 @@ class Collective:
             self.group.eager_per_peer > 0
             and not plan.forwarding
             and not self.ring_cuda
-            and (not plan.ipc or len(plan.ipc_peers) < self.group.size - 1)
+            and (
+                not plan.ipc
+                or (self.group.options.validate and len(plan.ipc_peers) < self.group.size - 1)
+            )
         )
 
     def _foldable(self, send: bool) -> dict[int, list[Transfer]]:
@@ -391,8 +401,20 @@ class Collective:
             problem = judge_table(self._headers, self.group.size, self.name)
             self._reject(problem or "the signature digests disagree, the tables do not")
             progressed = True
+        if (
+            self._phase == "ready"
+            and self.plan.direct_peers
+            and self._ipc_done is None
+            and self._ipc.ready(self.seq)
+        ):
+            # The IPC part waits for the caller's stream on the GPU: queued at once; only the
+            # UCX device messages wait for that stream on the CPU (``_start_data``).
+            self._start_ipc()
+            progressed = True
+            if self.finished:
+                return True
         if self._phase == "ready" and (
-            (self._ipc is None or self._ipc.ready(self.seq))
+            (self._ipc is None or self._ipc_done is not None or self._ipc.ready(self.seq))
             and (self._ready is None or self.plan.gpu_ordered or self._ready.query())
         ):
             self._start_data()
@@ -568,7 +590,7 @@ class Collective:
     def _start_data(self) -> None:
         g = self.group
         self._phase = "data"
-        if self.plan.ipc:
+        if self.plan.ipc and self._ipc_done is None:
             self._start_ipc()
             if self._phase != "data" or self.finished:  # sealed (IPC reaches every peer), failed
                 return

@@ -242,12 +242,12 @@ class GroupContext:
 
     def cuda_path(self) -> str:
         """How CUDA tensors move: ``ipc`` (with the peers this rank shares rings with; the
-        others through ``remote_cuda_path``), ``direct`` or ``staged`` (``cuda_path``, where
-        the peers are, what UCX can do). Where it is ``ipc`` on a rank, each of its pairs takes
-        the same path on both sides: IPC within a pair that shares rings, the remote path
+        others through ``remote_cuda_path``), ``direct`` or ``staged`` (``cuda_path``, what UCX
+        can do); the same answer on every rank, and each pair takes the same path on both
+        sides: IPC within a pair that shares rings (links are made in pairs), the remote path
         between the others."""
-        if self.options.cuda_path in ("ipc", "auto") and self.ipc_peers:
-            return "ipc"
+        if self.options.cuda_path in ("ipc", "auto") and self.size > 1:
+            return "ipc"  # also where no peer shares this host: the plans say so alike
         return self.remote_cuda_path()
 
     def remote_cuda_path(self) -> str:

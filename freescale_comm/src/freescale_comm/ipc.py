@@ -1,9 +1,11 @@
 """The CUDA IPC path between ranks of one host: copy-engine copies, ordered on the GPU by flags.
 
-Every rank of a collective tells each peer, in its validation header, where the bytes meant for
-that peer lie: a CUDA IPC handle of the allocation and an offset (``Descriptor``). Once a rank
-has judged the headers consistent it queues the whole collective on the group's IPC stream and
-returns; no CPU thread waits for the GPU, and the data moves without a kernel:
+Every rank of a collective tells each peer of its host, in its validation header, where the bytes
+meant for that peer lie: a CUDA IPC handle of the allocation and an offset (``Descriptor``). Once
+a rank has judged the headers consistent it queues the collective's part between the ranks of its
+host on the group's IPC stream (in a group of one host the whole collective, and it returns; the
+bytes of peers on other hosts take UCX, ``collective``); no CPU thread waits for the GPU, and the
+data moves without a kernel:
 
 1. wait for the caller's stream (the inputs are produced, the outputs free);
 2. per peer, a flag write "my inputs of collective ``seq`` are ready" into the pair's shared
@@ -14,7 +16,8 @@ returns; no CPU thread waits for the GPU, and the data moves without a kernel:
    outputs with ``cudaMemcpyAsync`` (copy engines; over NVLink or PCIe between GPUs), then write
    "I have read yours" into the pair's page;
 5. wait for every peer's "I have read yours": only then may the caller reuse its inputs;
-6. the end event, which ``work.wait()`` makes the caller's stream wait for.
+6. the end event, which ``work.wait()`` makes the caller's stream wait for (with peers on other
+   hosts, an event the collective's last copies wait for).
 
 Flags live in the first page of the pair's host rings (``shm``), page-locked and mapped for the
 GPU in both processes: each rank writes only the flags of its outgoing ring and waits only on

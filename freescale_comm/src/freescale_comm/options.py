@@ -34,7 +34,8 @@ class FreescaleOptions:
             ``FREESCALE_EAGER_BYTES``.
         allgather: ``direct`` (every rank sends its piece to every peer at once), ``ring``
             (chunk-pipelined ring) or ``auto`` (ring for pieces of at least
-            ``ring_threshold_bytes`` when there are more than two ranks). ``FREESCALE_ALLGATHER``.
+            ``ring_threshold_bytes`` when there are more than two ranks; for CUDA tensors under
+            ``cuda_path`` ``ipc`` / ``auto``: direct). ``FREESCALE_ALLGATHER``.
         ring_threshold_bytes: ``auto`` switches to the ring from this piece size on.
             ``FREESCALE_RING_THRESHOLD_BYTES``.
         chunk_bytes: pipelining unit of the ring AllGather and of the staged CUDA path (its
@@ -45,7 +46,8 @@ class FreescaleOptions:
             RDMA), ``staged`` (copy-engine D2H into pinned host memory, host transfer, H2D;
             chunks pipelined) or ``auto`` (``ipc`` with the peers on this host, and with the
             others ``direct`` if UCX has CUDA, else ``staged``). Under ``ipc`` and ``auto``
-            CUDA AllGathers take the direct algorithm. ``FREESCALE_CUDA_PATH``.
+            CUDA AllGathers take the direct algorithm. The same on every rank (checked).
+            ``FREESCALE_CUDA_PATH``.
         staging_pool_bytes: page-locked host memory of a group's staged path (half for send
             chunks, half for receive chunks, at least four chunks; allocated on the first staged
             collective, freed when the group is destroyed). ``FREESCALE_STAGING_POOL_BYTES``.

@@ -106,13 +106,14 @@ class ProcessGroupFreescale(dist.ProcessGroup):
 
     def _gather_options(self, tensors: Sequence[torch.Tensor]) -> FreescaleOptions:
         """The options an AllGather of ``tensors`` is planned with: on the staging rings (every
-        peer on this host) or where CUDA IPC may carry it (``cuda_path`` ``ipc`` or ``auto``:
-        the same choice on every rank, whoever shares its host) the direct algorithm, whose
-        messages each leave with the headers (IPC: every rank reads each piece from its
-        owner); a ring forward would have to wait for its receive's copy."""
+        peer on this host) or where CUDA IPC may carry it (``cuda_path`` ``ipc`` or ``auto``,
+        unless ``allgather="ring"``: the same choice on every rank, whoever shares its host)
+        the direct algorithm, whose messages each leave with the headers (IPC: every rank
+        reads each piece from its owner); a ring forward would have to wait for its receive's
+        copy."""
         if tensors and tensors[0].is_cuda:
-            ctx = self._ctx
-            if self.options.cuda_path in ("ipc", "auto") or (
+            ctx, options = self._ctx, self.options
+            if (options.cuda_path in ("ipc", "auto") and options.allgather != "ring") or (
                 ctx.cuda_path() == "staged" and ctx.all_on_staging_rings
             ):
                 return self._direct_gather
@@ -123,8 +124,9 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         device = plan.signature.device
         ctx = self._ctx
         path = ctx.cuda_path() if device == "cuda" else device
-        if path == "ipc" and not ctx.ipc_fits(plan):
-            # What the ranks IPC does not reach take with this rank: the same on both sides.
+        if path == "ipc" and (plan.forwarding or not ctx.ipc_fits(plan)):
+            # A ring (allgather="ring"), or descriptors past a header's room: the path of the
+            # ranks IPC does not reach, the same on every rank (their plans agree).
             path = "staged" if self._ipc_reaches_all() else ctx.remote_cuda_path()
         if path == "ipc":
             self._to_ipc(plan)
@@ -142,16 +144,18 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         """Makes ``plan`` an IPC plan, and its template's later plans too (a template is made
         for one group, whose CUDA calls of one shape always take the same path). Where some
         peers are on other hosts, their bytes take the remote path, which the signature
-        names (a rank alone on its host takes that path with every peer)."""
+        names beside IPC (a rank alone on its host takes that path with every peer, under the
+        same name: a rank whose ``cuda_path`` differs fails validation, it does not hang)."""
         ctx = self._ctx
-        plan.ipc, plan.ipc_peers = True, ctx.ipc_peers
+        plan.ipc_peers = ctx.ipc_peers
         if not self._ipc_reaches_all():
             remote = ctx.remote_cuda_path()
+            plan.ipc = bool(plan.ipc_peers)
             plan.staged = remote == "staged"
-            plan.direct_peers = remote == "direct"
-            device = "cuda-staged" if plan.staged else "cuda"
-            plan.signature = dataclasses.replace(plan.signature, device=device)
+            plan.direct_peers = plan.ipc and remote == "direct"
+            plan.signature = dataclasses.replace(plan.signature, device=f"cuda-ipc+{remote}")
             return
+        plan.ipc = True
         plan.signature = dataclasses.replace(plan.signature, device="cuda-ipc")
         template = plan.template
         if template is not None:

@@ -35,7 +35,14 @@ _FIXED_INTS = 6  # version, op, device, count, error flag, send layout
 _HEADER_INTS = 7  # version, op, device, count, error flag, send digest, receive digest
 _NAME_BYTES = 24
 _MESSAGE_BYTES = 200
-DEVICE_CODES = {"cpu": 0, "cuda": 1, "cuda-staged": 2, "cuda-ipc": 3}
+DEVICE_CODES = {
+    "cpu": 0,
+    "cuda": 1,
+    "cuda-staged": 2,
+    "cuda-ipc": 3,
+    "cuda-ipc+direct": 4,
+    "cuda-ipc+staged": 5,
+}
 
 
 def _code(text: str) -> int:
@@ -49,9 +56,10 @@ class Signature:
     Attributes:
         op: collective name (e.g. ``"all_to_all_single"``).
         dtype: dtype name, e.g. ``"torch.float32"``.
-        device: ``"cpu"``, ``"cuda"`` (direct path), ``"cuda-staged"`` or ``"cuda-ipc"``: ranks
-            that move CUDA data by different paths disagree on message numbering, so the path
-            is checked too.
+        device: ``"cpu"``, ``"cuda"`` (direct path), ``"cuda-staged"``, ``"cuda-ipc"`` (IPC
+            with every peer) or ``"cuda-ipc+direct"`` / ``"cuda-ipc+staged"`` (IPC with the
+            peers on this host, that path with the others): ranks that move CUDA data by
+            different paths disagree on message numbering, so the path is checked too.
         count: number of tensors (coalesced / list variants).
         send_bytes: bytes this rank sends to each group rank (itself included).
         recv_bytes: bytes this rank expects from each group rank.
