@@ -131,7 +131,7 @@ def test_reporting_targets_keep_the_bench_launchers_working():
 
 
 def test_ranks_fork_from_a_server_without_threads_or_cuda(monkeypatch):
-    monkeypatch.delenv(RANK_START_ENV, raising=False)
+    monkeypatch.setenv(RANK_START_ENV, "forkserver")
     # The server imported torch but started no thread and left CUDA alone, so forked ranks can
     # use both; it is not the test process (which spawned ranks would have as parent).
     [(server, threads, bad_fork, cuda)] = run_ranks(GroupSpec(1), fork_server_state, timeout_s=60)
@@ -140,7 +140,7 @@ def test_ranks_fork_from_a_server_without_threads_or_cuda(monkeypatch):
 
 
 def test_forked_ranks_have_the_launching_environment_of_their_start(monkeypatch):
-    monkeypatch.delenv(RANK_START_ENV, raising=False)
+    monkeypatch.setenv(RANK_START_ENV, "forkserver")
     run_ranks(GroupSpec(1, backend=None), parent_pid, timeout_s=60)  # the fork server runs now
     monkeypatch.setenv("FREESCALE_TEST_SET_LATER", "parent")
     monkeypatch.delenv("FREESCALE_TEST_UNSET", raising=False)
@@ -157,12 +157,25 @@ def test_spawned_ranks_on_request_and_a_bad_start_method(monkeypatch):
         run_ranks(GroupSpec(1, backend=None), parent_pid, timeout_s=60)
 
 
+def test_auto_start_spawns_where_a_gpu_is(monkeypatch, tmp_path):
+    from freescale_comm import _local_ranks
+
+    monkeypatch.delenv(RANK_START_ENV, raising=False)
+    device_file = tmp_path / "nvidiactl"
+    monkeypatch.setattr(_local_ranks, "_GPU_DEVICE_FILE", str(device_file))
+    assert _local_ranks._start_method() == "forkserver"
+    device_file.touch()
+    assert _local_ranks._start_method() == "spawn"
+    monkeypatch.setenv(RANK_START_ENV, "forkserver")
+    assert _local_ranks._start_method() == "forkserver"
+
+
 def test_the_fork_server_exits_with_the_launching_process():
     code = (
         "import os; from freescale_comm._local_ranks import GroupSpec, run_ranks; "
         "print(run_ranks(GroupSpec(1, backend=None), os.getppid, timeout_s=60)[0])"
     )
-    env = {k: v for k, v in os.environ.items() if k != RANK_START_ENV}
+    env = {**os.environ, RANK_START_ENV: "forkserver"}
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
     )

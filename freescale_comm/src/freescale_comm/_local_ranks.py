@@ -17,11 +17,13 @@ Example::
 ``fn`` must be importable by module path (a module-level function) and reads its rank from
 ``torch.distributed``; its arguments and return value must pickle.
 
-Ranks are forked from a ``multiprocessing`` fork server that has imported torch once per
-launching process, instead of each spawned afresh to import it again (seconds per rank on a small
-machine). Each rank still starts with the launching process's environment and ``sys.path`` of
-the moment it starts, and initialises CUDA, UCX, threads and sockets itself, after the fork.
-``FREESCALE_RANK_START=spawn`` spawns them instead (as where there is no fork server).
+On a host without an NVIDIA GPU, ranks are forked from a ``multiprocessing`` fork server that has
+imported torch once per launching process, instead of each spawned afresh to import it again
+(seconds per rank on a small machine). Each rank still starts with the launching process's
+environment and ``sys.path`` of the moment it starts, and initialises UCX, threads and sockets
+itself, after the fork. Where a GPU is (``/dev/nvidiactl``), ranks are spawned: forked ones crashed
+in their start (SIGSEGV while joining the group, 2 of 5 runs of the CUDA tests on the H200
+machine). ``FREESCALE_RANK_START`` (``auto``, ``forkserver``, ``spawn``) overrides the choice.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
-# How ranks start: "forkserver" (the default) or "spawn".
+# How ranks start: "auto" (the default: see the module docstring), "forkserver" or "spawn".
 RANK_START_ENV = "FREESCALE_RANK_START"
-_START_METHODS = ("forkserver", "spawn")
+_START_METHODS = ("auto", "forkserver", "spawn")
+_GPU_DEVICE_FILE = "/dev/nvidiactl"
 # What the fork server imports before it forks any rank: only modules whose import starts no
 # thread, opens no socket and leaves CUDA uninitialised (a forked child cannot use those), which
 # torch, torch.distributed (and the freescale backend's registration, through torch's entry
@@ -120,10 +123,12 @@ def local_rank() -> int:
 
 
 def _start_method() -> str:
-    """The start method ``FREESCALE_RANK_START`` names; "forkserver" where it is unset."""
-    method = os.environ.get(RANK_START_ENV, "forkserver")
+    """The start method ``FREESCALE_RANK_START`` names (``auto`` where it is unset)."""
+    method = os.environ.get(RANK_START_ENV, "auto")
     if method not in _START_METHODS:
         raise ValueError(f"{RANK_START_ENV} must be one of {_START_METHODS}, got {method!r}")
+    if method == "auto":
+        method = "spawn" if os.path.exists(_GPU_DEVICE_FILE) else "forkserver"
     if method == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     return method
