@@ -548,7 +548,7 @@ class Collective:
                         f"rank {peer} sends {piece.nbytes} bytes into a {len(buffer)}-byte receive"
                     )
             if descriptor.slot >= 0:
-                start = slot_offset(peer, descriptor.slot)
+                start = slot_offset(path.host_index(peer), descriptor.slot)
                 if descriptor.slot >= MAILBOX_SLOTS or any(
                     p.offset < start or p.offset + p.nbytes > start + MAILBOX_SLOT_BYTES
                     for p in pieces

@@ -311,7 +311,8 @@ class GroupContext:
             from freescale_comm.ipc import IpcPath
 
             links = {p: link for p, link in enumerate(self._links) if link is not None}
-            path = self._ipc[device] = IpcPath(device, links, self.rank, self.size)
+            host_ranks = self.directory.same_host
+            path = self._ipc[device] = IpcPath(device, links, self.rank, host_ranks)
         return path
 
     def next_seq(self) -> int:

@@ -156,7 +156,8 @@ def decode(message: np.ndarray, pieces: int) -> Descriptor:
 
 
 def slot_offset(sender: int, slot: int) -> int:
-    """Where a sender's slot starts in a receiver's mailbox (every sender's slots, by rank)."""
+    """Where a sender's slot starts in a receiver's mailbox: every sender's slots, by the
+    sender's place among the ranks of the host (``IpcPath.host_index``)."""
     return (sender * MAILBOX_SLOTS + slot) * MAILBOX_SLOT_BYTES
 
 
@@ -399,17 +400,21 @@ class IpcPath:
         device: the CUDA device of the group's tensors.
         links: the shared-memory links with the peers on this host, by group rank.
         rank: this rank in the group.
-        size: the group's size.
+        host_ranks: the group ranks on this host, in the same order on each of them (the
+            mailbox has slots for each, whatever the group's size).
     """
 
-    def __init__(self, device: int, links: dict[int, Link], rank: int, size: int) -> None:
+    def __init__(
+        self, device: int, links: dict[int, Link], rank: int, host_ranks: Sequence[int]
+    ) -> None:
         self.device = device
         self._rank = rank
+        self._host_index = {r: k for k, r in enumerate(host_ranks)}
         self._maps: dict[int, _PeerMaps] = collections.defaultdict(_PeerMaps)
         self.scratch = _Scratch(device)
-        # Every sender's slots, by group rank (this rank's own go unused: simpler offsets).
+        # Every sender's slots, by place on the host (this rank's own go unused: simpler offsets).
         self.mailbox = _Scratch(device)
-        self.mailbox.fit(size * MAILBOX_SLOTS * MAILBOX_SLOT_BYTES)
+        self.mailbox.fit(len(host_ranks) * MAILBOX_SLOTS * MAILBOX_SLOT_BYTES)
         self._mailbox_handles: dict[int, bytes] = {}  # the peers' mailboxes, as learned
         self._mailbox_at: dict[int, int] = {}  # ... and where they are mapped here
         self._pushes: collections.Counter[int] = collections.Counter()  # per peer
@@ -476,7 +481,7 @@ class IpcPath:
                     if previous is not None:  # the receiver has read the slot's last push
                         _wait(cu, handle, flags.peer_consumed[slot], previous & 0xFFFFFFFF)
                     self._slot_seq[peer, slot] = seq
-                    offset = slot_offset(self._rank, slot)
+                    offset = slot_offset(self.host_index(self._rank), slot)
                     places = []
                     for buffer in buffers:
                         nbytes = len(buffer)
@@ -490,6 +495,10 @@ class IpcPath:
             finally:
                 cu.restore(replaced)
         return pushed, done
+
+    def host_index(self, rank: int) -> int:
+        """``rank``'s place among the ranks of this host (its slots in a mailbox)."""
+        return self._host_index[rank]
 
     def pushes_to(self, peer: int) -> int:
         """How many collectives pushed their sends into ``peer``'s mailbox."""
