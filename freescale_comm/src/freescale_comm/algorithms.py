@@ -246,7 +246,9 @@ class PlanCache:
         """Keeps ``plan`` (built over ``tensors``) as the template of ``key``, if it maps."""
         if key is None or plan.signature.error or plan.copy_back:
             return
-        if plan.on_cuda and plan.most_sends_to_one_peer > self._cuda_pieces:
+        if plan.on_cuda and (
+            plan.forwarding or plan.most_sends_to_one_peer > self._cuda_pieces
+        ):  # a CUDA ring is staged, not IPC: its plans need tensors and their own header
             return
         if key not in self._seen_once:
             if len(self._seen_once) >= _CACHE_ENTRIES:

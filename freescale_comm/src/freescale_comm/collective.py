@@ -17,8 +17,9 @@ starts it):
    copies are queued with the data phase (so a small CUDA collective skips UCX's device-memory
    rendezvous, which costs hundreds of microseconds per message).
 2. ``ready``: the direct CUDA path waits until the work queued on the caller's stream before the
-   call has finished (UCX is not stream-aware and reads device memory itself); the staged path
-   does not wait on the CPU: its copy streams wait for that work on the GPU.
+   call has finished (UCX is not stream-aware and reads device memory itself); the staged and
+   IPC paths do not wait on the CPU: their streams wait for that work on the GPU (an IPC part
+   is queued in this phase, before the CPU wait its collective's UCX messages need).
 3. ``data``: local copies, then either every message posted (CPU, direct CUDA; ring forwards as
    soon as the receive they forward has completed) or the staged pipeline (``staged``).
 4. ``sealed`` (CUDA): every copy is enqueued, the last one followed by the collective's end
