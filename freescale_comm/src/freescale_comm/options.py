@@ -46,9 +46,9 @@ class FreescaleOptions:
             RDMA), ``staged`` (copy-engine D2H into pinned host memory, host transfer, H2D;
             chunks pipelined) or ``auto`` (``ipc`` with the peers on this host, and with the
             others ``direct`` if UCX has CUDA, else ``staged``). Under ``ipc`` and ``auto``
-            CUDA AllGathers take the direct algorithm unless ``allgather="ring"`` (a ring takes
-            the path of the peers on other hosts). The same on every rank (validation checks
-            it). ``FREESCALE_CUDA_PATH``.
+            CUDA AllGathers take the direct algorithm, in a group spanning hosts unless
+            ``allgather="ring"`` (a ring takes the path of the peers on other hosts). The same
+            on every rank (validation checks it). ``FREESCALE_CUDA_PATH``.
         staging_pool_bytes: page-locked host memory of a group's staged path (half for send
             chunks, half for receive chunks, at least four chunks; allocated on the first staged
             collective, freed when the group is destroyed). ``FREESCALE_STAGING_POOL_BYTES``.

@@ -105,16 +105,16 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         return self._rank_size
 
     def _gather_options(self, tensors: Sequence[torch.Tensor]) -> FreescaleOptions:
-        """The options an AllGather of ``tensors`` is planned with: on the staging rings (every
-        peer on this host) or where CUDA IPC may carry it (``cuda_path`` ``ipc`` or ``auto``,
-        unless ``allgather="ring"``: the same choice on every rank, whoever shares its host)
-        the direct algorithm, whose messages each leave with the headers (IPC: every rank
-        reads each piece from its owner); a ring forward would have to wait for its receive's
-        copy."""
+        """The options an AllGather of ``tensors`` is planned with: on the staging rings or the
+        IPC path with every peer on this host, and in a group spanning hosts where CUDA IPC
+        may carry it (``cuda_path`` ``ipc`` or ``auto``, unless ``allgather="ring"``: the same
+        choice on every rank, whoever shares its host), the direct algorithm, whose messages
+        each leave with the headers (IPC: every rank reads each piece from its owner); a ring
+        forward would have to wait for its receive's copy."""
         if tensors and tensors[0].is_cuda:
             ctx, options = self._ctx, self.options
-            if (options.cuda_path in ("ipc", "auto") and options.allgather != "ring") or (
-                ctx.cuda_path() == "staged" and ctx.all_on_staging_rings
+            if (ctx.cuda_path() in ("staged", "ipc") and ctx.all_on_staging_rings) or (
+                options.cuda_path in ("ipc", "auto") and options.allgather != "ring"
             ):
                 return self._direct_gather
         return self.options
