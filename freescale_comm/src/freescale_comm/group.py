@@ -300,9 +300,10 @@ class GroupContext:
         return pieces_in(self.eager_per_peer)
 
     def ipc_fits(self, plan: Plan) -> bool:
-        """Whether every peer's IPC descriptor of ``plan`` fits in a header's room (the same
-        answer on ranks whose plans agree: it counts the messages per peer)."""
-        return plan.most_sends_to_one_peer <= self.ipc_max_pieces
+        """Whether every peer's IPC descriptor of ``plan`` fits in a header's room: the same
+        answer on ranks whose calls agree, from the signature's tensor count (at least the
+        pieces for any peer), not from the pieces this rank sends (empty ones send none)."""
+        return max(plan.signature.count, plan.most_sends_to_one_peer) <= self.ipc_max_pieces
 
     def ipc(self, device: int) -> IpcPath:
         """The IPC path's stream, flags and mappings for ``device``, made on first use."""
