@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tests.comm.ranks import _same, make_tensor
+from tests.comm.ranks import _same, cuda_group, make_tensor
 
 
 def ipc_mailbox_cases(seed: int) -> dict[str, Any]:
@@ -17,16 +16,10 @@ def ipc_mailbox_cases(seed: int) -> dict[str, Any]:
     sends over a slot (pulled) in between, then a mismatch on every slot in turn (the slots
     freed unread) and more collectives after it, all against locally computed results.
     Returns what the rank saw."""
-    from freescale_comm import FreescaleOptions, FreescaleValidationError, ipc
+    from freescale_comm import FreescaleValidationError, ipc
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(dev)
-    group = dist.new_group(
-        backend="freescale",
-        timeout=timedelta(seconds=60),
-        pg_options=FreescaleOptions(cuda_path="ipc"),
-    )
+    dev, group = cuda_group(cuda_path="ipc")
     slot_floats = ipc.MAILBOX_SLOT_BYTES // 4
 
     def splits_of(k: int) -> list[list[int]]:

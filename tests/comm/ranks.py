@@ -44,6 +44,29 @@ def gloo_group() -> Any:
     return _GLOO["world"]
 
 
+def cuda_group(
+    timeout_s: float = 60, host: str | None = None, **options: Any
+) -> tuple[torch.device, Any]:
+    """This rank's GPU (GPU rank % device count), made current, and a new freescale group
+    with ``FreescaleOptions(**options)``; ``host``: the host identity the group sees."""
+    from freescale_comm import FreescaleOptions
+
+    device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    if host is not None:
+        os.environ["FREESCALE_HOST_ID"] = host
+    try:
+        group = dist.new_group(
+            backend="freescale",
+            timeout=timedelta(seconds=timeout_s),
+            pg_options=FreescaleOptions(**options),
+        )
+    finally:
+        if host is not None:
+            del os.environ["FREESCALE_HOST_ID"]
+    return device, group
+
+
 def make_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     if dtype == torch.bool:
@@ -221,15 +244,7 @@ def overlapping_inputs(elements: int, cuda_path: str | None = None) -> list[str]
     rank, n = dist.get_rank(), dist.get_world_size()
     device, group = torch.device("cpu"), None
     if cuda_path is not None:
-        from freescale_comm import FreescaleOptions
-
-        device = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        group = dist.new_group(
-            backend="freescale",
-            timeout=timedelta(seconds=60),
-            pg_options=FreescaleOptions(cuda_path=cuda_path),
-        )
+        device, group = cuda_group(cuda_path=cuda_path)
 
     def values(sender: int, peer: int) -> torch.Tensor:
         return torch.arange(elements, dtype=torch.float32, device=device) + 1e4 * sender + peer
@@ -692,18 +707,8 @@ def run_cuda_cases(
     from freescale_comm import FreescaleOptions
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(dev)
     host = hosts[rank] if isinstance(hosts, list) else rank * hosts // n
-    os.environ["FREESCALE_HOST_ID"] = f"test-host-{host}"
-    try:
-        group = dist.new_group(
-            backend="freescale",
-            timeout=timedelta(seconds=60),
-            pg_options=FreescaleOptions(cuda_path=cuda_path, validate=validate),
-        )
-    finally:
-        del os.environ["FREESCALE_HOST_ID"]
+    dev, group = cuda_group(host=f"test-host-{host}", cuda_path=cuda_path, validate=validate)
     eager = FreescaleOptions().eager_bytes
     width = 16
     for case in range(cases):
@@ -774,17 +779,11 @@ def ring_cuda_checks(seed: int, cuda_path: str = "staged") -> dict[str, Any]:
     Returns what the rank saw."""
     from torch.profiler import ProfilerActivity, profile
 
-    from freescale_comm import FreescaleOptions, FreescaleValidationError
+    from freescale_comm import FreescaleValidationError
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(dev)
     before = _ring_state()
-    group = dist.new_group(
-        backend="freescale",
-        timeout=timedelta(seconds=60),
-        pg_options=FreescaleOptions(cuda_path=cuda_path, allgather="auto"),
-    )
+    dev, group = cuda_group(cuda_path=cuda_path, allgather="auto")
     report: dict[str, Any] = {"paths": group.paths()}
     width = 4
     checked = 0
@@ -895,18 +894,12 @@ def ipc_special_cases(seed: int) -> dict[str, Any]:
     copied through the group's scratch allocation), a group that does not validate, strided
     outputs, several collectives in flight at once, CPU and CUDA calls of one shape (each with
     its cached plan). Returns what the rank saw."""
-    from freescale_comm import FreescaleOptions, ipc
+    from freescale_comm import ipc
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(dev)
     report: dict[str, Any] = {}
     for validate in (True, False):
-        group = dist.new_group(
-            backend="freescale",
-            timeout=timedelta(seconds=60),
-            pg_options=FreescaleOptions(cuda_path="ipc", validate=validate),
-        )
+        dev, group = cuda_group(cuda_path="ipc", validate=validate)
         rows = 1000 + 17 * seed
         pieces = [make_tensor((rows, 3), torch.float32, seed * 11 + r) for r in range(n)]
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
@@ -950,16 +943,9 @@ def die_during_ipc_collective(victim: int) -> dict[str, float]:
     """The victim dies right after its collective is queued behind a second of GPU work: its
     header is out, so the survivors queue theirs and wait on the GPU for its flags, which never
     come. The survivors must raise, and their streams drain (abort releases the waits)."""
-    from freescale_comm import FreescaleOptions
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(dev)
-    group = dist.new_group(
-        backend="freescale",
-        timeout=timedelta(seconds=20),
-        pg_options=FreescaleOptions(cuda_path="ipc"),
-    )
+    dev, group = cuda_group(timeout_s=20, cuda_path="ipc")
     x = torch.ones(n * 1024, device=dev)
     dist.all_to_all_single(torch.empty_like(x), x, group=group)
     torch.cuda.synchronize()

@@ -98,6 +98,8 @@ class Collective:
         self.event = threading.Event()
         # CUDA: set once every copy is enqueued and ``final`` recorded (or the collective failed).
         self.sealed = threading.Event() if plan.on_cuda else _NOT_SEALED
+        # IPC reaches only some peers: the others take the remote path in this collective.
+        self._ipc_partial = plan.ipc and len(plan.ipc_peers) < group.size - 1
         # Staged CUDA collective whose every peer is reached through the staging rings: its
         # data leaves with the headers (no folding, no CPU wait for a D2H copy).
         self.ring_cuda = False
@@ -214,7 +216,7 @@ class Collective:
         copies: list[tuple[np.ndarray, torch.Tensor]] = []
         # Without validation only IPC peers exchange headers (for the descriptors): the pair
         # agrees, and a peer IPC does not reach posts none.
-        every_peer = g.options.validate or len(self.plan.ipc_peers) == g.size - 1
+        every_peer = g.options.validate or not self._ipc_partial
         ipc_peers = self.plan.ipc_peers
         for step in range(1, g.size):
             dst, src = (g.rank + step) % g.size, (g.rank - step) % g.size
@@ -312,10 +314,7 @@ class Collective:
             self.group.eager_per_peer > 0
             and not plan.forwarding
             and not self.ring_cuda
-            and (
-                not plan.ipc
-                or (self.group.options.validate and len(plan.ipc_peers) < self.group.size - 1)
-            )
+            and (not plan.ipc or (self.group.options.validate and self._ipc_partial))
         )
 
     def _foldable(self, send: bool) -> dict[int, list[Transfer]]:
@@ -663,7 +662,7 @@ class Collective:
             return
         self._pulls, self._pushed_in = {}, {}
         stream = path.stream
-        if len(self.plan.ipc_peers) < self.group.size - 1:
+        if self._ipc_partial:
             self._ipc_done = torch.cuda.Event()
             self._ipc_done.record(stream)
             path.done_with(self.seq, self._ipc_done)

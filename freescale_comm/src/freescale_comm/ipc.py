@@ -229,12 +229,14 @@ class Export:
         pushed, self.push_done = path.push(seq, ready, sends)
         # The peers that read this rank's memory (and whose "read yours" it waits for).
         self.readers = sorted(peer for peer in sends if peer not in pushed)
-        cu = driver()
-        replaced = cu.bind(path.device)
-        try:
-            entries = self._locate({p: b for p, b in sends.items() if p not in pushed})
-        finally:
-            cu.restore(replaced)
+        entries: dict[int, list[_Entry]] = {}
+        if self.readers:  # every send pushed (a small collective): no driver call left
+            cu = driver()
+            replaced = cu.bind(path.device)
+            try:
+                entries = self._locate({p: b for p, b in sends.items() if p not in pushed})
+            finally:
+                cu.restore(replaced)
         if self.scratch_copies:
             offset, last = self.scratch_copies[-1]
             path.scratch.fit(offset + len(last))

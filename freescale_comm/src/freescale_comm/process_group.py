@@ -87,47 +87,48 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             group._set_default_backend(default)
         self._ctx = GroupContext(store, keys, rank, size, timeout, options)
         self._rank_size = (rank, size)
+        # The paths of CUDA bytes and the AllGather algorithm for them are the group's, fixed
+        # at its creation: decided once here, not on every call.
+        ctx = self._ctx
+        self._cuda_path = ctx.cuda_path()
+        self._ipc_reaches_all = self._cuda_path == "ipc" and len(ctx.ipc_peers) == size - 1
+        # On the staging rings or the IPC path with every peer on this host, and in a group
+        # spanning hosts where CUDA IPC may carry it (unless allgather="ring": the same choice
+        # on every rank, whoever shares its host), the direct algorithm, whose messages each
+        # leave with the headers (IPC: every rank reads each piece from its owner); a ring
+        # forward would have to wait for its receive's copy.
+        self._cuda_gathers_direct = (
+            self._cuda_path in ("staged", "ipc") and ctx.all_on_staging_rings
+        ) or (options.cuda_path in ("ipc", "auto") and options.allgather != "ring")
         # Plans by call shape: a call of a shape seen before skips building its plan.
         # (CUDA calls too where CUDA bytes move by IPC to every peer, which takes plans of
         # plain addresses; UCX needs tensors.)
-        ipc_pieces = self._ctx.ipc_max_pieces if self._ipc_reaches_all() else 0
+        ipc_pieces = ctx.ipc_max_pieces if self._ipc_reaches_all else 0
         self._plans = algorithms.PlanCache(cuda_pieces=ipc_pieces)
         self._direct_gather = dataclasses.replace(options, allgather="direct")
 
     def name(self) -> str:
         return BACKEND_NAME
 
-    def _ipc_reaches_all(self) -> bool:
-        ctx = self._ctx
-        return ctx.cuda_path() == "ipc" and len(ctx.ipc_peers) == ctx.size - 1
-
     def _rs(self) -> tuple[int, int]:
         return self._rank_size
 
     def _gather_options(self, tensors: Sequence[torch.Tensor]) -> FreescaleOptions:
-        """The options an AllGather of ``tensors`` is planned with: on the staging rings or the
-        IPC path with every peer on this host, and in a group spanning hosts where CUDA IPC
-        may carry it (``cuda_path`` ``ipc`` or ``auto``, unless ``allgather="ring"``: the same
-        choice on every rank, whoever shares its host), the direct algorithm, whose messages
-        each leave with the headers (IPC: every rank reads each piece from its owner); a ring
-        forward would have to wait for its receive's copy."""
-        if tensors and tensors[0].is_cuda:
-            ctx, options = self._ctx, self.options
-            if (ctx.cuda_path() in ("staged", "ipc") and ctx.all_on_staging_rings) or (
-                options.cuda_path in ("ipc", "auto") and options.allgather != "ring"
-            ):
-                return self._direct_gather
+        """The options an AllGather of ``tensors`` is planned with (CUDA tensors: the direct
+        algorithm where ``__init__`` says)."""
+        if tensors and tensors[0].is_cuda and self._cuda_gathers_direct:
+            return self._direct_gather
         return self.options
 
     def _own(self, plan: Plan, opts: Any) -> FreescaleWork:
         """Starts ``plan`` (CUDA tensors on the configured path)."""
         device = plan.signature.device
         ctx = self._ctx
-        path = ctx.cuda_path() if device == "cuda" else device
+        path = self._cuda_path if device == "cuda" else device
         if path == "ipc" and (plan.forwarding or not ctx.ipc_fits(plan)):
             # A ring (allgather="ring"), or descriptors past a header's room: the path of the
             # ranks IPC does not reach, the same on every rank (their plans agree).
-            path = "staged" if self._ipc_reaches_all() else ctx.remote_cuda_path()
+            path = "staged" if self._ipc_reaches_all else ctx.remote_cuda_path()
         if path == "ipc":
             self._to_ipc(plan)
         elif path == "cuda-ipc":  # a cached plan, made IPC at its template's first use
@@ -148,7 +149,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         same name: a rank whose ``cuda_path`` differs fails validation, it does not hang)."""
         ctx = self._ctx
         plan.ipc_peers = ctx.ipc_peers
-        if not self._ipc_reaches_all():
+        if not self._ipc_reaches_all:
             remote = ctx.remote_cuda_path()
             plan.ipc = bool(plan.ipc_peers)
             plan.staged = remote == "staged"
