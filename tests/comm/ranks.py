@@ -7,6 +7,8 @@ the same processes where Gloo takes the dtype.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import gc
 import os
@@ -692,12 +694,43 @@ def _produce_late(values: torch.Tensor, dev: torch.device, sleep_cycles: int) ->
     return target
 
 
+@contextlib.contextmanager
+def _shm_full_for_ring_from(peer: int | None) -> Any:
+    """While held, creating this rank's shared-memory ring from ``peer`` fails as on a full
+    ``/dev/shm`` (``posix_fallocate``'s ENOSPC); the other rings are made as usual."""
+    from freescale_comm import shm
+
+    if peer is None:
+        yield
+        return
+    original = shm.Ring.__init__
+    suffix = f"-{peer}to{dist.get_rank()}"
+
+    def init(self: Any, path: str, *args: Any, create: bool, **kwargs: Any) -> None:
+        if create and path.endswith(suffix):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        original(self, path, *args, create=create, **kwargs)
+
+    shm.Ring.__init__ = init
+    try:
+        yield
+    finally:
+        shm.Ring.__init__ = original
+
+
 def run_cuda_cases(
-    seed: int, cases: int, cuda_path: str, hosts: int | list[int] = 1, validate: bool = True
+    seed: int,
+    cases: int,
+    cuda_path: str,
+    hosts: int | list[int] = 1,
+    validate: bool = True,
+    no_ring_from: dict[int, int] | None = None,
 ) -> dict[str, Any]:
     """Random AllGather / AllToAll cases on CUDA tensors over a group forced to ``cuda_path``
-    (``hosts``: how many pretend hosts the ranks are spread over, or each rank's host);
-    returns the count and, per peer, the start of its CUDA path and the pushes into its mailbox.
+    (``hosts``: how many pretend hosts the ranks are spread over, or each rank's host;
+    ``no_ring_from``: rank -> the peer whose ring that rank cannot make, ``/dev/shm`` being
+    full); returns the count and, per peer, the start of its CUDA path and the pushes into its
+    mailbox.
 
     Per-peer sizes straddle the eager limit (data folded into the header, through page-locked
     host memory) and go well past it (UCX's device path, or the staged pipeline), often in one
@@ -708,7 +741,8 @@ def run_cuda_cases(
 
     rank, n = dist.get_rank(), dist.get_world_size()
     host = hosts[rank] if isinstance(hosts, list) else rank * hosts // n
-    dev, group = cuda_group(host=f"test-host-{host}", cuda_path=cuda_path, validate=validate)
+    with _shm_full_for_ring_from((no_ring_from or {}).get(rank)):
+        dev, group = cuda_group(host=f"test-host-{host}", cuda_path=cuda_path, validate=validate)
     eager = FreescaleOptions().eager_bytes
     width = 16
     for case in range(cases):
@@ -766,9 +800,10 @@ def run_cuda_cases(
                 group=group,
             )
             _same(out.cpu(), want, what)
-    paths = {row["peer"]: (row["cuda"].split(":")[0], row["ipc_pushes"]) for row in group.paths()}
+    rows = group.paths()
+    paths = {row["peer"]: (row["cuda"].split(":")[0], row["ipc_pushes"]) for row in rows}
     dist.destroy_process_group(group)
-    return {"cases": cases, "paths": paths}
+    return {"cases": cases, "paths": paths, "why": {row["peer"]: row["cuda"] for row in rows}}
 
 
 def ring_cuda_checks(seed: int, cuda_path: str = "staged") -> dict[str, Any]:

@@ -281,16 +281,20 @@ class GroupContext:
                 "memory; same host (a call whose descriptors do not fit in eager_bytes is "
                 "staged)"
             )
+        no_ipc = ""
         if path == "ipc":
             path = self.remote_cuda_path()
+            if peer in self.directory.same_host:  # CUDA IPC needs the pair's rings (flags)
+                no_ipc = f"; no CUDA IPC: {self._no_rings.get(peer, 'no rings')}"
         if path == "direct":
-            return "direct: UCX device buffers (cuda_ipc / GPUDirect RDMA); cuda_path=" + (
-                self.options.cuda_path
+            return (
+                "direct: UCX device buffers (cuda_ipc / GPUDirect RDMA); cuda_path="
+                f"{self.options.cuda_path}{no_ipc}"
             )
         if self.stages_on_rings(peer):
             return "staged: staging rings (page-locked shared memory, D2H in, H2D out); same host"
         why = "other host" if peer not in self.directory.same_host else "no staging rings"
-        return f"staged: pinned pool + UCX host messages; {why}"
+        return f"staged: pinned pool + UCX host messages; {why}{no_ipc}"
 
     @property
     def ipc_max_pieces(self) -> int:

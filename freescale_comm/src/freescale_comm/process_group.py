@@ -127,11 +127,12 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         path = self._cuda_path if device == "cuda" else device
         if path == "ipc" and (plan.forwarding or not ctx.ipc_fits(plan)):
             # A ring (allgather="ring"), or descriptors past a header's room: the path of the
-            # ranks IPC does not reach, the same on every rank (their plans agree).
-            path = "staged" if self._ipc_reaches_all else ctx.remote_cuda_path()
+            # peers IPC does not reach, with every peer, the same on every rank (their plans
+            # agree; it depends on the options alone).
+            path = ctx.remote_cuda_path()
         if path == "ipc":
             self._to_ipc(plan)
-        elif path == "cuda-ipc":  # a cached plan, made IPC at its template's first use
+        elif path.startswith("cuda-ipc"):  # a cached plan, made IPC at its template's first use
             plan.ipc, plan.ipc_peers = True, ctx.ipc_peers
         elif path == "staged":
             plan.staged = True
@@ -143,21 +144,22 @@ class ProcessGroupFreescale(dist.ProcessGroup):
 
     def _to_ipc(self, plan: Plan) -> None:
         """Makes ``plan`` an IPC plan, and its template's later plans too (a template is made
-        for one group, whose CUDA calls of one shape always take the same path). Where some
-        peers are on other hosts, their bytes take the remote path, which the signature
-        names beside IPC (a rank alone on its host takes that path with every peer, under the
-        same name: a rank whose ``cuda_path`` differs fails validation, it does not hang)."""
+        for one group, whose CUDA calls of one shape always take the same path). The bytes of
+        the peers IPC does not reach (on other hosts, or of this host without rings) take the
+        remote path. The signature names IPC and that remote path whoever this rank reaches:
+        the label depends on the options alone, so ranks with different ``cuda_path`` fail
+        validation rather than hang, while ranks that reach different peers by IPC (a rank
+        alone on its host, a pair whose rings did not fit in ``/dev/shm``) still agree."""
         ctx = self._ctx
         plan.ipc_peers = ctx.ipc_peers
+        remote = ctx.remote_cuda_path()
+        plan.signature = dataclasses.replace(plan.signature, device=f"cuda-ipc+{remote}")
         if not self._ipc_reaches_all:
-            remote = ctx.remote_cuda_path()
             plan.ipc = bool(plan.ipc_peers)
             plan.staged = remote == "staged"
             plan.direct_peers = plan.ipc and remote == "direct"
-            plan.signature = dataclasses.replace(plan.signature, device=f"cuda-ipc+{remote}")
             return
         plan.ipc = True
-        plan.signature = dataclasses.replace(plan.signature, device="cuda-ipc")
         template = plan.template
         if template is not None:
             template.signature = plan.signature

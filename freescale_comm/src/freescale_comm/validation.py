@@ -39,7 +39,6 @@ DEVICE_CODES = {
     "cpu": 0,
     "cuda": 1,
     "cuda-staged": 2,
-    "cuda-ipc": 3,
     "cuda-ipc+direct": 4,
     "cuda-ipc+staged": 5,
 }
@@ -56,10 +55,10 @@ class Signature:
     Attributes:
         op: collective name (e.g. ``"all_to_all_single"``).
         dtype: dtype name, e.g. ``"torch.float32"``.
-        device: ``"cpu"``, ``"cuda"`` (direct path), ``"cuda-staged"``, ``"cuda-ipc"`` (IPC
-            with every peer) or ``"cuda-ipc+direct"`` / ``"cuda-ipc+staged"`` (IPC with the
-            peers on this host, that path with the others): ranks that move CUDA data by
-            different paths disagree on message numbering, so the path is checked too.
+        device: ``"cpu"``, ``"cuda"`` (direct path), ``"cuda-staged"`` or
+            ``"cuda-ipc+direct"`` / ``"cuda-ipc+staged"`` (IPC with the peers it reaches, that
+            path with the others): ranks that move CUDA data by different paths disagree on
+            message numbering, so the path is checked too.
         count: number of tensors (coalesced / list variants).
         send_bytes: bytes this rank sends to each group rank (itself included).
         recv_bytes: bytes this rank expects from each group rank.
