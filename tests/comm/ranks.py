@@ -508,11 +508,43 @@ def _ring_state() -> dict[str, int]:
     return {"mapped": len(maps), "files": len(files)}
 
 
-def ring_cases(seed: int, cases: int, hosts: int, options: dict[str, Any]) -> dict[str, Any]:
+@contextlib.contextmanager
+def _shm_full_for_ring_from(peer: int | None) -> Any:
+    """While held, creating this rank's shared-memory ring from ``peer`` fails as on a full
+    ``/dev/shm`` (``posix_fallocate``'s ENOSPC); the other rings are made as usual."""
+    from freescale_comm import shm
+
+    if peer is None:
+        yield
+        return
+    original = shm.Ring.__init__
+    suffix = f"-{peer}to{dist.get_rank()}"
+
+    def init(self: Any, path: str, *args: Any, create: bool, **kwargs: Any) -> None:
+        if create and path.endswith(suffix):  # the file is made, its memory is not
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        original(self, path, *args, create=create, **kwargs)
+
+    shm.Ring.__init__ = init
+    try:
+        yield
+    finally:
+        shm.Ring.__init__ = original
+
+
+def ring_cases(
+    seed: int,
+    cases: int,
+    hosts: int,
+    options: dict[str, Any],
+    no_ring_from: dict[int, int] | None = None,
+) -> dict[str, Any]:
     """Random cases over a freescale group whose ranks look as if on ``hosts`` hosts (the
     host identity set per rank before the group is made), with ``FreescaleOptions(**options)``,
     against Gloo; several collectives in flight at once; then the group destroyed. Returns what
     the ranks saw: the count, the paths, ring messages, and the rings' memory during and after.
+    ``no_ring_from``: rank -> the peer whose ring that rank cannot make (``/dev/shm`` full).
     """
     from freescale_comm import FreescaleOptions
 
@@ -520,11 +552,12 @@ def ring_cases(seed: int, cases: int, hosts: int, options: dict[str, Any]) -> di
     before = _ring_state()
     os.environ["FREESCALE_HOST_ID"] = f"test-host-{rank * hosts // n}"
     try:
-        group = dist.new_group(
-            backend="freescale",
-            timeout=timedelta(seconds=60),
-            pg_options=FreescaleOptions(**options),
-        )
+        with _shm_full_for_ring_from((no_ring_from or {}).get(rank)):
+            group = dist.new_group(
+                backend="freescale",
+                timeout=timedelta(seconds=60),
+                pg_options=FreescaleOptions(**options),
+            )
     finally:
         del os.environ["FREESCALE_HOST_ID"]
     during = _ring_state()
@@ -692,30 +725,6 @@ def _produce_late(values: torch.Tensor, dev: torch.device, sleep_cycles: int) ->
     torch.cuda._sleep(sleep_cycles)
     target.copy_(values.pin_memory(), non_blocking=True)
     return target
-
-
-@contextlib.contextmanager
-def _shm_full_for_ring_from(peer: int | None) -> Any:
-    """While held, creating this rank's shared-memory ring from ``peer`` fails as on a full
-    ``/dev/shm`` (``posix_fallocate``'s ENOSPC); the other rings are made as usual."""
-    from freescale_comm import shm
-
-    if peer is None:
-        yield
-        return
-    original = shm.Ring.__init__
-    suffix = f"-{peer}to{dist.get_rank()}"
-
-    def init(self: Any, path: str, *args: Any, create: bool, **kwargs: Any) -> None:
-        if create and path.endswith(suffix):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-        original(self, path, *args, create=create, **kwargs)
-
-    shm.Ring.__init__ = init
-    try:
-        yield
-    finally:
-        shm.Ring.__init__ = original
 
 
 def run_cuda_cases(

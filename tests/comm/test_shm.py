@@ -54,6 +54,26 @@ def test_two_hosts_intra_and_inter_host_paths_agree(fs_group4):
         assert result["during"]["mapped"] == 2 and result["after"]["mapped"] == 0
 
 
+def test_a_pair_without_rings_takes_ucx_and_the_others_keep_theirs(fs_group4):
+    # /dev/shm full when rank 3 makes its ring from rank 1 (the file made, its memory not):
+    # that pair moves host bytes by UCX, every other pair by its rings, all in one collective;
+    # the half-made ring leaves no file behind.
+    options = {"host_path": "shm", **_SMALL_RINGS}
+    results = fs_group4.run(ranks.ring_cases, 7, 15, 1, options, {3: 1}, timeout_s=180)
+    for rank, result in enumerate(results):
+        assert result["count"] == 15
+        for path in result["paths"]:
+            if {rank, path["peer"]} == {1, 3}:
+                assert path["path"] == "ucx" and path["ring_messages"] == (0, 0), path
+                assert "No space left on device" in path["why"] or "could not map" in path["why"]
+            else:
+                assert path["path"] == "shm" and path["ring_messages"][0] > 0, path
+        pairs = 2 if rank in (1, 3) else 3
+        assert result["during"] == {"mapped": 2 * pairs, "files": 0}
+        assert result["after"] == {"mapped": 0, "files": 0}
+    assert _ring_files() == []
+
+
 def test_data_sent_with_the_headers_is_dropped_after_a_bad_verdict(fs_group):
     # The world group: host_path=auto, so 128 KiB per peer takes the rings and leaves early.
     n = fs_group.spec.world_size
