@@ -74,67 +74,36 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _paths_rank(rank: int, ranks: int, hosts: int, port: int, queue: Any) -> None:
+def _paths_rank(ranks: int, hosts: int) -> list[dict[str, Any]]:
+    """In a rank of the local launcher: its group's paths to every peer (``hosts`` > 0: this
+    rank made to look as if on host ``rank * hosts // ranks``)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    import freescale_comm
+    from freescale_comm._local_ranks import local_rank, store_port
 
+    rank = local_rank()
     if hosts:
         os.environ["FREESCALE_HOST_ID"] = f"local-host-{rank * hosts // ranks}"
-    freescale_comm.register()
+    store = dist.TCPStore("127.0.0.1", store_port(), is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "freescale", store=store, rank=rank, world_size=ranks, timeout=timedelta(seconds=60)
+    )
     try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group(
-            "freescale", store=store, rank=rank, world_size=ranks, timeout=timedelta(seconds=60)
-        )
-        queue.put(("ok", dist.group.WORLD.paths()))
+        return dist.group.WORLD.paths()
+    finally:
         dist.destroy_process_group()
-    except Exception as err:
-        queue.put(("error", f"rank {rank}: {type(err).__name__}: {err}"))
 
 
 def local_paths(ranks: int, hosts: int = 0, timeout_s: float = 120) -> list[dict[str, Any]]:
     """The path of every ordered pair of ``ranks`` local ranks (``hosts`` > 0: the ranks made
     to look as if spread over that many hosts, through ``FREESCALE_HOST_ID``)."""
-    import multiprocessing
-    import queue as queues
-    import time
-    from datetime import timedelta
+    from freescale_comm._local_ranks import GroupSpec, run_ranks
 
-    import torch.distributed as dist
-
-    spawn = multiprocessing.get_context("spawn")
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
-    results = spawn.Queue()
-    procs = [
-        spawn.Process(target=_paths_rank, args=(r, ranks, hosts, store.port, results), daemon=True)
-        for r in range(ranks)
-    ]
-    for proc in procs:
-        proc.start()
-    rows: list[dict[str, Any]] = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        for _ in range(ranks):
-            while True:
-                try:
-                    kind, payload = results.get(timeout=1.0)
-                    break
-                except queues.Empty:
-                    if time.monotonic() > deadline or not any(p.is_alive() for p in procs):
-                        raise RuntimeError("the local ranks did not report their paths") from None
-            if kind != "ok":
-                raise RuntimeError(payload)
-            rows.extend(payload)
-    finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
+    spec = GroupSpec(ranks, backend=None, setup="freescale_comm:register", threads=None)
+    reports = run_ranks(spec, _paths_rank, ranks, hosts, timeout_s=timeout_s)
+    rows = [row for report in reports for row in report]
     return sorted(rows, key=lambda row: (row["rank"], row["peer"]))
 
 
