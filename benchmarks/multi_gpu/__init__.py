@@ -11,12 +11,12 @@ try/except and inside a global time budget (parts that no longer fit are skipped
    process, the path of each peer pair per freescale group (``paths()``: on one host the staged
    group moves CUDA bytes through the staging rings, page-locked shared memory), the symmetric
    buffers of the NCCL copy-engine variant;
-2. correctness: every own collective of freescale (direct and staged) on CUDA tensors between the
-   GPUs, float32 / bfloat16 / int64, against NCCL's result on the same inputs and the expected
-   values;
+2. correctness: every own collective of freescale (IPC, direct and staged) on CUDA tensors
+   between the GPUs, float32 / bfloat16 / int64, against NCCL's result on the same inputs and
+   the expected values;
 3. kernels: CUDA kernels the profiler sees per backend while its collectives run;
 4. sweep (nccl-tests style, 8 B .. 1 GiB by factor 2): all_gather_into_tensor, all_to_all_single
-   even and uneven; freescale direct / staged, NCCL default, NCCL zero-CTA copy engine
+   even and uneven; freescale IPC / direct / staged, NCCL default, NCCL zero-CTA copy engine
    (``nccl_ce``: NCCL_CTA_POLICY=2 plus buffers in NCCL symmetric windows); time (CUDA events,
    median over iterations, slowest rank), algbw, busbw = algbw * (n-1)/n, correctness per size;
 5. overlap: a bf16 8192^3 matmul and a jagged (varlen) flash attention, replayed from a CUDA graph,

@@ -1,4 +1,4 @@
-"""Part 2, correctness: every own collective of freescale (direct and staged) on CUDA tensors,
+"""Part 2, correctness: every own collective of freescale (IPC, direct and staged) on CUDA tensors,
 float32 / bfloat16 / int64, against NCCL's result on the same inputs and the expected values."""
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ def test_backends_by_device_and_gpu_count():
     assert BenchConfig().backends(0) == ("freescale", "gloo")
     cuda = BenchConfig(device="cuda", world_size=2)
     # NCCL refuses two ranks on one GPU: it joins only where every rank has its own.
-    assert cuda.backends(1) == ("freescale_direct", "freescale_staged")
-    assert cuda.backends(2) == ("freescale_direct", "freescale_staged", "nccl")
+    assert cuda.backends(1) == ("freescale_ipc", "freescale_direct", "freescale_staged")
+    assert cuda.backends(2) == ("freescale_ipc", "freescale_direct", "freescale_staged", "nccl")
 
 
 def test_small_sweep_is_correct_and_reported(tmp_path, capsys):

@@ -2,9 +2,9 @@
 
 Local ranks on loopback run every backend in the same processes (a freescale world and groups of
 the other backends over the same ranks). On the CPU the peer is Gloo. With ``device="cuda"``
-(rank r on GPU r mod the GPU count) freescale's direct and staged paths run, and NCCL beside them
-where every rank has a GPU of its own (NCCL refuses two ranks on one GPU); results are checked
-against Gloo's on CPU copies of the same data. Method, per size (as nccl-tests,
+(rank r on GPU r mod the GPU count) freescale's IPC, direct and staged paths run, and NCCL
+beside them where every rank has a GPU of its own (NCCL refuses two ranks on one GPU); results
+are checked against Gloo's on CPU copies of the same data. Method, per size (as nccl-tests,
 ``doc/PERFORMANCE.md``):
 
 1. warm-up calls of both backends (connections, caches, pages), then a correctness check of
@@ -94,7 +94,7 @@ class BenchConfig:
         """The backends compared, freescale's first, the peer last (``gpus``: GPUs present)."""
         if self.device == "cpu":
             return ("freescale", "gloo")
-        own = ("freescale_direct", "freescale_staged")
+        own = ("freescale_ipc", "freescale_direct", "freescale_staged")
         return (*own, "nccl") if gpus >= self.world_size else own
 
 
@@ -112,10 +112,13 @@ def _bench_rank(config: BenchConfig, progress: bool) -> list[dict[str, Any]]:
     gloo = dist.new_group(backend="gloo", timeout=timeout)
     groups: dict[str, Any] = {"freescale": None, "freescale_direct": None, "gloo": gloo}
     names = config.backends(gpus)
-    if "freescale_staged" in names:
-        groups["freescale_staged"] = dist.new_group(
-            backend="freescale", timeout=timeout, pg_options=FreescaleOptions(cuda_path="staged")
-        )
+    for name in names:
+        if name in ("freescale_ipc", "freescale_staged"):
+            groups[name] = dist.new_group(
+                backend="freescale",
+                timeout=timeout,
+                pg_options=FreescaleOptions(cuda_path=name.removeprefix("freescale_")),
+            )
     if "nccl" in names:
         groups["nccl"] = dist.new_group(backend="nccl", timeout=timeout)
     points = [(op, size) for op in config.ops for size in config.sizes()]
@@ -290,7 +293,12 @@ def format_table(report: dict[str, Any]) -> str:
     """nccl-tests style columns, one group per backend; the ratio of freescale's time to the
     peer's (the last backend)."""
     names = report["backends"]
-    short = {"freescale": "fs", "freescale_direct": "direct", "freescale_staged": "staged"}
+    short = {
+        "freescale": "fs",
+        "freescale_ipc": "ipc",
+        "freescale_direct": "direct",
+        "freescale_staged": "staged",
+    }
     ratio = f"{short.get(names[0], names[0])}/{short.get(names[-1], names[-1])}"
     head = f"{'op':<11}{'ranks':>6}{'size(B)':>12}"
     for name in names:

@@ -64,7 +64,7 @@ def _parser() -> Parser:
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
-        help="cuda: freescale's direct and staged paths, NCCL where every rank "
+        help="cuda: freescale's IPC, direct and staged paths, NCCL where every rank "
         "has a GPU of its own",
     )
     bench.add_argument(
