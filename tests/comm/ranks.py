@@ -734,12 +734,13 @@ def run_cuda_cases(
     hosts: int | list[int] = 1,
     validate: bool = True,
     no_ring_from: dict[int, int] | None = None,
+    allgather: str = "auto",
 ) -> dict[str, Any]:
     """Random AllGather / AllToAll cases on CUDA tensors over a group forced to ``cuda_path``
     (``hosts``: how many pretend hosts the ranks are spread over, or each rank's host;
     ``no_ring_from``: rank -> the peer whose ring that rank cannot make, ``/dev/shm`` being
-    full); returns the count and, per peer, the start of its CUDA path and the pushes into its
-    mailbox.
+    full; ``allgather``: the option); returns the count and, per peer, the start of its CUDA
+    path and the pushes into its mailbox.
 
     Per-peer sizes straddle the eager limit (data folded into the header, through page-locked
     host memory) and go well past it (UCX's device path, or the staged pipeline), often in one
@@ -751,7 +752,9 @@ def run_cuda_cases(
     rank, n = dist.get_rank(), dist.get_world_size()
     host = hosts[rank] if isinstance(hosts, list) else rank * hosts // n
     with _shm_full_for_ring_from((no_ring_from or {}).get(rank)):
-        dev, group = cuda_group(host=f"test-host-{host}", cuda_path=cuda_path, validate=validate)
+        dev, group = cuda_group(
+            host=f"test-host-{host}", cuda_path=cuda_path, validate=validate, allgather=allgather
+        )
     eager = FreescaleOptions().eager_bytes
     width = 16
     for case in range(cases):

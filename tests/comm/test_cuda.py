@@ -50,19 +50,28 @@ def test_a_rank_alone_on_its_host(fs_group4, cuda_path, validate):
                 assert path == remote and pushes == 0, (rank, peer, path, pushes)
 
 
-@pytest.mark.parametrize("cuda_path", ["ipc", "auto"])
-def test_a_pair_without_rings(fs_group4, cuda_path):
+@pytest.mark.parametrize(
+    ("cuda_path", "validate", "allgather"),
+    [("ipc", True, "auto"), ("auto", False, "ring"), ("staged", True, "auto")],
+)
+def test_a_pair_without_rings(fs_group4, cuda_path, validate, allgather):
     # /dev/shm full when rank 3 makes its ring from rank 1: that pair takes the remote path
-    # with each other, every other pair of the host IPC, and ranks 0 and 2 (IPC to every peer)
-    # agree with ranks 1 and 3 (IPC to two of three) on every collective.
-    reports = fs_group4.run(ranks.run_cuda_cases, 5, 20, cuda_path, 1, True, {3: 1}, timeout_s=180)
-    remote = "staged" if cuda_path == "ipc" else "direct"
+    # with each other, every other pair of the host IPC (or the staging rings), and ranks 0
+    # and 2 (rings to every peer) make the choices both sides of a pair must share (label,
+    # AllGather algorithm, folding, the path of a ring AllGather) as ranks 1 and 3 do.
+    reports = fs_group4.run(
+        ranks.run_cuda_cases, 5, 20, cuda_path, 1, validate, {3: 1}, allgather, timeout_s=180
+    )
+    remote = "direct" if cuda_path == "auto" else "staged"
     for rank, report in enumerate(reports):
         assert report["cases"] == 20
         for peer, (path, pushes) in report["paths"].items():
             if {rank, peer} == {1, 3}:
                 assert path == remote and pushes == 0, (rank, peer, path, pushes)
-                assert "no CUDA IPC" in report["why"][peer], report["why"][peer]
+                if cuda_path != "staged":
+                    assert "no CUDA IPC" in report["why"][peer], report["why"][peer]
+            elif cuda_path == "staged":
+                assert report["why"][peer].startswith("staged: staging rings"), report["why"]
             else:
                 assert path == "ipc" and pushes > 0, (rank, peer, path, pushes)
 

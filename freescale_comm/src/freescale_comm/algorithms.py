@@ -247,8 +247,9 @@ class PlanCache:
         if key is None or plan.signature.error or plan.copy_back:
             return
         if plan.on_cuda and (
-            plan.forwarding or plan.most_sends_to_one_peer > self._cuda_pieces
-        ):  # a CUDA ring is staged, not IPC: its plans need tensors and their own header
+            plan.forwarding
+            or max(plan.signature.count, plan.most_sends_to_one_peer) > self._cuda_pieces
+        ):  # not IPC (a ring, descriptors past a header, ``ipc_fits``): it needs tensors
             return
         if key not in self._seen_once:
             if len(self._seen_once) >= _CACHE_ENTRIES:

@@ -118,6 +118,7 @@ class GroupContext:
         self._hub: Any = None
         self._no_rings: dict[int, str] = {}
         self._ipc_peers: frozenset[int] = frozenset()
+        self._all_on_staging_rings = False
         unsupported = shm.rings_supported()
         # Every rank of the group takes part in the store exchange the same way: whether rings
         # are wanted depends only on the options, which are the same on every rank.
@@ -147,6 +148,22 @@ class GroupContext:
         if links:
             self._hub = shm.Hub.get()
             self.transport.attach_hub(self._hub)
+        if len(self.directory.same_host) == size:  # the same test on every rank
+            self._all_on_staging_rings = self._agree(
+                "staging_rings", all(self.stages_on_rings(p) for p in local)
+            )
+
+    def _agree(self, name: str, mine: bool) -> bool:
+        """Whether ``mine`` holds on every rank of the group (every rank must call it, in the
+        same order): each reports to the store, the last to report publishes the verdict. A
+        rank's links are its own view (a pair whose rings could not be made lacks them on its
+        two ranks only), so a choice every rank must make alike cannot rest on them alone."""
+        keys, prefix = self._keys, f"freescale/agree/{name}"
+        keys.add(f"{prefix}/no", 0 if mine else 1)  # before reporting: the verdict counts it
+        if keys.add(f"{prefix}/reported", 1) == self.size:
+            keys.set(f"{prefix}/verdict", "1" if keys.add(f"{prefix}/no", 0) == 0 else "0")
+        keys.wait([f"{prefix}/verdict"], timedelta(seconds=self.timeout_s))
+        return keys.get(f"{prefix}/verdict") == b"1"
 
     def post(
         self, peer: int, buffer: Any, tag: int, send: bool, sub: int, ready: Any = None
@@ -182,12 +199,11 @@ class GroupContext:
 
     @property
     def all_on_staging_rings(self) -> bool:
-        """Whether every peer is reached through the staging rings (every rank of the group on
-        this host): the same answer on every rank, which a collective's choices that both sides
-        of a pair must make alike (folding, algorithm) may depend on."""
-        return self.size > 1 and all(
-            self.stages_on_rings(p) for p in range(self.size) if p != self.rank
-        )
+        """Whether every rank reaches every peer through the staging rings (the group on one
+        host, every pair's rings made): agreed at set-up, the same answer on every rank, which
+        a collective's choices that both sides of a pair must make alike (folding, algorithm)
+        may depend on."""
+        return self._all_on_staging_rings
 
     def sends_early(self, peer: int, nbytes: int) -> bool:
         """Whether a data message of ``nbytes`` to ``peer`` leaves with the headers: it takes a
@@ -251,10 +267,11 @@ class GroupContext:
         return self.remote_cuda_path()
 
     def remote_cuda_path(self) -> str:
-        """How CUDA bytes move to the peers this rank shares no rings with: ``staged`` under
-        ``cuda_path="ipc"``, else the configured path, ``auto`` meaning ``direct`` where UCX
-        has CUDA (cuda_copy / cuda_ipc) and ``staged`` otherwise; the same answer on every
-        rank whose UCX agrees (a plan's signature carries it)."""
+        """How CUDA bytes move to the peers this rank shares no rings with, and with every
+        peer for a plan IPC cannot carry: ``staged`` under ``cuda_path="ipc"``, else the
+        configured path, ``auto`` meaning ``direct`` where UCX has CUDA (cuda_copy / cuda_ipc)
+        and ``staged`` otherwise; the same answer on every rank whose UCX agrees (a plan's
+        signature carries it)."""
         path = self.options.cuda_path
         if path == "ipc":
             return "staged"
@@ -278,8 +295,8 @@ class GroupContext:
                 "ipc: copy-engine copies through CUDA IPC (sends that fit a mailbox slot "
                 f"of {MAILBOX_SLOT_BYTES >> 10} KiB pushed into the peer's mailbox at the "
                 "call, larger ones pulled from the sender's memory), flags in shared page-locked "
-                "memory; same host (a call whose descriptors do not fit in eager_bytes is "
-                "staged)"
+                "memory; same host (a ring, or a call whose descriptors do not fit in "
+                "eager_bytes, takes the remote path with every peer)"
             )
         no_ipc = ""
         if path == "ipc":

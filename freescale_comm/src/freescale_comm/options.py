@@ -40,15 +40,16 @@ class FreescaleOptions:
             ``FREESCALE_RING_THRESHOLD_BYTES``.
         chunk_bytes: pipelining unit of the ring AllGather and of the staged CUDA path (its
             staging slot size). ``FREESCALE_CHUNK_BYTES``.
-        cuda_path: for CUDA tensors, ``ipc`` (with the peers on this host: copy-engine
-            copies through memory mapped by CUDA IPC, ordered on the GPU by flags; ``staged``
-            with the peers on other hosts), ``direct`` (device buffers handed to UCX: cuda_ipc /
-            RDMA), ``staged`` (copy-engine D2H into pinned host memory, host transfer, H2D;
-            chunks pipelined) or ``auto`` (``ipc`` with the peers on this host, and with the
-            others ``direct`` if UCX has CUDA, else ``staged``). Under ``ipc`` and ``auto``
-            CUDA AllGathers take the direct algorithm, in a group spanning hosts unless
-            ``allgather="ring"`` (a ring takes the path of the peers on other hosts). The same
-            on every rank (validation checks it). ``FREESCALE_CUDA_PATH``.
+        cuda_path: for CUDA tensors, ``ipc`` (with the peers on this host it shares rings
+            with: copy-engine copies through memory mapped by CUDA IPC, ordered on the GPU by
+            flags; ``staged`` with the others), ``direct`` (device buffers handed to UCX:
+            cuda_ipc / RDMA), ``staged`` (copy-engine D2H into pinned host memory, host
+            transfer, H2D; chunks pipelined) or ``auto`` (``ipc`` as above, and with the others
+            ``direct`` if UCX has CUDA, else ``staged``). A call IPC cannot carry (a ring, or
+            descriptors past a header's room) takes that other path with every peer. Under
+            ``ipc`` and ``auto`` CUDA AllGathers take the direct algorithm, in a group spanning
+            hosts unless ``allgather="ring"``. The same on every rank (validation checks it).
+            ``FREESCALE_CUDA_PATH``.
         staging_pool_bytes: page-locked host memory of a group's staged path (half for send
             chunks, half for receive chunks, at least four chunks; allocated on the first staged
             collective, freed when the group is destroyed). ``FREESCALE_STAGING_POOL_BYTES``.

@@ -147,9 +147,10 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         for one group, whose CUDA calls of one shape always take the same path). The bytes of
         the peers IPC does not reach (on other hosts, or of this host without rings) take the
         remote path. The signature names IPC and that remote path whoever this rank reaches:
-        the label depends on the options alone, so ranks with different ``cuda_path`` fail
-        validation rather than hang, while ranks that reach different peers by IPC (a rank
-        alone on its host, a pair whose rings did not fit in ``/dev/shm``) still agree."""
+        the label depends on the options (and under ``auto`` on whether UCX has CUDA), not on
+        the peers reached, so ranks with different ``cuda_path`` fail validation rather than
+        hang, while ranks that reach different peers by IPC (a rank alone on its host, a pair
+        whose rings did not fit in ``/dev/shm``) still agree."""
         ctx = self._ctx
         plan.ipc_peers = ctx.ipc_peers
         remote = ctx.remote_cuda_path()

@@ -612,7 +612,9 @@ def open_links(
     for peer in peers:
         entry = store.get(f"freescale/shm/{rank}to{peer}").decode()
         ok = False
-        if entry:
+        if not entry:
+            failures.setdefault(peer, f"rank {peer} could not create its ring in {_SHM_DIR}")
+        else:
             name, *paths = entry.split("\n")
             rings: list[Ring] = []
             try:
