@@ -655,6 +655,31 @@ def new_user_mistakes() -> list[str]:
     return messages
 
 
+def a_mistake_without_validation() -> str:
+    """In a group that does not validate, rank 0 passes splits that do not add up: it raises
+    at once, and its peers, which called correctly, raise at once too (the group is aborted)
+    instead of waiting out the group's 60 s timeout for its messages. Returns the seconds and
+    the error this rank saw."""
+    from freescale_comm import FreescaleOptions
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(
+        backend="freescale",
+        timeout=timedelta(seconds=60),
+        pg_options=FreescaleOptions(validate=False),
+    )
+    splits = [n + 1] + [0] * (n - 1) if rank == 0 else [1] * n
+    start = time.monotonic()
+    try:
+        dist.all_to_all_single(torch.empty(n), torch.ones(n), [1] * n, splits, group=group)
+    except Exception as err:
+        message = f"{time.monotonic() - start:.3f} {type(err).__name__}: {err}"
+    else:
+        message = "no error"
+    dist.destroy_process_group(group)
+    return message
+
+
 def die_during_collective(victim: int, delay_s: float) -> float:
     """The victim exits mid-way; the survivors' collective must raise (they re-raise it)."""
     rank, n = dist.get_rank(), dist.get_world_size()

@@ -41,6 +41,17 @@ def test_meta_tensor_and_negative_split_fail_on_every_rank_at_once(fs_group):
         assert "contain a negative size" in messages[3] and "add up" not in messages[3]
 
 
+def test_a_mistake_without_validation_fails_every_rank_at_once(fs_group):
+    per_rank = fs_group.run(ranks.a_mistake_without_validation, timeout_s=60)
+    for rank, message in enumerate(per_rank):
+        seconds, error = message.split(" ", 1)
+        assert float(seconds) < 5, message  # the group's timeout is 60 s
+        if rank == 0:
+            assert error.startswith("FreescaleValidationError") and "add up" in error, error
+        else:
+            assert error.startswith("FreescalePeerError") and "could not start" in error, error
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_killed_peer_makes_every_survivor_raise(world_size):
     group = LocalGroup(

@@ -374,7 +374,16 @@ class GroupContext:
                 A CUDA caller must have the collective's device current (UCX's CUDA
                 transports use the progressing thread's context).
         """
-        op.start()
+        try:
+            op.start()
+        except Exception as err:
+            # This rank took the collective's sequence number, its peers never see its
+            # messages: they would wait out the group timeout, and every later collective
+            # would pair the wrong calls. The group is told now (an error of the caller's own
+            # arguments under validate=False, a CUDA driver call that failed, a full /dev/shm).
+            if self.broken is None:
+                self.abort(f"rank {self.rank}: {op.label} could not start: {err}")
+            raise
         self._inflight = [c for c in self._inflight if not c.finished]
         self._inflight.append(op)
         may_drive = caller_waits and (not op.plan.on_cuda or _cuda_device() == op.plan.cuda_index)
