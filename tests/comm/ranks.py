@@ -680,6 +680,36 @@ def a_mistake_without_validation() -> str:
     return message
 
 
+def an_internal_error_on_one_rank() -> str:
+    """Rank 0 fails while its collective moves data (``_start_data`` raises, as a bug or the
+    OS refusing memory would): it raises that error, and its peers, which wait for its data,
+    raise at once (the group is aborted) rather than after the group's 60 s timeout. Returns
+    the seconds and the error this rank saw."""
+    from freescale_comm import collective
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(backend="freescale", timeout=timedelta(seconds=60))
+    original = collective.Collective._start_data
+
+    def broken(self: Any) -> None:
+        raise RuntimeError("injected: no memory for the data phase")
+
+    if rank == 0:
+        collective.Collective._start_data = broken
+    start = time.monotonic()
+    try:
+        per_peer = 1 << 20  # 4 MiB: posted in the data phase (not folded, not sent early)
+        dist.all_to_all_single(torch.empty(n * per_peer), torch.ones(n * per_peer), group=group)
+    except Exception as err:
+        message = f"{time.monotonic() - start:.3f} {type(err).__name__}: {err}"
+    else:
+        message = "no error"
+    finally:
+        collective.Collective._start_data = original
+    dist.destroy_process_group(group)
+    return message
+
+
 def die_during_collective(victim: int, delay_s: float) -> float:
     """The victim exits mid-way; the survivors' collective must raise (they re-raise it)."""
     rank, n = dist.get_rank(), dist.get_world_size()

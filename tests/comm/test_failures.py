@@ -52,6 +52,17 @@ def test_a_mistake_without_validation_fails_every_rank_at_once(fs_group):
             assert error.startswith("FreescalePeerError") and "could not start" in error, error
 
 
+def test_an_internal_error_on_one_rank_fails_every_rank_at_once(fs_group):
+    per_rank = fs_group.run(ranks.an_internal_error_on_one_rank, timeout_s=60)
+    for rank, message in enumerate(per_rank):
+        seconds, error = message.split(" ", 1)
+        assert float(seconds) < 5, message  # the group's timeout is 60 s
+        if rank == 0:
+            assert error.startswith("FreescaleError") and "injected" in error, error
+        else:
+            assert error.startswith("FreescalePeerError") and "injected" in error, error
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_killed_peer_makes_every_survivor_raise(world_size):
     group = LocalGroup(

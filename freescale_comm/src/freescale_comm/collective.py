@@ -32,6 +32,7 @@ keeps the buffers referenced by the group, so a late UCX access never touches fr
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
     from freescale_comm.group import GroupContext
     from freescale_comm.ipc import Export, IpcPath, Piece
     from freescale_comm.staged import StagedPipeline
+
+logger = logging.getLogger(__name__)
 
 _ERRORS: dict[str, type[FreescaleError]] = {
     "validation": FreescaleValidationError,
@@ -378,7 +381,14 @@ class Collective:
         """Polls this collective's requests and moves it forward; True if anything changed."""
         try:
             with self._lock:
-                return self._advance_locked()
+                try:
+                    return self._advance_locked()
+                except Exception as err:  # this rank's alone: a bug, the OS refusing memory
+                    logger.exception("freescale: internal error in %s", self.label)
+                    self._fail_locked(f"internal error: {type(err).__name__}: {err}", "internal")
+                    # Its peers wait for its messages: the group is aborted, they raise now.
+                    self._abort_reason = f"rank {self.group.rank}: {self.error}"
+                    return True
         finally:
             self._flush_abort()
 
