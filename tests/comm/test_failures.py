@@ -41,26 +41,25 @@ def test_meta_tensor_and_negative_split_fail_on_every_rank_at_once(fs_group):
         assert "contain a negative size" in messages[3] and "add up" not in messages[3]
 
 
-def test_a_mistake_without_validation_fails_every_rank_at_once(fs_group):
-    per_rank = fs_group.run(ranks.a_mistake_without_validation, timeout_s=60)
+@pytest.mark.parametrize(
+    ("rank_fn", "own_error", "peers_see"),
+    [
+        # Its own bad splits in a group that does not validate: it raises before any message.
+        (ranks.a_mistake_without_validation, "FreescaleValidationError", "could not start"),
+        # An internal error while its data moves.
+        (ranks.an_internal_error_on_one_rank, "FreescaleError", "injected"),
+    ],
+    ids=["mistake-without-validation", "internal-error"],
+)
+def test_a_failure_on_one_rank_fails_every_rank_at_once(fs_group, rank_fn, own_error, peers_see):
+    per_rank = fs_group.run(rank_fn, timeout_s=60)
     for rank, message in enumerate(per_rank):
         seconds, error = message.split(" ", 1)
         assert float(seconds) < 5, message  # the group's timeout is 60 s
         if rank == 0:
-            assert error.startswith("FreescaleValidationError") and "add up" in error, error
+            assert error.startswith(f"{own_error}:"), error
         else:
-            assert error.startswith("FreescalePeerError") and "could not start" in error, error
-
-
-def test_an_internal_error_on_one_rank_fails_every_rank_at_once(fs_group):
-    per_rank = fs_group.run(ranks.an_internal_error_on_one_rank, timeout_s=60)
-    for rank, message in enumerate(per_rank):
-        seconds, error = message.split(" ", 1)
-        assert float(seconds) < 5, message  # the group's timeout is 60 s
-        if rank == 0:
-            assert error.startswith("FreescaleError") and "injected" in error, error
-        else:
-            assert error.startswith("FreescalePeerError") and "injected" in error, error
+            assert error.startswith("FreescalePeerError") and peers_see in error, error
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
