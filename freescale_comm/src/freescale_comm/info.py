@@ -98,7 +98,8 @@ def _paths_rank(ranks: int, hosts: int) -> list[dict[str, Any]]:
 
 def local_paths(ranks: int, hosts: int = 0, timeout_s: float = 120) -> list[dict[str, Any]]:
     """The path of every ordered pair of ``ranks`` local ranks (``hosts`` > 0: the ranks made
-    to look as if spread over that many hosts, through ``FREESCALE_HOST_ID``)."""
+    to look as if spread over that many hosts, through ``FREESCALE_HOST_ID``); ``timeout_s``
+    bounds the ranks' start and, again, their run."""
     from freescale_comm._local_ranks import GroupSpec, run_ranks
 
     spec = GroupSpec(ranks, backend=None, setup="freescale_comm:register", threads=None)
