@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,8 @@ if TYPE_CHECKING:
     from freescale_comm.ipc import IpcPath
 
 _EAGER_ROOM_BYTES = 4 << 20
-# Data messages up to this size leave with the headers over the rings (``sends_early``).
+# Data messages up to this size leave with the headers over the rings (``sends_early``), where
+# the host's ranks do not outnumber its cores.
 _EARLY_BYTES = 1 << 20
 
 
@@ -106,6 +108,11 @@ class GroupContext:
         self.engine.watch(self.liveness)
         self._endpoints: list[Any] = [None] * size
         self._header_room = Signature.size(size) + self.eager_per_peer
+        # An early message costs its receiver one more copy (out of the ring, then into the
+        # output) to save a round trip: worth it while copies run on cores of their own, not
+        # when the host's ranks share fewer cores (benchmarks/results/comm_cpu/early_sends/).
+        cores = len(os.sched_getaffinity(0))
+        self._early_bytes = _EARLY_BYTES if len(self.directory.same_host) <= cores else 0
         self._setup_host_paths()
 
     def _setup_host_paths(self) -> None:
@@ -209,7 +216,7 @@ class GroupContext:
         """Whether a data message of ``nbytes`` to ``peer`` leaves with the headers: it takes a
         ring, and it is small enough that the receiver's extra copy out of the ring costs less
         than the round trip it saves."""
-        if self._links[peer] is None or nbytes > _EARLY_BYTES:
+        if self._links[peer] is None or nbytes > self._early_bytes:
             return False
         return self.options.host_path == "shm" or nbytes <= self.options.shm_max_bytes
 
