@@ -655,6 +655,16 @@ def new_user_mistakes() -> list[str]:
     return messages
 
 
+def _error_after(call: Any) -> str:
+    """``call()``'s error as "<seconds it took> <type>: <message>" ("no error" if none)."""
+    start = time.monotonic()
+    try:
+        call()
+    except Exception as err:
+        return f"{time.monotonic() - start:.3f} {type(err).__name__}: {err}"
+    return "no error"
+
+
 def a_mistake_without_validation() -> str:
     """In a group that does not validate, rank 0 passes splits that do not add up: it raises
     at once, and its peers, which called correctly, raise at once too (the group is aborted)
@@ -669,13 +679,9 @@ def a_mistake_without_validation() -> str:
         pg_options=FreescaleOptions(validate=False),
     )
     splits = [n + 1] + [0] * (n - 1) if rank == 0 else [1] * n
-    start = time.monotonic()
-    try:
-        dist.all_to_all_single(torch.empty(n), torch.ones(n), [1] * n, splits, group=group)
-    except Exception as err:
-        message = f"{time.monotonic() - start:.3f} {type(err).__name__}: {err}"
-    else:
-        message = "no error"
+    message = _error_after(
+        lambda: dist.all_to_all_single(torch.empty(n), torch.ones(n), [1] * n, splits, group=group)
+    )
     dist.destroy_process_group(group)
     return message
 
@@ -696,14 +702,13 @@ def an_internal_error_on_one_rank() -> str:
 
     if rank == 0:
         collective.Collective._start_data = broken
-    start = time.monotonic()
+    per_peer = 1 << 20  # 4 MiB: posted in the data phase (not folded, not sent early)
     try:
-        per_peer = 1 << 20  # 4 MiB: posted in the data phase (not folded, not sent early)
-        dist.all_to_all_single(torch.empty(n * per_peer), torch.ones(n * per_peer), group=group)
-    except Exception as err:
-        message = f"{time.monotonic() - start:.3f} {type(err).__name__}: {err}"
-    else:
-        message = "no error"
+        message = _error_after(
+            lambda: dist.all_to_all_single(
+                torch.empty(n * per_peer), torch.ones(n * per_peer), group=group
+            )
+        )
     finally:
         collective.Collective._start_data = original
     dist.destroy_process_group(group)

@@ -206,25 +206,25 @@ class PlanCache:
     """A group's templates by call shape (op, the tensors' shapes and dtypes, splits).
 
     Only calls whose tensors are all contiguous, on the CPU (or on CUDA where the group moves
-    CUDA bytes by IPC to every peer, if a plan sends at most ``cuda_pieces`` pieces to any
-    peer: what an IPC header has room to describe) and without overlapping memory are cached
+    CUDA bytes by IPC to every peer, if IPC can carry the plan: ``ipc_fits``, what an IPC
+    header has room to describe) and without overlapping memory are cached
     (a strided tensor needs a staging copy per call; an in-place AllGather skips a copy that
     another call of the same shapes needs), and only from a shape's second call: building a
     template costs more than the plan it saves once, and uneven AllToAlls whose splits change
     every step (embedding lookups) would pay it on every call. Bounded: cleared when full.
     """
 
-    def __init__(self, cuda_pieces: int = 0) -> None:
+    def __init__(self, ipc_fits: Callable[[Plan], bool] | None = None) -> None:
         self._templates: dict[Any, Template | None] = {}
         self._seen_once: set[Any] = set()
-        self._cuda_pieces = cuda_pieces
+        self._ipc_fits = ipc_fits  # None: CUDA calls are not cached
 
     def key(self, op: str, tensors: Sequence[torch.Tensor], extra: Any) -> Any:
         """The call's shape, or None when it must not be cached."""
         spans = []
         for t in tensors:
             if (
-                not (t.is_cpu or (self._cuda_pieces and t.is_cuda))
+                not (t.is_cpu or (self._ipc_fits is not None and t.is_cuda))
                 or not t.is_contiguous()
                 or t.layout != torch.strided
             ):
@@ -246,11 +246,8 @@ class PlanCache:
         """Keeps ``plan`` (built over ``tensors``) as the template of ``key``, if it maps."""
         if key is None or plan.signature.error or plan.copy_back:
             return
-        if plan.on_cuda and (
-            plan.forwarding
-            or max(plan.signature.count, plan.most_sends_to_one_peer) > self._cuda_pieces
-        ):  # not IPC (a ring, descriptors past a header, ``ipc_fits``): it needs tensors
-            return
+        if plan.on_cuda and (plan.forwarding or not self._ipc_fits(plan)):
+            return  # not IPC (a ring, descriptors past a header's room): it needs tensors
         if key not in self._seen_once:
             if len(self._seen_once) >= _CACHE_ENTRIES:
                 self._seen_once.clear()

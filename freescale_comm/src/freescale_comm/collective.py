@@ -32,7 +32,6 @@ keeps the buffers referenced by the group, so a late UCX access never touches fr
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -56,13 +55,13 @@ if TYPE_CHECKING:
     from freescale_comm.ipc import Export, IpcPath, Piece
     from freescale_comm.staged import StagedPipeline
 
-logger = logging.getLogger(__name__)
-
 _ERRORS: dict[str, type[FreescaleError]] = {
     "validation": FreescaleValidationError,
     "timeout": FreescaleTimeoutError,
     "peer": FreescalePeerError,
     "internal": FreescaleError,
+    # It raised on this rank (a bug, the OS refusing memory): its peers wait for its messages.
+    "raised": FreescaleError,
 }
 
 
@@ -381,14 +380,7 @@ class Collective:
         """Polls this collective's requests and moves it forward; True if anything changed."""
         try:
             with self._lock:
-                try:
-                    return self._advance_locked()
-                except Exception as err:  # this rank's alone: a bug, the OS refusing memory
-                    logger.exception("freescale: internal error in %s", self.label)
-                    self._fail_locked(f"internal error: {type(err).__name__}: {err}", "internal")
-                    # Its peers wait for its messages: the group is aborted, they raise now.
-                    self._abort_reason = f"rank {self.group.rank}: {self.error}"
-                    return True
+                return self._advance_locked()
         finally:
             self._flush_abort()
 
@@ -827,7 +819,7 @@ class Collective:
             self._cuda.release_streams(self._streams)
             self._streams = None
         self._posted, self._unposted = [], []
-        if kind in ("timeout", "peer"):
+        if kind in ("timeout", "peer", "raised"):
             self._abort_reason = f"rank {self.group.rank}: {self.error}"
         self._set_outcome(False, self.error)
         self.sealed.set()

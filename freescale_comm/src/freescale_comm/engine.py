@@ -221,7 +221,8 @@ class Engine:
                     op.expire()
             except Exception as err:  # never let one op kill the thread of all groups
                 logger.exception("freescale: internal error in %s", getattr(op, "label", op))
-                op.fail(f"internal error: {type(err).__name__}: {err}", "internal")
+                # "raised": the group is aborted, so the peers waiting for it raise at once.
+                op.fail(f"internal error: {type(err).__name__}: {err}", "raised")
         return progressed
 
     def _idle_wait(self) -> None:

@@ -103,8 +103,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         # Plans by call shape: a call of a shape seen before skips building its plan.
         # (CUDA calls too where CUDA bytes move by IPC to every peer, which takes plans of
         # plain addresses; UCX needs tensors.)
-        ipc_pieces = ctx.ipc_max_pieces if self._ipc_reaches_all else 0
-        self._plans = algorithms.PlanCache(cuda_pieces=ipc_pieces)
+        self._plans = algorithms.PlanCache(ctx.ipc_fits if self._ipc_reaches_all else None)
         self._direct_gather = dataclasses.replace(options, allgather="direct")
 
     def name(self) -> str:
@@ -128,7 +127,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         if path == "ipc" and (plan.forwarding or not ctx.ipc_fits(plan)):
             # A ring (allgather="ring"), or descriptors past a header's room: the path of the
             # peers IPC does not reach, with every peer, the same on every rank (their plans
-            # agree; it depends on the options alone).
+            # agree, and the remote path does not depend on the peers this rank reaches).
             path = ctx.remote_cuda_path()
         if path == "ipc":
             self._to_ipc(plan)
