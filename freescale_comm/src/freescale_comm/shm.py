@@ -276,6 +276,8 @@ class Channel:
             complete once its copies are queued (``Request.last``).
     """
 
+    DEVICE_CHUNKS_PER_PUSH = 2
+
     def __init__(
         self, hub: Hub, outgoing: Ring, incoming: Ring, peer_socket: bytes, device: bool = False
     ) -> None:
@@ -341,6 +343,11 @@ class Channel:
         slots, size = ring.slots, ring.slot_bytes
         reserved = self._reserved
         free = slots - (reserved - int(ring.ctrl[8]))
+        if self._stall:
+            # Device chunks are queued a few per progress call: queueing one costs tens of
+            # microseconds, and the thread that queues them also judges this rank's headers
+            # and queues the copies out of the incoming ring (which wait for that verdict).
+            free = min(free, self.DEVICE_CHUNKS_PER_PUSH)
         copies = self.copies
         filling = self._filling
         while self._sends and free > 0:
