@@ -34,8 +34,9 @@ class FreescaleOptions:
             ``FREESCALE_EAGER_BYTES``.
         allgather: ``direct`` (every rank sends its piece to every peer at once), ``ring``
             (chunk-pipelined ring) or ``auto`` (ring for pieces of at least
-            ``ring_threshold_bytes`` when there are more than two ranks; for CUDA tensors under
-            ``cuda_path`` ``ipc`` / ``auto``: direct). ``FREESCALE_ALLGATHER``.
+            ``ring_threshold_bytes`` when there are more than two ranks; direct in a group on
+            one host, and for CUDA tensors under ``cuda_path`` ``ipc`` / ``auto``).
+            ``FREESCALE_ALLGATHER``.
         ring_threshold_bytes: ``auto`` switches to the ring from this piece size on.
             ``FREESCALE_RING_THRESHOLD_BYTES``.
         chunk_bytes: pipelining unit of the ring AllGather and of the staged CUDA path (its
