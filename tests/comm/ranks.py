@@ -584,11 +584,14 @@ def ring_cases(
     for k, (got, want) in enumerate(checks):
         _same(got, want, f"in flight #{k}")
     paths = group.paths()
+    # The algorithm a CPU AllGather is planned with (``allgather="auto"`` in these options).
+    gathers = group._gather_options([torch.ones(1)]).allgather
     dist.destroy_process_group(group)
     gc.collect()
     return {
         "count": count,
         "paths": paths,
+        "cpu_allgather": gathers,
         "during": {k: v - before[k] for k, v in during.items()},
         "after": {k: v - before[k] for k, v in _ring_state().items()},
     }

@@ -52,6 +52,7 @@ def test_two_hosts_intra_and_inter_host_paths_agree(fs_group4):
             assert by_peer[other]["why"].startswith("other host (test-host-")
             assert by_peer[other]["ring_messages"] == (0, 0)
         assert result["during"]["mapped"] == 2 and result["after"]["mapped"] == 0
+        assert result["cpu_allgather"] == "auto"  # across hosts the ring from its threshold
 
 
 def test_a_pair_without_rings_takes_ucx_and_the_others_keep_theirs(fs_group4):
@@ -69,6 +70,7 @@ def test_a_pair_without_rings_takes_ucx_and_the_others_keep_theirs(fs_group4):
                 assert want in path["why"], path
             else:
                 assert path["path"] == "shm" and path["ring_messages"][0] > 0, path
+        assert result["cpu_allgather"] == "direct"  # on one host: no ring forwarding
         pairs = 2 if rank in (1, 3) else 3
         assert result["during"] == {"mapped": 2 * pairs, "files": 0}
         assert result["after"] == {"mapped": 0, "files": 0}
