@@ -102,8 +102,8 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         ) or (options.cuda_path in ("ipc", "auto") and options.allgather != "ring")
         # Host bytes between ranks of one host move through shared memory (the rings, or UCX's
         # cross-memory attach), where a ring's forwarding only serializes the steps: under
-        # auto, a group on one host gathers them directly (4 ranks on 2 cores, 4-16 MiB: 15-17%
-        # less time than the ring; benchmarks/results/comm_cpu/allgather_one_host/).
+        # auto, a group on one host gathers them directly
+        # (benchmarks/results/comm_cpu/allgather_one_host/).
         self._host_gathers_direct = (
             options.allgather == "auto" and len(ctx.directory.same_host) == size
         )
