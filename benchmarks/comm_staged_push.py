@@ -29,6 +29,20 @@ def _size(text: str) -> int:
     return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
+def staged_pair() -> GroupSpec:
+    """Two local CUDA ranks whose world group is freescale on the staged path (the rings)."""
+    from freescale_comm import FreescaleOptions
+
+    return GroupSpec(
+        2,
+        "freescale",
+        setup="freescale_comm:register",
+        threads=None,
+        device="cuda",
+        pg_options=FreescaleOptions(cuda_path="staged"),
+    )
+
+
 def _rank(cap: int, sizes: list[int]) -> dict[str, Any]:
     """One rank: ms per call by size, with the cap set before the first staged message."""
     import torch
@@ -89,20 +103,10 @@ def main() -> int:
     if args.plot is not None:
         _plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
         return 0
-    from freescale_comm import FreescaleOptions
-
     sizes = [_size(s) for s in args.sizes.split(",")]
     report: dict[str, Any] = {"sizes": sizes, "runs": []}
     for cap in (int(c) for c in args.caps.split(",")):
-        spec = GroupSpec(
-            2,
-            "freescale",
-            setup="freescale_comm:register",
-            threads=None,
-            device="cuda",
-            pg_options=FreescaleOptions(cuda_path="staged"),
-        )
-        ranks = run_ranks(spec, _rank, cap, sizes, timeout_s=100)
+        ranks = run_ranks(staged_pair(), _rank, cap, sizes, timeout_s=100)
         report["runs"].append({"cap": cap, "ranks": ranks})
         print(f"cap {cap}: " + "  ".join(f"{k}: {v}" for k, v in enumerate(ranks)), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

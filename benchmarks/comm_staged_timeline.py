@@ -19,7 +19,7 @@ import argparse
 import time
 from typing import Any
 
-from freescale_comm._local_ranks import GroupSpec, run_ranks
+from freescale_comm._local_ranks import run_ranks
 
 # (mark, start, end or 0, bytes or sequence number)
 _MARKS: list[tuple[str, float, float, int]] = []
@@ -99,18 +99,10 @@ def main() -> int:
     parser.add_argument("--mib", type=int, default=64, help="MiB per rank")
     parser.add_argument("--cap", type=int, help="device chunks a ring queues per progress call")
     args = parser.parse_args()
-    from freescale_comm import FreescaleOptions
+    from comm_staged_push import staged_pair  # beside this file
 
-    spec = GroupSpec(
-        2,
-        "freescale",
-        setup="freescale_comm:register",
-        threads=None,
-        device="cuda",
-        pg_options=FreescaleOptions(cuda_path="staged"),
-    )
     (calls0, marks0), (calls1, marks1) = run_ranks(
-        spec, _rank, args.mib << 20, args.cap, timeout_s=200
+        staged_pair(), _rank, args.mib << 20, args.cap, timeout_s=200
     )
     print("rank 0, call to done, ms:", [round((c[2] - c[0]) * 1e3, 2) for c in calls0])
     for k in (4, 6):
