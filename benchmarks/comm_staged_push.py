@@ -20,13 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from freescale_comm._freescale_args import byte_size_list, int_list
 from freescale_comm._local_ranks import GroupSpec, run_ranks
-
-
-def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20}
-    text = text.strip().lower()
-    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
 def staged_pair() -> GroupSpec:
@@ -96,16 +91,16 @@ def _plot(report: dict[str, Any], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))
-    parser.add_argument("--caps", default="64,2,1,64,2,1")
-    parser.add_argument("--sizes", default="64M,256M,8M")
+    parser.add_argument("--caps", type=int_list(), default="64,2,1,64,2,1")
+    parser.add_argument("--sizes", type=byte_size_list(), default="64M,256M,8M")
     parser.add_argument("--plot", type=Path, help="only draw the figure of a saved JSON report")
     args = parser.parse_args()
     if args.plot is not None:
         _plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
         return 0
-    sizes = [_size(s) for s in args.sizes.split(",")]
+    sizes = list(args.sizes)
     report: dict[str, Any] = {"sizes": sizes, "runs": []}
-    for cap in (int(c) for c in args.caps.split(",")):
+    for cap in args.caps:
         ranks = run_ranks(staged_pair(), _rank, cap, sizes, timeout_s=100)
         report["runs"].append({"cap": cap, "ranks": ranks})
         print(f"cap {cap}: " + "  ".join(f"{k}: {v}" for k, v in enumerate(ranks)), flush=True)

@@ -74,6 +74,25 @@ def float_in(low: float, high: float | None = None, *, open_low: bool = False) -
     return parse
 
 
+_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+_MAX_BYTES = 1 << 30
+
+
+def byte_size(text: str) -> int:
+    """A byte count such as ``4096``, ``4K``, ``64MiB`` or ``1G``, from 1 byte to 1 GiB."""
+    number = text.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = _UNITS.get(number[-1:], 1)
+    try:
+        value = int(float(number[:-1] if scale > 1 else number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size (bytes, or with K, M, G: 4K, 64M, 1G)"
+        ) from None
+    if not 1 <= value <= _MAX_BYTES:
+        raise argparse.ArgumentTypeError(f"{text!r} must be from 1 byte to 1G")
+    return value
+
+
 def _list_of(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
     """A comma-separated list of ``item`` values, at least one."""
 
@@ -94,6 +113,11 @@ def int_list(minimum: int = 1) -> Callable[[str], tuple[int, ...]]:
 def float_list(low: float, high: float | None = None) -> Callable[[str], tuple[float, ...]]:
     """A comma-separated list of numbers in ``[low, high]``, at least one."""
     return _list_of(float_in(low, high))
+
+
+def byte_size_list() -> Callable[[str], tuple[int, ...]]:
+    """A comma-separated list of byte counts (``byte_size``), at least one."""
+    return _list_of(byte_size)
 
 
 def name_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:

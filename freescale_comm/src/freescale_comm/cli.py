@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Sequence
@@ -10,6 +9,7 @@ from pathlib import Path
 
 from freescale_comm._freescale_args import (
     Parser,
+    byte_size,
     float_in,
     int_at_least,
     int_list,
@@ -20,23 +20,6 @@ from freescale_comm._freescale_args import (
 # The collectives freescale comm bench measures (freescale_comm.bench.OPS; not imported here so
 # that --help does not import torch).
 _OPS = ("all_gather", "all_to_all")
-_MAX_BYTES = 1 << 30
-_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-
-
-def _size(text: str) -> int:
-    """A byte count such as ``4096``, ``4K``, ``64MiB`` or ``1G``, from 1 byte to 1 GiB."""
-    number = text.strip().lower().removesuffix("ib").removesuffix("b")
-    scale = _UNITS.get(number[-1:], 1)
-    try:
-        value = int(float(number[:-1] if scale > 1 else number) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size (bytes, or with K, M, G: 4K, 64M, 1G)"
-        ) from None
-    if not 1 <= value <= _MAX_BYTES:
-        raise argparse.ArgumentTypeError(f"{text!r} must be from 1 byte to 1G")
-    return value
 
 
 def _parser() -> Parser:
@@ -74,9 +57,9 @@ def _parser() -> Parser:
         help="comma-separated local rank counts, each >= 2, e.g. 2,4",
     )
     bench.add_argument(
-        "--min-bytes", type=_size, default="4K", help="smallest size: bytes one rank receives"
+        "--min-bytes", type=byte_size, default="4K", help="smallest size: bytes one rank receives"
     )
-    bench.add_argument("--max-bytes", type=_size, default="64M", help="largest size, up to 1G")
+    bench.add_argument("--max-bytes", type=byte_size, default="64M", help="largest size, up to 1G")
     bench.add_argument(
         "--factor", type=int_at_least(2), default=2, help="ratio between consecutive sizes"
     )
