@@ -155,7 +155,7 @@ class GroupContext:
         if links:
             self._hub = shm.Hub.get()
             self.transport.attach_hub(self._hub)
-        if len(self.directory.same_host) == size:  # the same test on every rank
+        if self.one_host:
             self._all_on_staging_rings = self._agree(
                 "staging_rings", all(self.stages_on_rings(p) for p in local)
             )
@@ -203,6 +203,11 @@ class GroupContext:
         """Whether staged CUDA bytes to and from ``peer`` take the staging rings."""
         link = self._links[peer]
         return link is not None and link.staging is not None
+
+    @property
+    def one_host(self) -> bool:
+        """Whether every rank of the group is on this host (the same answer on every rank)."""
+        return len(self.directory.same_host) == self.size
 
     @property
     def all_on_staging_rings(self) -> bool:

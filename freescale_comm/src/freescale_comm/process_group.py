@@ -104,9 +104,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         # cross-memory attach), where a ring's forwarding only serializes the steps: under
         # auto, a group on one host gathers them directly
         # (benchmarks/results/comm_cpu/allgather_one_host/).
-        self._host_gathers_direct = (
-            options.allgather == "auto" and len(ctx.directory.same_host) == size
-        )
+        self._host_gathers_direct = options.allgather == "auto" and ctx.one_host
         # Plans by call shape: a call of a shape seen before skips building its plan.
         # (CUDA calls too where CUDA bytes move by IPC to every peer, which takes plans of
         # plain addresses; UCX needs tensors.)
