@@ -16,17 +16,19 @@ reported even if another fails:
    both ranks at once as in the collective: D2H of the pieces for peers, their host exchange
    (UCX between pinned host buffers), H2D of the pieces from peers; the direct path and NCCL
    (where two GPUs exist) beside it;
-4. overlap, inside rank 0's process: per-matmul times of a bf16 8192^3 matmul loop on the
+4. overlap, inside rank 0's process: the mean time of a bf16 8192^3 matmul in a loop on the
    default stream, alone, while rank 0's own staged AllToAll / AllGather (and the direct
-   AllToAll: DtoD copies on a shared GPU) of 64 and 256 MiB run
-   back to back on a side stream (NCCL-style: each ordered after the previous one's ``wait``),
-   and while an SM copy kernel (Triton, 16 programs, NCCL-like) moves the same bytes in the
-   same window, paced one slice per matmul; NCCL's own collectives too where two GPUs exist.
-   Each window of 48 matmuls with traffic sits between two windows without (GPU clocks drift by
-   several percent over seconds) and is compared with their mean; medians over rounds; a
-   "control" window with no traffic gives the method's own noise (``overlap_rounds.py``, the
-   method ``multi_gpu_vs_nccl.py`` uses too), and PCIe copies of the same bytes in rank 0's
-   process and in rank 1's (another CUDA context) separate the costs.
+   AllToAll: DtoD copies on a shared GPU) of 64 and 256 MiB run back to back on a side stream
+   (NCCL-style: each ordered after the previous one's ``wait``; enough of them, at their
+   back-to-back rate, to outlast the window), and while an SM copy kernel (Triton, 16 programs,
+   NCCL-like) moves the same bytes in the same window, paced one slice per matmul; NCCL's own
+   collectives too where two GPUs exist. Each window of 48 matmuls with traffic sits between two
+   windows without (GPU clocks drift by several percent over seconds) and is compared with their
+   mean; medians over rounds; a "control" window with no traffic gives the method's own noise
+   (``overlap_rounds.py``, the method ``multi_gpu_vs_nccl.py`` uses too). Controls in rank 1's
+   process (another CUDA context, time-sliced with rank 0's on one GPU) separate the costs: the
+   PCIe copies of the staged AllToAll's bytes, and its own-piece device-to-device copies (one per
+   collective) without the collectives; PCIe copies of the same bytes in rank 0's process too.
 
 Writes ``comm_gpu.json`` under ``--out`` (default ``$OUT`` or ``out/comm_gpu``) after every part
 and prints a table last. Run on the GPU machine from the project root:
@@ -58,6 +60,8 @@ MIB = 1 << 20
 PCIE_GBPS = 55.0  # pinned copies each way on the H200 machine (shared/GPU.md)
 SM_COPY_PROGRAMS = 16
 MATMULS = 48
+BACK_TO_BACK = 4  # calls timed back to back to count the collectives of an overlap window
+COVER = 1.3  # traffic lasts this many windows: it outlasts the matmuls
 STAGED_REPEATS = 15
 PARTS = ("correctness", "kernels", "busbw", "latency", "staged_rates", "overlap")
 BUSBW_SIZES = [64 * MIB, 128 * MIB, 256 * MIB, 512 * MIB, 1024 * MIB]
@@ -477,12 +481,12 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
         host_slice.copy_(device_slice, non_blocking=True)
         device_slice.copy_(host_slice, non_blocking=True)
 
-    def peer_traffic(slices: list[tuple[Any, Any]], window: float) -> None:
-        """Rank 1: the same PCIe copies in its own process while rank 0 computes (paced)."""
-        for i in range(MATMULS):
+    def peer_traffic(copies: list[Any], window: float) -> None:
+        """Rank 1: copies in its own process while rank 0 computes, paced over the window."""
+        for copy in copies:
             with torch.cuda.stream(side):
-                pcie_copy(*slices[i])
-            time.sleep(window / MATMULS)
+                copy()
+            time.sleep(window / len(copies))
 
     def elapsed(marks: Any) -> list[float]:
         return [marks[i].elapsed_time(marks[i + 1]) for i in range(len(marks) - 1)]
@@ -519,11 +523,17 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
         }
         if "nccl" in groups:
             ops["nccl_all_to_all"] = (groups["nccl"], ops["staged_all_to_all"][1])
-        # Collectives per window: enough to cover it (same count on both ranks).
+        # Collectives per window: enough to outlast it at their back-to-back rate (same count on
+        # both ranks), so that every matmul of the window has traffic beside it.
         counts = {}
         for mode, (group, call) in ops.items():
-            once = _timed(lambda group=group, call=call: call(group).wait(), 3, gloo)
-            counts[mode] = max(1, math.ceil(window_s / once))
+
+            def back_to_back(group: Any = group, call: Any = call) -> None:
+                for _ in range(BACK_TO_BACK):
+                    call(group).wait()
+
+            per_call = _timed(back_to_back, 3, gloo) / BACK_TO_BACK
+            counts[mode] = max(1, math.ceil(COVER * window_s / per_call))
         sm_bytes = counts["staged_all_to_all"] * size
         per_slice = sm_bytes // 4 // MATMULS
         src = torch.randn(per_slice * MATMULS, device=dev)
@@ -541,6 +551,14 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
             (host[i * per_pcie : (i + 1) * per_pcie], dev_buf[i * per_pcie : (i + 1) * per_pcie])
             for i in range(MATMULS)
         ]
+        peer_pcie = [lambda s=s: pcie_copy(*s) for s in pcie_slices]
+        # What the staged AllToAll copies device to device in rank 1's process (its own piece,
+        # one copy per collective), without the collectives.
+        local = x[: numel // n]
+        local_out = torch.empty_like(local)
+        peer_local = [lambda dst=local_out, src=local: dst.copy_(src, non_blocking=True)] * counts[
+            "staged_all_to_all"
+        ]
         # The windows' schedule and figures: overlap_rounds (each window between two without
         # traffic, a "control" window for the method's own noise, medians over rounds).
         comm_ms: dict[str, list[float]] = {m: [] for m in ops}
@@ -552,6 +570,8 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
             comm_ms: Any = comm_ms,
             slices: Any = slices,
             pcie_slices: Any = pcie_slices,
+            peer_pcie: Any = peer_pcie,
+            peer_local: Any = peer_local,
         ) -> float | None:
             torch.cuda.synchronize()
             dist.barrier(group=gloo)
@@ -562,7 +582,9 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
             else:
                 marks = matmul_window()
             if mode == "peer_pcie_copies" and rank == 1:
-                peer_traffic(pcie_slices, window_s)
+                peer_traffic(peer_pcie, window_s)
+            if mode == "peer_local_copies" and rank == 1:
+                peer_traffic(peer_local, COVER * window_s)
             if mode in ops:
                 group, call = ops[mode]
                 begin, end = (
@@ -577,10 +599,14 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
             torch.cuda.synchronize()
             if mode in ops:
                 comm_ms[mode].append(begin.elapsed_time(end))
-            return statistics.median(elapsed(marks)) if rank == 0 else None
+            # The mean matmul (the window's time over its matmuls): every matmul lost counts.
+            return statistics.fmean(elapsed(marks)) if rank == 0 else None
 
         measured = alternated_rounds(
-            window, [*ops, "sm_copy", "pcie_copies", "peer_pcie_copies"], rounds, seed=size
+            window,
+            [*ops, "sm_copy", "pcie_copies", "peer_pcie_copies", "peer_local_copies"],
+            rounds,
+            seed=size,
         )
         alone_ms = measured.alone_ms
         if rank == 0:
