@@ -19,13 +19,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from freescale_comm._freescale_args import byte_size_list
 from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
-
-
-def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20}
-    text = text.strip().lower()
-    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
 def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -84,13 +79,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
-    parser.add_argument("--sizes", default="8,64,512,4K,16M")
+    parser.add_argument("--sizes", type=byte_size_list(), default="8,64,512,4K,16M")
     parser.add_argument("--ops", default="all_to_all,all_gather")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--blocks", type=int, default=9)
     parser.add_argument("--json")
     args = parser.parse_args()
-    args.sizes = [_size(s) for s in args.sizes.split(",")]
     args.ops = args.ops.split(",")
 
     spec = GroupSpec(
