@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import mmap
 import os
@@ -59,18 +60,23 @@ class _CopyAttributes(ctypes.Structure):
     ]
 
 
-def _batch_copy(dst: Any, src: Any, flags: int, stream: Any) -> None:
-    """One device-to-device copy through ``cuMemcpyBatchAsync`` (CUDA 13 ABI) with ``flags``."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    fn = lib.cuMemcpyBatchAsync_v2
+@functools.cache
+def _memcpy_batch_async() -> Any:
+    """The driver's ``cuMemcpyBatchAsync`` (CUDA 13 ABI), looked up once."""
+    fn = ctypes.CDLL("libcuda.so.1").cuMemcpyBatchAsync_v2
     u64p, sizep = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)
     fn.argtypes = [u64p, u64p, sizep, ctypes.c_size_t, ctypes.POINTER(_CopyAttributes)]
     fn.argtypes += [sizep, ctypes.c_size_t, ctypes.c_void_p]
+    return fn
+
+
+def _batch_copy(dst: Any, src: Any, flags: int, stream: Any) -> None:
+    """One device-to-device copy through ``cuMemcpyBatchAsync`` with ``flags``."""
     here = _Location(_MEM_LOCATION_TYPE_DEVICE, dst.device.index)
     attributes = (_CopyAttributes * 1)(
         _CopyAttributes(_MEMCPY_SRC_ACCESS_ORDER_STREAM, here, here, flags)
     )
-    code = fn(
+    code = _memcpy_batch_async()(
         (ctypes.c_uint64 * 1)(dst.data_ptr()),
         (ctypes.c_uint64 * 1)(src.data_ptr()),
         (ctypes.c_size_t * 1)(dst.numel() * dst.element_size()),
