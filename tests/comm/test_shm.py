@@ -239,3 +239,97 @@ def test_channel_drops_a_discarded_collectives_stalled_message(tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def _host_pair(tmp_path, hub, slots=3, slot_bytes=64):
+    a_to_b = shm.Ring(str(tmp_path / "ab"), slots, slot_bytes, create=True)
+    b_to_a = shm.Ring(str(tmp_path / "ba"), slots, slot_bytes, create=True)
+    a = shm.Channel(hub, a_to_b, b_to_a, hub.name)
+    b = shm.Channel(
+        hub,
+        shm.Ring(str(tmp_path / "ba"), slots, slot_bytes, create=False),
+        shm.Ring(str(tmp_path / "ab"), slots, slot_bytes, create=False),
+        hub.name,
+    )
+    return a, b
+
+
+def _pump(*channels, rounds=20):
+    for _ in range(rounds):
+        for channel in channels:
+            channel.progress()
+
+
+def test_host_data_waits_in_the_ring_for_its_receive_and_headers_do_not(tmp_path):
+    import numpy as np
+
+    a, b = _host_pair(tmp_path, shm.Hub.get())
+    try:
+        header = np.arange(10, dtype=np.uint8)
+        data = np.arange(200, dtype=np.uint8)
+        a.send(header, tag=7 << 16)  # sub 0: a header, received before this rank judges
+        a.send(data, tag=(7 << 16) | 1)  # 4 chunks through 3 slots
+        _pump(b, a)
+        # The header left the ring for a buffer of its own; the data's first chunks wait in
+        # the ring (one copy into the output later, no buffer of its own).
+        assert int(b.inc.ctrl[8]) == 1
+        got_header = np.zeros(10, dtype=np.uint8)
+        assert b.recv(got_header, tag=7 << 16).completed
+        out = np.zeros(200, dtype=np.uint8)
+        recv = b.recv(out, tag=(7 << 16) | 1)
+        _pump(b, a)
+        assert recv.completed and np.array_equal(out, data)
+        assert np.array_equal(got_header, header)
+        assert int(b.inc.ctrl[8]) == int(a.out.ctrl[0]) == 5
+    finally:
+        a.close()
+        b.close()
+
+
+def test_unstalled_data_leaves_the_ring_for_the_header_round_behind_it(tmp_path):
+    import numpy as np
+
+    a, b = _host_pair(tmp_path, shm.Hub.get())
+    try:
+        data = np.arange(100, dtype=np.uint8)
+        table = np.full(8, 9, dtype=np.uint8)
+        a.send(data, tag=(9 << 16) | 1)  # sent early, before the verdict
+        a.send(table, tag=9 << 16)  # the diagnosis round, behind it in the ring
+        _pump(b, a)
+        got_table = np.zeros(8, dtype=np.uint8)
+        assert not b.recv(got_table, tag=9 << 16).completed  # stuck behind the data
+        b.unstall(9)
+        _pump(b, a)
+        assert got_table.tolist() == [9] * 8
+        out = np.zeros(100, dtype=np.uint8)
+        assert b.recv(out, tag=(9 << 16) | 1).completed
+        assert np.array_equal(out, data)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_wake_up_byte_goes_only_to_a_peer_that_sleeps(tmp_path):
+    import numpy as np
+
+    hub = shm.Hub()
+    signals = []
+    hub.signal = signals.append
+    a, b = _host_pair(tmp_path, hub)
+    link = shm.Link(b)
+    hub.add(link)
+    try:
+        a.send(np.ones(8, dtype=np.uint8), tag=3 << 16)
+        assert signals == []  # b polls: no system call
+        with hub.sleeping() as may_sleep:  # as b's epoll sleep: the ring moved meanwhile
+            assert not may_sleep
+        assert int(b.inc.ctrl[shm._ASLEEP]) == 0
+        with hub.sleeping() as may_sleep:
+            assert may_sleep and int(b.inc.ctrl[shm._ASLEEP]) == 1
+            a.send(np.ones(8, dtype=np.uint8), tag=4 << 16)
+            assert signals == [hub.name]
+        assert int(b.inc.ctrl[shm._ASLEEP]) == 0
+    finally:
+        hub.remove(link)
+        a.close()
+        hub.sock.close()

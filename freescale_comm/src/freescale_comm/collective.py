@@ -99,7 +99,8 @@ class Collective:
         self.error: FreescaleError | None = None
         self.event = threading.Event()
         # CUDA: set once every copy is enqueued and ``final`` recorded (or the collective failed).
-        self.sealed = threading.Event() if plan.on_cuda else _NOT_SEALED
+        self.on_cuda = plan.on_cuda  # read on every step: the plan derives it from its signature
+        self.sealed = threading.Event() if self.on_cuda else _NOT_SEALED
         # IPC reaches only some peers: the others take the remote path in this collective.
         self._ipc_partial = plan.ipc and len(plan.ipc_peers) < group.size - 1
         # Staged CUDA collective whose every peer is reached through the staging rings: its
@@ -169,7 +170,7 @@ class Collective:
         g = self.group
         if g.broken:
             raise FreescalePeerError(f"{self.label}: the group was aborted earlier: {g.broken}")
-        if self.plan.on_cuda:
+        if self.on_cuda:
             self._cuda = g.cuda(self.plan.cuda_index)
             self._ready = self._cuda.record_ready()
             if not self.plan.gpu_ordered:
@@ -194,8 +195,8 @@ class Collective:
         sends = self._foldable(send=True)
         # CUDA: a peer's header is received into page-locked memory only if its data will be
         # copied H2D from there (the receives this rank's sizes fold).
-        pinned_from = set(self._foldable(send=False)) if self.plan.on_cuda else set()
-        if sends and self.plan.on_cuda:
+        pinned_from = set(self._foldable(send=False)) if self.on_cuda else set()
+        if sends and self.on_cuda:
             self._take_streams()
         if self.plan.ipc:
             from freescale_comm.ipc import Export
@@ -233,7 +234,7 @@ class Collective:
             else:
                 pieces = sends[dst]
                 self._folded.update(id(t) for t in pieces)
-                if self.plan.on_cuda:
+                if self.on_cuda:
                     unloaded.append((dst, self._load_header(own, pieces, copies)))
                 else:
                     message = np.concatenate([own, *(t.buffer for t in pieces)])
@@ -244,17 +245,16 @@ class Collective:
         if unloaded:
             event = self._cuda.copy(self._streams.d2h, copies, self._cuda.d2h_watch)
             self._unloaded_headers = (event, unloaded)
-        elif (not self.plan.on_cuda or self.ring_cuda) and not self.plan.forwarding:
+        elif (not self.on_cuda or self.ring_cuda) and not self.plan.forwarding:
             self._post_early()  # (IPC plans are on CUDA and never ring_cuda: nothing to send)
 
     def _post_early(self) -> None:
         """Posts with the headers the sends that take a shared-memory ring and are not folded:
-        a medium message then costs one round trip, not two. Each arrives at the receiver as
-        an unexpected message, copied out of the ring into a buffer of its own, and reaches the
-        output only once the receiver has judged every header consistent (a receive into the
-        output is posted only then); after a bad verdict the receivers discard it. On the
-        staging rings (CUDA) every send leaves early: its D2H copy waits on the GPU for the
-        caller's stream, and the receiver leaves it in the ring until its verdict."""
+        a medium message then costs one round trip, not two. It waits in the receiver's ring
+        and reaches the output only once the receiver has judged every header consistent (a
+        receive into the output is posted only then); after a bad verdict the receivers
+        discard it. On the staging rings (CUDA) every send leaves early: its D2H copy waits on
+        the GPU for the caller's stream."""
         g = self.group
         for transfer in self.plan.transfers:
             if (
@@ -463,7 +463,7 @@ class Collective:
                 way = "sending to" if transfer.send else "receiving from"
                 self._fail_locked(f"transport error {way} rank {transfer.peer}: {err}", "peer")
                 return True
-            if self.plan.on_cuda:
+            if self.on_cuda:
                 last = getattr(transfer.request, "last", None)  # a staging ring's H2D copies
                 if last is not None:
                     self._ring_events.append(last)
@@ -516,7 +516,7 @@ class Collective:
             offset = size
             for transfer in pieces:
                 end = offset + len(transfer.buffer)
-                if self.plan.on_cuda:  # queued H2D with the data phase
+                if self.on_cuda:  # queued H2D with the data phase
                     self._folded_loads.append((transfer.buffer, self._headers[peer][offset:end]))
                 else:
                     transfer.buffer[:] = self._headers[peer][offset:end]
@@ -567,6 +567,7 @@ class Collective:
         g = self.group
         own = self.plan.signature.encode_table(g.size)
         self._phase = "diagnose"
+        g.unstall_early(self.seq)  # the tables travel behind the peers' early data
         self._headers = [None] * g.size
         self._headers[g.rank] = own
         for step in range(1, g.size):
@@ -602,14 +603,14 @@ class Collective:
             for t in self.plan.transfers
             if id(t) not in folded and id(t) not in early and t.peer not in ipc_peers
         ]
-        posted = self._start_cuda_data(unfolded) if self.plan.on_cuda else unfolded
+        posted = self._start_cuda_data(unfolded) if self.on_cuda else unfolded
         for transfer in posted:
             if transfer.after is None:
                 self._post(transfer)
             else:
                 self._unposted.append(transfer)
         g.transport.progress()
-        if not self.plan.on_cuda:
+        if not self.on_cuda:
             # After posting: peers pull this rank's pieces while it copies its own.
             for dst, src in self.plan.local_copies:
                 host_copy(dst, src)
@@ -692,7 +693,7 @@ class Collective:
 
     def _complete(self) -> bool:
         """Every message of the collective is done (a staged pipeline's copies queued)."""
-        if self.plan.on_cuda:
+        if self.on_cuda:
             if self._pipeline is not None:
                 self._seal(self._streams.h2d, self._cuda.h2d_watch)
             else:

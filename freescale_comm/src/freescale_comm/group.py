@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -40,8 +39,7 @@ if TYPE_CHECKING:
     from freescale_comm.ipc import IpcPath
 
 _EAGER_ROOM_BYTES = 4 << 20
-# Data messages up to this size leave with the headers over the rings (``sends_early``), where
-# the host's ranks do not outnumber its cores.
+# Data messages up to this size leave with the headers over the rings (``sends_early``).
 _EARLY_BYTES = 1 << 20
 
 
@@ -108,11 +106,6 @@ class GroupContext:
         self.engine.watch(self.liveness)
         self._endpoints: list[Any] = [None] * size
         self._header_room = Signature.size(size) + self.eager_per_peer
-        # An early message costs its receiver one more copy (out of the ring, then into the
-        # output) to save a round trip: worth it while copies run on cores of their own, not
-        # when the host's ranks share fewer cores (benchmarks/results/comm_cpu/early_sends/).
-        cores = len(os.sched_getaffinity(0))
-        self._early_bytes = _EARLY_BYTES if len(self.directory.same_host) <= cores else 0
         self._setup_host_paths()
 
     def _setup_host_paths(self) -> None:
@@ -219,9 +212,9 @@ class GroupContext:
 
     def sends_early(self, peer: int, nbytes: int) -> bool:
         """Whether a data message of ``nbytes`` to ``peer`` leaves with the headers: it takes a
-        ring, and it is small enough that the receiver's extra copy out of the ring costs less
-        than the round trip it saves."""
-        if self._links[peer] is None or nbytes > self._early_bytes:
+        ring, where it waits for the receiver's verdict and is then copied once into the output,
+        as a message sent after the verdict would be."""
+        if self._links[peer] is None or nbytes > _EARLY_BYTES:
             return False
         return self.options.host_path == "shm" or nbytes <= self.options.shm_max_bytes
 
@@ -230,6 +223,13 @@ class GroupContext:
         for peer, link in enumerate(self._links):
             if link is not None:
                 self._hub.discard(link, make_tag(self.group_id, seq, peer, 0) >> SUB_BITS)
+
+    def unstall_early(self, seq: int) -> None:
+        """Lets what peers sent early for collective ``seq`` leave the rings before its receive
+        is posted (a second header round follows it)."""
+        for peer, link in enumerate(self._links):
+            if link is not None:
+                self._hub.unstall(link, make_tag(self.group_id, seq, peer, 0) >> SUB_BITS)
 
     def paths(self) -> list[dict[str, Any]]:
         """Per peer: the path host bytes take to it, and why (``freescale comm info``)."""
@@ -398,7 +398,7 @@ class GroupContext:
             raise
         self._inflight = [c for c in self._inflight if not c.finished]
         self._inflight.append(op)
-        may_drive = caller_waits and (not op.plan.on_cuda or _cuda_device() == op.plan.cuda_index)
+        may_drive = caller_waits and (not op.on_cuda or _cuda_device() == op.plan.cuda_index)
         if not (may_drive and self.engine.claim(op)):
             self.engine.submit(op)
 

@@ -5,8 +5,12 @@ slots in a ``/dev/shm`` segment; the sender maps it. A message is cut into slot-
 the sender copies a chunk into the next free slot and publishes it (the slot header first, then
 the ring's head counter); the receiver copies it out into the posted receive buffer and frees
 the slot (the tail counter). Copying in and copying out of different chunks run at once in the
-two processes. A message whose receive is not posted yet is copied out into a buffer of its own,
-so no slot stays taken by it and messages of different collectives never wait on each other.
+two processes. A data message whose receive is not posted yet (sent with its collective's
+headers, before the receiver's verdict) waits in the ring until it is: then it is copied once,
+straight into the output, and what follows it in the ring waits too — only until the
+receiver's verdict on its collective, which needs no message behind it (a second header round,
+``Channel.unstall``, lets it out first). A header (sub 0) that arrives before its receive is
+copied out into a buffer of its own.
 
 Segments are unlinked as soon as both sides have mapped them (their memory dies with the
 processes); a segment that a crash left between creation and that point is named after its
@@ -20,7 +24,9 @@ until it is done (``Channel``).
 
 Every process has one datagram socket in the abstract namespace (no file): a side that
 publishes or frees slots sends its peer one byte, which wakes the peer's progress thread from
-its epoll sleep (``Transport.wait_event`` sleeps on this socket too).
+its epoll sleep (``Transport.wait_event`` sleeps on this socket too) — only if the peer said it
+sleeps (a flag in the control block of its incoming host ring): a peer that polls needs no
+byte, and sending one costs a system call of about 10 microseconds.
 
 Ordering: the counters are 8-byte aligned stores and loads, and the code relies on stores
 becoming visible in program order (x86-64's TSO); on other architectures ``host_path="auto"``
@@ -38,6 +44,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -47,11 +54,14 @@ from freescale_comm.errors import FreescaleError
 HOST_ENV = "FREESCALE_HOST_ID"
 _PREFIX = "freescale-ring-"
 _SHM_DIR = "/dev/shm"
-# Head at byte 0, tail at 64; the CUDA IPC path's flags at 128 and 192 (``ipc``): separate lines.
-_CTRL_BYTES = 256
+# Head at byte 0, tail at 64; the CUDA IPC path's flags at 128 and 192 (``ipc``); at 256 whether
+# the ring's receiver sleeps in its epoll (it wants a wake-up byte): separate lines.
+_CTRL_BYTES = 320
+_ASLEEP = 32  # uint64 index of that flag
 _SLOT_HEADER = 4  # uint64: tag, message length, offset of the chunk, chunk length
 _STALE_AFTER_S = 60.0
 _SUB_BITS = 16  # transport.SUB_BITS: a tag's low bits number the messages of a collective
+_SUB_MASK = (1 << _SUB_BITS) - 1  # 0: the collective's header (or diagnosis) message
 
 
 def host_identity() -> str:
@@ -237,6 +247,17 @@ class Ring:
             self._fd = None
 
 
+_FENCE = threading.Lock()
+
+
+def full_fence() -> None:
+    """Orders this thread's earlier stores before its later loads (x86-64 reorders a store
+    after a later load of another address, the one reordering TSO allows): acquiring an
+    uncontended lock is a locked read-modify-write, a full barrier there."""
+    _FENCE.acquire()
+    _FENCE.release()
+
+
 def _data_offset(slots: int) -> int:
     return -(-(_CTRL_BYTES + slots * _SLOT_HEADER * 8) // 4096) * 4096
 
@@ -298,7 +319,12 @@ class Channel:
         self.closed = False
         # Collectives (tag >> SUB_BITS) whose early messages are dropped on arrival.
         self._discarded: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # Collectives whose data messages no longer wait in the ring for their receive.
+        self._unstalled: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.sent = self.received = 0  # messages posted on this channel (tests check the path)
+        # The peer's "I sleep" flag (``_ASLEEP``): in the control block of the ring it reads
+        # host bytes from (``Link`` points a staging channel at its host channel's).
+        self.peer_asleep = outgoing.ctrl
 
     # --------------------------------------------------------------- posting (hub lock held)
     def send(self, buffer: Any, tag: int, ready: Any = None) -> Request:
@@ -306,7 +332,7 @@ class Channel:
         self.sent += 1
         self._sends.append(request)
         if self._push():
-            self.hub.signal(self.peer_socket)
+            self._wake_peer()
         return request
 
     def recv(self, buffer: Any, tag: int, ready: Any = None) -> Request:
@@ -330,8 +356,14 @@ class Channel:
         pulled = self._pull()
         pushed = self._push() if self._sends or self._filling else False
         if pushed or pulled:
-            self.hub.signal(self.peer_socket)
+            self._wake_peer()
         return pushed or pulled
+
+    def _wake_peer(self) -> None:
+        """Sends the peer a wake-up byte if it sleeps; called after moving a counter."""
+        full_fence()  # the counter's store before the flag's load (``Hub.sleeping``)
+        if self.peer_asleep[_ASLEEP]:
+            self.hub.signal(self.peer_socket)
 
     @property
     def busy(self) -> bool:
@@ -401,7 +433,7 @@ class Channel:
                         request.last = token
             elif tag >> _SUB_BITS in self._discarded:
                 pass  # sent early for a collective that failed its verdict
-            elif self._stall:
+            elif self._stall or (tag & _SUB_MASK and tag >> _SUB_BITS not in self._unstalled):
                 break  # its receive is posted once this rank has judged its collective
             else:
                 early = self._unexpected.get(tag)
@@ -438,6 +470,14 @@ class Channel:
         while len(self._discarded) > 256:
             self._discarded.popitem(last=False)
 
+    def unstall(self, prefix: int) -> None:
+        """Lets the data messages of one collective that wait in the ring for their receive
+        be copied out into buffers of their own: a second header round of that collective
+        (``Collective._diagnose``) follows them in the ring."""
+        self._unstalled[prefix] = None
+        while len(self._unstalled) > 256:
+            self._unstalled.popitem(last=False)
+
     @staticmethod
     def _deliver(request: Request, data: np.ndarray) -> None:
         if len(data) > request.length:
@@ -466,6 +506,9 @@ class Link:
     def __init__(self, host: Channel, staging: Channel | None = None) -> None:
         self.host = host
         self.staging = staging
+        if staging is not None:
+            # The staging rings stay sparse until used: the flag lives in the host rings only.
+            staging.peer_asleep = host.peer_asleep
         self.out, self.inc = host.out, host.inc
 
     @property
@@ -514,6 +557,7 @@ class Hub:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.links: list[Link] = []
+        self._sleepers = 0  # threads in ``sleeping``
         self.name = f"\0freescale-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
         self.sock.bind(self.name)
@@ -556,6 +600,29 @@ class Hub:
         finally:
             self.lock.release()
 
+    @contextlib.contextmanager
+    def sleeping(self) -> Iterator[bool]:
+        """Around an epoll sleep: tells the peers to send wake-up bytes while it lasts, and
+        yields whether the sleep may start (False: the rings moved after the flags were set).
+
+        The flags are stored before the rings are read again, and a peer moves a counter
+        before it reads the flag (``Channel._wake_peer``): with a full fence on both sides,
+        either the peer sees the flag or this side sees the counter, so no wake-up is lost.
+        """
+        self._count_sleeper(1)
+        try:
+            full_fence()
+            yield not self.progress()
+        finally:
+            self._count_sleeper(-1)
+
+    def _count_sleeper(self, change: int) -> None:
+        with self.lock:  # links are closed under it
+            self._sleepers += change
+            if self._sleepers == (1 if change > 0 else 0):
+                for link in self.links:
+                    link.host.inc.ctrl[_ASLEEP] = self._sleepers
+
     def drain(self) -> None:
         """Reads the wake-up bytes that arrived (the epoll sleep ended on them)."""
         with contextlib.suppress(BlockingIOError):
@@ -565,6 +632,10 @@ class Hub:
     def discard(self, link: Link, prefix: int) -> None:
         with self.lock:
             link.discard(prefix)
+
+    def unstall(self, link: Link, prefix: int) -> None:
+        with self.lock:
+            link.host.unstall(prefix)
 
     def post(self, link: Link, buffer: Any, tag: int, send: bool, ready: Any = None) -> Request:
         """Posts a send or receive of host bytes (numpy) or device bytes (staging rings; CUDA

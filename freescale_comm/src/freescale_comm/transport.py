@@ -189,8 +189,14 @@ class Transport:
         """
         self.worker.progress()
         hub = self._hub
-        if hub is not None and hub.progress():
+        if hub is None:
+            self._sleep(timeout_ms, None)
             return
+        with hub.sleeping() as may_sleep:
+            if may_sleep:
+                self._sleep(timeout_ms, hub)
+
+    def _sleep(self, timeout_ms: int, hub: Any) -> None:
         if not self.worker.arm():
             return
         for fd, _ in self._epoll.poll(timeout_ms / 1000):

@@ -45,7 +45,7 @@ class FreescaleWork(dist.Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         op = self._op
-        if op.plan.on_cuda:
+        if op.on_cuda:
             return self._wait_stream(timeout)
         return self._wait_done(timeout)
 
