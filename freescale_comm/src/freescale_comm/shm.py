@@ -55,7 +55,8 @@ HOST_ENV = "FREESCALE_HOST_ID"
 _PREFIX = "freescale-ring-"
 _SHM_DIR = "/dev/shm"
 # Head at byte 0, tail at 64; the CUDA IPC path's flags at 128 and 192 (``ipc``); at 256 whether
-# the ring's receiver sleeps in its epoll (it wants a wake-up byte): separate lines.
+# the ring's receiver sleeps in its epoll (it wants a wake-up byte; odd: it does, the count of
+# its sleeps begun and ended): separate lines.
 _CTRL_BYTES = 320
 _ASLEEP = 32  # uint64 index of that flag
 _SLOT_HEADER = 4  # uint64: tag, message length, offset of the chunk, chunk length
@@ -325,6 +326,7 @@ class Channel:
         # The peer's "I sleep" flag (``_ASLEEP``): in the control block of the ring it reads
         # host bytes from (``Link`` points a staging channel at its host channel's).
         self.peer_asleep = outgoing.ctrl
+        self._woken = 0  # the peer's sleep this channel last sent a wake-up byte in
 
     # --------------------------------------------------------------- posting (hub lock held)
     def send(self, buffer: Any, tag: int, ready: Any = None) -> Request:
@@ -360,9 +362,12 @@ class Channel:
         return pushed or pulled
 
     def _wake_peer(self) -> None:
-        """Sends the peer a wake-up byte if it sleeps; called after moving a counter."""
+        """Sends the peer a wake-up byte if it sleeps and has not had one from this channel in
+        this sleep; called after moving a counter."""
         full_fence()  # the counter's store before the flag's load (``Hub.sleeping``)
-        if self.peer_asleep[_ASLEEP]:
+        sleep = int(self.peer_asleep[_ASLEEP])
+        if sleep & 1 and sleep != self._woken:
+            self._woken = sleep
             self.hub.signal(self.peer_socket)
 
     @property
@@ -558,6 +563,7 @@ class Hub:
         self.lock = threading.Lock()
         self.links: list[Link] = []
         self._sleepers = 0  # threads in ``sleeping``
+        self._sleep_count = 0  # sleeps begun and ended: odd while one lasts
         self.name = f"\0freescale-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
         self.sock.bind(self.name)
@@ -620,8 +626,9 @@ class Hub:
         with self.lock:  # links are closed under it
             self._sleepers += change
             if self._sleepers == (1 if change > 0 else 0):
+                self._sleep_count += 1  # odd: asleep (the count tells one sleep from the next)
                 for link in self.links:
-                    link.host.inc.ctrl[_ASLEEP] = self._sleepers
+                    link.host.inc.ctrl[_ASLEEP] = self._sleep_count
 
     def drain(self) -> None:
         """Reads the wake-up bytes that arrived (the epoll sleep ended on them)."""
