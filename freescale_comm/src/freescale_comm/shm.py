@@ -323,9 +323,10 @@ class Channel:
         # Collectives whose data messages no longer wait in the ring for their receive.
         self._unstalled: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.sent = self.received = 0  # messages posted on this channel (tests check the path)
-        # The peer's "I sleep" flag (``_ASLEEP``): in the control block of the ring it reads
-        # host bytes from (``Link`` points a staging channel at its host channel's).
-        self.peer_asleep = outgoing.ctrl
+        # The ring whose control block holds the peer's "I sleep" flag (``_ASLEEP``): the one
+        # it reads host bytes from (``Link`` points a staging channel at its host channel's).
+        # The ring, not a view of it: a view would keep its mapping alive after ``close``.
+        self.peer_flags = outgoing
         self._woken = 0  # the peer's sleep this channel last sent a wake-up byte in
 
     # --------------------------------------------------------------- posting (hub lock held)
@@ -365,7 +366,7 @@ class Channel:
         """Sends the peer a wake-up byte if it sleeps and has not had one from this channel in
         this sleep; called after moving a counter."""
         full_fence()  # the counter's store before the flag's load (``Hub.sleeping``)
-        sleep = int(self.peer_asleep[_ASLEEP])
+        sleep = int(self.peer_flags.ctrl[_ASLEEP])
         if sleep & 1 and sleep != self._woken:
             self._woken = sleep
             self.hub.signal(self.peer_socket)
@@ -513,7 +514,7 @@ class Link:
         self.staging = staging
         if staging is not None:
             # The staging rings stay sparse until used: the flag lives in the host rings only.
-            staging.peer_asleep = host.peer_asleep
+            staging.peer_flags = host.peer_flags
         self.out, self.inc = host.out, host.inc
 
     @property
