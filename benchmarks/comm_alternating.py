@@ -1,17 +1,21 @@
 """An independent check of ``freescale comm bench``: the method of issue 19's measurement.
 
-Local ranks; the world group on freescale and a Gloo group in the same processes; per size,
-blocks of ``--calls`` back-to-back calls, freescale and Gloo blocks alternated (F, G, F, G, ...)
-with a barrier before each; the slower rank's time per call; the median of ``--blocks`` blocks.
-Unlike the bench it leaves torch's thread settings alone unless ``--threads`` is given (a
-training process runs with torch's default, one intra-op thread per core).
+Local ranks; one freescale group per ``--variant`` (its options) and the Gloo world group, in
+the same processes; per size, blocks of ``--calls`` back-to-back calls, the groups' blocks
+alternated (F, G, F, G, ...; the order reversed every other round) with a barrier before each;
+the slower rank's time per call; the median of ``--blocks`` blocks. Two variants with the same
+options (``--variant a --variant b``) measure the noise of the method itself: the ratio of two
+identical groups. Unlike the bench it leaves torch's thread settings alone unless ``--threads``
+is given (a training process runs with torch's default, one intra-op thread per core).
 
     python benchmarks/comm_alternating.py [--ranks 2] [--threads N] [--sizes 8,4096,16M]
+        [--variant NAME[:FIELD=VALUE,...]]...   (default: one variant "freescale", defaults)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -19,18 +23,47 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from freescale_comm import FreescaleOptions
 from freescale_comm._freescale_args import byte_size_list
 from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
+from freescale_comm.options import _parse
+
+
+def _variant(text: str) -> tuple[str, FreescaleOptions]:
+    """``NAME[:FIELD=VALUE,...]`` -> (name, its options; values parsed as their ``FREESCALE_*``
+    environment variables are)."""
+    name, _, fields = text.partition(":")
+    if not name or name == "gloo":
+        raise argparse.ArgumentTypeError(f"{text!r}: a variant needs a name other than gloo")
+    defaults = FreescaleOptions()
+    values: dict[str, Any] = {}
+    for item in filter(None, fields.split(",")):
+        field, sep, value = item.partition("=")
+        if not sep or not hasattr(defaults, field):
+            raise argparse.ArgumentTypeError(f"{item!r} is not FIELD=VALUE of FreescaleOptions")
+        try:
+            values[field] = _parse(value, type(getattr(defaults, field)), field)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    try:
+        return name, dataclasses.replace(defaults, **values)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One rank on the launcher's freescale group: every row (rank 0 prints them)."""
+    """One rank on the launcher's Gloo group: every row (rank 0 prints them)."""
     import torch
     import torch.distributed as dist
 
     rank = dist.get_rank()
     timeout = timedelta(seconds=120)
-    gloo = dist.new_group(backend="gloo", timeout=timeout)
+    groups: dict[str, Any] = {
+        name: dist.new_group(backend="freescale", timeout=timeout, pg_options=options)
+        for name, options in args.variant
+    }
+    groups["gloo"] = None  # the world group
+    names = list(groups)
     n = args.ranks
     rows = []
     for size in args.sizes:  # bytes one rank receives in all
@@ -49,29 +82,32 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                     dist.all_gather_into_tensor(out, inp, group=g)
 
             calls = args.calls if size < (1 << 20) else max(3, args.calls // 20)
-            for g in (None, gloo):
+            for g in groups.values():
                 for _ in range(5):
                     call(g)
-            times: dict[str, list[float]] = {"freescale": [], "gloo": []}
-            for _ in range(args.blocks):
-                for name, g in (("freescale", None), ("gloo", gloo)):
-                    dist.barrier(group=gloo)
+            times: dict[str, list[float]] = {name: [] for name in names}
+            for block in range(args.blocks):
+                for name in names if block % 2 == 0 else names[::-1]:
+                    dist.barrier()
                     start = time.perf_counter()
                     for _ in range(calls):
-                        call(g)
+                        call(groups[name])
                     times[name].append((time.perf_counter() - start) / calls)
-            t = torch.tensor(times["freescale"] + times["gloo"], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
+            t = torch.tensor([x for name in names for x in times[name]], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
             slow = t.tolist()
-            fs = statistics.median(slow[: args.blocks]) * 1e6
-            gl = statistics.median(slow[args.blocks :]) * 1e6
-            rows.append({"op": op, "size": elements * 4, "freescale_us": fs, "gloo_us": gl})
+            row: dict[str, Any] = {"op": op, "size": elements * 4}
+            for k, name in enumerate(names):
+                row[f"{name}_us"] = statistics.median(slow[k * args.blocks : (k + 1) * args.blocks])
+                row[f"{name}_us"] *= 1e6
+            rows.append(row)
             if rank == 0:
-                print(
-                    f"{op:<11}{elements * 4:>10} B  freescale {fs:10.1f} us  gloo {gl:10.1f} us"
-                    f"  ratio {fs / gl:.2f}",
-                    flush=True,
+                line = "  ".join(
+                    f"{name} {row[f'{name}_us']:9.1f} us"
+                    + (f" ({row[f'{name}_us'] / row['gloo_us']:.2f})" if name != "gloo" else "")
+                    for name in names
                 )
+                print(f"{op:<11}{elements * 4:>10} B  {line}", flush=True)
     return rows
 
 
@@ -83,26 +119,38 @@ def main() -> None:
     parser.add_argument("--ops", default="all_to_all,all_gather")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--blocks", type=int, default=9)
+    parser.add_argument(
+        "--variant",
+        type=_variant,
+        action="append",
+        help="NAME[:FIELD=VALUE,...] a freescale group with these options (repeatable)",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     args.ops = args.ops.split(",")
+    args.variant = args.variant or [("freescale", FreescaleOptions())]
+    if len({name for name, _ in args.variant}) != len(args.variant):
+        parser.error("variant names must differ")
 
     spec = GroupSpec(
         args.ranks,
-        "freescale",
+        "gloo",
         init_timeout_s=120,
         setup="freescale_comm:register",
         threads=args.threads or None,
     )
     try:
-        rows = run_ranks(spec, _rank, args, timeout_s=900)[0]
+        rows = run_ranks(spec, _rank, args, timeout_s=1800)[0]
     except RankFailure as failure:
         raise SystemExit(f"a rank failed: {failure}") from None
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {"args": vars(args), "load_avg_1m": os.getloadavg()[0], "rows": rows}, f, indent=2
-            )
+            report = {
+                "args": {**vars(args), "variant": [(n, repr(o)) for n, o in args.variant]},
+                "load_avg_1m": os.getloadavg()[0],
+                "rows": rows,
+            }
+            json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.comm import ranks
@@ -73,3 +75,16 @@ def test_ddp_matches_gloo(fs_group, steps):
     gloo = fs_group.run(ranks.ddp_train, "gloo", steps)
     assert ours == gloo
     assert all(r == ours[0] for r in ours)
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["one-core", "all-cores"])
+def test_ranks_yield_their_cores_only_where_they_outnumber_them(fs_group, pinned):
+    # idle_wait="auto" yields where this host's ranks outnumber the process's cores; a yielding
+    # rank that waits a second for a late peer sleeps after a short spin, not for the second.
+    results = fs_group.run(ranks.idle_wait_choice_and_cost, pinned, timeout_s=60)
+    cores = 1 if pinned else len(os.sched_getaffinity(0))
+    for result in results:
+        assert result["auto_yields"] == (fs_group.spec.world_size > cores)
+        assert result["yield_yields"]
+    assert results[0]["waited_s"] > 0.9
+    assert results[0]["cpu_s"] < 0.3, results[0]

@@ -35,6 +35,8 @@ def test_options_from_env_and_explicit_values(monkeypatch):
         FreescaleOptions.from_env()
     with pytest.raises(ValueError, match="allgather"):
         FreescaleOptions(allgather="tree")
+    with pytest.raises(ValueError, match="idle_wait"):
+        FreescaleOptions(idle_wait="spin")
 
 
 def test_tags_are_distinct_per_field():

@@ -24,6 +24,7 @@ that outlives a shorter ``wait(timeout)``, is taken over by the engine thread.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +45,11 @@ _HEALTH_PERIOD_S = 0.05
 # A claimed collective nobody drives for this long goes to the engine thread (a safety net: the
 # claim is made only for calls whose caller waits at once).
 _CLAIM_GRACE_S = 0.05
+# How long a thread that yields its core when idle (``Op.yields_when_idle``) keeps polling
+# without progress before it sleeps in the epoll: long enough for the peers of a collective in
+# flight to take their turn on the cores, short enough that a rank waiting for a straggler that
+# is still computing stops taking cores from it.
+YIELD_S = 0.002
 
 
 class Op(Protocol):
@@ -53,6 +59,7 @@ class Op(Protocol):
     deadline: float
     finished: bool
     needs_engine: bool  # False: something else finishes it (a CUDA end event's watcher)
+    yields_when_idle: bool  # wait by yielding the core for a while (``FreescaleOptions``)
 
     def advance(self) -> bool:
         """Polls requests and posts what became possible; True if anything progressed."""
@@ -167,7 +174,8 @@ class Engine:
         def done() -> bool:
             return op.finished or (enough is not None and enough())
 
-        next_health = time.monotonic() + _HEALTH_PERIOD_S
+        next_health = idle_since = time.monotonic()
+        next_health += _HEALTH_PERIOD_S
         try:
             while not done():
                 progressed = self._step([op])
@@ -177,8 +185,10 @@ class Engine:
                 if now >= next_health:
                     next_health = now + _HEALTH_PERIOD_S
                     self._check_health([op])
-                if not progressed:
-                    self._transport.wait_event(_EPOLL_MS)
+                if progressed:
+                    idle_since = now
+                else:
+                    self._idle([op], now - idle_since)
         finally:
             self.hand_over(op)
 
@@ -225,6 +235,14 @@ class Engine:
                 op.fail(f"internal error: {type(err).__name__}: {err}", "raised")
         return progressed
 
+    def _idle(self, ops: list[Op], idle_s: float) -> None:
+        """Waits after a step that moved nothing, for ``idle_s`` so far: yields the core while
+        that is short and an op's group asks for it, else sleeps in the epoll."""
+        if idle_s < YIELD_S and any(op.yields_when_idle for op in ops):
+            os.sched_yield()
+        else:
+            self._transport.wait_event(_EPOLL_MS)
+
     def _idle_wait(self) -> None:
         """Sleeps on the condition (lock held) until an op, a liveness tick, a stop or an
         undriven claim."""
@@ -254,7 +272,8 @@ class Engine:
                 driver().bind(self._cuda_device)
             except Exception:  # the thread must live on; CUDA collectives will report it
                 logger.exception("freescale: no CUDA context on the engine thread")
-        next_health = 0.0
+        next_health = idle_since = 0.0
+        waited_for: list[Op] = []
         while True:
             with self._cond:
                 self._idle_wait()
@@ -265,14 +284,18 @@ class Engine:
             self._tick(now)
             if not ops:
                 continue
+            if ops != waited_for:  # a new op: a wait that starts now
+                waited_for, idle_since = ops, now
             progressed = self._step(ops)
             if now >= next_health:
                 next_health = now + _HEALTH_PERIOD_S
                 self._check_health([op for op in ops if not op.finished])
             with self._cond:
                 self._ops = [op for op in self._ops if not op.finished]
-            if not progressed:
-                self._transport.wait_event(_EPOLL_MS)
+            if progressed:
+                idle_since = now
+            else:
+                self._idle(ops, time.monotonic() - idle_since)
 
     def _check_health(self, ops: list[Op]) -> None:
         seen: dict[int, str | None] = {}
