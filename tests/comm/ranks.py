@@ -737,43 +737,29 @@ def die_during_collective(victim: int, delay_s: float) -> float:
     return time.monotonic() - start
 
 
-def idle_wait_choice_and_cost(pin_to_one_core: bool) -> dict[str, Any]:
-    """How a group's ranks wait (``idle_wait="auto"``, made with this process on one core or
-    not), and what a wait of 1 s for a late peer costs rank 0 in CPU under ``yield``: it
-    yields for ``engine.YIELD_S``, then sleeps."""
+def late_peer_wait_cost(idle_wait: str) -> dict[str, Any]:
+    """What a wait of 1 s for a late peer costs rank 0 in CPU under ``idle_wait``: with
+    ``yield`` it yields for ``engine.YIELD_S``, then sleeps."""
     from freescale_comm import FreescaleOptions
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    cores = os.sched_getaffinity(0)
-    if pin_to_one_core:
-        os.sched_setaffinity(0, {min(cores)})
-    try:
-        auto = dist.new_group(backend="freescale", timeout=timedelta(seconds=30))
-    finally:
-        os.sched_setaffinity(0, cores)
-    yielding = dist.new_group(
+    group = dist.new_group(
         backend="freescale",
         timeout=timedelta(seconds=30),
-        pg_options=FreescaleOptions(idle_wait="yield"),
+        pg_options=FreescaleOptions(idle_wait=idle_wait),
     )
     x = torch.arange(n * 4, dtype=torch.float32) + 100 * rank
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=yielding)
+    dist.all_to_all_single(out, x, group=group)
     dist.barrier()
     if rank != 0:
         time.sleep(1.0)
     start_cpu, start = time.thread_time(), time.monotonic()
-    dist.all_to_all_single(out, x, group=yielding)
+    dist.all_to_all_single(out, x, group=group)
     waited_s, cpu_s = time.monotonic() - start, time.thread_time() - start_cpu
     _same(out, torch.cat([torch.arange(4 * rank, 4 * rank + 4) + 100.0 * r for r in range(n)]), "")
-    result = {
-        "auto_yields": auto._ctx.yields_when_idle,
-        "yield_yields": yielding._ctx.yields_when_idle,
-        "waited_s": waited_s,
-        "cpu_s": cpu_s,
-    }
-    dist.destroy_process_group(auto)
-    dist.destroy_process_group(yielding)
+    result = {"yields": group._ctx.yields_when_idle, "waited_s": waited_s, "cpu_s": cpu_s}
+    dist.destroy_process_group(group)
     return result
 
 

@@ -3,10 +3,11 @@
 One daemon thread per process, for every group. While collectives are in flight it progresses
 the UCX worker, notices completed requests (ucxx has no blocking wait from Python), posts the
 next step of multi-step algorithms (the ring), completes futures, and fails collectives that run
-past their deadline or whose peer died; when nothing moved it sleeps in an epoll over the
-worker's events (GIL released) until UCX signals an event, something calls
-``Transport.wake`` (a new collective, a finished CUDA copy) or ``_EPOLL_MS`` passes — so an
-arriving message wakes it at once and an idle wait costs no CPU. While no collective is in
+past their deadline or whose peer died; when nothing moved it yields its core and polls again
+(``idle_wait="yield"``, for up to ``YIELD_S``), then sleeps in an epoll over the worker's events
+(GIL released) until UCX signals an event, something calls ``Transport.wake`` (a new
+collective, a finished CUDA copy) or ``_EPOLL_MS`` passes — so an arriving message is seen at
+once and a long idle wait costs no CPU. While no collective is in
 flight it sleeps on a condition. In flight or not, it beats and polls every group's liveness
 when due (``liveness``): the store requests of the process are made here, and a collective's
 health check only reads what the last poll found.
@@ -47,8 +48,8 @@ _HEALTH_PERIOD_S = 0.05
 _CLAIM_GRACE_S = 0.05
 # How long a thread that yields its core when idle (``Op.yields_when_idle``) keeps polling
 # without progress before it sleeps in the epoll: long enough for the peers of a collective in
-# flight to take their turn on the cores, short enough that a rank waiting for a straggler that
-# is still computing stops taking cores from it.
+# flight to answer (and to take their turn where ranks outnumber cores), short enough that a
+# rank waiting for a straggler that is still computing stops taking a core from it.
 YIELD_S = 0.002
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -108,11 +107,7 @@ class GroupContext:
         self._endpoints: list[Any] = [None] * size
         self._header_room = Signature.size(size) + self.eager_per_peer
         self._setup_host_paths()
-        # A rank waiting for its peers yields its core where they contend for the cores.
-        host_ranks = len(self.directory.same_host)
-        self.yields_when_idle = options.idle_wait == "yield" or (
-            options.idle_wait == "auto" and host_ranks > _usable_cores()
-        )
+        self.yields_when_idle = options.idle_wait == "yield"
 
     def _setup_host_paths(self) -> None:
         """Sets up the shared-memory rings with the peers on this host."""
@@ -477,14 +472,6 @@ def _staging_rings(options: FreescaleOptions, peers: int) -> tuple[int, int] | N
         return None
     chunk = options.chunk_bytes
     return max(2, min(64, options.staging_pool_bytes // 2 // (peers * chunk))), chunk
-
-
-def _usable_cores() -> int:
-    """The cores this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def _cuda_device() -> int | None:
