@@ -3,11 +3,11 @@
 One daemon thread per process, for every group. While collectives are in flight it progresses
 the UCX worker, notices completed requests (ucxx has no blocking wait from Python), posts the
 next step of multi-step algorithms (the ring), completes futures, and fails collectives that run
-past their deadline or whose peer died; when nothing moved it yields its core and polls again
-(``idle_wait="yield"``, for up to ``YIELD_S``), then sleeps in an epoll over the worker's events
-(GIL released) until UCX signals an event, something calls ``Transport.wake`` (a new
-collective, a finished CUDA copy) or ``_EPOLL_MS`` passes — so an arriving message is seen at
-once and a long idle wait costs no CPU. While no collective is in
+past their deadline or whose peer died; when nothing moved it sleeps in an epoll over the
+worker's events (GIL released) until UCX signals an event, something calls
+``Transport.wake`` (a new collective, a finished CUDA copy) or ``_EPOLL_MS`` passes — so an
+arriving message wakes it at once and an idle wait costs no CPU (with ``idle_wait="yield"`` it
+first yields its core and polls again, for up to ``YIELD_S``). While no collective is in
 flight it sleeps on a condition. In flight or not, it beats and polls every group's liveness
 when due (``liveness``): the store requests of the process are made here, and a collective's
 health check only reads what the last poll found.
@@ -175,8 +175,8 @@ class Engine:
         def done() -> bool:
             return op.finished or (enough is not None and enough())
 
-        next_health = idle_since = time.monotonic()
-        next_health += _HEALTH_PERIOD_S
+        idle_since = time.monotonic()
+        next_health = idle_since + _HEALTH_PERIOD_S
         try:
             while not done():
                 progressed = self._step([op])

@@ -14,7 +14,7 @@ from typing import Literal
 AllGatherAlgorithm = Literal["auto", "direct", "ring"]
 CudaPath = Literal["auto", "direct", "staged", "ipc"]
 HostPath = Literal["auto", "ucx", "shm"]
-IdleWait = Literal["yield", "sleep"]
+IdleWait = Literal["sleep", "yield"]
 
 _ENV_PREFIX = "FREESCALE_"
 
@@ -66,11 +66,14 @@ class FreescaleOptions:
         shm_slot_bytes: size of one ring slot (the pipelining unit). ``FREESCALE_SHM_SLOT_BYTES``.
         shm_pool_bytes: the rings a process receives into, per group: split over its peers on
             the host, 2 to 64 slots each. ``FREESCALE_SHM_POOL_BYTES``.
-        idle_wait: how a thread that progresses collectives waits when nothing moved: ``yield``
-            its core between polls (``sched_yield``: a peer that needs the core gets it at
-            once, and a message is seen without a wake-up) for up to ``engine.YIELD_S`` without
-            progress, then sleep; ``sleep`` in an epoll at once, until a peer's wake-up (a
-            system call on each side and a scheduler wake-up per wait; no core spent polling).
+        idle_wait: how a thread that progresses collectives waits when nothing moved: ``sleep``
+            in an epoll at once, until a peer's wake-up (a system call on each side and a
+            scheduler wake-up per wait; no core spent polling), or ``yield`` its core between
+            polls (``sched_yield``: a message is seen without a wake-up, and a peer that needs
+            the core gets it) for up to ``engine.YIELD_S`` without progress, then sleep.
+            ``yield`` suits a process that has nothing else to do while it waits (collectives
+            back to back); where the process computes beside its collectives (a training step
+            with background threads) the polling takes cores and the GIL from that work.
             ``FREESCALE_IDLE_WAIT``.
         heartbeat_s: interval of the liveness heartbeat each process writes to the store.
             ``FREESCALE_HEARTBEAT_S``.
@@ -89,7 +92,7 @@ class FreescaleOptions:
     shm_max_bytes: int = 512 << 10
     shm_slot_bytes: int = 256 << 10
     shm_pool_bytes: int = 4 << 20
-    idle_wait: IdleWait = "yield"
+    idle_wait: IdleWait = "sleep"
     heartbeat_s: float = 1.0
     dead_after_s: float = 10.0
 
@@ -98,7 +101,7 @@ class FreescaleOptions:
             "allgather": ("auto", "direct", "ring"),
             "cuda_path": ("auto", "direct", "staged", "ipc"),
             "host_path": ("auto", "ucx", "shm"),
-            "idle_wait": ("yield", "sleep"),
+            "idle_wait": ("sleep", "yield"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
