@@ -36,10 +36,11 @@ def _variant(text: str) -> tuple[str, FreescaleOptions]:
     if not name or name == "gloo":
         raise argparse.ArgumentTypeError(f"{text!r}: a variant needs a name other than gloo")
     defaults = FreescaleOptions()
+    known = {f.name for f in dataclasses.fields(FreescaleOptions)}
     values: dict[str, Any] = {}
     for item in filter(None, fields.split(",")):
         field, sep, value = item.partition("=")
-        if not sep or not hasattr(defaults, field):
+        if not sep or field not in known:
             raise argparse.ArgumentTypeError(f"{item!r} is not FIELD=VALUE of FreescaleOptions")
         try:
             values[field] = _parse(value, type(getattr(defaults, field)), field)
@@ -98,8 +99,8 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
             slow = t.tolist()
             row: dict[str, Any] = {"op": op, "size": elements * 4}
             for k, name in enumerate(names):
-                row[f"{name}_us"] = statistics.median(slow[k * args.blocks : (k + 1) * args.blocks])
-                row[f"{name}_us"] *= 1e6
+                blocks = slow[k * args.blocks : (k + 1) * args.blocks]
+                row[f"{name}_us"] = statistics.median(blocks) * 1e6
             rows.append(row)
             if rank == 0:
                 line = "  ".join(
