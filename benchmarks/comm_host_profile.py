@@ -5,9 +5,9 @@ Two (or more) local ranks run back-to-back 8-byte ``all_to_all_single`` and
 processes, blocks of calls alternating; the figure is the median over blocks of the slower
 rank's time per call. With ``--profile`` rank 0 also runs the loop under cProfile and prints
 the functions with the most own time, and the time from entering the call to its first posted
-message (the host work before anything leaves), on whichever path the call takes: ranks of one
-host send 8 bytes through the shared-memory rings, others through UCX; the posts per call on
-each path are printed beside it.
+message (the host work before anything leaves), on whichever path the call takes: a group on
+one host writes its headers (8 bytes of data inside) into its outboxes, ranks of other hosts
+send them through UCX; the posts per call on each path are printed beside it.
 
     python benchmarks/comm_host_profile.py [--ranks 2] [--calls 2000] [--blocks 9] [--profile]
 """
@@ -76,17 +76,19 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
 
 def _profile(rank: int, calls: dict[str, Any], count: int) -> dict[str, Any]:
     """cProfile of rank 0's freescale loop, and the time to the first posted message."""
+    from freescale_comm.outbox import Outboxes
     from freescale_comm.shm import Hub
     from freescale_comm.transport import Transport
 
     first: list[float] = []
     started = [0.0]
-    posts = {"shm": 0, "ucx": 0}
-    # Every post of a message goes through one of these two: the group's shared-memory rings
-    # (peers on this host, small messages) or UCX.
+    posts = {"outbox": 0, "shm": 0, "ucx": 0}
+    # Every message leaves through one of these: the group's outboxes (the headers of a group
+    # on one host), its shared-memory rings (other messages to peers on this host) or UCX.
     posters = [
         (owner, name, path)
         for owner, name, path in (
+            (Outboxes, "write", "outbox"),
             (Hub._instance, "post", "shm"),
             (Transport._instance, "send", "ucx"),
             (Transport._instance, "recv", "ucx"),
@@ -111,12 +113,12 @@ def _profile(rank: int, calls: dict[str, Any], count: int) -> dict[str, Any]:
     try:
         for op, call in calls.items():
             first.clear()
-            posts.update(shm=0, ucx=0)
+            posts.update(outbox=0, shm=0, ucx=0)
             for _ in range(count):
                 started[0] = time.perf_counter()
                 call(None)
             if not first:
-                raise RuntimeError(f"{op}: no message was posted through the rings or UCX")
+                raise RuntimeError(f"{op}: nothing left through the outboxes, rings or UCX")
             out[f"{op}_first_post_us"] = statistics.median(first) * 1e6
             out[f"{op}_posts_per_call"] = {path: n / count for path, n in posts.items()}
             profiler = cProfile.Profile()

@@ -6,7 +6,10 @@ import os
 import subprocess
 import time
 
+import pytest
+
 from freescale_comm import shm
+from freescale_comm.errors import FreescaleError
 from tests.comm import ranks
 
 # Small slots and pool: messages span several slots and the rings wrap many times.
@@ -19,7 +22,7 @@ def _ring_files() -> list[str]:
 
 def test_every_collective_over_the_rings_matches_gloo(fs_group):
     n = fs_group.spec.world_size
-    options = {"host_path": "shm", **_SMALL_RINGS}
+    options = {"host_path": "shm", "shm_outbox_bytes": 0, **_SMALL_RINGS}
     results = fs_group.run(ranks.ring_cases, 5, 15, 1, options, timeout_s=180)
     for rank, result in enumerate(results):
         assert result["count"] == 15
@@ -31,6 +34,28 @@ def test_every_collective_over_the_rings_matches_gloo(fs_group):
         # Mapped while the group lives (one ring each way per peer, beside the world group's),
         # already unlinked from /dev/shm, and unmapped once it is destroyed.
         assert result["during"] == {"mapped": 2 * (n - 1), "files": 0}
+        assert result["after"] == {"mapped": 0, "files": 0}
+    assert _ring_files() == []
+
+
+def test_every_collective_through_the_outboxes_matches_gloo(fs_group):
+    # Boxes of 4 KiB: the headers and the data that fits go through the outboxes, larger data
+    # through the rings; four collectives in flight at once make a rank wait for its peers to
+    # free a box before it writes the next one.
+    n = fs_group.spec.world_size
+    options = {"host_path": "shm", "shm_outbox_bytes": 4096, "eager_bytes": 512, **_SMALL_RINGS}
+    results = fs_group.run(ranks.ring_cases, 7, 15, 1, options, timeout_s=180)
+    share = 4096 // (n - 1) - 280 - 64  # less each header (280 B) and its alignment
+    for result in results:
+        assert result["count"] == 15
+        for path in result["paths"]:
+            assert path["headers"] == f"outboxes (CPU data up to {share} B per peer inside)"
+            assert path["outbox_posts"] > 15  # every collective's headers
+            sent, received = path["ring_messages"]
+            assert sent > 0 and received > 0  # data too large for the box
+        # Rings (one each way per peer) and outboxes (its own, every peer's), beside the world
+        # group's; unlinked once mapped, unmapped once the group is destroyed.
+        assert result["during"] == {"mapped": 2 * (n - 1) + n, "files": 0}
         assert result["after"] == {"mapped": 0, "files": 0}
     assert _ring_files() == []
 
@@ -337,3 +362,60 @@ def test_a_wake_up_byte_goes_only_to_a_peer_that_sleeps(tmp_path):
         hub.remove(link)
         a.close()
         hub.sock.close()
+
+
+class _RecordedWakes:
+    """A link whose wake-ups are recorded (the outboxes' own logic is under test)."""
+
+    def __init__(self) -> None:
+        self.wakes = 0
+        self.host = self
+
+    def wake_peer(self) -> None:
+        self.wakes += 1
+
+
+def test_outboxes_write_once_read_in_place_and_reuse_a_box_only_once_consumed(tmp_path):
+    import numpy as np
+
+    from freescale_comm import outbox
+
+    n, box_bytes = 3, 1024
+    size = outbox.Outboxes.segment_bytes(n, box_bytes)
+    paths = [str(tmp_path / f"box{r}") for r in range(n)]
+    own = [outbox.Segment(p, size, create=True) for p in paths]
+    links = [{p: _RecordedWakes() for p in range(n) if p != r} for r in range(n)]
+    peers = [
+        {p: outbox.Segment(paths[p], size, create=False) for p in range(n) if p != r}
+        for r in range(n)
+    ]
+    hub = shm.Hub.get()
+    a, b, c = (outbox.Outboxes(hub, links[r], r, n, own[r], peers[r], box_bytes) for r in range(n))
+    try:
+        piece = np.arange(100, dtype=np.uint8)
+        assert a.writable(1) and not a.writable(2)  # in order
+        a.write(1, [(1, [piece[:8], piece]), (2, [piece])])
+        assert [links[0][p].wakes for p in (1, 2)] == [1, 1]  # posted: every peer (if asleep)
+        assert b.arrived(0, 1) and not b.arrived(0, 2) and b.moved() and not b.moved()
+        assert np.array_equal(b.read(0, 1), np.concatenate([piece[:8], piece]))
+        assert np.array_equal(c.read(0, 1), piece)
+        # The same buffers for two peers are written once (an AllGather's piece).
+        a.write(2, [(1, [piece]), (2, [piece])])
+        table = a._boxes[0].table
+        assert table[1].tolist() == table[2].tolist() == [0, 100]
+        assert not a.writable(3)  # box 1 still holds collective 1, unread by b and c
+        assert int(own[0].ctrl[16]) == 1  # ... so a asks them to wake it when they consume
+        c.release(1)
+        c.release(2)
+        b.release(2)  # out of order: b's count stays at 0 until 1 is released too
+        assert int(own[1].ctrl[8]) == 0 and not a.writable(3)
+        b.release(1)
+        assert int(own[1].ctrl[8]) == 2 and links[1][0].wakes == 1  # a asked for it
+        assert a.writable(3) and int(own[0].ctrl[16]) == 0
+        b.release(3)
+        assert links[1][0].wakes == 1  # nobody waits for it: no wake-up byte
+        with pytest.raises(FreescaleError, match="exceed the box"):
+            a.write(3, [(1, [np.zeros(4 * box_bytes, dtype=np.uint8)])])  # past the page too
+    finally:
+        for boxes in (a, b, c):
+            boxes.close()

@@ -118,6 +118,13 @@ class Collective:
         self._posted: list[Transfer] = []
         self._unposted: list[Transfer] = []
         self._headers: list[Any] = []
+        # Headers through the group's outboxes (``outbox``): this collective's number there,
+        # the messages still to write ((peer, parts); None once written), the peers still to
+        # read from (whether into page-locked memory), whether it is done reading.
+        self._outbox_seq = 0
+        self._outbox_msgs: list[tuple[int, list[Any]]] | None = None
+        self._outbox_from: dict[int, bool] = {}
+        self._outbox_released = False
         self._folded: set[int] = set()  # ids of transfers that travel inside a header
         # ids of sends posted with the headers (shared-memory rings only): the receiver keeps
         # them out of its outputs until the verdict, so they need not wait for it.
@@ -216,6 +223,10 @@ class Collective:
         room = size + g.eager_per_peer
         self._headers = [None] * g.size
         self._headers[g.rank] = own
+        boxed = g.outboxes is not None
+        if boxed:
+            self._outbox_seq = g.next_outbox_seq()
+            self._outbox_msgs = []
         unloaded: list[tuple[int, Any]] = []  # (peer, header) waiting for its D2H copies
         copies: list[tuple[np.ndarray, torch.Tensor]] = []
         # Without validation only IPC peers exchange headers (for the descriptors): the pair
@@ -226,28 +237,78 @@ class Collective:
             dst, src = (g.rank + step) % g.size, (g.rank - step) % g.size
             # The send first: the peer's data leaves before this rank's receive is posted.
             if self._export is not None and dst in ipc_peers:
-                message = np.concatenate([own, self._export.descriptor(dst)])
-                self._post(Transfer(dst, message, 0, send=True))
+                self._send_header(dst, [own, self._export.descriptor(dst)])
             elif not every_peer:
                 pass  # a peer IPC does not reach, without validation: no header
             elif dst not in sends:
-                self._post(Transfer(dst, own, 0, send=True))
+                self._send_header(dst, [own])
             else:
                 pieces = sends[dst]
                 self._folded.update(id(t) for t in pieces)
                 if self.on_cuda:
                     unloaded.append((dst, self._load_header(own, pieces, copies)))
                 else:
-                    message = np.concatenate([own, *(t.buffer for t in pieces)])
-                    self._post(Transfer(dst, message, 0, send=True))
-            if every_peer or src in ipc_peers:
+                    self._send_header(dst, [own, *(t.buffer for t in pieces)])
+            if not (every_peer or src in ipc_peers):
+                continue
+            if boxed:
+                self._outbox_from[src] = src in pinned_from
+            else:
                 self._headers[src] = self._header_buffer(room, src in pinned_from)
                 self._post(Transfer(src, self._headers[src], 0, send=False))
         if unloaded:
             event = self._cuda.copy(self._streams.d2h, copies, self._cuda.d2h_watch)
             self._unloaded_headers = (event, unloaded)
-        elif (not self.on_cuda or self.ring_cuda) and not self.plan.forwarding:
-            self._post_early()  # (IPC plans are on CUDA and never ring_cuda: nothing to send)
+        else:
+            self._write_outbox()
+            if (not self.on_cuda or self.ring_cuda) and not self.plan.forwarding:
+                self._post_early()  # (IPC plans are on CUDA, never ring_cuda: nothing to send)
+
+    def _send_header(self, peer: int, parts: list[Any]) -> None:
+        """Sends ``peer`` this rank's header message (``parts`` in order): into this rank's
+        outbox where the group has them (written with the others, ``_write_outbox``), else one
+        message."""
+        if self._outbox_msgs is not None:
+            self._outbox_msgs.append((peer, parts))
+        else:
+            message = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            self._post(Transfer(peer, message, 0, send=True))
+
+    def _write_outbox(self) -> bool:
+        """Writes and publishes this rank's header messages, once its outbox may take them
+        (``Outboxes.writable``), also none at all (the number is taken); True if it did."""
+        if self._outbox_msgs is None or self._unloaded_headers is not None:
+            return False
+        boxes = self.group.outboxes
+        if not boxes.writable(self._outbox_seq):
+            return False
+        boxes.write(self._outbox_seq, self._outbox_msgs)
+        self._outbox_msgs = None
+        return True
+
+    def _read_outboxes(self) -> bool:
+        """Takes the header messages of the peers whose outboxes have them (a view in place,
+        or a page-locked copy where folded CUDA data is copied H2D from it); True if any."""
+        boxes = self.group.outboxes
+        seq = self._outbox_seq
+        arrived = [peer for peer in self._outbox_from if boxes.arrived(peer, seq)]
+        for peer in arrived:
+            message = boxes.read(peer, seq)
+            if self._outbox_from.pop(peer):
+                pinned = self._header_buffer(len(message), True)
+                pinned[:] = message
+                message = pinned
+            self._headers[peer] = message
+        return bool(arrived)
+
+    def _release_outboxes(self) -> None:
+        """This rank is done with the peers' outboxes of this collective (headers judged,
+        folded data copied out, or the collective failed)."""
+        if self._outbox_seq and not self._outbox_released:
+            self._outbox_released = True
+            boxes = self.group.outboxes
+            if boxes is not None:
+                boxes.release(self._outbox_seq)
 
     def _post_early(self) -> None:
         """Posts with the headers the sends that take a shared-memory ring and are not folded:
@@ -301,9 +362,10 @@ class Collective:
         event, unloaded = self._unloaded_headers
         if not event.query():
             return False
-        for peer, message in unloaded:
-            self._post(Transfer(peer, message, 0, send=True))
         self._unloaded_headers = None
+        for peer, message in unloaded:
+            self._send_header(peer, [message])
+        self._write_outbox()
         self.group.transport.progress()
         return True
 
@@ -329,7 +391,7 @@ class Collective:
         if not self._may_fold():
             return {}
         plan = self.plan
-        limit = self.group.eager_per_peer
+        limit = self.group.eager_per_peer if self.on_cuda else self.group.host_eager_per_peer
         template = plan.template
         if template is not None:  # the same pieces as for the call that made the template
             indices = template.derived.get((send, limit))
@@ -393,9 +455,16 @@ class Collective:
             return True
         if self._phase == "header" and self._unloaded_headers is not None:
             progressed |= self._post_loaded_headers()
+        if self._phase == "header" and self._outbox_seq:
+            if self._outbox_msgs is not None:
+                progressed |= self._write_outbox()
+            if self._outbox_from:
+                progressed |= self._read_outboxes()
         if (
             self._phase == "header"
             and self._unloaded_headers is None
+            and self._outbox_msgs is None
+            and not self._outbox_from
             and not (self._posted and any(t.sub == 0 for t in self._posted))
         ):
             self._judge()
@@ -524,6 +593,7 @@ class Collective:
                 self._folded.add(id(transfer))
                 offset = end
         self._headers = []
+        self._release_outboxes()
         self._phase = "ready"
 
     def _read_descriptors(self, size: int) -> None:
@@ -567,6 +637,7 @@ class Collective:
         problem from the same table (``validation.judge_table``)."""
         g = self.group
         own = self.plan.signature.encode_table(g.size)
+        self._release_outboxes()
         self._phase = "diagnose"
         g.unstall_early(self.seq)  # the tables travel behind the peers' early data
         self._headers = [None] * g.size
@@ -582,6 +653,7 @@ class Collective:
         """Fails the collective on a bad verdict, the same one on every rank."""
         g = self.group
         self._headers = []
+        self._release_outboxes()
         # Peers may have sent this collective's data early: it must never reach a later
         # receive, and this rank's own early sends may still be reading its inputs.
         g.discard_early(self.seq)
@@ -771,7 +843,7 @@ class Collective:
     def _expire_locked(self) -> None:
         if self.finished:
             return
-        waiting = sorted({t.peer for t in self._posted if not t.send})
+        waiting = sorted({t.peer for t in self._posted if not t.send} | set(self._outbox_from))
         unsent = sorted({t.peer for t in self._posted + self._unposted if t.send})
         if self._pipeline is not None:
             waiting, unsent = self._pipeline.waiting_peers()
@@ -805,6 +877,8 @@ class Collective:
             return
         self.finished = True
         self.error = _ERRORS[kind](f"{self.label}: {reason}")
+        self._headers = []
+        self._release_outboxes()
         # Dropping a ucxx request cancels it; the buffers (and the staging slots still held)
         # stay referenced by the group.
         for transfer in self._posted:

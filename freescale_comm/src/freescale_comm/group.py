@@ -81,8 +81,11 @@ class GroupContext:
         # Every header receive has this much room (see ``collective``): bounded per collective,
         # so that a group of hundreds of ranks does not allocate tens of MiB per call for it.
         self.eager_per_peer = min(options.eager_bytes, _EAGER_ROOM_BYTES // max(1, size - 1))
+        # CPU data folds up to this (an outbox's share per peer where the group has them).
+        self.host_eager_per_peer = self.eager_per_peer
         self._broken: str | None = None
         self._seq = itertools.count(1)
+        self._outbox_seq = itertools.count(1)
         self._graveyard: list[tuple[Plan, list[torch.Tensor]]] = []
         self._inflight: list[Collective] = []
         self._cuda: dict[int, CudaSupport] = {}
@@ -120,6 +123,8 @@ class GroupContext:
         self._no_rings: dict[int, str] = {}
         self._ipc_peers: frozenset[int] = frozenset()
         self._all_on_staging_rings = False
+        self.outboxes: Any = None  # ``outbox.Outboxes`` of a group on one host
+        self._no_outboxes = ""
         unsupported = shm.rings_supported()
         # Every rank of the group takes part in the store exchange the same way: whether rings
         # are wanted depends only on the options, which are the same on every rank.
@@ -153,6 +158,36 @@ class GroupContext:
             self._all_on_staging_rings = self._agree(
                 "staging_rings", all(self.stages_on_rings(p) for p in local)
             )
+            if options.shm_outbox_bytes > 0 and unsupported is None:
+                self._setup_outboxes(links)
+
+    def _setup_outboxes(self, links: dict[int, Any]) -> None:
+        """The group's outboxes (``outbox``), where every rank has rings to every peer and
+        made and mapped every segment; every rank of a group on one host calls it."""
+        from freescale_comm import outbox, shm
+
+        size = self.size
+        # Room for any header a CUDA collective sends (its own limit), and for CPU data up to
+        # the box's share per peer (alignment padding off each message).
+        box_bytes = max(self.options.shm_outbox_bytes, (size - 1) * (self._header_room + 64))
+        boxes, why = outbox.open_outboxes(
+            self._keys,
+            self._hub or shm.Hub.get(),
+            links,
+            self.rank,
+            size,
+            box_bytes,
+            self.timeout_s,
+        )
+        if self._agree("outboxes", boxes is not None and len(links) == size - 1):
+            self.outboxes = boxes
+            self._hub.watch(boxes)
+            if self.eager_per_peer > 0:
+                share = self.options.shm_outbox_bytes // (size - 1) - Signature.size(size) - 64
+                self.host_eager_per_peer = max(self.eager_per_peer, share)
+        elif boxes is not None:
+            boxes.close()
+        self._no_outboxes = why
 
     def _agree(self, name: str, mine: bool) -> bool:
         """Whether ``mine`` holds on every rank of the group (every rank must call it, in the
@@ -263,11 +298,22 @@ class GroupContext:
                     "peer_host": self.directory.host_of(peer),
                     "ring_messages": (link.sent, link.received) if link else (0, 0),
                     "ring_slots": link.inc.slots if link else 0,
+                    "headers": self._headers_path(),
+                    "outbox_posts": self.outboxes.posted if self.outboxes is not None else 0,
                     "cuda": self._cuda_path_of(peer),
                     "ipc_pushes": sum(path.pushes_to(peer) for path in self._ipc.values()),
                 }
             )
         return rows
+
+    def _headers_path(self) -> str:
+        """How each collective's header messages travel, and why (``freescale comm info``)."""
+        if self.outboxes is not None:
+            return f"outboxes (CPU data up to {self.host_eager_per_peer} B per peer inside)"
+        if not self.one_host or self.options.shm_outbox_bytes == 0:
+            why = "shm_outbox_bytes=0" if self.one_host else "the group spans hosts"
+            return f"messages ({why})"
+        return f"messages (no outboxes: {self._no_outboxes or 'no rings with every peer'})"
 
     def cuda_path(self) -> str:
         """How CUDA tensors move: ``ipc`` (with the peers this rank shares rings with; the
@@ -352,6 +398,10 @@ class GroupContext:
 
     def next_seq(self) -> int:
         return next(self._seq)
+
+    def next_outbox_seq(self) -> int:
+        """The outbox number of the next collective that sends headers (``outbox``)."""
+        return next(self._outbox_seq)
 
     def endpoint(self, peer: int) -> Any:
         """The UCX endpoint to group rank ``peer`` (created on first use)."""
@@ -455,6 +505,10 @@ class GroupContext:
         for support in self._cuda.values():
             support.close()
         self._cuda = {}
+        if self.outboxes is not None:
+            self._hub.unwatch(self.outboxes)
+            self.outboxes.close()
+            self.outboxes = None
         for peer, link in enumerate(self._links):
             if link is not None:
                 self._hub.remove(link)

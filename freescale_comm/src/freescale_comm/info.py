@@ -175,6 +175,8 @@ def format_info(info: dict[str, Any]) -> str:
     lines.append(f"host bytes: {rule}")
     for row in info.get("paths", []):
         lines.append(f"  rank {row['rank']} -> {row['peer']}: {row['path']}  ({row['why']})")
+        if "headers" in row:
+            lines.append(f"    headers: {row['headers']}")
         if "cuda" in row:
             lines.append(f"    CUDA bytes: {row['cuda']}")
     options = ", ".join(f"{k}={v}" for k, v in info["options"].items())

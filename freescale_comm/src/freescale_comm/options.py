@@ -31,8 +31,8 @@ class FreescaleOptions:
         eager_bytes: data (CPU, or CUDA staged through page-locked memory) of at most this many
             bytes per peer travels inside the validation header (one message and one round trip
             per peer instead of two); every header receive buffer has this much room. Must be
-            the same on every rank.
-            ``FREESCALE_EAGER_BYTES``.
+            the same on every rank. CPU data in a group with outboxes folds up to their share
+            instead (``shm_outbox_bytes``). ``FREESCALE_EAGER_BYTES``.
         allgather: ``direct`` (every rank sends its piece to every peer at once), ``ring``
             (chunk-pipelined ring) or ``auto`` (ring for pieces of at least
             ``ring_threshold_bytes`` when there are more than two ranks; direct in a group on
@@ -66,6 +66,14 @@ class FreescaleOptions:
         shm_slot_bytes: size of one ring slot (the pipelining unit). ``FREESCALE_SHM_SLOT_BYTES``.
         shm_pool_bytes: the rings a process receives into, per group: split over its peers on
             the host, 2 to 64 slots each. ``FREESCALE_SHM_POOL_BYTES``.
+        shm_outbox_bytes: in a group whose ranks all share one host (and with rings between
+            every pair), each rank writes every collective's header messages into an outbox of
+            its own, which its peers read in place (``outbox``: two boxes of this many bytes
+            per rank and group, or room for every peer's ``eager_bytes`` if more), and a CPU
+            piece for a peer travels inside its header up to ``shm_outbox_bytes / (ranks - 1)``
+            less the header, in place of ``eager_bytes`` (0 there still turns folding off).
+            Same on every rank; 0: no outboxes, headers take the rings.
+            ``FREESCALE_SHM_OUTBOX_BYTES``.
         idle_wait: how a thread that progresses collectives waits when nothing moved: ``sleep``
             in an epoll at once, until a peer's wake-up (a system call on each side and a
             scheduler wake-up per wait; no core spent polling), or ``yield`` its core between
@@ -92,6 +100,7 @@ class FreescaleOptions:
     shm_max_bytes: int = 512 << 10
     shm_slot_bytes: int = 256 << 10
     shm_pool_bytes: int = 4 << 20
+    shm_outbox_bytes: int = 2 << 20
     idle_wait: IdleWait = "sleep"
     heartbeat_s: float = 1.0
     dead_after_s: float = 10.0
@@ -114,6 +123,8 @@ class FreescaleOptions:
             raise ValueError("staging_pool_bytes must hold at least four chunks (4 * chunk_bytes)")
         if self.shm_slot_bytes < 4096 or self.shm_pool_bytes < 2 * self.shm_slot_bytes:
             raise ValueError("shm_slot_bytes must be >= 4096 and shm_pool_bytes >= 2 slots")
+        if self.shm_outbox_bytes < 0:
+            raise ValueError("shm_outbox_bytes must be >= 0")
         if self.heartbeat_s <= 0 or self.dead_after_s <= 2 * self.heartbeat_s:
             raise ValueError("heartbeat_s must be > 0 and dead_after_s > 2 * heartbeat_s")
 

@@ -335,7 +335,7 @@ class Channel:
         self.sent += 1
         self._sends.append(request)
         if self._push():
-            self._wake_peer()
+            self.wake_peer()
         return request
 
     def recv(self, buffer: Any, tag: int, ready: Any = None) -> Request:
@@ -359,10 +359,10 @@ class Channel:
         pulled = self._pull()
         pushed = self._push() if self._sends or self._filling else False
         if pushed or pulled:
-            self._wake_peer()
+            self.wake_peer()
         return pushed or pulled
 
-    def _wake_peer(self) -> None:
+    def wake_peer(self) -> None:
         """Sends the peer a wake-up byte if it sleeps and has not had one from this channel in
         this sleep; called after moving a counter."""
         full_fence()  # the counter's store before the flag's load (``Hub.sleeping``)
@@ -563,6 +563,7 @@ class Hub:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.links: list[Link] = []
+        self.outboxes: list[Any] = []  # ``outbox.Outboxes``: their counters count as moves
         self._sleepers = 0  # threads in ``sleeping``
         self._sleep_count = 0  # sleeps begun and ended: odd while one lasts
         self.name = f"\0freescale-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
@@ -595,14 +596,26 @@ class Hub:
                 self.links.remove(link)
             link.close()
 
+    def watch(self, outboxes: Any) -> None:
+        with self.lock:
+            self.outboxes.append(outboxes)
+
+    def unwatch(self, outboxes: Any) -> None:
+        with self.lock:
+            if outboxes in self.outboxes:
+                self.outboxes.remove(outboxes)
+
     def progress(self) -> bool:
-        """Progresses every link, unless another thread is doing it right now."""
+        """Progresses every link, unless another thread is doing it right now; True if a
+        ring or an outbox counter moved."""
         if not self.links or not self.lock.acquire(blocking=False):
             return False
         try:
             moved = False
             for link in self.links:
                 moved |= link.progress()
+            for outboxes in self.outboxes:
+                moved |= outboxes.moved()
             return moved
         finally:
             self.lock.release()
@@ -613,7 +626,7 @@ class Hub:
         yields whether the sleep may start (False: the rings moved after the flags were set).
 
         The flags are stored before the rings are read again, and a peer moves a counter
-        before it reads the flag (``Channel._wake_peer``): with a full fence on both sides,
+        before it reads the flag (``Channel.wake_peer``): with a full fence on both sides,
         either the peer sees the flag or this side sees the counter, so no wake-up is lost.
         """
         self._count_sleeper(1)

@@ -1,0 +1,279 @@
+"""Outboxes: each collective's header messages in a group whose ranks all share one host.
+
+Every rank owns one ``/dev/shm`` segment per group that every other rank of the group maps: a
+control block and two boxes. Collective number ``seq`` (counted per group, in call order, the
+same on every rank) writes this rank's header message for every peer into box ``seq % 2`` — a
+table of (offset, length) per peer, then the bytes; identical messages (an AllGather's piece
+for every peer) are written once — and publishes ``posted = seq``. A peer reads its message
+there, in place, as soon as it sees that counter, and says it is done with every box up to
+``seq`` by its own ``consumed`` counter; a box is written again (collective ``seq + 2``) only
+once every peer has consumed ``seq``. One copy in, one copy out and two counters per
+collective, instead of a ring message per peer in each direction.
+
+A rank that has to wait for its peers' ``consumed`` raises a flag in its control block, so that
+the peers send it a wake-up byte (``shm.Channel.wake_peer``) only then; ``posted`` wakes every
+sleeping peer, who all wait for it. ``Hub.sleeping`` re-reads the counters after a thread says
+it sleeps (``moved``), the same handshake the rings use. The ordering rests on x86-64's TSO, as
+the rings' does (``shm.rings_supported``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from freescale_comm import shm
+from freescale_comm.errors import FreescaleError
+
+_CTRL_BYTES = 4096  # posted at u64 0, consumed at 8, "wake me when you consume" at 16: lines
+_POSTED, _CONSUMED, _WANTS_CONSUMED = 0, 8, 16
+_ALIGN = 64
+
+
+def _round_up(value: int, to: int) -> int:
+    return -(-value // to) * to
+
+
+class Box:
+    """One box of a segment: the per-peer table and the message bytes."""
+
+    def __init__(self, base: np.ndarray, offset: int, size: int, world_size: int) -> None:
+        table_bytes = _round_up(16 * world_size, _ALIGN)
+        self.table = np.frombuffer(
+            base, dtype=np.uint64, count=2 * world_size, offset=offset
+        ).reshape(world_size, 2)
+        self.data = base[offset + table_bytes : offset + size]
+
+
+class Segment:
+    """A rank's outbox segment, created (its owner) or mapped (its peers)."""
+
+    def __init__(self, path: str, size: int, create: bool) -> None:
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.posix_fallocate(fd, 0, size)  # a full /dev/shm fails here, not as SIGBUS
+            elif os.fstat(fd).st_size != size:
+                raise FreescaleError(f"{path} has {os.fstat(fd).st_size} bytes, not {size}")
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.path = path
+        self.base = np.frombuffer(self._map, dtype=np.uint8)
+        self.ctrl = np.frombuffer(self._map, dtype=np.uint64, count=_CTRL_BYTES // 8)
+
+    def boxes(self, box_size: int, world_size: int) -> list[Box]:
+        return [Box(self.base, _CTRL_BYTES + k * box_size, box_size, world_size) for k in (0, 1)]
+
+    def close(self) -> None:
+        self.base = self.ctrl = None
+        with contextlib.suppress(BufferError):  # a view still held elsewhere: unmapped at exit
+            self._map.close()
+
+
+class Outboxes:
+    """This rank's box pair and its view of every peer's, for one group.
+
+    Args:
+        hub: the process's rings (wake-up bytes; it re-reads the counters before a sleep).
+        links: the ring link to every peer (the sleep flags and wake-up sockets live there).
+        rank: this rank in the group.
+        world_size: ranks in the group (all on this host).
+        own: this rank's segment; ``peers``: every peer's, mapped.
+        box_bytes: room for messages in one box.
+    """
+
+    def __init__(
+        self,
+        hub: shm.Hub,
+        links: dict[int, shm.Link],
+        rank: int,
+        world_size: int,
+        own: Segment,
+        peers: dict[int, Segment],
+        box_bytes: int,
+    ) -> None:
+        self.hub = hub
+        self.rank = rank
+        self.size = world_size
+        self._links = links
+        self._own = own
+        self._peers = peers
+        box_size = self.box_size(world_size, box_bytes)
+        self._boxes = own.boxes(box_size, world_size)
+        self._peer_boxes = {p: s.boxes(box_size, world_size) for p, s in peers.items()}
+        self._posted = 0  # the last seq this rank published
+        self._consumed = 0  # ... and consumed (every box up to it read)
+        self._done: set[int] = set()  # seqs read, beyond the contiguous ``_consumed``
+        self._seen = {p: (0, 0) for p in peers}  # the peers' counters at the last ``moved``
+
+    @property
+    def posted(self) -> int:
+        """How many collectives this rank has published (tests check the path)."""
+        return self._posted
+
+    @staticmethod
+    def box_size(world_size: int, box_bytes: int) -> int:
+        return _round_up(_round_up(16 * world_size, _ALIGN) + box_bytes, 4096)
+
+    @staticmethod
+    def segment_bytes(world_size: int, box_bytes: int) -> int:
+        return _CTRL_BYTES + 2 * Outboxes.box_size(world_size, box_bytes)
+
+    # ------------------------------------------------------------------- writing (in seq order)
+    def writable(self, seq: int) -> bool:
+        """Whether box ``seq % 2`` may take collective ``seq``'s messages now: the previous
+        collective is published and every peer has read this box's last contents."""
+        if self._posted != seq - 1:
+            return False
+        need = seq - 2
+        if all(int(s.ctrl[_CONSUMED]) >= need for s in self._peers.values()):
+            self._own.ctrl[_WANTS_CONSUMED] = 0
+            return True
+        self._own.ctrl[_WANTS_CONSUMED] = 1  # the peers wake this rank when they consume
+        return False
+
+    def write(self, seq: int, messages: Sequence[tuple[int, Sequence[np.ndarray]]]) -> None:
+        """Writes (peer, message parts) into box ``seq % 2`` and publishes it (``writable``
+        must hold). A message equal part by part to an earlier one (the same buffers) is
+        written once."""
+        box = self._boxes[seq & 1]
+        data, table = box.data, box.table
+        cursor = 0
+        written: dict[tuple[tuple[int, int], ...], tuple[int, int]] = {}
+        for peer, parts in messages:
+            key = tuple((p.ctypes.data, len(p)) for p in parts)
+            span = written.get(key)
+            if span is None:
+                start = cursor
+                for part in parts:
+                    end = cursor + len(part)
+                    if end > len(data):
+                        raise FreescaleError(
+                            f"outbox: {end} bytes of headers exceed the box's {len(data)}"
+                        )
+                    data[cursor:end] = part
+                    cursor = end
+                span = written[key] = (start, cursor - start)
+                cursor = _round_up(cursor, _ALIGN)
+            table[peer] = span
+        self._own.ctrl[_POSTED] = seq  # after the bytes and the table (TSO keeps the order)
+        # Only then may the next collective's write start (``writable``), perhaps on another
+        # thread: its counter must never be overwritten by this one's.
+        self._posted = seq
+        self._wake(lambda segment: True)
+
+    # ------------------------------------------------------------------- reading
+    def arrived(self, peer: int, seq: int) -> bool:
+        return int(self._peers[peer].ctrl[_POSTED]) >= seq
+
+    def read(self, peer: int, seq: int) -> np.ndarray:
+        """``peer``'s message to this rank in collective ``seq`` (``arrived``): a view of its
+        box, valid until this rank ``release``-s ``seq``."""
+        box = self._peer_boxes[peer][seq & 1]
+        start, length = (int(v) for v in box.table[self.rank])
+        if start + length > len(box.data):
+            raise FreescaleError(f"rank {peer}'s outbox names bytes outside its box")
+        return box.data[start : start + length]
+
+    def release(self, seq: int) -> None:
+        """This rank is done with every peer's box of collective ``seq`` (each collective
+        releases once; the counter the peers see moves over the contiguous ones)."""
+        with self.hub.lock:  # collectives finish on several threads
+            if seq <= self._consumed or seq in self._done:
+                return
+            self._done.add(seq)
+            moved = False
+            while self._consumed + 1 in self._done:
+                self._consumed += 1
+                self._done.remove(self._consumed)
+                moved = True
+            if moved:
+                self._own.ctrl[_CONSUMED] = self._consumed
+                self._wake_locked(lambda segment: int(segment.ctrl[_WANTS_CONSUMED]) != 0)
+
+    # ------------------------------------------------------------------- sleeping and waking
+    def moved(self) -> bool:
+        """Whether a peer's counters changed since the last call (``Hub.progress``)."""
+        moved = False
+        for peer, segment in self._peers.items():
+            ctrl = segment.ctrl
+            now = (int(ctrl[_POSTED]), int(ctrl[_CONSUMED]))
+            if now != self._seen[peer]:
+                self._seen[peer] = now
+                moved = True
+        return moved
+
+    def _wake(self, wants: Callable[[Segment], bool]) -> None:
+        with self.hub.lock:
+            self._wake_locked(wants)
+
+    def _wake_locked(self, wants: Callable[[Segment], bool]) -> None:
+        shm.full_fence()  # the counter's store before the flags' loads
+        for peer, segment in self._peers.items():
+            if wants(segment):
+                self._links[peer].host.wake_peer()
+
+    def close(self) -> None:
+        self._boxes = []
+        self._peer_boxes = {}
+        for segment in (self._own, *self._peers.values()):
+            segment.close()
+
+
+def open_outboxes(
+    store: Any,
+    hub: shm.Hub,
+    links: dict[int, shm.Link],
+    rank: int,
+    world_size: int,
+    box_bytes: int,
+    timeout_s: float,
+) -> tuple[Outboxes | None, str]:
+    """Makes this rank's segment and maps every peer's through the group's store (every rank
+    of the group calls it). Returns the outboxes, or None and why this rank could not make or
+    map one (the group then agrees on whether every rank has them)."""
+    size = Outboxes.segment_bytes(world_size, box_bytes)
+    path = hub.segment_path("box")
+    own: Segment | None = None
+    try:
+        own = Segment(path, size, create=True)
+        store.set(f"freescale/box/{rank}", path)
+    except OSError as err:
+        store.set(f"freescale/box/{rank}", "")
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return None, f"could not create an outbox in /dev/shm: {err}"
+    peers: dict[int, Segment] = {}
+    problem = ""
+    for peer in range(world_size):
+        if peer == rank:
+            continue
+        theirs = store.get(f"freescale/box/{peer}").decode()
+        if not theirs:
+            problem = problem or f"rank {peer} could not create its outbox"
+            continue
+        try:
+            peers[peer] = Segment(theirs, size, create=False)
+        except (OSError, FreescaleError) as err:
+            problem = problem or f"could not map rank {peer}'s outbox: {err}"
+    # Every peer has mapped (or given up on) this segment once every rank reports: unlinked
+    # then, so that its memory goes with the processes whatever happens to them.
+    store.set(f"freescale/box_mapped/{rank}", "1")
+    store.wait(
+        [f"freescale/box_mapped/{p}" for p in range(world_size)], timedelta(seconds=timeout_s)
+    )
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    if problem:
+        for segment in (own, *peers.values()):
+            segment.close()
+        return None, problem
+    return Outboxes(hub, links, rank, world_size, own, peers, box_bytes), ""
