@@ -175,11 +175,17 @@ class Template:
         ]
         transfers: list[Transfer] = []
         append = transfers.append
+        # One view per byte range: an AllGather's sends to every peer share their buffer, which
+        # the outboxes then write once.
+        views: dict[tuple[int, int, int], Bytes] = {}
         for peer, which, lo, hi, sub, send, after, chunk in self.messages:
+            view = views.get((which, lo, hi))
+            if view is None:
+                view = views[which, lo, hi] = flats[which][lo:hi]
             append(
                 Transfer(
                     peer,
-                    flats[which][lo:hi],
+                    view,
                     sub,
                     send,
                     transfers[after] if after >= 0 else None,

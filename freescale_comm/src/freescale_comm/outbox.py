@@ -142,14 +142,14 @@ class Outboxes:
 
     def write(self, seq: int, messages: Sequence[tuple[int, Sequence[np.ndarray]]]) -> None:
         """Writes (peer, message parts) into box ``seq % 2`` and publishes it (``writable``
-        must hold). A message equal part by part to an earlier one (the same buffers) is
-        written once."""
+        must hold). A message made of the same buffer objects as an earlier one (a plan hands
+        every peer of an AllGather one view of its input) is written once."""
         box = self._boxes[seq & 1]
         data, table = box.data, box.table
         cursor = 0
-        written: dict[tuple[tuple[int, int], ...], tuple[int, int]] = {}
+        written: dict[tuple[int, ...], tuple[int, int]] = {}
         for peer, parts in messages:
-            key = tuple((p.ctypes.data, len(p)) for p in parts)
+            key = tuple(map(id, parts))  # the parts are alive: no id is reused meanwhile
             span = written.get(key)
             if span is None:
                 start = cursor
@@ -178,7 +178,7 @@ class Outboxes:
         """``peer``'s message to this rank in collective ``seq`` (``arrived``): a view of its
         box, valid until this rank ``release``-s ``seq``."""
         box = self._peer_boxes[peer][seq & 1]
-        start, length = (int(v) for v in box.table[self.rank])
+        start, length = box.table[self.rank].tolist()
         if start + length > len(box.data):
             raise FreescaleError(f"rank {peer}'s outbox names bytes outside its box")
         return box.data[start : start + length]
