@@ -3,12 +3,15 @@
 Local ranks; one freescale group per ``--variant`` (its options) and the Gloo world group, in
 the same processes; per size, blocks of ``--calls`` back-to-back calls, the groups' blocks
 alternated (F, G, F, G, ...; the order reversed every other round) with a barrier before each;
-the slower rank's time per call; the median of ``--blocks`` blocks. Two variants with the same
+the slower rank's time per call; the median of ``--blocks`` blocks. With ``--device cuda`` the
+tensors are on each rank's GPU, a block ends when its GPU work has, and the variants are
+compared with the first one (Gloo has no CUDA AllToAll). Two variants with the same
 options (``--variant a --variant b``) measure the noise of the method itself: the ratio of two
 identical groups. Unlike the bench it leaves torch's thread settings alone unless ``--threads``
 is given (a training process runs with torch's default, one intra-op thread per core).
 
-    python benchmarks/comm_alternating.py [--ranks 2] [--threads N] [--sizes 8,4096,16M]
+    python benchmarks/comm_alternating.py [--ranks 2] [--threads N] [--device cpu|cuda]
+        [--sizes 8,4096,16M]
         [--variant NAME[:FIELD=VALUE,...]]...   (default: one variant "freescale", defaults)
 """
 
@@ -63,21 +66,24 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
         name: dist.new_group(backend="freescale", timeout=timeout, pg_options=options)
         for name, options in args.variant
     }
-    groups["gloo"] = None  # the world group
+    cuda = args.device == "cuda"
+    if not cuda:  # CUDA tensors: the variants against each other (Gloo has no CUDA AllToAll)
+        groups["gloo"] = None  # the world group
     names = list(groups)
+    reference = "gloo" if not cuda else names[0]
     n = args.ranks
     rows = []
     for size in args.sizes:  # bytes one rank receives in all
         for op in args.ops:
             elements = max(n, size // 4 // n * n)
-            out = torch.empty(elements)
+            out = torch.empty(elements, device=args.device)
             if op == "all_to_all":
-                inp = torch.rand(elements)
+                inp = torch.rand(elements, device=args.device)
 
                 def call(g: Any, out: torch.Tensor = out, inp: torch.Tensor = inp) -> None:
                     dist.all_to_all_single(out, inp, group=g)
             else:
-                inp = torch.rand(elements // n)
+                inp = torch.rand(elements // n, device=args.device)
 
                 def call(g: Any, out: torch.Tensor = out, inp: torch.Tensor = inp) -> None:
                     dist.all_gather_into_tensor(out, inp, group=g)
@@ -93,6 +99,8 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                     start = time.perf_counter()
                     for _ in range(calls):
                         call(groups[name])
+                    if cuda:
+                        torch.cuda.synchronize()
                     times[name].append((time.perf_counter() - start) / calls)
             t = torch.tensor([x for name in names for x in times[name]], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -105,7 +113,11 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
             if rank == 0:
                 line = "  ".join(
                     f"{name} {row[f'{name}_us']:9.1f} us"
-                    + (f" ({row[f'{name}_us'] / row['gloo_us']:.2f})" if name != "gloo" else "")
+                    + (
+                        f" ({row[f'{name}_us'] / row[f'{reference}_us']:.2f})"
+                        if name != reference
+                        else ""
+                    )
                     for name in names
                 )
                 print(f"{op:<11}{elements * 4:>10} B  {line}", flush=True)
@@ -116,6 +128,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: rank r on GPU r %% count, the variants against the first (no Gloo column)",
+    )
     parser.add_argument("--sizes", type=byte_size_list(), default="8,64,512,4K,16M")
     parser.add_argument("--ops", default="all_to_all,all_gather")
     parser.add_argument("--calls", type=int, default=200)
@@ -139,6 +157,7 @@ def main() -> None:
         init_timeout_s=120,
         setup="freescale_comm:register",
         threads=args.threads or None,
+        device=args.device,
     )
     try:
         rows = run_ranks(spec, _rank, args, timeout_s=1800)[0]

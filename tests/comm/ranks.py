@@ -501,10 +501,12 @@ def repeated_shapes(rounds: int) -> int:
 
 
 def _ring_state() -> dict[str, int]:
-    """This process's mapped ring segments and the ring files in /dev/shm."""
+    """This process's mapped ring segments, and the files in /dev/shm it created (named
+    after its pid: other test processes make and unlink theirs meanwhile)."""
     with open("/proc/self/maps") as f:
         maps = {line.split()[-2] for line in f if "freescale-ring-" in line}
-    files = [name for name in os.listdir("/dev/shm") if name.startswith("freescale-ring-")]
+    mine = f"freescale-ring-{os.getpid()}-"
+    files = [name for name in os.listdir("/dev/shm") if name.startswith(mine)]
     return {"mapped": len(maps), "files": len(files)}
 
 
@@ -533,18 +535,43 @@ def _shm_full_for_ring_from(peer: int | None) -> Any:
         shm.Ring.__init__ = original
 
 
+@contextlib.contextmanager
+def _shm_full_for_outbox(full: bool) -> Any:
+    """While held (if ``full``), creating this rank's outbox fails as on a full ``/dev/shm``."""
+    from freescale_comm import outbox
+
+    if not full:
+        yield
+        return
+    original = outbox.Segment.__init__
+
+    def init(self: Any, path: str, size: int, create: bool) -> None:
+        if create:  # the file is made, its memory is not
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        original(self, path, size, create)
+
+    outbox.Segment.__init__ = init
+    try:
+        yield
+    finally:
+        outbox.Segment.__init__ = original
+
+
 def ring_cases(
     seed: int,
     cases: int,
     hosts: int,
     options: dict[str, Any],
     no_ring_from: dict[int, int] | None = None,
+    no_outbox_on: int | None = None,
 ) -> dict[str, Any]:
     """Random cases over a freescale group whose ranks look as if on ``hosts`` hosts (the
     host identity set per rank before the group is made), with ``FreescaleOptions(**options)``,
     against Gloo; several collectives in flight at once; then the group destroyed. Returns what
     the ranks saw: the count, the paths, ring messages, and the rings' memory during and after.
-    ``no_ring_from``: rank -> the peer whose ring that rank cannot make (``/dev/shm`` full).
+    ``no_ring_from``: rank -> the peer whose ring that rank cannot make (``/dev/shm`` full);
+    ``no_outbox_on``: the rank that cannot make its outbox.
     """
     from freescale_comm import FreescaleOptions
 
@@ -552,7 +579,10 @@ def ring_cases(
     before = _ring_state()
     os.environ["FREESCALE_HOST_ID"] = f"test-host-{rank * hosts // n}"
     try:
-        with _shm_full_for_ring_from((no_ring_from or {}).get(rank)):
+        with (
+            _shm_full_for_ring_from((no_ring_from or {}).get(rank)),
+            _shm_full_for_outbox(no_outbox_on == rank),
+        ):
             group = dist.new_group(
                 backend="freescale",
                 timeout=timedelta(seconds=60),

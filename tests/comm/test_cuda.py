@@ -94,8 +94,9 @@ def test_paths_within_a_host(fs_group, cuda_path):
             if cuda_path == "ipc":  # wait() returns while the GPU still sleeps
                 assert call["call_s"] < stream["sleep_s"] / 2, (rank, stream)
         assert report["kernels"] == [], report["kernels"]
-        # Host and staging ring each way per peer while the group lives, none after, no files.
-        assert report["during"] == {"mapped": 4 * (n - 1), "files": 0}, report["during"]
+        # Host and staging ring each way per peer and every rank's outbox while the group
+        # lives, none after, no files.
+        assert report["during"] == {"mapped": 4 * (n - 1) + n, "files": 0}, report["during"]
         assert report["after"] == {"mapped": 0, "files": 0}, report["after"]
 
 

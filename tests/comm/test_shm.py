@@ -7,11 +7,14 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 from freescale_comm import shm
 from freescale_comm.errors import FreescaleError
 from tests.comm import ranks
 
+# Rings a rank maps per same-host peer: host bytes each way, and where CUDA is, staging rings.
+_RINGS_PER_PEER = 4 if torch.cuda.is_available() else 2
 # Small slots and pool: messages span several slots and the rings wrap many times.
 _SMALL_RINGS = {"shm_slot_bytes": 4096, "shm_pool_bytes": 16384}
 
@@ -31,11 +34,10 @@ def test_every_collective_over_the_rings_matches_gloo(fs_group):
             assert path["path"] == "shm" and "same host" in path["why"]
             sent, received = path["ring_messages"]
             assert sent > 15 and received > 15  # every message of the group took the ring
-        # Mapped while the group lives (one ring each way per peer, beside the world group's),
+        # Mapped while the group lives (its rings with every peer, beside the world group's),
         # already unlinked from /dev/shm, and unmapped once it is destroyed.
-        assert result["during"] == {"mapped": 2 * (n - 1), "files": 0}
+        assert result["during"] == {"mapped": _RINGS_PER_PEER * (n - 1), "files": 0}
         assert result["after"] == {"mapped": 0, "files": 0}
-    assert _ring_files() == []
 
 
 def test_every_collective_through_the_outboxes_matches_gloo(fs_group):
@@ -53,11 +55,26 @@ def test_every_collective_through_the_outboxes_matches_gloo(fs_group):
             assert path["outbox_posts"] > 15  # every collective's headers
             sent, received = path["ring_messages"]
             assert sent > 0 and received > 0  # data too large for the box
-        # Rings (one each way per peer) and outboxes (its own, every peer's), beside the world
+        # Rings (with every peer) and outboxes (its own, every peer's), beside the world
         # group's; unlinked once mapped, unmapped once the group is destroyed.
-        assert result["during"] == {"mapped": 2 * (n - 1) + n, "files": 0}
+        assert result["during"] == {"mapped": _RINGS_PER_PEER * (n - 1) + n, "files": 0}
         assert result["after"] == {"mapped": 0, "files": 0}
-    assert _ring_files() == []
+
+
+def test_a_rank_without_an_outbox_sends_every_header_through_the_rings(fs_group):
+    # /dev/shm full when rank 1 makes its outbox: every rank learns it at set-up (no rank waits
+    # for it) and the whole group sends its headers as ring messages, with the same results.
+    n = fs_group.spec.world_size
+    options = {"host_path": "shm", **_SMALL_RINGS}
+    results = fs_group.run(ranks.ring_cases, 8, 10, 1, options, None, 1, timeout_s=180)
+    for rank, result in enumerate(results):
+        assert result["count"] == 10
+        why = "could not create an outbox in /dev/shm" if rank == 1 else "rank 1 could not create"
+        for path in result["paths"]:
+            assert path["headers"].startswith(f"messages (no outboxes: {why}")
+            assert path["outbox_posts"] == 0 and path["ring_messages"][0] > 10
+        assert result["during"] == {"mapped": _RINGS_PER_PEER * (n - 1), "files": 0}
+        assert result["after"] == {"mapped": 0, "files": 0}
 
 
 def test_two_hosts_intra_and_inter_host_paths_agree(fs_group4):
@@ -76,7 +93,7 @@ def test_two_hosts_intra_and_inter_host_paths_agree(fs_group4):
             assert by_peer[other]["path"] == "ucx"
             assert by_peer[other]["why"].startswith("other host (test-host-")
             assert by_peer[other]["ring_messages"] == (0, 0)
-        assert result["during"]["mapped"] == 2 and result["after"]["mapped"] == 0
+        assert result["during"]["mapped"] == _RINGS_PER_PEER and result["after"]["mapped"] == 0
         assert result["cpu_allgather"] == "auto"  # across hosts the ring from its threshold
 
 
@@ -97,9 +114,8 @@ def test_a_pair_without_rings_takes_ucx_and_the_others_keep_theirs(fs_group4):
                 assert path["path"] == "shm" and path["ring_messages"][0] > 0, path
         assert result["cpu_allgather"] == "direct"  # on one host: no ring forwarding
         pairs = 2 if rank in (1, 3) else 3
-        assert result["during"] == {"mapped": 2 * pairs, "files": 0}
+        assert result["during"] == {"mapped": _RINGS_PER_PEER * pairs, "files": 0}
         assert result["after"] == {"mapped": 0, "files": 0}
-    assert _ring_files() == []
 
 
 def test_data_sent_with_the_headers_is_dropped_after_a_bad_verdict(fs_group):

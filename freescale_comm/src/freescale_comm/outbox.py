@@ -243,16 +243,14 @@ def open_outboxes(
     size = Outboxes.segment_bytes(world_size, box_bytes)
     path = hub.segment_path("box")
     own: Segment | None = None
+    problem = ""
     try:
         own = Segment(path, size, create=True)
         store.set(f"freescale/box/{rank}", path)
     except OSError as err:
         store.set(f"freescale/box/{rank}", "")
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        return None, f"could not create an outbox in /dev/shm: {err}"
+        problem = f"could not create an outbox in /dev/shm: {err}"
     peers: dict[int, Segment] = {}
-    problem = ""
     for peer in range(world_size):
         if peer == rank:
             continue
@@ -265,15 +263,17 @@ def open_outboxes(
         except (OSError, FreescaleError) as err:
             problem = problem or f"could not map rank {peer}'s outbox: {err}"
     # Every peer has mapped (or given up on) this segment once every rank reports: unlinked
-    # then, so that its memory goes with the processes whatever happens to them.
+    # then, so that its memory goes with the processes whatever happens to them. A rank that
+    # failed reports too: the others wait for every rank here.
     store.set(f"freescale/box_mapped/{rank}", "1")
     store.wait(
         [f"freescale/box_mapped/{p}" for p in range(world_size)], timedelta(seconds=timeout_s)
     )
     with contextlib.suppress(OSError):
         os.unlink(path)
-    if problem:
+    if problem or own is None:
         for segment in (own, *peers.values()):
-            segment.close()
+            if segment is not None:
+                segment.close()
         return None, problem
     return Outboxes(hub, links, rank, world_size, own, peers, box_bytes), ""
