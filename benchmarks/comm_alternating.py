@@ -3,7 +3,8 @@
 Local ranks; one freescale group per ``--variant`` (its options) and the Gloo world group, in
 the same processes; per size, blocks of ``--calls`` back-to-back calls, the groups' blocks
 alternated (F, G, F, G, ...; the order reversed every other round) with a barrier before each;
-the slower rank's time per call; the median of ``--blocks`` blocks. With ``--device cuda`` the
+the slower rank's time per call; the median of ``--blocks`` blocks; in brackets, the CPU
+time per call of the rank that used most (its process, every thread). With ``--device cuda`` the
 tensors are on each rank's GPU, a block ends when its GPU work has, and the variants are
 compared with the first one (Gloo has no CUDA AllToAll). Two variants with the same
 options (``--variant a --variant b``) measure the noise of the method itself: the ratio of two
@@ -93,26 +94,36 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for _ in range(5):
                     call(g)
             times: dict[str, list[float]] = {name: [] for name in names}
+            cpu: dict[str, list[float]] = {name: [] for name in names}
             for block in range(args.blocks):
                 for name in names if block % 2 == 0 else names[::-1]:
                     dist.barrier()
-                    start = time.perf_counter()
+                    start, cpu_start = time.perf_counter(), time.process_time()
                     for _ in range(calls):
                         call(groups[name])
                     if cuda:
                         torch.cuda.synchronize()
                     times[name].append((time.perf_counter() - start) / calls)
-            t = torch.tensor([x for name in names for x in times[name]], dtype=torch.float64)
+                    cpu[name].append((time.process_time() - cpu_start) / calls)
+            # Per block the slower rank's time, and the CPU time of the rank that used most
+            # (every thread of its process: the backend's own threads count).
+            t = torch.tensor(
+                [x for table in (times, cpu) for name in names for x in table[name]],
+                dtype=torch.float64,
+            )
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             slow = t.tolist()
             row: dict[str, Any] = {"op": op, "size": elements * 4}
             for k, name in enumerate(names):
                 blocks = slow[k * args.blocks : (k + 1) * args.blocks]
                 row[f"{name}_us"] = statistics.median(blocks) * 1e6
+                at = (len(names) + k) * args.blocks
+                row[f"{name}_cpu_us"] = statistics.median(slow[at : at + args.blocks]) * 1e6
             rows.append(row)
             if rank == 0:
                 line = "  ".join(
                     f"{name} {row[f'{name}_us']:9.1f} us"
+                    + f" [cpu {row[f'{name}_cpu_us']:.0f}]"
                     + (
                         f" ({row[f'{name}_us'] / row[f'{reference}_us']:.2f})"
                         if name != reference
