@@ -102,7 +102,6 @@ class Outboxes:
     ) -> None:
         self.hub = hub
         self.rank = rank
-        self.size = world_size
         self._links = links
         self._own = own
         self._peers = peers
