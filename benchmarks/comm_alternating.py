@@ -12,7 +12,7 @@ identical groups. Unlike the bench it leaves torch's thread settings alone unles
 is given (a training process runs with torch's default, one intra-op thread per core).
 
     python benchmarks/comm_alternating.py [--ranks 2] [--threads N] [--device cpu|cuda]
-        [--sizes 8,4096,16M]
+        [--hosts N] [--sizes 8,4096,16M]
         [--variant NAME[:FIELD=VALUE,...]]...   (default: one variant "freescale", defaults)
 """
 
@@ -31,6 +31,7 @@ from freescale_comm import FreescaleOptions
 from freescale_comm._freescale_args import byte_size_list
 from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
 from freescale_comm.options import _parse
+from freescale_comm.shm import HOST_ENV
 
 
 def _variant(text: str) -> tuple[str, FreescaleOptions]:
@@ -63,10 +64,14 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     rank = dist.get_rank()
     timeout = timedelta(seconds=120)
+    if args.hosts:  # the freescale groups see the ranks as if on that many hosts
+        os.environ[HOST_ENV] = f"alternating-host-{rank * args.hosts // args.ranks}"
     groups: dict[str, Any] = {
         name: dist.new_group(backend="freescale", timeout=timeout, pg_options=options)
         for name, options in args.variant
     }
+    if args.hosts:
+        del os.environ[HOST_ENV]
     cuda = args.device == "cuda"
     if not cuda:  # CUDA tensors: the variants against each other (Gloo has no CUDA AllToAll)
         groups["gloo"] = None  # the world group
@@ -139,6 +144,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
+    parser.add_argument(
+        "--hosts", type=int, default=0, help="make the ranks look as if on this many hosts"
+    )
     parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),

@@ -77,23 +77,41 @@ def test_a_rank_without_an_outbox_sends_every_header_through_the_rings(fs_group)
         assert result["after"] == {"mapped": 0, "files": 0}
 
 
-def test_two_hosts_intra_and_inter_host_paths_agree(fs_group4):
-    # Ranks 0, 1 on one "host", 2, 3 on another: rings inside, UCX across, in one collective;
-    # auto sends messages up to 2 KiB (headers of 880 B with 512 B of folded data included)
-    # through the rings and larger ones through UCX.
-    options = {"host_path": "auto", "shm_max_bytes": 2048, "eager_bytes": 512, **_SMALL_RINGS}
+@pytest.mark.parametrize("outbox_bytes", [0, 4096])
+def test_two_hosts_intra_and_inter_host_paths_agree(fs_group4, outbox_bytes):
+    # Ranks 0, 1 on one "host", 2, 3 on another: shared memory inside, UCX across, in one
+    # collective; auto sends messages up to 2 KiB through the rings and larger ones through UCX.
+    # Without outboxes the headers (880 B with 512 B of folded data) take the rings too; with
+    # outboxes of 4 KiB the headers to the mate and data up to 3,752 B for it take the outboxes,
+    # and the headers across the hosts take UCX.
+    options = {
+        "host_path": "auto",
+        "shm_max_bytes": 2048,
+        "eager_bytes": 512,
+        "shm_outbox_bytes": outbox_bytes,
+        **_SMALL_RINGS,
+    }
     results = fs_group4.run(ranks.ring_cases, 6, 15, 2, options, timeout_s=180)
     for rank, result in enumerate(results):
         assert result["count"] == 15
         by_peer = {p["peer"]: p for p in result["paths"]}
         mate = rank ^ 1
         assert by_peer[mate]["path"] == "shm <= 2048 B, ucx above"
-        assert by_peer[mate]["ring_messages"][0] > 0
+        if outbox_bytes:
+            want = f"outboxes (CPU data up to {outbox_bytes - 280 - 64} B per peer inside)"
+            assert by_peer[mate]["headers"] == want
+            assert by_peer[mate]["outbox_posts"] > 15
+        else:
+            assert by_peer[mate]["headers"] == "messages (shm_outbox_bytes=0)"
+            assert by_peer[mate]["ring_messages"][0] > 0
         for other in {0, 1, 2, 3} - {rank, mate}:
             assert by_peer[other]["path"] == "ucx"
             assert by_peer[other]["why"].startswith("other host (test-host-")
+            assert by_peer[other]["headers"] == "messages (other host)"
             assert by_peer[other]["ring_messages"] == (0, 0)
-        assert result["during"]["mapped"] == _RINGS_PER_PEER and result["after"]["mapped"] == 0
+        # The pair's rings, and the pair's outboxes (its own, its mate's).
+        mapped = _RINGS_PER_PEER + (2 if outbox_bytes else 0)
+        assert result["during"]["mapped"] == mapped and result["after"]["mapped"] == 0
         assert result["cpu_allgather"] == "auto"  # across hosts the ring from its threshold
 
 

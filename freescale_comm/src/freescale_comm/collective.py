@@ -251,7 +251,7 @@ class Collective:
                     self._send_header(dst, [own, *(t.buffer for t in pieces)])
             if not (every_peer or src in ipc_peers):
                 continue
-            if boxed:
+            if boxed and g.reaches_by_outbox(src):
                 self._outbox_from[src] = src in pinned_from
             else:
                 self._headers[src] = self._header_buffer(room, src in pinned_from)
@@ -268,7 +268,7 @@ class Collective:
         """Sends ``peer`` this rank's header message (``parts`` in order): into this rank's
         outbox where the group has them (written with the others, ``_write_outbox``), else one
         message."""
-        if self._outbox_msgs is not None:
+        if self._outbox_msgs is not None and self.group.reaches_by_outbox(peer):
             self._outbox_msgs.append((peer, parts))
         else:
             message = parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -391,28 +391,28 @@ class Collective:
         if not self._may_fold():
             return {}
         plan = self.plan
-        limit = self.group.eager_per_peer if self.on_cuda else self.group.host_eager_per_peer
         template = plan.template
         if template is not None:  # the same pieces as for the call that made the template
-            indices = template.derived.get((send, limit))
+            indices = template.derived.get(("fold", send))
             if indices is None:
-                indices = template.derived[send, limit] = {
+                indices = template.derived["fold", send] = {
                     peer: [plan.transfers.index(t) for t in pieces]
-                    for peer, pieces in self._pick_foldable(send, limit).items()
+                    for peer, pieces in self._pick_foldable(send).items()
                 }
             transfers = plan.transfers
             return {peer: [transfers[i] for i in idx] for peer, idx in indices.items()}
-        return self._pick_foldable(send, limit)
+        return self._pick_foldable(send)
 
-    def _pick_foldable(self, send: bool, limit: int) -> dict[int, list[Transfer]]:
+    def _pick_foldable(self, send: bool) -> dict[int, list[Transfer]]:
         signature = self.plan.signature
         totals = signature.send_bytes if send else signature.recv_bytes
         by_peer: dict[int, list[Transfer]] = {}
         ipc_peers = self.plan.ipc_peers
+        fold_limit, on_cuda = self.group.fold_limit, self.on_cuda
         for transfer in self.plan.transfers:  # a plan lists each peer's messages in tag order
             if (
                 transfer.send == send
-                and totals[transfer.peer] <= limit
+                and totals[transfer.peer] <= fold_limit(transfer.peer, on_cuda)
                 and transfer.peer not in ipc_peers
             ):
                 by_peer.setdefault(transfer.peer, []).append(transfer)

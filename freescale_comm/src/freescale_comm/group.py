@@ -81,7 +81,7 @@ class GroupContext:
         # Every header receive has this much room (see ``collective``): bounded per collective,
         # so that a group of hundreds of ranks does not allocate tens of MiB per call for it.
         self.eager_per_peer = min(options.eager_bytes, _EAGER_ROOM_BYTES // max(1, size - 1))
-        # CPU data folds up to this (an outbox's share per peer where the group has them).
+        # CPU data for a peer reached by outbox folds up to this (``fold_limit``).
         self.host_eager_per_peer = self.eager_per_peer
         self._broken: str | None = None
         self._seq = itertools.count(1)
@@ -123,7 +123,7 @@ class GroupContext:
         self._no_rings: dict[int, str] = {}
         self._ipc_peers: frozenset[int] = frozenset()
         self._all_on_staging_rings = False
-        self.outboxes: Any = None  # ``outbox.Outboxes`` of a group on one host
+        self.outboxes: Any = None  # ``outbox.Outboxes`` with the peers on this host
         self._no_outboxes = ""
         unsupported = shm.rings_supported()
         # Every rank of the group takes part in the store exchange the same way: whether rings
@@ -158,36 +158,54 @@ class GroupContext:
             self._all_on_staging_rings = self._agree(
                 "staging_rings", all(self.stages_on_rings(p) for p in local)
             )
-            if options.shm_outbox_bytes > 0 and unsupported is None:
-                self._setup_outboxes(links)
+        if options.shm_outbox_bytes > 0:
+            self._setup_outboxes(local if unsupported is None else [], links)
 
-    def _setup_outboxes(self, links: dict[int, Any]) -> None:
-        """The group's outboxes (``outbox``), where every rank has rings to every peer and
-        made and mapped every segment; every rank of a group on one host calls it."""
+    def _setup_outboxes(self, local: list[int], links: dict[int, Any]) -> None:
+        """The outboxes (``outbox``) between this rank and ``local``, the peers on its host
+        it can share memory with. Every rank of the group calls it; the group uses outboxes
+        only if every rank made and mapped its segments with all of its own (a rank alone on
+        its host has none to make), so both sides of a pair on one host agree."""
         from freescale_comm import outbox, shm
 
-        size = self.size
+        if not local:
+            self._agree("outboxes", True)
+            return
         # Room for any header a CUDA collective sends (its own limit), and for CPU data up to
         # the box's share per peer (alignment padding off each message).
-        box_bytes = max(self.options.shm_outbox_bytes, (size - 1) * (self._header_room + 64))
+        peers = len(local)
+        box_bytes = max(self.options.shm_outbox_bytes, peers * (self._header_room + 64))
         boxes, why = outbox.open_outboxes(
             self._keys,
             self._hub or shm.Hub.get(),
             links,
             self.rank,
-            size,
+            self.size,
+            [self.rank, *local],
             box_bytes,
             self.timeout_s,
         )
-        if self._agree("outboxes", boxes is not None and len(links) == size - 1):
+        if self._agree("outboxes", boxes is not None and all(p in links for p in local)):
             self.outboxes = boxes
             self._hub.watch(boxes)
             if self.eager_per_peer > 0:
-                share = self.options.shm_outbox_bytes // (size - 1) - Signature.size(size) - 64
+                share = self.options.shm_outbox_bytes // peers - Signature.size(self.size) - 64
                 self.host_eager_per_peer = max(self.eager_per_peer, share)
         elif boxes is not None:
             boxes.close()
         self._no_outboxes = why
+
+    def reaches_by_outbox(self, peer: int) -> bool:
+        """Whether this rank's headers to ``peer`` (and the peer's to it) take the outboxes."""
+        return self.outboxes is not None and self.outboxes.reaches(peer)
+
+    def fold_limit(self, peer: int, on_cuda: bool) -> int:
+        """The bytes for ``peer`` that travel inside a header: the outbox's share for CPU data
+        to a peer reached by outbox, ``eager_per_peer`` otherwise (both sides of a pair agree:
+        they share the host, or both use the option)."""
+        if on_cuda or not self.reaches_by_outbox(peer):
+            return self.eager_per_peer
+        return self.host_eager_per_peer
 
     def _agree(self, name: str, mine: bool) -> bool:
         """Whether ``mine`` holds on every rank of the group (every rank must call it, in the
@@ -298,7 +316,7 @@ class GroupContext:
                     "peer_host": self.directory.host_of(peer),
                     "ring_messages": (link.sent, link.received) if link else (0, 0),
                     "ring_slots": link.inc.slots if link else 0,
-                    "headers": self._headers_path(),
+                    "headers": self._headers_path(peer),
                     "outbox_posts": self.outboxes.posted if self.outboxes is not None else 0,
                     "cuda": self._cuda_path_of(peer),
                     "ipc_pushes": sum(path.pushes_to(peer) for path in self._ipc.values()),
@@ -306,14 +324,17 @@ class GroupContext:
             )
         return rows
 
-    def _headers_path(self) -> str:
-        """How each collective's header messages travel, and why (``freescale comm info``)."""
-        if self.outboxes is not None:
+    def _headers_path(self, peer: int) -> str:
+        """How each collective's header messages to ``peer`` travel, and why (``freescale comm
+        info``)."""
+        if self.reaches_by_outbox(peer):
             return f"outboxes (CPU data up to {self.host_eager_per_peer} B per peer inside)"
-        if not self.one_host or self.options.shm_outbox_bytes == 0:
-            why = "shm_outbox_bytes=0" if self.one_host else "the group spans hosts"
-            return f"messages ({why})"
-        return f"messages (no outboxes: {self._no_outboxes or 'no rings with every peer'})"
+        if peer not in self.directory.same_host:
+            return "messages (other host)"
+        if self.options.shm_outbox_bytes == 0:
+            return "messages (shm_outbox_bytes=0)"
+        why = self._no_outboxes or "not every pair on a host shares rings"
+        return f"messages (no outboxes: {why})"
 
     def cuda_path(self) -> str:
         """How CUDA tensors move: ``ipc`` (with the peers this rank shares rings with; the

@@ -66,12 +66,13 @@ class FreescaleOptions:
         shm_slot_bytes: size of one ring slot (the pipelining unit). ``FREESCALE_SHM_SLOT_BYTES``.
         shm_pool_bytes: the rings a process receives into, per group: split over its peers on
             the host, 2 to 64 slots each. ``FREESCALE_SHM_POOL_BYTES``.
-        shm_outbox_bytes: in a group whose ranks all share one host (and with rings between
-            every pair), each rank writes every collective's header messages into an outbox of
-            its own, which its peers read in place (``outbox``: two boxes of this many bytes
-            per rank and group, or room for every peer's ``eager_bytes`` if more), and a CPU
-            piece for a peer travels inside its header up to ``shm_outbox_bytes / (ranks - 1)``
-            less the header, in place of ``eager_bytes`` (0 there still turns folding off).
+        shm_outbox_bytes: between the ranks of a group that share a host (where every pair of
+            a host has rings), each rank writes every collective's header messages for them
+            into an outbox of its own, which they read in place (``outbox``: two boxes of this
+            many bytes per rank and group, or room for each such peer's ``eager_bytes`` if
+            more), and a CPU piece for such a peer travels inside its header up to
+            ``shm_outbox_bytes / (peers on the host)`` less the header, in place of
+            ``eager_bytes`` (0 there still turns folding off). Peers on other hosts: messages.
             Same on every rank; 0: no outboxes, headers take the rings.
             ``FREESCALE_SHM_OUTBOX_BYTES``.
         idle_wait: how a thread that progresses collectives waits when nothing moved: ``sleep``

@@ -1,6 +1,6 @@
-"""Outboxes: each collective's header messages in a group whose ranks all share one host.
+"""Outboxes: each collective's header messages between the ranks of a group on one host.
 
-Every rank owns one ``/dev/shm`` segment per group that every other rank of the group maps: a
+Every rank owns one ``/dev/shm`` segment per group that the group's other ranks on its host map: a
 control block and two boxes. Collective number ``seq`` (counted per group, in call order, the
 same on every rank) writes this rank's header message for every peer into box ``seq % 2`` — a
 table of (offset, length) per peer, then the bytes; identical messages (an AllGather's piece
@@ -79,14 +79,14 @@ class Segment:
 
 
 class Outboxes:
-    """This rank's box pair and its view of every peer's, for one group.
+    """This rank's box pair and its view of those of its group's peers on this host.
 
     Args:
         hub: the process's rings (wake-up bytes; it re-reads the counters before a sleep).
         links: the ring link to every peer (the sleep flags and wake-up sockets live there).
         rank: this rank in the group.
-        world_size: ranks in the group (all on this host).
-        own: this rank's segment; ``peers``: every peer's, mapped.
+        world_size: ranks in the group (each box has a table entry per rank).
+        own: this rank's segment; ``peers``: those of the peers on this host, mapped.
         box_bytes: room for messages in one box.
     """
 
@@ -112,6 +112,9 @@ class Outboxes:
         self._consumed = 0  # ... and consumed (every box up to it read)
         self._done: set[int] = set()  # seqs read, beyond the contiguous ``_consumed``
         self._seen = {p: (0, 0) for p in peers}  # the peers' counters at the last ``moved``
+
+    def reaches(self, peer: int) -> bool:
+        return peer in self._peers
 
     @property
     def posted(self) -> int:
@@ -233,12 +236,14 @@ def open_outboxes(
     links: dict[int, shm.Link],
     rank: int,
     world_size: int,
+    host_ranks: list[int],
     box_bytes: int,
     timeout_s: float,
 ) -> tuple[Outboxes | None, str]:
-    """Makes this rank's segment and maps every peer's through the group's store (every rank
-    of the group calls it). Returns the outboxes, or None and why this rank could not make or
-    map one (the group then agrees on whether every rank has them)."""
+    """Makes this rank's segment and maps those of the other ``host_ranks`` (the group ranks
+    of this host, this one included; each of them calls it) through the group's store. Returns
+    the outboxes, or None and why this rank could not make or map one (the group then agrees
+    on whether every rank has them)."""
     size = Outboxes.segment_bytes(world_size, box_bytes)
     path = hub.segment_path("box")
     own: Segment | None = None
@@ -250,7 +255,7 @@ def open_outboxes(
         store.set(f"freescale/box/{rank}", "")
         problem = f"could not create an outbox in /dev/shm: {err}"
     peers: dict[int, Segment] = {}
-    for peer in range(world_size):
+    for peer in host_ranks:
         if peer == rank:
             continue
         theirs = store.get(f"freescale/box/{peer}").decode()
@@ -265,9 +270,7 @@ def open_outboxes(
     # then, so that its memory goes with the processes whatever happens to them. A rank that
     # failed reports too: the others wait for every rank here.
     store.set(f"freescale/box_mapped/{rank}", "1")
-    store.wait(
-        [f"freescale/box_mapped/{p}" for p in range(world_size)], timedelta(seconds=timeout_s)
-    )
+    store.wait([f"freescale/box_mapped/{p}" for p in host_ranks], timedelta(seconds=timeout_s))
     with contextlib.suppress(OSError):
         os.unlink(path)
     if problem or own is None:
