@@ -190,6 +190,9 @@ class GroupContext:
             self._hub.watch(boxes)
             if self.eager_per_peer > 0:
                 share = self.options.shm_outbox_bytes // peers - Signature.size(self.size) - 64
+                if self.options.host_path == "auto":
+                    # Larger pieces move faster as UCX's one copy than as the outbox's two.
+                    share = min(share, self.options.shm_max_bytes)
                 self.host_eager_per_peer = max(self.eager_per_peer, share)
         elif boxes is not None:
             boxes.close()

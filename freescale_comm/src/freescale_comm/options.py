@@ -71,8 +71,9 @@ class FreescaleOptions:
             into an outbox of its own, which they read in place (``outbox``: two boxes of this
             many bytes per rank and group, or room for each such peer's ``eager_bytes`` if
             more), and a CPU piece for such a peer travels inside its header up to
-            ``shm_outbox_bytes / (peers on the host)`` less the header, in place of
-            ``eager_bytes`` (0 there still turns folding off). Peers on other hosts: messages.
+            ``shm_outbox_bytes / (peers on the host)`` less the header (and at most
+            ``shm_max_bytes`` under ``host_path="auto"``), in place of ``eager_bytes`` (0 there
+            still turns folding off). Peers on other hosts: messages.
             Same on every rank; 0: no outboxes, headers take the rings.
             ``FREESCALE_SHM_OUTBOX_BYTES``.
         idle_wait: how a thread that progresses collectives waits when nothing moved: ``sleep``
