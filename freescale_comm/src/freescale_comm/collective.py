@@ -15,7 +15,9 @@ starts it):
    same way through page-locked host memory: a copy engine moves it D2H once the caller's
    stream has produced it, the header leaves when that copy is done, and the receiver's H2D
    copies are queued with the data phase (so a small CUDA collective skips UCX's device-memory
-   rendezvous, which costs hundreds of microseconds per message).
+   rendezvous, which costs hundreds of microseconds per message). To the peers on its host a
+   rank writes its header messages into its outbox instead (``outbox``), which they read in
+   place; CPU data for them folds up to the outbox's share (``GroupContext.fold_limit``).
 2. ``ready``: the direct CUDA path waits until the work queued on the caller's stream before the
    call has finished (UCX is not stream-aware and reads device memory itself); the staged and
    IPC paths do not wait on the CPU: their streams wait for that work on the GPU (an IPC part
