@@ -511,51 +511,33 @@ def _ring_state() -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def _shm_full_for_ring_from(peer: int | None) -> Any:
-    """While held, creating this rank's shared-memory ring from ``peer`` fails as on a full
-    ``/dev/shm`` (``posix_fallocate``'s ENOSPC); the other rings are made as usual."""
+def _shm_full_for(suffix: str | None) -> Any:
+    """While held, creating this rank's shared-memory segments whose names end with ``suffix``
+    fails as on a full ``/dev/shm`` (``posix_fallocate``'s ENOSPC; the file is made, its memory
+    is not); the other segments are made as usual. None: no segment fails."""
     from freescale_comm import shm
 
-    if peer is None:
+    if suffix is None:
         yield
         return
-    original = shm.Ring.__init__
-    suffix = f"-{peer}to{dist.get_rank()}"
+    original = shm.map_segment
 
-    def init(self: Any, path: str, *args: Any, create: bool, **kwargs: Any) -> None:
-        if create and path.endswith(suffix):  # the file is made, its memory is not
+    def map_segment(path: str, size: int, create: bool, reserve: bool = True) -> Any:
+        if create and path.endswith(suffix):
             os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-        original(self, path, *args, create=create, **kwargs)
+        return original(path, size, create, reserve)
 
-    shm.Ring.__init__ = init
+    shm.map_segment = map_segment
     try:
         yield
     finally:
-        shm.Ring.__init__ = original
+        shm.map_segment = original
 
 
-@contextlib.contextmanager
-def _shm_full_for_outbox(full: bool) -> Any:
-    """While held (if ``full``), creating this rank's outbox fails as on a full ``/dev/shm``."""
-    from freescale_comm import outbox
-
-    if not full:
-        yield
-        return
-    original = outbox.Segment.__init__
-
-    def init(self: Any, path: str, size: int, create: bool) -> None:
-        if create:  # the file is made, its memory is not
-            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-        original(self, path, size, create)
-
-    outbox.Segment.__init__ = init
-    try:
-        yield
-    finally:
-        outbox.Segment.__init__ = original
+def _shm_full_for_ring_from(peer: int | None) -> Any:
+    """``_shm_full_for`` this rank's rings from ``peer`` (host and staging)."""
+    return _shm_full_for(None if peer is None else f"-{peer}to{dist.get_rank()}")
 
 
 def ring_cases(
@@ -581,7 +563,7 @@ def ring_cases(
     try:
         with (
             _shm_full_for_ring_from((no_ring_from or {}).get(rank)),
-            _shm_full_for_outbox(no_outbox_on == rank),
+            _shm_full_for("-box" if no_outbox_on == rank else None),
         ):
             group = dist.new_group(
                 backend="freescale",

@@ -20,7 +20,6 @@ the rings' does (``shm.rings_supported``).
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -55,16 +54,7 @@ class Segment:
     """A rank's outbox segment, created (its owner) or mapped (its peers)."""
 
     def __init__(self, path: str, size: int, create: bool) -> None:
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.posix_fallocate(fd, 0, size)  # a full /dev/shm fails here, not as SIGBUS
-            elif os.fstat(fd).st_size != size:
-                raise FreescaleError(f"{path} has {os.fstat(fd).st_size} bytes, not {size}")
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        self._map, _ = shm.map_segment(path, size, create)
         self.path = path
         self.base = np.frombuffer(self._map, dtype=np.uint8)
         self.ctrl = np.frombuffer(self._map, dtype=np.uint64, count=_CTRL_BYTES // 8)

@@ -188,6 +188,32 @@ class _Unexpected:
         self.request: Request | None = None
 
 
+def map_segment(
+    path: str, size: int, create: bool, reserve: bool = True
+) -> tuple[mmap.mmap, int | None]:
+    """Maps the ``/dev/shm`` segment ``path`` of ``size`` bytes: creates it (``create``) or
+    checks the size of an existing one. ``reserve`` takes its memory now (a full ``/dev/shm``
+    fails here, not as SIGBUS later); a sparse one's file descriptor is returned open, for
+    ``os.posix_fallocate`` later (else None)."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create and reserve:
+            os.posix_fallocate(fd, 0, size)
+        elif create:
+            os.ftruncate(fd, size)
+        elif os.fstat(fd).st_size != size:
+            raise FreescaleError(f"{path} has {os.fstat(fd).st_size} bytes, not {size}")
+        mapping = mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    if reserve:
+        os.close(fd)
+        return mapping, None
+    return mapping, fd
+
+
 class Ring:
     """One direction of a pair: a segment of ``slots`` slots of ``slot_bytes``.
 
@@ -204,22 +230,8 @@ class Ring:
         self.slots = slots
         self.slot_bytes = slot_bytes
         size = self.size = self.segment_bytes(slots, slot_bytes)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
-        self._fd: int | None = None
-        try:
-            if create and reserve:
-                os.posix_fallocate(fd, 0, size)
-            elif create:
-                os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size != size:
-                raise FreescaleError(f"{path} has {os.fstat(fd).st_size} bytes, not {size}")
-            self._map = mmap.mmap(fd, size)
-        finally:
-            if reserve:
-                os.close(fd)
-            else:
-                self._fd = fd  # kept for ``reserve`` (the name is unlinked soon)
+        # A sparse segment keeps its file for ``reserve`` (the name is unlinked soon).
+        self._map, self._fd = map_segment(path, size, create, reserve)
         self.ctrl = np.frombuffer(self._map, dtype=np.uint64, count=_CTRL_BYTES // 8)
         self.headers = np.frombuffer(
             self._map, dtype=np.uint64, count=slots * _SLOT_HEADER, offset=_CTRL_BYTES
