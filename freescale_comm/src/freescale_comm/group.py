@@ -82,7 +82,7 @@ class GroupContext:
         # so that a group of hundreds of ranks does not allocate tens of MiB per call for it.
         self.eager_per_peer = min(options.eager_bytes, _EAGER_ROOM_BYTES // max(1, size - 1))
         # CPU data for a peer reached by outbox folds up to this (``fold_limit``).
-        self.host_eager_per_peer = self.eager_per_peer
+        self.outbox_eager_per_peer = self.eager_per_peer
         self._broken: str | None = None
         self._seq = itertools.count(1)
         self._outbox_seq = itertools.count(1)
@@ -193,7 +193,7 @@ class GroupContext:
                 if self.options.host_path == "auto":
                     # Larger pieces move faster as UCX's one copy than as the outbox's two.
                     share = min(share, self.options.shm_max_bytes)
-                self.host_eager_per_peer = max(self.eager_per_peer, share)
+                self.outbox_eager_per_peer = max(self.eager_per_peer, share)
         elif boxes is not None:
             boxes.close()
         self._no_outboxes = why
@@ -208,7 +208,7 @@ class GroupContext:
         they share the host, or both use the option)."""
         if on_cuda or not self.reaches_by_outbox(peer):
             return self.eager_per_peer
-        return self.host_eager_per_peer
+        return self.outbox_eager_per_peer
 
     def _agree(self, name: str, mine: bool) -> bool:
         """Whether ``mine`` holds on every rank of the group (every rank must call it, in the
@@ -331,7 +331,7 @@ class GroupContext:
         """How each collective's header messages to ``peer`` travel, and why (``freescale comm
         info``)."""
         if self.reaches_by_outbox(peer):
-            return f"outboxes (CPU data up to {self.host_eager_per_peer} B per peer inside)"
+            return f"outboxes (CPU data up to {self.outbox_eager_per_peer} B per peer inside)"
         if peer not in self.directory.same_host:
             return "messages (other host)"
         if self.options.shm_outbox_bytes == 0:
