@@ -881,12 +881,14 @@ class Collective:
         self.error = _ERRORS[kind](f"{self.label}: {reason}")
         self._headers = []
         self._release_outboxes()
-        # Dropping a ucxx request cancels it; the buffers (and the staging slots still held)
-        # stay referenced by the group.
+        # The buffers (and the staging slots still held) of the cancelled requests stay
+        # referenced by the group.
+        in_flight = [t.request for t in self._posted if t.request is not None]
         for transfer in self._posted:
             transfer.request = None
         if self._pipeline is not None:
-            self._pipeline.cancel()
+            in_flight += self._pipeline.cancel()
+        self.group.transport.cancel(in_flight)
         if kind != "validation":
             # A verdict comes after every header request and copy completed: nothing to keep.
             self.group.keep_alive(self.plan, self._pinned)

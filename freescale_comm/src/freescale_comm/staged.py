@@ -340,14 +340,17 @@ class StagedPipeline:
             unsent |= {s.peer for s in load.sends}
         return sorted(missing), sorted(unsent)
 
-    def cancel(self) -> None:
-        """Drops the requests (cancels them) and leaves the pool's lines. Slots still held are not
-        given back: a cancelled receive or a copy in flight may still touch them."""
+    def cancel(self) -> list[Any]:
+        """Leaves the pool's lines and hands over the requests in flight, for the caller to
+        cancel (``Transport.cancel``). Slots still held are not given back: a cancelled receive
+        or a copy in flight may still touch them."""
+        requests = [item.request for item in self._sending + self._receiving]
         for item in self._sending + self._receiving:
             item.request = None
         self._sending, self._receiving = [], []
         self._pool.leave(self, "send")
         self._pool.leave(self, "recv")
+        return requests
 
 
 def _check(request: Any, what: str) -> None:

@@ -108,6 +108,11 @@ class Transport:
         self.cuda_support = bool(self.context.cuda_support)
         self._endpoints: dict[bytes, Any] = {}
         self._ep_lock = threading.Lock()
+        # ucxx cancels a request under the request's mutex, then takes the worker's lock; a
+        # progress call holds the worker's lock while a completing request's callback takes
+        # that request's mutex. Cancelling while another thread progresses can deadlock both,
+        # so the two are serialised here (``cancel``).
+        self._progress_lock = threading.Lock()
         self._hub: Any = None  # the process's shared-memory rings (``shm.Hub``), once used
 
     def attach_hub(self, hub: Any) -> None:
@@ -166,17 +171,27 @@ class Transport:
         """Posts a tagged receive into ``buffer``, matching ``tag`` exactly."""
         return endpoint.tag_recv(self._array(buffer), self._ucx.UCXXTag(tag))
 
+    def cancel(self, requests: list[Any]) -> None:
+        """Cancels the requests in ``requests`` (and empties it) while no thread progresses.
+
+        ucxx cancels a request when its last reference goes, so the caller must hold no other
+        reference to them.
+        """
+        with self._progress_lock:
+            requests.clear()
+
     def info(self) -> str:
         """UCX's own description of the worker: the transports and devices it really uses."""
         return self.worker.info
 
     def progress(self) -> None:
-        """Progresses the worker once from the calling thread (any thread: UCX runs it MT).
+        """Progresses the worker once from the calling thread (any thread; one at a time).
 
         Called right after posting too: a receive posted after its rendezvous message arrived
         needs one progress call to start the transfer.
         """
-        self.worker.progress()
+        with self._progress_lock:
+            self.worker.progress()
         hub = self._hub
         if hub is not None:
             hub.progress()
@@ -187,7 +202,8 @@ class Transport:
         Returns at once when arming the worker finds events already pending, so the caller
         progresses again instead of sleeping on them.
         """
-        self.worker.progress()
+        with self._progress_lock:
+            self.worker.progress()
         hub = self._hub
         if hub is None:
             self._sleep(timeout_ms, None)
