@@ -207,6 +207,12 @@ def test_a_cached_plan_is_the_plan_that_would_be_built(allgather):
             built = algorithms.all_to_all_single("a2a", rank, n, out, inp, splits_out, splits_in)
             assert _described(cached) == _described(built)
         assert cached.template is not None
+        moved = inp + 1  # alive beside ``inp``: at another address, the template's buffers too
+        cached = algorithms.all_to_all_single(
+            "a2a", rank, n, out, moved, splits_out, splits_in, cache
+        )
+        built = algorithms.all_to_all_single("a2a", rank, n, out, moved, splits_out, splits_in)
+        assert _described(cached) == _described(built)
         x = torch.randn(5, generator=gen)
         gathered = torch.empty(n * 5)
         for _ in range(2):

@@ -162,9 +162,40 @@ class Template:
     # Per tensor: the ctypes array type of its bytes (CPU), its byte count (CUDA), None: empty.
     views: list[Any]
     derived: dict[Any, Any] = field(default_factory=dict)
+    # The last call's buffers: its tensors' addresses, each message's bytes, each local
+    # copy's. A training loop calls a shape with the same tensors, or the allocator's same
+    # blocks, again and again: their views are reused instead of made again.
+    last_buffers: tuple[tuple[int, ...], list[Bytes], list[tuple[Bytes, Bytes]]] | None = None
 
     def plan(self, tensors: Sequence[torch.Tensor], result: list[torch.Tensor]) -> Plan:
         """The plan of this shape over the call's own (contiguous) tensors."""
+        addresses = tuple(t.data_ptr() for t in tensors)
+        last = self.last_buffers
+        if last is None or last[0] != addresses:
+            last = self.last_buffers = (addresses, *self._buffers(tensors))
+        _, buffers, copies = last
+        transfers: list[Transfer] = []
+        append = transfers.append
+        for (peer, _, _, _, sub, send, after, chunk), buffer in zip(
+            self.messages, buffers, strict=True
+        ):
+            append(
+                Transfer(peer, buffer, sub, send, transfers[after] if after >= 0 else None, chunk)
+            )
+        return Plan(
+            self.signature,
+            transfers,
+            list(copies),
+            result=result,
+            forwarding=self.forwarding,
+            template=self,
+            keep=tensors,
+        )
+
+    def _buffers(
+        self, tensors: Sequence[torch.Tensor]
+    ) -> tuple[list[Bytes], list[tuple[Bytes, Bytes]]]:
+        """The bytes of each message and of each local copy, over ``tensors``."""
         flats = [
             _EMPTY
             if view is None
@@ -173,35 +204,17 @@ class Template:
             else np.frombuffer(view.from_address(t.data_ptr()), dtype=np.uint8)
             for view, t in zip(self.views, tensors, strict=True)
         ]
-        transfers: list[Transfer] = []
-        append = transfers.append
         # One view per byte range: an AllGather's sends to every peer share their buffer, which
         # the outboxes then write once.
         views: dict[tuple[int, int, int], Bytes] = {}
-        for peer, which, lo, hi, sub, send, after, chunk in self.messages:
+        buffers = []
+        for _, which, lo, hi, *_ in self.messages:
             view = views.get((which, lo, hi))
             if view is None:
                 view = views[which, lo, hi] = flats[which][lo:hi]
-            append(
-                Transfer(
-                    peer,
-                    view,
-                    sub,
-                    send,
-                    transfers[after] if after >= 0 else None,
-                    chunk,
-                )
-            )
+            buffers.append(view)
         copies = [(flats[d][a:b], flats[s][c:e]) for d, a, b, s, c, e in self.copies]
-        return Plan(
-            self.signature,
-            transfers,
-            copies,
-            result=result,
-            forwarding=self.forwarding,
-            template=self,
-            keep=tensors,
-        )
+        return buffers, copies
 
 
 _EMPTY = np.empty(0, dtype=np.uint8)

@@ -368,6 +368,11 @@ class Channel:
         """Moves whatever can move in both directions; True if anything did."""
         if self.closed:
             return False
+        if (
+            not (self._sends or self._filling or self._draining)
+            and int(self.inc.ctrl[0]) == self._consumed
+        ):
+            return False  # the common case, polled several times per collective and peer
         pulled = self._pull()
         pushed = self._push() if self._sends or self._filling else False
         if pushed or pulled:
