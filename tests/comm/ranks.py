@@ -11,6 +11,7 @@ import contextlib
 import errno
 import functools
 import gc
+import logging
 import os
 import random
 import threading
@@ -540,6 +541,17 @@ def _shm_full_for_ring_from(peer: int | None) -> Any:
     return _shm_full_for(None if peer is None else f"-{peer}to{dist.get_rank()}")
 
 
+class _Recorded(logging.Handler):
+    """Keeps the messages of the records it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def ring_cases(
     seed: int,
     cases: int,
@@ -560,6 +572,8 @@ def ring_cases(
     rank, n = dist.get_rank(), dist.get_world_size()
     before = _ring_state()
     os.environ["FREESCALE_HOST_ID"] = f"test-host-{rank * hosts // n}"
+    warnings = _Recorded()
+    logging.getLogger("freescale_comm.group").addHandler(warnings)
     try:
         with (
             _shm_full_for_ring_from((no_ring_from or {}).get(rank)),
@@ -572,6 +586,7 @@ def ring_cases(
             )
     finally:
         del os.environ["FREESCALE_HOST_ID"]
+        logging.getLogger("freescale_comm.group").removeHandler(warnings)
     during = _ring_state()
     deadline = time.monotonic() + 5
     while during["files"] > before["files"] and time.monotonic() < deadline:
@@ -604,6 +619,7 @@ def ring_cases(
         "count": count,
         "paths": paths,
         "cpu_allgather": gathers,
+        "warnings": warnings.messages,
         "during": {k: v - before[k] for k, v in during.items()},
         "after": {k: v - before[k] for k, v in _ring_state().items()},
     }

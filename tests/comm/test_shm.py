@@ -29,6 +29,7 @@ def test_every_collective_over_the_rings_matches_gloo(fs_group):
     results = fs_group.run(ranks.ring_cases, 5, 15, 1, options, timeout_s=180)
     for rank, result in enumerate(results):
         assert result["count"] == 15
+        assert result["warnings"] == []  # no outboxes asked for: nothing slower than asked
         assert [p["peer"] for p in result["paths"]] == [p for p in range(n) if p != rank]
         for path in result["paths"]:
             assert path["path"] == "shm" and "same host" in path["why"]
@@ -50,6 +51,7 @@ def test_every_collective_through_the_outboxes_matches_gloo(fs_group):
     share = 4096 // (n - 1) - 280 - 64  # less each header (280 B) and its alignment
     for result in results:
         assert result["count"] == 15
+        assert result["warnings"] == []
         for path in result["paths"]:
             assert path["headers"] == f"outboxes (CPU data up to {share} B per peer inside)"
             assert path["outbox_posts"] > 15  # every collective's headers
@@ -70,6 +72,7 @@ def test_a_rank_without_an_outbox_sends_every_header_through_the_rings(fs_group)
     for rank, result in enumerate(results):
         assert result["count"] == 10
         why = "could not create an outbox in /dev/shm" if rank == 1 else "rank 1 could not create"
+        assert len(result["warnings"]) == 1 and why in result["warnings"][0], result
         for path in result["paths"]:
             assert path["headers"].startswith(f"messages (no outboxes: {why}")
             assert path["outbox_posts"] == 0 and path["ring_messages"][0] > 10
@@ -131,6 +134,12 @@ def test_a_pair_without_rings_takes_ucx_and_the_others_keep_theirs(fs_group4):
             else:
                 assert path["path"] == "shm" and path["ring_messages"][0] > 0, path
         assert result["cpu_allgather"] == "direct"  # on one host: no ring forwarding
+        # Each rank says that it is slower; the pair's ranks say why.
+        warnings = result["warnings"]
+        assert len(warnings) == (2 if rank in (1, 3) else 1), warnings
+        assert "not through outboxes" in warnings[-1], warnings
+        if rank in (1, 3):
+            assert f"no shared-memory rings with rank {4 - rank}" in warnings[0], warnings
         pairs = 2 if rank in (1, 3) else 3
         assert result["during"] == {"mapped": _RINGS_PER_PEER * pairs, "files": 0}
         assert result["after"] == {"mapped": 0, "files": 0}

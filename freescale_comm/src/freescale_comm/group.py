@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from freescale_comm.collective import Collective
     from freescale_comm.cuda import CudaSupport
     from freescale_comm.ipc import IpcPath
+
+logger = logging.getLogger(__name__)
 
 _EAGER_ROOM_BYTES = 4 << 20
 # Data messages up to this size leave with the headers over the rings (``sends_early``).
@@ -148,6 +151,14 @@ class GroupContext:
             staging=_staging_rings(options, peers),
         )
         self._no_rings.update(failures)
+        if failures:
+            logger.warning(
+                "freescale: group %d, rank %d: no shared-memory rings with %s; their bytes "
+                "take UCX, which is slower",
+                self.group_id,
+                rank,
+                "; ".join(f"rank {p} ({why})" for p, why in sorted(failures.items())),
+            )
         for peer, link in links.items():
             self._links[peer] = link
         self._ipc_peers = frozenset(links)
@@ -197,6 +208,14 @@ class GroupContext:
         elif boxes is not None:
             boxes.close()
         self._no_outboxes = why
+        if self.outboxes is None:
+            logger.warning(
+                "freescale: group %d, rank %d: headers go as ring messages, not through "
+                "outboxes, which is slower: %s",
+                self.group_id,
+                self.rank,
+                why or "not every pair on a host shares rings",
+            )
 
     def reaches_by_outbox(self, peer: int) -> bool:
         """Whether this rank's headers to ``peer`` (and the peer's to it) take the outboxes."""
