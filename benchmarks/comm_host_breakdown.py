@@ -1,0 +1,150 @@
+"""Where the host time of a small freescale collective goes, step by step (2 local ranks).
+
+Back-to-back 8-byte ``all_to_all_single`` calls (CPU or CUDA tensors) with the backend's own
+steps wrapped: per call, the wall time spent inside each step (inclusive of the steps it calls,
+so the rows overlap) and how often it ran, for every rank. A diagnostic of this code, to find
+what a native hot path must replace, not a comparison (``comm_host_profile.py`` compares with
+Gloo, ``multi_gpu_vs_nccl.py`` with NCCL). The wrappers add about a microsecond per wrapped call.
+
+    python benchmarks/comm_host_breakdown.py [--device cuda] [--calls 300] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from typing import Any
+
+from freescale_comm._freescale_args import Parser, int_at_least
+from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
+
+# (module, owner in it or "" for the module itself, function): the steps that are timed.
+STEPS = (
+    ("process_group", "ProcessGroupFreescale", "all_to_all_single"),
+    ("algorithms", "", "all_to_all_single"),
+    ("process_group", "", "Collective"),
+    ("group", "GroupContext", "launch"),
+    ("collective", "Collective", "start"),
+    ("collective", "Collective", "_post_headers"),
+    ("outbox", "Outboxes", "write"),
+    ("work", "FreescaleWork", "wait"),
+    ("engine", "Engine", "drive"),
+    ("engine", "Engine", "_idle"),
+    ("transport", "Transport", "progress"),
+    ("collective", "Collective", "advance"),
+    ("collective", "Collective", "_judge"),
+    ("collective", "Collective", "_start_data"),
+    ("collective", "Collective", "_seal"),
+    ("collective", "Collective", "_finish"),
+    # CUDA only: the IPC path's steps and the driver calls under them.
+    ("cuda", "CudaSupport", "record_ready"),
+    ("cuda", "_Driver", "bind"),
+    ("collective", "Collective", "_start_ipc"),
+    ("ipc", "Export", "__init__"),
+    ("ipc", "IpcPath", "push"),
+    ("ipc", "IpcPath", "ready"),
+    ("ipc", "IpcPath", "enqueue"),
+    ("ipc", "", "_copy"),
+    ("ipc", "", "_write"),
+    ("ipc", "", "_wait"),
+)
+
+
+def _wrap_steps(spent: dict[str, int], counts: dict[str, int], cuda: bool) -> None:
+    """Replaces each step with a wrapper adding its wall time to ``spent[label]``."""
+    import importlib
+
+    import torch
+
+    owners: list[tuple[Any, str, str]] = []
+    for module_name, owner_name, name in STEPS:
+        if module_name in ("cuda", "ipc") and not cuda:
+            continue
+        module = importlib.import_module(f"freescale_comm.{module_name}")
+        owner = getattr(module, owner_name) if owner_name else module
+        owners.append((owner, name, f"{owner_name or module_name}.{name}"))
+    if cuda:
+        owners += [
+            (torch.cuda.Event, "record", "torch Event.record"),
+            (torch.cuda.Stream, "wait_event", "torch Stream.wait_event"),
+        ]
+    for owner, name, label in owners:
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def timed(*args: Any, _original: Any = original, _label: str = label, **kw: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return _original(*args, **kw)
+            finally:
+                spent[_label] = spent.get(_label, 0) + time.perf_counter_ns() - start
+                counts[_label] = counts.get(_label, 0) + 1
+
+        setattr(owner, name, timed)
+
+
+def _rank(args: argparse.Namespace) -> dict[str, Any]:
+    """One rank on the launcher's freescale group: its steps' time per call."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = args.device == "cuda"
+    spent: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    _wrap_steps(spent, counts, cuda)
+    inp = torch.ones(2, device=args.device)  # 4 bytes per peer
+    out = torch.empty_like(inp)
+    for _ in range(50):
+        dist.all_to_all_single(out, inp)
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    spent.clear()
+    counts.clear()
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(args.calls):
+        dist.all_to_all_single(out, inp)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    if cuda:
+        torch.cuda.synchronize()
+    steps = {
+        label: {"us_per_call": ns / args.calls / 1e3, "runs_per_call": counts[label] / args.calls}
+        for label, ns in sorted(spent.items(), key=lambda item: -item[1])
+    }
+    return {
+        "us_per_call": wall / args.calls * 1e6,
+        "process_cpu_us_per_call": cpu / args.calls * 1e6,
+        "steps": steps,
+    }
+
+
+def main() -> None:
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--calls", type=int_at_least(1), default=300, help="calls timed")
+    parser.add_argument("--json", help="write the figures here (default: print only)")
+    args = parser.parse_args()
+
+    spec = GroupSpec(
+        2, "freescale", setup="freescale_comm:register", threads=None, device=args.device
+    )
+    try:
+        ranks = run_ranks(spec, _rank, args, timeout_s=300)
+    except RankFailure as failure:
+        raise SystemExit(f"a rank failed: {failure}") from None
+    for rank, report in enumerate(ranks):
+        print(
+            f"--- rank {rank}: {report['us_per_call']:.1f} us per call, process CPU "
+            f"{report['process_cpu_us_per_call']:.1f} us per call"
+        )
+        for label, step in report["steps"].items():
+            print(f"{label:40s} {step['us_per_call']:8.1f} us  x{step['runs_per_call']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "ranks": ranks}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
