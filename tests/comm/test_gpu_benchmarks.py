@@ -1,5 +1,6 @@
 """The GPU benchmarks on CPU: ``multi_gpu_vs_nccl.py``'s dry run (a rank dying mid-phase
-included), the overlap rounds' schedule, and the other scripts' command lines."""
+included), the overlap rounds' schedule, the other scripts' command lines, and
+``comm_host_breakdown.py`` on CPU tensors."""
 
 from __future__ import annotations
 
@@ -95,3 +96,19 @@ def test_command_line_imports_without_a_gpu(script):
     done = _run(script, "--help")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--out" in done.stdout
+
+
+def test_host_breakdown_times_every_step_of_a_cpu_collective_on_both_ranks(tmp_path):
+    out = tmp_path / "breakdown.json"
+    done = _run("comm_host_breakdown.py", "--calls", "20", "--json", str(out), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ranks = json.loads(out.read_text())["ranks"]
+    assert len(ranks) == 2
+    for rank in ranks:
+        steps = rank["steps"]
+        # Every call enters the backend once, and starts and judges one collective.
+        for label in ("ProcessGroupFreescale.all_to_all_single", "Collective.start"):
+            assert steps[label]["runs_per_call"] == 1.0, steps
+        assert steps["Collective._judge"]["runs_per_call"] == 1.0, steps
+        outer = steps["ProcessGroupFreescale.all_to_all_single"]["us_per_call"]
+        assert 0 < steps["Collective.start"]["us_per_call"] <= outer
