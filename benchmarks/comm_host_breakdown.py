@@ -2,11 +2,13 @@
 
 Back-to-back 8-byte ``all_to_all_single`` calls (CPU or CUDA tensors) with the backend's own
 steps wrapped: per call, the wall time spent inside each step (inclusive of the steps it calls,
-so the rows overlap) and how often it ran, for every rank. A diagnostic of this code, to find
-what a native hot path must replace, not a comparison (``comm_host_profile.py`` compares with
-Gloo, ``multi_gpu_vs_nccl.py`` with NCCL). The wrappers add about a microsecond per wrapped call.
+so the rows overlap) and how often it ran, for every rank. ``--gap-us`` sleeps after each call
+(the time per call then includes the sleep, the steps' times do not), so that the background
+threads finish the last collective before the next call starts. A diagnostic of this code, to
+find what a native hot path must replace, not a comparison (``comm_host_profile.py`` compares
+with Gloo, ``multi_gpu_vs_nccl.py`` with NCCL). A wrapper adds about a microsecond per call.
 
-    python benchmarks/comm_host_breakdown.py [--device cuda] [--calls 300] [--json FILE]
+    python benchmarks/comm_host_breakdown.py [--device cuda] [--calls 300] [--gap-us 0]
 """
 
 from __future__ import annotations
@@ -103,9 +105,12 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
     dist.barrier()
     spent.clear()
     counts.clear()
+    gap_s = args.gap_us / 1e6
     start, cpu = time.perf_counter(), time.process_time()
     for _ in range(args.calls):
         dist.all_to_all_single(out, inp)
+        if gap_s:
+            time.sleep(gap_s)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     if cuda:
         torch.cuda.synchronize()
@@ -124,6 +129,13 @@ def main() -> None:
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--calls", type=int_at_least(1), default=300, help="calls timed")
+    parser.add_argument(
+        "--gap-us",
+        type=int_at_least(0),
+        default=0,
+        help="sleep this long after each call, so that the background threads (engine, CUDA "
+        "event watchers) finish the last collective before the next call starts",
+    )
     parser.add_argument("--json", help="write the figures here (default: print only)")
     args = parser.parse_args()
 
