@@ -737,13 +737,16 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     )
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (title, value) in zip(axes.flat, panels, strict=False):
+        plotted: list[float] = []
         for scheme, style in (("new", "o-"), ("old", "s--")):
             runs = [r for r in results["runs"] if r["scheme"] == scheme]
             points = [(r["size"], value(r)) for r in runs if value(r) is not None]
             if points:
                 ax.plot(*zip(*points, strict=True), style, label=scheme)
+                plotted += [y for _, y in points]
         ax.set_xscale("log", base=2)
-        if "told" not in title:
+        # A dry run's tiny sizes can measure 0, which a log axis cannot show.
+        if "told" not in title and plotted and min(plotted) > 0:
             ax.set_yscale("log")
         if "fraction" in title:
             ax.axhline(0.2, color="grey", lw=0.8, ls=":")
