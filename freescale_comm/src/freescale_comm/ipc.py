@@ -574,9 +574,9 @@ class IpcPath:
                 if peer not in self._mailbox_at:
                     self._mailbox_at[peer] = _open(mailbox)
             handle = ctypes.c_void_p(stream.cuda_stream)
-            stream.wait_event(ready)
-            if export.push_done is not None:  # the inputs are read until then
-                stream.wait_event(export.push_done)
+            # The inputs are read until the pushes are done, which waited for ``ready`` on the
+            # push stream: waiting for them waits for both.
+            stream.wait_event(export.push_done if export.push_done is not None else ready)
             flag = seq & 0xFFFFFFFF
             self._last_seq = seq
             for offset, source in export.scratch_copies:
