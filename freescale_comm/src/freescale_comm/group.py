@@ -127,7 +127,8 @@ class GroupContext:
         self._ipc_peers: frozenset[int] = frozenset()
         self._all_on_staging_rings = False
         self.outboxes: Any = None  # ``outbox.Outboxes`` with the peers on this host
-        self._no_outboxes = ""
+        # Why a peer on this host is not reached by outbox (where ``shm_outbox_bytes`` > 0).
+        self._no_outboxes = "not every pair on a host shares rings"
         unsupported = shm.rings_supported()
         # Every rank of the group takes part in the store exchange the same way: whether rings
         # are wanted depends only on the options, which are the same on every rank.
@@ -207,14 +208,14 @@ class GroupContext:
                 self.outbox_eager_per_peer = max(self.eager_per_peer, share)
         elif boxes is not None:
             boxes.close()
-        self._no_outboxes = why
         if self.outboxes is None:
+            self._no_outboxes = why or self._no_outboxes
             logger.warning(
                 "freescale: group %d, rank %d: headers go as ring messages, not through "
                 "outboxes, which is slower: %s",
                 self.group_id,
                 self.rank,
-                why or "not every pair on a host shares rings",
+                self._no_outboxes,
             )
 
     def reaches_by_outbox(self, peer: int) -> bool:
@@ -355,8 +356,7 @@ class GroupContext:
             return "messages (other host)"
         if self.options.shm_outbox_bytes == 0:
             return "messages (shm_outbox_bytes=0)"
-        why = self._no_outboxes or "not every pair on a host shares rings"
-        return f"messages (no outboxes: {why})"
+        return f"messages (no outboxes: {self._no_outboxes})"
 
     def cuda_path(self) -> str:
         """How CUDA tensors move: ``ipc`` (with the peers this rank shares rings with; the

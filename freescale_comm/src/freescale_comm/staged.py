@@ -344,8 +344,9 @@ class StagedPipeline:
         """Leaves the pool's lines and hands over the requests in flight, for the caller to
         cancel (``Transport.cancel``). Slots still held are not given back: a cancelled receive
         or a copy in flight may still touch them."""
-        requests = [item.request for item in self._sending + self._receiving]
-        for item in self._sending + self._receiving:
+        in_flight = self._sending + self._receiving
+        requests = [item.request for item in in_flight]
+        for item in in_flight:
             item.request = None
         self._sending, self._receiving = [], []
         self._pool.leave(self, "send")
