@@ -536,6 +536,21 @@ def _shm_full_for(suffix: str | None) -> Any:
         shm.map_segment = original
 
 
+@contextlib.contextmanager
+def _cma_refused(refused: bool) -> Any:
+    """While held (``refused``), this rank's probe of its peers' memory fails as where
+    ``ptrace`` is not allowed (the tests run as root, which may always read it)."""
+    from freescale_comm import cma
+
+    original = cma.probe
+    if refused:
+        cma.probe = lambda pid, address, expected: "Operation not permitted (test)"
+    try:
+        yield
+    finally:
+        cma.probe = original
+
+
 def _shm_full_for_ring_from(peer: int | None) -> Any:
     """``_shm_full_for`` this rank's rings from ``peer`` (host and staging)."""
     return _shm_full_for(None if peer is None else f"-{peer}to{dist.get_rank()}")
@@ -559,13 +574,15 @@ def ring_cases(
     options: dict[str, Any],
     no_ring_from: dict[int, int] | None = None,
     no_outbox_on: int | None = None,
+    no_cma_on: int | None = None,
 ) -> dict[str, Any]:
     """Random cases over a freescale group whose ranks look as if on ``hosts`` hosts (the
     host identity set per rank before the group is made), with ``FreescaleOptions(**options)``,
     against Gloo; several collectives in flight at once; then the group destroyed. Returns what
     the ranks saw: the count, the paths, ring messages, and the rings' memory during and after.
     ``no_ring_from``: rank -> the peer whose ring that rank cannot make (``/dev/shm`` full);
-    ``no_outbox_on``: the rank that cannot make its outbox.
+    ``no_outbox_on``: the rank that cannot make its outbox; ``no_cma_on``: the rank that may
+    not read its peers' memory.
     """
     from freescale_comm import FreescaleOptions
 
@@ -578,6 +595,7 @@ def ring_cases(
         with (
             _shm_full_for_ring_from((no_ring_from or {}).get(rank)),
             _shm_full_for("-box" if no_outbox_on == rank else None),
+            _cma_refused(no_cma_on == rank),
         ):
             group = dist.new_group(
                 backend="freescale",
@@ -610,6 +628,15 @@ def ring_cases(
         work.wait()
     for k, (got, want) in enumerate(checks):
         _same(got, want, f"in flight #{k}")
+    # Inputs overwritten as soon as the call returns: a peer that reads them from this rank's
+    # memory has done so by then.
+    for k in range(20):
+        x = torch.full((n * 4096,), float(100 * rank + k), dtype=torch.float64)
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        x.fill_(-1.0)
+        want = torch.arange(n, dtype=torch.float64).repeat_interleave(4096) * 100 + k
+        _same(out, want, f"overwritten input #{k}")
     paths = group.paths()
     # The algorithm a CPU AllGather is planned with (``allgather="auto"`` in these options).
     gathers = group._gather_options([torch.ones(1)]).allgather
@@ -717,23 +744,33 @@ def a_mistake_without_validation() -> str:
     return message
 
 
-def an_internal_error_on_one_rank() -> str:
-    """Rank 0 fails while its collective moves data (``_start_data`` raises, as a bug or the
-    OS refusing memory would): it raises that error, and its peers, which wait for its data,
-    raise at once (the group is aborted) rather than after the group's 60 s timeout. Returns
-    the seconds and the error this rank saw."""
-    from freescale_comm import collective
+def an_internal_error_on_one_rank(step: str = "data") -> str:
+    """Rank 0 fails while its collective moves data: ``_start_data`` raises, as a bug or the OS
+    refusing memory would (``step="data"``; the pieces take messages), or reading a peer's
+    memory fails (``"pull"``; the pieces are pulled). It raises that error, and its peers,
+    which wait for its data (or for it to read theirs), raise at once (the group is aborted)
+    rather than after the group's 60 s timeout. Returns the seconds and the error this rank
+    saw."""
+    from freescale_comm import FreescaleOptions, cma, collective
+    from freescale_comm.errors import FreescaleError
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group(backend="freescale", timeout=timedelta(seconds=60))
-    original = collective.Collective._start_data
+    pulls = step == "pull"
+    group = dist.new_group(
+        backend="freescale",
+        timeout=timedelta(seconds=60),
+        pg_options=FreescaleOptions(cma_min_bytes=0 if pulls else 1 << 40),
+    )
+    originals = (collective.Collective._start_data, cma.read)
 
-    def broken(self: Any) -> None:
-        raise RuntimeError("injected: no memory for the data phase")
+    def broken(*args: Any) -> None:
+        raise (FreescaleError if pulls else RuntimeError)(f"injected: {step} failed")
 
-    if rank == 0:
+    if rank == 0 and pulls:
+        cma.read = broken
+    elif rank == 0:
         collective.Collective._start_data = broken
-    per_peer = 1 << 20  # 4 MiB: posted in the data phase (not folded, not sent early)
+    per_peer = 1 << 20  # 4 MiB: not folded, not sent early
     try:
         message = _error_after(
             lambda: dist.all_to_all_single(
@@ -741,20 +778,21 @@ def an_internal_error_on_one_rank() -> str:
             )
         )
     finally:
-        collective.Collective._start_data = original
+        collective.Collective._start_data, cma.read = originals
     dist.destroy_process_group(group)
     return message
 
 
-def die_during_collective(victim: int, delay_s: float) -> float:
-    """The victim exits mid-way; the survivors' collective must raise (they re-raise it)."""
+def die_during_collective(victim: int, delay_s: float, per_peer: int = 256) -> float:
+    """The victim exits mid-way; the survivors' collective must raise (they re-raise it).
+    ``per_peer``: float32 elements for each peer (1 KiB: the rings; 1 MiB: pulled)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     dist.barrier()
     if rank == victim:
         time.sleep(delay_s)
         os._exit(7)
     start = time.monotonic()
-    x = torch.ones(n * 256)
+    x = torch.ones(n * per_peer)
     try:
         for _ in range(1_000_000):
             dist.all_to_all_single(torch.empty_like(x), x)
