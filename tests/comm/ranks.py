@@ -536,21 +536,6 @@ def _shm_full_for(suffix: str | None) -> Any:
         shm.map_segment = original
 
 
-@contextlib.contextmanager
-def _cma_refused(refused: bool) -> Any:
-    """While held (``refused``), this rank's probe of its peers' memory fails as where
-    ``ptrace`` is not allowed (the tests run as root, which may always read it)."""
-    from freescale_comm import cma
-
-    original = cma.probe
-    if refused:
-        cma.probe = lambda pid, address, expected: "Operation not permitted (test)"
-    try:
-        yield
-    finally:
-        cma.probe = original
-
-
 def _shm_full_for_ring_from(peer: int | None) -> Any:
     """``_shm_full_for`` this rank's rings from ``peer`` (host and staging)."""
     return _shm_full_for(None if peer is None else f"-{peer}to{dist.get_rank()}")
@@ -574,15 +559,13 @@ def ring_cases(
     options: dict[str, Any],
     no_ring_from: dict[int, int] | None = None,
     no_outbox_on: int | None = None,
-    no_cma_on: int | None = None,
 ) -> dict[str, Any]:
     """Random cases over a freescale group whose ranks look as if on ``hosts`` hosts (the
     host identity set per rank before the group is made), with ``FreescaleOptions(**options)``,
     against Gloo; several collectives in flight at once; then the group destroyed. Returns what
     the ranks saw: the count, the paths, ring messages, and the rings' memory during and after.
     ``no_ring_from``: rank -> the peer whose ring that rank cannot make (``/dev/shm`` full);
-    ``no_outbox_on``: the rank that cannot make its outbox; ``no_cma_on``: the rank that may
-    not read its peers' memory.
+    ``no_outbox_on``: the rank that cannot make its outbox.
     """
     from freescale_comm import FreescaleOptions
 
@@ -595,7 +578,6 @@ def ring_cases(
         with (
             _shm_full_for_ring_from((no_ring_from or {}).get(rank)),
             _shm_full_for("-box" if no_outbox_on == rank else None),
-            _cma_refused(no_cma_on == rank),
         ):
             group = dist.new_group(
                 backend="freescale",
@@ -628,8 +610,7 @@ def ring_cases(
         work.wait()
     for k, (got, want) in enumerate(checks):
         _same(got, want, f"in flight #{k}")
-    # Inputs overwritten as soon as the call returns: a peer that reads them from this rank's
-    # memory has done so by then.
+    # Inputs overwritten as soon as the call returns: every peer has its bytes by then.
     for k in range(20):
         x = torch.full((n * 4096,), float(100 * rank + k), dtype=torch.float64)
         out = torch.empty_like(x)
@@ -744,33 +725,23 @@ def a_mistake_without_validation() -> str:
     return message
 
 
-def an_internal_error_on_one_rank(step: str = "data") -> str:
-    """Rank 0 fails while its collective moves data: ``_start_data`` raises, as a bug or the OS
-    refusing memory would (``step="data"``; the pieces take messages), or reading a peer's
-    memory fails (``"pull"``; the pieces are pulled). It raises that error, and its peers,
-    which wait for its data (or for it to read theirs), raise at once (the group is aborted)
-    rather than after the group's 60 s timeout. Returns the seconds and the error this rank
-    saw."""
-    from freescale_comm import FreescaleOptions, cma, collective
-    from freescale_comm.errors import FreescaleError
+def an_internal_error_on_one_rank() -> str:
+    """Rank 0 fails while its collective moves data (``_start_data`` raises, as a bug or the
+    OS refusing memory would): it raises that error, and its peers, which wait for its data,
+    raise at once (the group is aborted) rather than after the group's 60 s timeout. Returns
+    the seconds and the error this rank saw."""
+    from freescale_comm import collective
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    pulls = step == "pull"
-    group = dist.new_group(
-        backend="freescale",
-        timeout=timedelta(seconds=60),
-        pg_options=FreescaleOptions(cma_min_bytes=0 if pulls else 1 << 40),
-    )
-    originals = (collective.Collective._start_data, cma.read)
+    group = dist.new_group(backend="freescale", timeout=timedelta(seconds=60))
+    original = collective.Collective._start_data
 
-    def broken(*args: Any) -> None:
-        raise (FreescaleError if pulls else RuntimeError)(f"injected: {step} failed")
+    def broken(self: Any) -> None:
+        raise RuntimeError("injected: no memory for the data phase")
 
-    if rank == 0 and pulls:
-        cma.read = broken
-    elif rank == 0:
+    if rank == 0:
         collective.Collective._start_data = broken
-    per_peer = 1 << 20  # 4 MiB: not folded, not sent early
+    per_peer = 1 << 20  # 4 MiB: posted in the data phase (not folded, not sent early)
     try:
         message = _error_after(
             lambda: dist.all_to_all_single(
@@ -778,14 +749,14 @@ def an_internal_error_on_one_rank(step: str = "data") -> str:
             )
         )
     finally:
-        collective.Collective._start_data, cma.read = originals
+        collective.Collective._start_data = original
     dist.destroy_process_group(group)
     return message
 
 
 def die_during_collective(victim: int, delay_s: float, per_peer: int = 256) -> float:
     """The victim exits mid-way; the survivors' collective must raise (they re-raise it).
-    ``per_peer``: float32 elements for each peer (1 KiB: the rings; 1 MiB: pulled)."""
+    ``per_peer``: float32 elements for each peer (1 KiB: the rings; 1 MiB: UCX messages)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     dist.barrier()
     if rank == victim:

@@ -80,46 +80,13 @@ def test_a_rank_without_an_outbox_sends_every_header_through_the_rings(fs_group)
         assert result["after"] == {"mapped": 0, "files": 0}
 
 
-@pytest.mark.parametrize("refused_on", [None, 1], ids=["pulled", "refused"])
-def test_pieces_the_outbox_does_not_carry_are_read_from_the_senders_memory(fs_group, refused_on):
-    # Outboxes of 4 KiB carry each peer's data up to 2 KiB (shm_max_bytes); larger pieces are
-    # read by their receiver from the sender's memory, with no message, and match Gloo's. Where
-    # one rank may not read its peers' memory, every rank sends them as messages instead (the
-    # two sides of a pair pick pieces alike), and that rank says why.
-    options = {
-        "host_path": "auto",
-        "shm_max_bytes": 2048,
-        "eager_bytes": 512,
-        "shm_outbox_bytes": 4096,
-        **_SMALL_RINGS,
-    }
-    results = fs_group.run(ranks.ring_cases, 9, 15, 1, options, None, None, refused_on)
-    n = fs_group.spec.world_size
-    share = min(2048, 4096 // (n - 1) - 280 - 64)  # less each header (280 B) and its alignment
-    for rank, result in enumerate(results):
-        assert result["count"] == 15
-        for path in result["paths"]:
-            if refused_on is None:
-                assert path["path"] == f"outbox <= {share} B, cma above", path
-                assert path["pulled"] > 0, path
-            else:
-                assert path["path"] == "shm <= 2048 B, ucx above", path
-                assert path["pulled"] == 0, path
-                why = "refused: rank" if rank == refused_on else "another rank cannot read"
-                assert f"no cross-memory attach: {why}" in path["why"], path
-        refusals = [w for w in result["warnings"] if "not one copy from" in w]
-        assert len(refusals) == (rank == refused_on), result["warnings"]
-        assert result["after"] == {"mapped": 0, "files": 0}
-
-
 @pytest.mark.parametrize("outbox_bytes", [0, 4096])
 def test_two_hosts_intra_and_inter_host_paths_agree(fs_group4, outbox_bytes):
     # Ranks 0, 1 on one "host", 2, 3 on another: shared memory inside, UCX across, in one
     # collective; auto sends messages up to 2 KiB through the rings and larger ones through UCX.
     # Without outboxes the headers (880 B with 512 B of folded data) take the rings too; with
     # outboxes of 4 KiB the headers to the mate and data up to 2 KiB for it (shm_max_bytes, less
-    # than the box's share) take the outboxes, larger data for it is read from its memory (cross-
-    # memory attach), and the headers across the hosts take UCX.
+    # than the box's share) take the outboxes, and the headers across the hosts take UCX.
     options = {
         "host_path": "auto",
         "shm_max_bytes": 2048,
@@ -132,16 +99,12 @@ def test_two_hosts_intra_and_inter_host_paths_agree(fs_group4, outbox_bytes):
         assert result["count"] == 15
         by_peer = {p["peer"]: p for p in result["paths"]}
         mate = rank ^ 1
+        assert by_peer[mate]["path"] == "shm <= 2048 B, ucx above"
         if outbox_bytes:
-            # Data the outbox does not carry is read from the mate's memory (no message).
-            assert by_peer[mate]["path"] == "outbox <= 2048 B, cma above"
-            assert by_peer[mate]["pulled"] > 0
             want = "outboxes (CPU data up to 2048 B per peer inside)"
             assert by_peer[mate]["headers"] == want
             assert by_peer[mate]["outbox_posts"] > 15
         else:
-            assert by_peer[mate]["path"] == "shm <= 2048 B, ucx above"
-            assert by_peer[mate]["pulled"] == 0
             assert by_peer[mate]["headers"] == "messages (shm_outbox_bytes=0)"
             assert by_peer[mate]["ring_messages"][0] > 0
         for other in {0, 1, 2, 3} - {rank, mate}:
@@ -224,8 +187,8 @@ def test_info_says_which_path_each_pair_takes(capsys):
     assert main(["info", "--ranks", "2"]) == 0
     out = capsys.readouterr().out
     assert "host identity: " in out
-    assert "rank 0 -> 1: outbox <= 524288 B, cma above  (same host; host_path=auto" in out
-    assert "rank 1 -> 0: outbox" in out
+    assert "rank 0 -> 1: shm <= 524288 B, ucx above  (same host; host_path=auto" in out
+    assert "rank 1 -> 0: shm" in out
     # And the path of CUDA bytes (no staging rings without CUDA: UCX's device path or pipeline).
     assert "    CUDA bytes: " in out
 

@@ -80,13 +80,6 @@ class _NotSealed:
 _NOT_SEALED = _NotSealed()
 
 
-def _descriptor(pieces: list[Transfer]) -> np.ndarray:
-    """Where ``pieces`` (contiguous host bytes) lie in this process: (address, length) as
-    little-endian u64 pairs, for a peer that pulls them (``Collective._pull``)."""
-    where = [v for t in pieces for v in (t.buffer.ctypes.data, len(t.buffer))]
-    return np.array(where, dtype="<u8").view(np.uint8)
-
-
 def _settle(future: torch.futures.Future, outcome: tuple[bool, Any]) -> None:
     ok, value = outcome
     if ok:
@@ -135,12 +128,6 @@ class Collective:
         self._outbox_from: dict[int, bool] = {}
         self._outbox_released = False
         self._folded: set[int] = set()  # ids of transfers that travel inside a header
-        # CPU pieces for peers reached by outbox that do not fold: the header says where they
-        # lie and the receiver reads them from the sender's memory (``cma``). ids of those
-        # transfers (either side), and the peers that read this rank's (it finishes only
-        # once they consumed the collective: the inputs must not change before).
-        self._pulled: set[int] = set()
-        self._pulled_by: list[int] = []
         # ids of sends posted with the headers (shared-memory rings only): the receiver keeps
         # them out of its outputs until the verdict, so they need not wait for it.
         self._early: set[int] = set()
@@ -216,7 +203,6 @@ class Collective:
         template = self.plan.template
         own = template.header if template is not None else self.plan.signature.encode(g.size)
         sends = self._foldable(send=True)
-        pulls = self._pullable(send=True)
         # CUDA: a peer's header is received into page-locked memory only if its data will be
         # copied H2D from there (the receives this rank's sizes fold).
         pinned_from = set(self._foldable(send=False)) if self.on_cuda else set()
@@ -256,10 +242,6 @@ class Collective:
                 self._send_header(dst, [own, self._export.descriptor(dst)])
             elif not every_peer:
                 pass  # a peer IPC does not reach, without validation: no header
-            elif dst in pulls:
-                self._send_header(dst, [own, _descriptor(pulls[dst])])
-                self._pulled.update(id(t) for t in pulls[dst])
-                self._pulled_by.append(dst)
             elif dst not in sends:
                 self._send_header(dst, [own])
             else:
@@ -342,7 +324,6 @@ class Collective:
             if (
                 transfer.send
                 and id(transfer) not in self._folded
-                and id(transfer) not in self._pulled
                 and (self.ring_cuda or g.sends_early(transfer.peer, len(transfer.buffer)))
             ):
                 self._post(transfer)
@@ -439,75 +420,6 @@ class Collective:
                 by_peer.setdefault(transfer.peer, []).append(transfer)
         return by_peer
 
-    def _pullable(self, send: bool) -> dict[int, list[Transfer]]:
-        """Per peer, the CPU sends (or receives) its receiver reads from the sender's memory:
-        those of a peer reached by outbox whose bytes do not fold and exceed ``cma_min_bytes``
-        (``GroupContext.pulls``), in message order; both sides pick them from the signature's
-        per-pair byte count."""
-        g = self.group
-        if not g.pulls or self.on_cuda or self.plan.forwarding or not g.options.validate:
-            return {}
-        template = self.plan.template
-        if template is None:
-            return self._pick_pullable(send)
-        indices = template.derived.get(("pull", send))
-        if indices is None:
-            transfers = self.plan.transfers
-            indices = template.derived["pull", send] = {
-                peer: [transfers.index(t) for t in pieces]
-                for peer, pieces in self._pick_pullable(send).items()
-            }
-        transfers = self.plan.transfers
-        return {peer: [transfers[i] for i in idx] for peer, idx in indices.items()}
-
-    def _pick_pullable(self, send: bool) -> dict[int, list[Transfer]]:
-        signature = self.plan.signature
-        totals = signature.send_bytes if send else signature.recv_bytes
-        g = self.group
-        by_peer: dict[int, list[Transfer]] = {}
-        for transfer in self.plan.transfers:
-            peer = transfer.peer
-            if (
-                transfer.send == send
-                and g.reaches_by_outbox(peer)
-                and totals[peer] > max(g.fold_limit(peer, False), g.options.cma_min_bytes)
-            ):
-                by_peer.setdefault(peer, []).append(transfer)
-        return by_peer
-
-    def _pull(self, size: int) -> None:
-        """Reads the pieces that peers left in their memory for this rank (``_pullable``) into
-        its receive buffers, after a good verdict, before the peers' outboxes are released."""
-        from freescale_comm import cma
-
-        boxes = self.group.outboxes
-        for peer, pieces in self._pullable(send=False).items():
-            header = self._headers[peer]
-            end = size + 16 * len(pieces)
-            if len(header) < end:
-                raise FreescaleError(f"rank {peer}'s header says nowhere where its data lies")
-            where = header[size:end].view(np.uint64).tolist()
-            pid = boxes.pid(peer)
-            for k, transfer in enumerate(pieces):
-                address, nbytes = where[2 * k], where[2 * k + 1]
-                if nbytes != len(transfer.buffer):  # validate=False lets mismatched sizes by
-                    raise FreescaleError(
-                        f"rank {peer} sends {nbytes} bytes into a {len(transfer.buffer)}-byte "
-                        "receive"
-                    )
-                cma.read(pid, transfer.buffer, address)
-                self._pulled.add(id(transfer))
-            self.group.pulled[peer] += len(pieces)
-
-    def _read_by_peers(self) -> bool:
-        """Whether every peer that pulls this rank's pieces has consumed the collective."""
-        if not self._pulled_by:
-            return True
-        if not self.group.outboxes.read_by(self._outbox_seq, self._pulled_by):
-            return False
-        self._pulled_by = []
-        return True
-
     def _post(self, transfer: Transfer) -> None:
         transfer.request = self._message(
             transfer.peer, transfer.buffer, transfer.sub, transfer.send
@@ -593,7 +505,6 @@ class Collective:
                 not self._posted
                 and not self._unposted
                 and (self._pipeline is None or self._pipeline.sealable)
-                and self._read_by_peers()
             ):
                 progressed |= self._complete()
         if self._phase == "sealed":
@@ -673,12 +584,6 @@ class Collective:
                 self._headers = []
                 self._fail_locked(f"CUDA IPC: {err}", "peer")
                 return
-        try:
-            self._pull(size)
-        except FreescaleError as err:
-            self._headers = []
-            self._fail_locked(f"cross-memory attach: {err}", "peer")
-            return
         for peer, pieces in self._foldable(send=False).items():
             offset = size
             for transfer in pieces:
@@ -767,15 +672,11 @@ class Collective:
             self._start_ipc()
             if self._phase != "data" or self.finished:  # sealed (IPC reaches every peer), failed
                 return
-        folded, early, pulled = self._folded, self._early, self._pulled
-        ipc_peers = self.plan.ipc_peers
+        folded, early, ipc_peers = self._folded, self._early, self.plan.ipc_peers
         unfolded = [
             t
             for t in self.plan.transfers
-            if id(t) not in folded
-            and id(t) not in early
-            and id(t) not in pulled
-            and t.peer not in ipc_peers
+            if id(t) not in folded and id(t) not in early and t.peer not in ipc_peers
         ]
         posted = self._start_cuda_data(unfolded) if self.on_cuda else unfolded
         for transfer in posted:
@@ -951,8 +852,6 @@ class Collective:
         parts = [f"did not finish within {self.group.timeout_s:g} s"]
         if waiting:
             parts.append(f"no data yet from {self.group.describe_peers(waiting)}")
-        if self._pulled_by and not self.group.outboxes.read_by(self._outbox_seq, self._pulled_by):
-            parts.append(f"ranks {sorted(self._pulled_by)} have not read this rank's data")
         if unsent:
             parts.append(f"sends to ranks {unsent} not completed")
         if self._phase == "ready" or self._unloaded_headers is not None:
@@ -981,14 +880,7 @@ class Collective:
         self.finished = True
         self.error = _ERRORS[kind](f"{self.label}: {reason}")
         self._headers = []
-        aborts = kind in ("timeout", "peer", "raised")
-        if not aborts:
-            # Else the peers must not take it as done with their pieces: those that wait for it
-            # to read them fail with the abort instead of finishing without it.
-            self._release_outboxes()
-        if self._pulled_by:
-            self.group.outboxes.stop_waiting(self._outbox_seq)
-            self._pulled_by = []
+        self._release_outboxes()
         # The buffers (and the staging slots still held) of the cancelled requests stay
         # referenced by the group.
         in_flight = [t.request for t in self._posted if t.request is not None]
@@ -1007,7 +899,7 @@ class Collective:
             self._cuda.release_streams(self._streams)
             self._streams = None
         self._posted, self._unposted = [], []
-        if aborts:
+        if kind in ("timeout", "peer", "raised"):
             self._abort_reason = f"rank {self.group.rank}: {self.error}"
         self._set_outcome(False, self.error)
         self.sealed.set()

@@ -129,11 +129,6 @@ class GroupContext:
         self.outboxes: Any = None  # ``outbox.Outboxes`` with the peers on this host
         # Why a peer on this host is not reached by outbox (where ``shm_outbox_bytes`` > 0).
         self._no_outboxes = "not every pair on a host shares rings"
-        # CPU pieces for a peer reached by outbox that do not fold are pulled from the
-        # sender's memory (``cma``) where every rank can (``host_path="auto"``); else why not.
-        self.pulls = False
-        self._no_pulls = "no outboxes"
-        self.pulled = [0] * size  # pieces this rank pulled from each peer
         unsupported = shm.rings_supported()
         # Every rank of the group takes part in the store exchange the same way: whether rings
         # are wanted depends only on the options, which are the same on every rank.
@@ -187,7 +182,6 @@ class GroupContext:
 
         if not local:
             self._agree("outboxes", True)
-            self._setup_pulls()
             return
         # Room for any header a CUDA collective sends (its own limit), and for CPU data up to
         # the box's share per peer (alignment padding off each message).
@@ -223,28 +217,6 @@ class GroupContext:
                 self.rank,
                 self._no_outboxes,
             )
-        self._setup_pulls()
-
-    def _setup_pulls(self) -> None:
-        """Whether CPU pieces that do not fold are pulled by cross-memory attach (``cma``):
-        only under ``host_path="auto"``, and only if every rank of the group can read the
-        memory of each peer on its host (the pair's two sides must pick pieces alike)."""
-        if self.options.host_path != "auto":
-            self._no_pulls = f"host_path={self.options.host_path}"
-            return
-        problem = self.outboxes.unreadable() if self.outboxes is not None else None
-        self.pulls = self._agree("pulls", problem is None) and self.outboxes is not None
-        if problem is not None:
-            self._no_pulls = f"refused: {problem}"
-            logger.warning(
-                "freescale: group %d, rank %d: larger CPU pieces take UCX, not one copy from "
-                "the sender's memory: %s",
-                self.group_id,
-                self.rank,
-                problem,
-            )
-        elif not self.pulls and self.outboxes is not None:
-            self._no_pulls = "another rank cannot read its peers' memory"
 
     def reaches_by_outbox(self, peer: int) -> bool:
         """Whether this rank's headers to ``peer`` (and the peer's to it) take the outboxes."""
@@ -347,19 +319,11 @@ class GroupContext:
             if self._links[peer] is not None:
                 if options.host_path == "shm":
                     path, why = "shm", "same host; host_path=shm"
-                elif self.reaches_by_outbox(peer) and self.pulls:
-                    path = self._pull_path()
-                    why = (
-                        "same host; host_path=auto: larger CPU pieces read from the sender's "
-                        "memory (cross-memory attach)"
-                    )
                 elif options.shm_max_bytes >= 1 << 40:
                     path, why = "shm", "same host; host_path=auto: rings at every size"
                 else:
                     path = f"shm <= {options.shm_max_bytes} B, ucx above"
                     why = "same host; host_path=auto (the faster path per size)"
-                    if self.reaches_by_outbox(peer):
-                        why += f"; no cross-memory attach: {self._no_pulls}"
             elif same:
                 path, why = "ucx", f"same host, no rings: {self._no_rings.get(peer, '?')}"
             else:
@@ -374,7 +338,6 @@ class GroupContext:
                     "host": self.directory.host,
                     "peer_host": self.directory.host_of(peer),
                     "ring_messages": (link.sent, link.received) if link else (0, 0),
-                    "pulled": self.pulled[peer],
                     "ring_slots": link.inc.slots if link else 0,
                     "headers": self._headers_path(peer),
                     "outbox_posts": self.outboxes.posted if self.outboxes is not None else 0,
@@ -383,14 +346,6 @@ class GroupContext:
                 }
             )
         return rows
-
-    def _pull_path(self) -> str:
-        """Host bytes to a peer reached by outbox, where pieces that do not fold are pulled:
-        by size, the outbox, messages (from ``cma_min_bytes`` above the fold limit), CMA."""
-        fold, least = self.outbox_eager_per_peer, self.options.cma_min_bytes
-        if least <= fold:
-            return f"outbox <= {fold} B, cma above"
-        return f"outbox <= {fold} B, messages <= {least} B, cma above"
 
     def _headers_path(self, peer: int) -> str:
         """How each collective's header messages to ``peer`` travel, and why (``freescale comm

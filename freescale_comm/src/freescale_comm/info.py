@@ -169,9 +169,8 @@ def format_info(info: dict[str, Any]) -> str:
     else:
         rule = (
             f"peers on this host: shared-memory rings for messages <= {opts['shm_max_bytes']} B"
-            ", UCX above; CPU pieces the outboxes do not carry read from the sender's memory "
-            "(cross-memory attach) where every rank may (host_path=auto: the faster path per "
-            "size, benchmarks/comm_host_paths.py); other hosts: UCX"
+            ", UCX above (host_path=auto: the faster path per size, "
+            "benchmarks/comm_host_paths.py); other hosts: UCX"
         )
     lines.append(f"host bytes: {rule}")
     for row in info.get("paths", []):

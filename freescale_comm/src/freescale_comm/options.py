@@ -76,10 +76,6 @@ class FreescaleOptions:
             still turns folding off). Peers on other hosts: messages.
             Same on every rank; 0: no outboxes, headers take the rings.
             ``FREESCALE_SHM_OUTBOX_BYTES``.
-        cma_min_bytes: under ``host_path="auto"``, CPU bytes for a peer on this host that
-            the outbox does not carry and that exceed this are read by the receiver straight
-            from the sender's memory (cross-memory attach, one copy; where every rank may),
-            with no message; smaller ones take the rings or UCX. ``FREESCALE_CMA_MIN_BYTES``.
         idle_wait: how a thread that progresses collectives waits when nothing moved: ``sleep``
             in an epoll at once, until a peer's wake-up (a system call on each side and a
             scheduler wake-up per wait; no core spent polling), or ``yield`` its core between
@@ -107,7 +103,6 @@ class FreescaleOptions:
     shm_slot_bytes: int = 256 << 10
     shm_pool_bytes: int = 4 << 20
     shm_outbox_bytes: int = 2 << 20
-    cma_min_bytes: int = 0
     idle_wait: IdleWait = "sleep"
     heartbeat_s: float = 1.0
     dead_after_s: float = 10.0
@@ -132,8 +127,6 @@ class FreescaleOptions:
             raise ValueError("shm_slot_bytes must be >= 4096 and shm_pool_bytes >= 2 slots")
         if self.shm_outbox_bytes < 0:
             raise ValueError("shm_outbox_bytes must be >= 0")
-        if self.cma_min_bytes < 0:
-            raise ValueError("cma_min_bytes must be >= 0")
         if self.heartbeat_s <= 0 or self.dead_after_s <= 2 * self.heartbeat_s:
             raise ValueError("heartbeat_s must be > 0 and dead_after_s > 2 * heartbeat_s")
 

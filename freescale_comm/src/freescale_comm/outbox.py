@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -33,9 +32,6 @@ from freescale_comm.errors import FreescaleError
 
 _CTRL_BYTES = 4096  # posted at u64 0, consumed at 8, "wake me when you consume" at 16: lines
 _POSTED, _CONSUMED, _WANTS_CONSUMED = 0, 8, 16
-# The owner's pid, a random word, and that word's address in the owner: a peer that reads the
-# word back there by cross-memory attach (``cma``) may pull the owner's pieces so.
-_PID, _PROBE, _PROBE_ADDRESS = 24, 25, 26
 _ALIGN = 64
 
 
@@ -62,21 +58,6 @@ class Segment:
         self.path = path
         self.base = np.frombuffer(self._map, dtype=np.uint8)
         self.ctrl = np.frombuffer(self._map, dtype=np.uint64, count=_CTRL_BYTES // 8)
-        if create:
-            self.ctrl[_PID] = os.getpid()
-            self.ctrl[_PROBE] = int.from_bytes(os.urandom(8), "little")
-            self.ctrl[_PROBE_ADDRESS] = self.ctrl.ctypes.data + 8 * _PROBE
-
-    @property
-    def pid(self) -> int:
-        return int(self.ctrl[_PID])
-
-    def unreadable(self) -> str | None:
-        """None if this process can read the owner's memory by cross-memory attach."""
-        from freescale_comm import cma
-
-        address = int(self.ctrl[_PROBE_ADDRESS])
-        return cma.probe(self.pid, address, self.ctrl[_PROBE : _PROBE + 1].tobytes())
 
     def boxes(self, box_size: int, world_size: int) -> list[Box]:
         return [Box(self.base, _CTRL_BYTES + k * box_size, box_size, world_size) for k in (0, 1)]
@@ -121,26 +102,9 @@ class Outboxes:
         self._consumed = 0  # ... and consumed (every box up to it read)
         self._done: set[int] = set()  # seqs read, beyond the contiguous ``_consumed``
         self._seen = {p: (0, 0) for p in peers}  # the peers' counters at the last ``moved``
-        # Who waits for the peers' ``consumed``: a write (``writable``), and the collectives
-        # whose pieces peers pull (``read_by``); the flag stays up while any does.
-        self._write_waits = False
-        self._read_waits: set[int] = set()
-        self._flag_lock = threading.Lock()
 
     def reaches(self, peer: int) -> bool:
         return peer in self._peers
-
-    def pid(self, peer: int) -> int:
-        return self._peers[peer].pid
-
-    def unreadable(self) -> str | None:
-        """None if this process can read every peer's memory by cross-memory attach, else
-        why not (the first peer it cannot)."""
-        for peer, segment in sorted(self._peers.items()):
-            problem = segment.unreadable()
-            if problem is not None:
-                return f"rank {peer}: {problem}"
-        return None
 
     @property
     def posted(self) -> int:
@@ -162,35 +126,11 @@ class Outboxes:
         if self._posted != seq - 1:
             return False
         need = seq - 2
-        with self._flag_lock:
-            self._write_waits = not all(
-                int(s.ctrl[_CONSUMED]) >= need for s in self._peers.values()
-            )
-            self._raise_flag()
-            return not self._write_waits
-
-    def read_by(self, seq: int, peers: Sequence[int]) -> bool:
-        """Whether ``peers`` are done with collective ``seq`` (they pulled its pieces from
-        this rank's memory, or gave up on it); if not, they wake this rank when they are."""
-        with self._flag_lock:
-            done = all(int(self._peers[p].ctrl[_CONSUMED]) >= seq for p in peers)
-            if done:
-                self._read_waits.discard(seq)
-            else:
-                self._read_waits.add(seq)
-            self._raise_flag()
-            return done
-
-    def stop_waiting(self, seq: int) -> None:
-        """Collective ``seq`` no longer waits for ``read_by`` (it failed)."""
-        with self._flag_lock:
-            self._read_waits.discard(seq)
-            self._raise_flag()
-
-    def _raise_flag(self) -> None:
-        """Asks the peers for a wake-up when they consume while anyone here waits for that
-        (``moved`` re-reads their counters before a thread sleeps)."""
-        self._own.ctrl[_WANTS_CONSUMED] = int(self._write_waits or bool(self._read_waits))
+        if all(int(s.ctrl[_CONSUMED]) >= need for s in self._peers.values()):
+            self._own.ctrl[_WANTS_CONSUMED] = 0
+            return True
+        self._own.ctrl[_WANTS_CONSUMED] = 1  # the peers wake this rank when they consume
+        return False
 
     def write(self, seq: int, messages: Sequence[tuple[int, Sequence[np.ndarray]]]) -> None:
         """Writes (peer, message parts) into box ``seq % 2`` and publishes it (``writable``
