@@ -312,3 +312,21 @@ def test_device_bytes_slice_like_flat_bytes():
         assert len(got) == len(want)
         if len(want):
             assert address(got) == 4096 + int(want[0])
+
+
+def test_completion_wakes_a_waiter_on_another_thread():
+    import threading
+
+    from freescale_comm.collective import _Done
+
+    done = _Done()
+    assert not done.is_set() and not done.wait(0.01)  # times out while unset
+    setter = threading.Timer(0.05, done.set)
+    setter.start()
+    assert done.wait(10)  # blocked in a real Event until the other thread set it
+    setter.join()
+    assert done.is_set() and done.wait(0)
+    already = _Done()
+    already.set()
+    assert already.wait(0)  # set before anyone waited: no Event made
+    assert already._event is None

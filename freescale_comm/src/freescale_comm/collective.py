@@ -80,6 +80,40 @@ class _NotSealed:
 _NOT_SEALED = _NotSealed()
 
 
+class _Done:
+    """``Collective.event`` and ``sealed``: a ``threading.Event`` made only if a thread must
+    block on it (making one costs microseconds; most collectives are driven to their end by the
+    caller, which then finds it set)."""
+
+    __slots__ = ("_event", "_set")
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._set = False
+        self._event: threading.Event | None = None
+
+    def set(self) -> None:
+        with self._lock:
+            self._set = True
+            event = self._event
+        if event is not None:
+            event.set()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        if self._set:
+            return True
+        with self._lock:
+            if self._set:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
+
+
 def _settle(future: torch.futures.Future, outcome: tuple[bool, Any]) -> None:
     ok, value = outcome
     if ok:
@@ -99,11 +133,11 @@ class Collective:
         self.deadline = time.monotonic() + group.timeout_s
         self.finished = False
         self.error: FreescaleError | None = None
-        self.event = threading.Event()
+        self.event = _Done()
         # CUDA: set once every copy is enqueued and ``final`` recorded (or the collective failed).
         self.on_cuda = plan.on_cuda  # read on every step: the plan derives it from its signature
         self.yields_when_idle = group.yields_when_idle
-        self.sealed = threading.Event() if self.on_cuda else _NOT_SEALED
+        self.sealed = _Done() if self.on_cuda else _NOT_SEALED
         # IPC reaches only some peers: the others take the remote path in this collective.
         self._ipc_partial = plan.ipc and len(plan.ipc_peers) < group.size - 1
         # Staged CUDA collective whose every peer is reached through the staging rings: its
@@ -195,7 +229,8 @@ class Collective:
             self._post_headers()
         else:
             self._phase = "ready"
-        g.transport.progress()
+        if self._posted:  # headers written to the outboxes only need no progress call
+            g.transport.progress()
 
     def _post_headers(self) -> None:
         g = self.group
@@ -684,7 +719,8 @@ class Collective:
                 self._post(transfer)
             else:
                 self._unposted.append(transfer)
-        g.transport.progress()
+        if posted or self.on_cuda:  # a receive posted after its rendezvous arrived needs one
+            g.transport.progress()
         if not self.on_cuda:
             # After posting: peers pull this rank's pieces while it copies its own.
             for dst, src in self.plan.local_copies:
