@@ -444,8 +444,8 @@ def test_outboxes_write_once_read_in_place_and_reuse_a_box_only_once_consumed(tm
         assert np.array_equal(c.read(0, 1), piece)
         # The same buffers for two peers are written once (an AllGather's piece).
         a.write(2, [(1, [piece]), (2, [piece])])
-        table = a._boxes[0].table
-        assert table[1].tolist() == table[2].tolist() == [0, 100]
+        words = a._boxes[0].words  # (offset, length) per peer
+        assert words[2:4].tolist() == words[4:6].tolist() == [0, 100]
         assert not a.writable(3)  # box 1 still holds collective 1, unread by b and c
         assert int(own[0].ctrl[16]) == 1  # ... so a asks them to wake it when they consume
         c.release(1)
