@@ -232,6 +232,11 @@ class LocalGroup:
     def started(self) -> bool:
         return bool(self._processes)
 
+    @property
+    def pids(self) -> list[int]:
+        """The ranks' process ids, in rank order (what they name their shared memory after)."""
+        return [process.pid for process in self._processes]
+
     def start(self, timeout_s: float = 120.0) -> None:
         """Starts the ranks and waits until every one has joined the group."""
         import torch.distributed as dist
