@@ -776,7 +776,8 @@ def die_during_collective(victim: int, delay_s: float, per_peer: int = 256) -> f
 
 def late_peer_wait_cost(idle_wait: str) -> dict[str, Any]:
     """What a wait of 1 s for a late peer costs rank 0 in CPU under ``idle_wait``: with
-    ``yield`` it yields for ``engine.YIELD_S``, then sleeps."""
+    ``yield`` (``auto`` where the ranks outnumber the cores) it yields for ``engine.YIELD_S``,
+    then sleeps."""
     from freescale_comm import FreescaleOptions
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -795,7 +796,12 @@ def late_peer_wait_cost(idle_wait: str) -> dict[str, Any]:
     dist.all_to_all_single(out, x, group=group)
     waited_s, cpu_s = time.monotonic() - start, time.thread_time() - start_cpu
     _same(out, torch.cat([torch.arange(4 * rank, 4 * rank + 4) + 100.0 * r for r in range(n)]), "")
-    result = {"yields": group._ctx.yields_when_idle, "waited_s": waited_s, "cpu_s": cpu_s}
+    result = {
+        "yields": group._ctx.yields_when_idle,
+        "oversubscribed": n > len(os.sched_getaffinity(0)),  # the ranks share this host
+        "waited_s": waited_s,
+        "cpu_s": cpu_s,
+    }
     dist.destroy_process_group(group)
     return result
 

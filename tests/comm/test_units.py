@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from freescale_comm import FreescaleOptions
+from freescale_comm.engine import yields_when_idle
 from freescale_comm.errors import FreescaleError
 from freescale_comm.transport import MAX_SUB, make_tag
 from freescale_comm.validation import (
@@ -37,6 +38,14 @@ def test_options_from_env_and_explicit_values(monkeypatch):
         FreescaleOptions(allgather="tree")
     with pytest.raises(ValueError, match="idle_wait"):
         FreescaleOptions(idle_wait="spin")
+
+
+def test_auto_idle_wait_yields_only_where_the_hosts_ranks_outnumber_its_cores():
+    assert yields_when_idle("auto", host_ranks=4, cores=2)
+    assert not yields_when_idle("auto", host_ranks=2, cores=2)
+    assert yields_when_idle("yield", host_ranks=1, cores=16)
+    assert not yields_when_idle("sleep", host_ranks=8, cores=1)
+    assert FreescaleOptions().idle_wait == "auto"
 
 
 def test_tags_are_distinct_per_field():

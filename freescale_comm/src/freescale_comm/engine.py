@@ -53,6 +53,21 @@ _CLAIM_GRACE_S = 0.05
 YIELD_S = 0.002
 
 
+def yields_when_idle(idle_wait: str, host_ranks: int, cores: int) -> bool:
+    """Whether a group's waiting threads yield their core (``FreescaleOptions.idle_wait``):
+    ``auto`` yields where the group's ``host_ranks`` on this host outnumber the ``cores``
+    this process may run on."""
+    return idle_wait == "yield" or (idle_wait == "auto" and host_ranks > cores)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 class Op(Protocol):
     """What the engine needs from a collective in flight."""
 

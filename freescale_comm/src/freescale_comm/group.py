@@ -24,7 +24,7 @@ import numpy as np
 import torch.distributed as dist
 
 from freescale_comm import directory
-from freescale_comm.engine import Engine
+from freescale_comm.engine import Engine, usable_cores, yields_when_idle
 from freescale_comm.errors import FreescaleError
 from freescale_comm.liveness import Liveness
 from freescale_comm.options import FreescaleOptions
@@ -113,7 +113,10 @@ class GroupContext:
         self._endpoints: list[Any] = [None] * size
         self._header_room = Signature.size(size) + self.eager_per_peer
         self._setup_host_paths()
-        self.yields_when_idle = options.idle_wait == "yield"
+        # Where the host's ranks outnumber its cores, a waiting rank hands its core to a peer.
+        self.yields_when_idle = yields_when_idle(
+            options.idle_wait, len(self.directory.same_host), usable_cores()
+        )
 
     def _setup_host_paths(self) -> None:
         """Sets up the shared-memory rings with the peers on this host."""

@@ -14,7 +14,7 @@ from typing import Literal
 AllGatherAlgorithm = Literal["auto", "direct", "ring"]
 CudaPath = Literal["auto", "direct", "staged", "ipc"]
 HostPath = Literal["auto", "ucx", "shm"]
-IdleWait = Literal["sleep", "yield"]
+IdleWait = Literal["auto", "sleep", "yield"]
 
 _ENV_PREFIX = "FREESCALE_"
 
@@ -81,9 +81,11 @@ class FreescaleOptions:
             scheduler wake-up per wait; no core spent polling), or ``yield`` its core between
             polls (``sched_yield``: a message is seen without a wake-up, and a peer that needs
             the core gets it) for up to ``engine.YIELD_S`` without progress, then sleep.
-            ``yield`` suits a process that has nothing else to do while it waits (collectives
-            back to back); where the process computes beside its collectives (a training step
-            with background threads) the polling takes cores and the GIL from that work.
+            ``auto``: ``yield`` where the group's ranks on this host outnumber the cores this
+            process may run on (a waiting rank then hands its core to a peer with work, as
+            Open MPI's ``mpi_yield_when_idle`` does when oversubscribed), else ``sleep`` (where
+            every rank has a core, polling takes cores and the GIL from the work a process does
+            beside its collectives, such as a training step's background threads).
             ``FREESCALE_IDLE_WAIT``.
         heartbeat_s: interval of the liveness heartbeat each process writes to the store.
             ``FREESCALE_HEARTBEAT_S``.
@@ -103,7 +105,7 @@ class FreescaleOptions:
     shm_slot_bytes: int = 256 << 10
     shm_pool_bytes: int = 4 << 20
     shm_outbox_bytes: int = 2 << 20
-    idle_wait: IdleWait = "sleep"
+    idle_wait: IdleWait = "auto"
     heartbeat_s: float = 1.0
     dead_after_s: float = 10.0
 
@@ -112,7 +114,7 @@ class FreescaleOptions:
             "allgather": ("auto", "direct", "ring"),
             "cuda_path": ("auto", "direct", "staged", "ipc"),
             "host_path": ("auto", "ucx", "shm"),
-            "idle_wait": ("sleep", "yield"),
+            "idle_wait": ("auto", "sleep", "yield"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
