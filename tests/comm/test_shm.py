@@ -191,6 +191,9 @@ def test_info_says_which_path_each_pair_takes(capsys):
     assert "rank 1 -> 0: shm" in out
     # And the path of CUDA bytes (no staging rings without CUDA: UCX's device path or pipeline).
     assert "    CUDA bytes: " in out
+    # And how each rank waits for its peers (2 ranks: they outnumber the cores only on 1 core).
+    waits = "yields its core, then sleeps" if len(os.sched_getaffinity(0)) < 2 else "sleeps"
+    assert f"  rank 0, waiting for its peers: {waits} (idle_wait=auto; 2 ranks on this host" in out
 
 
 class _LateCopies:
