@@ -779,6 +779,7 @@ def late_peer_wait_cost(idle_wait: str) -> dict[str, Any]:
     ``yield`` (``auto`` where the ranks outnumber the cores) it yields for ``engine.YIELD_S``,
     then sleeps."""
     from freescale_comm import FreescaleOptions
+    from freescale_comm.cpu import usable_cores
 
     rank, n = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(
@@ -798,7 +799,7 @@ def late_peer_wait_cost(idle_wait: str) -> dict[str, Any]:
     _same(out, torch.cat([torch.arange(4 * rank, 4 * rank + 4) + 100.0 * r for r in range(n)]), "")
     result = {
         "yields": group._ctx.yields_when_idle,
-        "oversubscribed": n > len(os.sched_getaffinity(0)),  # the ranks share this host
+        "oversubscribed": n > usable_cores(),  # the ranks share this host
         "waited_s": waited_s,
         "cpu_s": cpu_s,
     }

@@ -183,6 +183,7 @@ def test_leftovers_of_a_crashed_run_are_swept():
 
 def test_info_says_which_path_each_pair_takes(capsys):
     from freescale_comm.cli import main
+    from freescale_comm.cpu import usable_cores
 
     assert main(["info", "--ranks", "2"]) == 0
     out = capsys.readouterr().out
@@ -192,7 +193,7 @@ def test_info_says_which_path_each_pair_takes(capsys):
     # And the path of CUDA bytes (no staging rings without CUDA: UCX's device path or pipeline).
     assert "    CUDA bytes: " in out
     # And how each rank waits for its peers (2 ranks: they outnumber the cores only on 1 core).
-    waits = "yields its core, then sleeps" if len(os.sched_getaffinity(0)) < 2 else "sleeps"
+    waits = "yields its core, then sleeps" if usable_cores() < 2 else "sleeps"
     assert f"  rank 0, waiting for its peers: {waits} (idle_wait=auto; 2 ranks on this host" in out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from freescale_comm import FreescaleOptions
+from freescale_comm.cpu import cgroup_cpu_quota, usable_cores
 from freescale_comm.engine import yields_when_idle
 from freescale_comm.errors import FreescaleError
 from freescale_comm.transport import MAX_SUB, make_tag
@@ -46,6 +48,53 @@ def test_auto_idle_wait_yields_only_where_the_hosts_ranks_outnumber_its_cores():
     assert yields_when_idle("yield", host_ranks=1, cores=16)
     assert not yields_when_idle("sleep", host_ranks=8, cores=1)
     assert FreescaleOptions().idle_wait == "auto"
+
+
+def _cgroup_tree(root, cgroup_lines, files):
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text("\n".join(cgroup_lines) + "\n")
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return str(root)
+
+
+def test_cpu_quota_of_cgroups_caps_the_usable_cores(tmp_path):
+    # v2: the tightest quota of the process's cgroup and those above it.
+    v2 = _cgroup_tree(
+        tmp_path / "v2",
+        ["0::/pod/rank"],
+        {
+            "sys/fs/cgroup/cpu.max": "max 100000",
+            "sys/fs/cgroup/pod/cpu.max": "150000 100000",
+            "sys/fs/cgroup/pod/rank/cpu.max": "400000 100000",
+        },
+    )
+    assert cgroup_cpu_quota(v2) == 1.5
+    assert usable_cores(v2) == min(2, len(os.sched_getaffinity(0)))
+    # v1 (inside a container the mount's root is the container's cgroup, whatever the path).
+    v1 = _cgroup_tree(
+        tmp_path / "v1",
+        ["12:cpu,cpuacct:/docker/abc", "1:name=systemd:/docker/abc"],
+        {
+            "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "50000\n",
+            "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+        },
+    )
+    assert cgroup_cpu_quota(v1) == 0.5
+    assert usable_cores(v1) == 1
+    unlimited = _cgroup_tree(
+        tmp_path / "none",
+        ["0::/", "3:cpu:/"],
+        {
+            "sys/fs/cgroup/cpu.max": "max 100000",
+            "sys/fs/cgroup/cpu/cpu.cfs_quota_us": "-1",
+            "sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000",
+        },
+    )
+    assert cgroup_cpu_quota(unlimited) is None
+    assert cgroup_cpu_quota(str(tmp_path / "no-proc")) is None
+    assert usable_cores(unlimited) == len(os.sched_getaffinity(0))
 
 
 def test_tags_are_distinct_per_field():

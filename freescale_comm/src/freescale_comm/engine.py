@@ -60,14 +60,6 @@ def yields_when_idle(idle_wait: str, host_ranks: int, cores: int) -> bool:
     return idle_wait == "yield" or (idle_wait == "auto" and host_ranks > cores)
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 class Op(Protocol):
     """What the engine needs from a collective in flight."""
 

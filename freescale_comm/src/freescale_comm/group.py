@@ -24,7 +24,8 @@ import numpy as np
 import torch.distributed as dist
 
 from freescale_comm import directory
-from freescale_comm.engine import Engine, usable_cores, yields_when_idle
+from freescale_comm.cpu import usable_cores
+from freescale_comm.engine import Engine, yields_when_idle
 from freescale_comm.errors import FreescaleError
 from freescale_comm.liveness import Liveness
 from freescale_comm.options import FreescaleOptions

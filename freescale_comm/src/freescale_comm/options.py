@@ -82,7 +82,8 @@ class FreescaleOptions:
             polls (``sched_yield``: a message is seen without a wake-up, and a peer that needs
             the core gets it) for up to ``engine.YIELD_S`` without progress, then sleep.
             ``auto``: ``yield`` where the group's ranks on this host outnumber the cores this
-            process may run on (a waiting rank then hands its core to a peer with work, as
+            process may use (``cpu.usable_cores``: its affinity mask, capped by its cgroup's CPU
+            quota; a waiting rank then hands its core to a peer with work, as
             Open MPI's ``mpi_yield_when_idle`` does when oversubscribed), else ``sleep`` (where
             every rank has a core, polling takes cores and the GIL from the work a process does
             beside its collectives, such as a training step's background threads).
