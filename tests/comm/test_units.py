@@ -85,7 +85,7 @@ def test_cpu_quota_of_cgroups_caps_the_usable_cores(tmp_path):
     assert usable_cores(v1) == 1
     unlimited = _cgroup_tree(
         tmp_path / "none",
-        ["0::/", "3:cpu:/"],
+        ["0::/", "3:cpu:/", "not a cgroup line"],
         {
             "sys/fs/cgroup/cpu.max": "max 100000",
             "sys/fs/cgroup/cpu/cpu.cfs_quota_us": "-1",

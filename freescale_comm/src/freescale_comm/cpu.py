@@ -38,7 +38,10 @@ def cgroup_cpu_quota(root: str = "/") -> float | None:
         return None
     limits = []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
         if controllers == "":  # v2: one unified hierarchy
             limits += _walk(base / "sys/fs/cgroup", path, _v2_quota)
         elif "cpu" in controllers.split(","):
