@@ -115,11 +115,9 @@ class GroupContext:
         self._header_room = Signature.size(size) + self.eager_per_peer
         self._setup_host_paths()
         # Where the host's ranks outnumber its cores, a waiting rank hands its core to a peer.
-        host_ranks, cores = len(self.directory.same_host), usable_cores()
-        self.yields_when_idle = yields_when_idle(options.idle_wait, host_ranks, cores)
-        self._waits = (
-            f"{'yields its core, then sleeps' if self.yields_when_idle else 'sleeps'} "
-            f"(idle_wait={options.idle_wait}; {host_ranks} ranks on this host, {cores} cores)"
+        self._cores = usable_cores()
+        self.yields_when_idle = yields_when_idle(
+            options.idle_wait, len(self.directory.same_host), self._cores
         )
 
     def _setup_host_paths(self) -> None:
@@ -319,6 +317,11 @@ class GroupContext:
         """Per peer: the path host bytes take to it, and why (``freescale comm info``)."""
         rows = []
         options = self.options
+        waits = (
+            f"{'yields its core, then sleeps' if self.yields_when_idle else 'sleeps'} "
+            f"(idle_wait={options.idle_wait}; {len(self.directory.same_host)} ranks on this "
+            f"host, {self._cores} cores)"
+        )
         for peer in range(self.size):
             if peer == self.rank:
                 continue
@@ -347,7 +350,7 @@ class GroupContext:
                     "ring_messages": (link.sent, link.received) if link else (0, 0),
                     "ring_slots": link.inc.slots if link else 0,
                     "headers": self._headers_path(peer),
-                    "waits": self._waits,
+                    "waits": waits,
                     "outbox_posts": self.outboxes.posted if self.outboxes is not None else 0,
                     "cuda": self._cuda_path_of(peer),
                     "ipc_pushes": sum(path.pushes_to(peer) for path in self._ipc.values()),

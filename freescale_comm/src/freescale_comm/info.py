@@ -173,10 +173,8 @@ def format_info(info: dict[str, Any]) -> str:
             "benchmarks/comm_host_paths.py); other hosts: UCX"
         )
     lines.append(f"host bytes: {rule}")
-    waits_shown = set()
-    for row in info.get("paths", []):
-        if "waits" in row and row["rank"] not in waits_shown:
-            waits_shown.add(row["rank"])
+    for k, row in enumerate(info.get("paths", [])):  # sorted by rank: its first row
+        if "waits" in row and (k == 0 or info["paths"][k - 1]["rank"] != row["rank"]):
             lines.append(f"  rank {row['rank']}, waiting for its peers: {row['waits']}")
         lines.append(f"  rank {row['rank']} -> {row['peer']}: {row['path']}  ({row['why']})")
         if "headers" in row:
