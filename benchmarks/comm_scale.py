@@ -538,7 +538,7 @@ def per_call_work(size: int, repeats: int) -> dict[str, float]:
     result["header_bytes"] = float(validation.Signature.size(size))
     result["header_bytes_sent_per_call"] = float(validation.Signature.size(size) * (size - 1))
     result["judge_first_us"] = _median_us(
-        lambda: validation.judge(headers, size, "a2a"), max(3, repeats // 3)
+        lambda: validation.judge(headers, size), max(3, repeats // 3)
     )
     good = {b"".join(h.tobytes() for h in headers)}
     result["judge_cached_us"] = _median_us(
@@ -565,7 +565,7 @@ def old_per_call_work(size: int, repeats: int) -> dict[str, float]:
         "header_bytes": float(table_size),
         "header_bytes_sent_per_call": float(table_size * (size - 1)),
         "judge_first_us": _median_us(
-            lambda: validation.judge_table(headers, size, "a2a"), max(3, repeats // 3)
+            lambda: validation.judge_table(headers, size), max(3, repeats // 3)
         ),
         "judge_cached_us": _median_us(
             lambda: b"".join(h.tobytes() for h in headers) in good, repeats

@@ -76,3 +76,87 @@ def ipc_mailbox_cases(seed: int) -> dict[str, Any]:
     report["pushes"] = [row["ipc_pushes"] for row in group.paths()]
     dist.destroy_process_group(group)
     return report
+
+
+def ipc_lagging_receiver_cases(seed: int) -> dict[str, Any]:
+    """A mismatch while the receiver's GPU lags a mailbox's worth of pushes behind: rank 1's
+    stream sleeps, both ranks push ``MAILBOX_SLOTS`` small collectives, then a mismatched one
+    whose push reuses the first one's slot. Freeing that slot must not let the failed push
+    overwrite bytes the lagging GPU has yet to read, nor set its "read" flag back (later
+    collectives through the same slot then wait forever). Returns how many were checked."""
+    from freescale_comm import FreescaleValidationError, ipc
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev, group = cuda_group(timeout_s=30, cuda_path="ipc")
+
+    def prepare(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Call ``k``'s input and output on the GPU, and what it must receive."""
+        sent = [
+            make_tensor((8,), torch.float32, seed + 97 * k + 7 * r + 1000 * rank) for r in range(n)
+        ]
+        mine = [
+            make_tensor((8,), torch.float32, seed + 97 * k + 7 * rank + 1000 * j) for j in range(n)
+        ]
+        return torch.cat(mine).to(dev), torch.full((8 * n,), -1.0, device=dev), torch.cat(sent)
+
+    def call(inp: torch.Tensor, out: torch.Tensor, want: torch.Tensor) -> tuple[Any, ...]:
+        return dist.all_to_all_single(out, inp, group=group, async_op=True), out, want
+
+    first = call(*prepare(0))  # names the mailboxes; pushes start with the next call
+    first[0].wait()
+    _same(first[1].cpu(), first[2], "the first call")
+    # Every input on the GPU before the sleep: a copy from pageable memory would wait for it.
+    prepared = [prepare(1 + k) for k in range(ipc.MAILBOX_SLOTS)]
+    # Every rank sends 2 floats to every rank; rank 1 expects 3 from each: a mismatch on every
+    # rank, whose pushes go into the slots of the first of those calls.
+    splits = [2 + (rank == 1)] * n
+    bad, bad_out = torch.full((2 * n,), 9999.0, device=dev), torch.empty(sum(splits), device=dev)
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    if rank == 1:
+        torch.cuda._sleep(1_000_000_000)  # about half a second behind rank 0
+    calls = [call(*p) for p in prepared]
+    try:
+        dist.all_to_all_single(bad_out, bad, splits, [2] * n, group=group)
+        raise AssertionError("the mismatch passed")
+    except FreescaleValidationError:
+        pass
+    checked = 0
+    for k, (work, out, want) in enumerate(calls):
+        work.wait()
+        _same(out.cpu(), want, f"in flight behind the lag #{k}")
+        checked += 1
+    for k in range(2 * ipc.MAILBOX_SLOTS):  # through every slot again, the failed one's too
+        work, out, want = call(*prepare(100 + k))
+        work.wait()
+        _same(out.cpu(), want, f"after the mismatch #{k}")
+        checked += 1
+    torch.cuda.synchronize()
+    dist.destroy_process_group(group)
+    return {"checked": checked}
+
+
+def ipc_late_sequence_cases(seed: int) -> dict[str, Any]:
+    """Collectives numbered from past 2^31 on a new group, whose flags are all 0: a pulled
+    collective whose sender's inputs come behind GPU work, then pushed ones. A 32-bit flag
+    compare would let the waits pass at once and read inputs not yet produced. Returns how
+    many were checked."""
+    import itertools
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev, group = cuda_group(timeout_s=30, cuda_path="ipc")
+    group._ctx._seq = itertools.count(2**31 + 10)
+    checked = 0
+    for k, floats in enumerate([1 << 17, 8, 8, 1 << 17]):  # pulled (512 KiB), pushed, ...
+        x = torch.zeros(n * floats, device=dev)
+        if rank == 0:
+            torch.cuda._sleep(300_000_000)  # its inputs are written after a GPU sleep
+        x.fill_(rank + 10 * k + 1)
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        want = torch.cat([torch.full((floats,), r + 10 * k + 1.0) for r in range(n)])
+        _same(out.cpu(), want, f"collective #{k} past 2^31")
+        checked += 1
+    torch.cuda.synchronize()
+    dist.destroy_process_group(group)
+    return {"checked": checked}

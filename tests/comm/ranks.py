@@ -437,6 +437,11 @@ def bad_inputs() -> list[str]:
             [torch.empty(n * k) for k in sizes], coalesced
         ).wait()
     )
+    # Different collectives of the same sizes: each rank names both alike.
+    if rank == 0:
+        expect(dist.all_gather_into_tensor, torch.empty(n * 2), torch.ones(2))
+    else:
+        expect(dist.all_to_all_single, torch.empty(n * 2), torch.ones(n * 2), [2] * n, [2] * n)
     # The group still works.
     out = torch.empty(n)
     dist.all_gather_into_tensor(out, torch.tensor([float(rank)]))

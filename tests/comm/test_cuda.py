@@ -141,6 +141,18 @@ def test_ipc_pushes_small_sends_into_mailboxes(fs_group):
         assert report["pushes"] == [want] * (fs_group.spec.world_size - 1), (rank, report)
 
 
+def test_ipc_mismatch_behind_a_lagging_receiver_frees_its_slot_in_order(fs_group):
+    from freescale_comm.ipc import MAILBOX_SLOTS
+
+    for report in fs_group.run(ipc_ranks.ipc_lagging_receiver_cases, 6, timeout_s=120):
+        assert report["checked"] == 3 * MAILBOX_SLOTS, report
+
+
+def test_ipc_flags_hold_past_two_to_the_31_collectives(fs_group):
+    for report in fs_group.run(ipc_ranks.ipc_late_sequence_cases, 7, timeout_s=120):
+        assert report["checked"] == 4, report
+
+
 def test_killed_peer_on_ipc_releases_the_gpu():
     group = LocalGroup(2, backend="freescale", setup=SETUP, init_timeout_s=30, env=FAST_FAILURE_ENV)
     try:

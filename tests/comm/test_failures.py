@@ -17,7 +17,7 @@ def test_bad_inputs_fail_on_every_rank_before_data_moves(fs_group):
     per_rank = fs_group.run(ranks.bad_inputs)
     # Every rank reports the same problems (they judged the same table of signatures).
     for messages in per_rank:
-        assert len(messages) == 7
+        assert len(messages) == 8
         assert [m.split(": ", 1)[1] for m in messages] == [m.split(": ", 1)[1] for m in per_rank[0]]
     first = per_rank[0]
     assert "which expects 12 (sizes or split sizes disagree" in first[0]
@@ -27,6 +27,8 @@ def test_bad_inputs_fail_on_every_rank_before_data_moves(fs_group):
     assert "do not add up" in first[4]
     assert "expects" in first[5]
     assert "split into tensors of other sizes than it expects" in first[6]
+    assert "ranks disagree: rank 0 calls all_gather_into_tensor, rank" in first[7]
+    assert first[7].endswith("all_to_all_single")
 
 
 def test_meta_tensor_and_negative_split_fail_on_every_rank_at_once(fs_group):

@@ -119,10 +119,10 @@ def _sig(send, recv, **kw):
 
 def test_signature_round_trip_and_verdicts():
     sig = _sig([1, 2, 3], [4, 5, 6], error="x" * 500)
-    back = Signature.decode_table(sig.encode_table(3), 3, "all_to_all")
+    back = Signature.decode_table(sig.encode_table(3), 3)
     assert back.send_bytes == (1, 2, 3) and back.recv_bytes == (4, 5, 6)
     assert back.error.startswith("xxx") and back.dtype == "torch.float32"
-    short = Signature.decode(sig.encode(3), 3, "all_to_all")
+    short = Signature.decode(sig.encode(3), 3)
     assert short.error == back.error and short.dtype == back.dtype
     good = [_sig([0, 8], [0, 4]), _sig([4, 0], [8, 0])]
     assert verdict(good) is None
@@ -130,7 +130,9 @@ def test_signature_round_trip_and_verdicts():
     assert "rank 0 sends 8 bytes to rank 1, which expects 4" in verdict(bad)
     mixed = [_sig([0], [0]), _sig([0], [0], dtype="torch.int64")]
     assert "rank 1 has dtype torch.int64" in verdict(mixed)
-    assert Signature.decode(good[0].encode(2), 2, "all_gather").op.startswith("<another")
+    assert Signature.decode(good[0].encode(2), 2).op == "all_to_all"  # from the table of ops
+    other = _sig([0], [0], op="not_a_collective")
+    assert Signature.decode(other.encode(1), 1).op.startswith("<unknown collective, code 0x")
 
 
 def test_a_message_split_differently_is_rejected():
@@ -149,12 +151,12 @@ def test_a_message_split_differently_is_rejected():
     rank0 = side([8, 12], [[8, 12], [12, 8]])
     rank1 = side([12, 8], [[8, 12], [12, 8]])
     assert verdict([rank0, rank1]) is None
-    assert judge([s.encode(2) for s in (rank0, rank1)], 2, "all_gather") is None
+    assert judge([s.encode(2) for s in (rank0, rank1)], 2) is None
     wrong = side([8, 12], [[8, 12], [12, 8]])  # rank 1 now sends 8+12
-    assert judge([s.encode(2) for s in (rank0, wrong)], 2, "all_gather") is NEEDS_TABLE
-    problem = judge_table([s.encode_table(2) for s in (rank0, wrong)], 2, "all_gather")
+    assert judge([s.encode(2) for s in (rank0, wrong)], 2) is NEEDS_TABLE
+    problem = judge_table([s.encode_table(2) for s in (rank0, wrong)], 2)
     assert "rank 1 sends rank 0 the same bytes split into tensors of other sizes" in problem
-    back = Signature.decode_table(wrong.encode_table(2), 2, "all_gather")
+    back = Signature.decode_table(wrong.encode_table(2), 2)
     assert back.send_layout == wrong.send_layout
     assert list(back.recv_layouts) == list(wrong.recv_layouts)
 
@@ -313,7 +315,7 @@ def test_fixed_size_headers_find_any_one_wrong_entry(n):
     tables = [s.encode_table(n) for s in sigs]
     assert len({len(h) for h in headers}) == 1
     assert Signature.size(n) == Signature.size(2) == len(headers[0])
-    assert judge(headers, n, "all_to_all") is None
+    assert judge(headers, n) is None
     for _ in range(5):  # one entry off by one, on the sending or on the receiving side
         r, p = rng.randrange(n), rng.randrange(n)
         sends, recvs = list(sigs[r].send_bytes), list(sigs[r].recv_bytes)
@@ -321,13 +323,13 @@ def test_fixed_size_headers_find_any_one_wrong_entry(n):
         bad = _sig(sends, recvs)
         bad_headers, bad_tables = list(headers), list(tables)
         bad_headers[r], bad_tables[r] = bad.encode(n), bad.encode_table(n)
-        assert judge(bad_headers, n, "all_to_all") is NEEDS_TABLE
-        problem = judge_table(bad_tables, n, "all_to_all")
+        assert judge(bad_headers, n) is NEEDS_TABLE
+        problem = judge_table(bad_tables, n)
         assert "sizes or split sizes disagree" in problem
     # The same table held by other ranks (rows swapped) is caught too.
     if n > 2:
         swapped = [headers[1], headers[0], *headers[2:]]
-        assert judge(swapped, n, "all_to_all") is not None
+        assert judge(swapped, n) is not None
 
 
 def test_a_disagreement_in_a_large_group_is_named_in_few_words():

@@ -507,7 +507,7 @@ class Collective:
             self._judge()
             progressed = True
         if self._phase == "diagnose" and not any(t.sub == 0 for t in self._posted):
-            problem = judge_table(self._headers, self.group.size, self.name)
+            problem = judge_table(self._headers, self.group.size)
             self._reject(problem or "the signature digests disagree, the tables do not")
             progressed = True
         if (
@@ -595,15 +595,11 @@ class Collective:
             # consistent now: compared as bytes, not judged again.
             table = b"".join([h[:size].tobytes() for h in self._headers])
             good = template.derived.setdefault("good", set())
-            problem = (
-                None
-                if table in good
-                else judge([h[:size] for h in self._headers], g.size, self.name)
-            )
+            problem = None if table in good else judge([h[:size] for h in self._headers], g.size)
             if problem is None and len(good) < 16:
                 good.add(table)
         else:
-            problem = judge([h[:size] for h in self._headers], g.size, self.name)
+            problem = judge([h[:size] for h in self._headers], g.size)
         if problem is NEEDS_TABLE:
             self._diagnose()
             return

@@ -90,9 +90,12 @@ class _Driver:
             "cuMemcpyAsync", ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ptr
         )
         u64, pu64, size = ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t
-        # Stream memory operations: 32-bit flag writes and waits ordered in a stream (``ipc``).
-        self.write_value32 = entry("cuStreamWriteValue32", ptr, u64, ctypes.c_uint32, ctypes.c_uint)
-        self.wait_value32 = entry("cuStreamWaitValue32", ptr, u64, ctypes.c_uint32, ctypes.c_uint)
+        # Stream memory operations: 64-bit flag writes and waits ordered in a stream (``ipc``).
+        self.write_value64 = entry("cuStreamWriteValue64", ptr, u64, u64, ctypes.c_uint)
+        self.wait_value64 = entry("cuStreamWaitValue64", ptr, u64, u64, ctypes.c_uint)
+        self._attribute = entry(
+            "cuDeviceGetAttribute", ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int
+        )
         # CUDA IPC of device memory, and what it needs: an allocation's base, plain allocations.
         self.ipc_get_mem_handle = entry("cuIpcGetMemHandle", ctypes.POINTER(IpcHandle), u64)
         self.ipc_open_mem_handle = entry("cuIpcOpenMemHandle", pu64, IpcHandle, ctypes.c_uint)
@@ -136,6 +139,13 @@ class _Driver:
             return None
         self.check(self._set_current(context), "cuCtxSetCurrent")
         return current
+
+    def attribute(self, device: int, attribute: int) -> int:
+        """``cuDeviceGetAttribute`` of a device ordinal."""
+        handle, value = ctypes.c_int(), ctypes.c_int()
+        self.check(self._device_get(ctypes.byref(handle), device), "cuDeviceGet")
+        self.check(self._attribute(ctypes.byref(value), attribute, handle), "cuDeviceGetAttribute")
+        return value.value
 
     def device_uuid(self, device: int) -> bytes:
         """The GPU's UUID: processes that see it under other ordinals agree on it."""

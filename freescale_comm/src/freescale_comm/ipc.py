@@ -9,9 +9,9 @@ data moves without a kernel:
 
 1. wait for the caller's stream (the inputs are produced, the outputs free);
 2. per peer, a flag write "my inputs of collective ``seq`` are ready" into the pair's shared
-   page (``cuStreamWriteValue32``);
+   page (``cuStreamWriteValue64``);
 3. the rank's own piece, a local device-to-device copy;
-4. per peer, in ring order: wait for its ready flag (``cuStreamWaitValue32``), copy its pieces
+4. per peer, in ring order: wait for its ready flag (``cuStreamWaitValue64``), copy its pieces
    straight from its memory (mapped once per allocation, ``cuIpcOpenMemHandle``) into the
    outputs with ``cudaMemcpyAsync`` (copy engines; over NVLink or PCIe between GPUs), then write
    "I have read yours" into the pair's page;
@@ -51,10 +51,10 @@ collective, which must not hold this rank's IPC stream behind it.) The receiver'
 waits for that flag and copies out of its own mailbox into the output, so the outputs are still
 written only after the verdict, but the copy between the processes overlaps the header exchange,
 and no GPU waits for another's verdict (a pull waits for the peer's queued "ready" and then the
-peer waits for the puller's "read"). A collective that
-fails its verdict frees the slots pushed to it with CPU stores: the slot's next push is behind the
-failed one on the sender's push stream, so the store cannot let it overwrite bytes still to be
-read.
+peer waits for the puller's "read"). A collective that fails its verdict frees the slots pushed
+to it unread with a "read" flag write on the IPC stream, queued once every earlier collective is
+(``done_with``): the failed push itself waited for the slot's previous push to be read, which an
+earlier collective still queued here may not have done yet, and a "read" flag must never go back.
 
 Memory that CUDA IPC cannot export (``expandable_segments``, virtual memory management) is copied
 into a scratch allocation of the group's own first, on the same stream. A peer's allocation is
@@ -98,7 +98,11 @@ _ENTRY = struct.Struct("<64sQQ")  # handle, offset in the allocation, bytes
 # pushed into (-1: pull them from the handles named), pieces.
 _COUNT = struct.Struct("<16s64sqQ")
 _NO_HANDLE = bytes(64)
-_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*flag - value) >= 0
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int64)(*flag - value) >= 0
+# 64-bit flags: a pair's flag that one kind of collective never writes (pushes write "pushed",
+# pulls "ready" and "done") may lag the sequence number by any amount, which 32 bits would
+# compare the wrong way after 2^31 collectives.
+_CAN_USE_64_BIT_STREAM_MEM_OPS = 122  # CUdevice_attribute (the v2 API's; 93 is v1's)
 _WRITE_DEFAULT = 0x0  # with a memory barrier: earlier copies are visible first
 _LAZY_PEER_ACCESS = 0x1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 _FLAG_PAGE = 4096
@@ -374,15 +378,9 @@ class _Flags:
         self.my_consumed = [out + 8 * (_CONSUMED + slot) for slot in range(MAILBOX_SLOTS)]
         self.peer_consumed = [inc + 8 * (_CONSUMED + slot) for slot in range(MAILBOX_SLOTS)]
 
-    def consume(self, slot: int, seq: int) -> None:
-        """Frees a slot the peer pushed collective ``seq`` into, unread (a CPU store)."""
-        ring = self._rings[0]
-        if ring.ctrl is not None:
-            ring.ctrl[_CONSUMED + slot] = seq & 0xFFFFFFFF
-
     def release(self, seq: int) -> None:
         """Sets every flag of the pair far past ``seq`` (CPU stores): queued waits pass."""
-        value = (seq + _RELEASE) & 0xFFFFFFFF
+        value = seq + _RELEASE
         for ring in self._rings:
             if ring.ctrl is not None:
                 for index in (_READY, _DONE, _PUSHED, *range(_CONSUMED, _CONSUMED + MAILBOX_SLOTS)):
@@ -409,6 +407,11 @@ class IpcPath:
     def __init__(
         self, device: int, links: dict[int, Link], rank: int, host_ranks: Sequence[int]
     ) -> None:
+        if driver().attribute(device, _CAN_USE_64_BIT_STREAM_MEM_OPS) != 1:
+            raise FreescaleError(
+                f"GPU {device} cannot order copies by 64-bit stream memory operations "
+                "(cuStreamWaitValue64); cuda_path='staged' avoids CUDA IPC"
+            )
         self.device = device
         self._rank = rank
         self._host_index = {r: k for k, r in enumerate(host_ranks)}
@@ -428,6 +431,9 @@ class IpcPath:
         # IPC collectives started (``start``, call order) and not yet queued: queued in
         # sequence order, so that flags grow in stream order on every rank.
         self._unqueued: set[int] = set()
+        # Failed collectives' mailbox slots still to free: (seq, {peer: slot}) (``free_slots``).
+        self._unread: list[tuple[int, dict[int, int]]] = []
+        self._order_lock = threading.Lock()
         # A peer on this same GPU (time-sliced contexts): a queued wait for it spins through
         # this context's time slice while the peer's context, which would meet it, cannot run;
         # collectives are then queued one at a time (``ready``).
@@ -481,7 +487,7 @@ class IpcPath:
                     self._pushes[peer] += 1
                     previous = self._slot_seq.get((peer, slot))
                     if previous is not None:  # the receiver has read the slot's last push
-                        _wait(cu, handle, flags.peer_consumed[slot], previous & 0xFFFFFFFF)
+                        _wait(cu, handle, flags.peer_consumed[slot], previous)
                     self._slot_seq[peer, slot] = seq
                     offset = slot_offset(self.host_index(self._rank), slot)
                     places = []
@@ -490,7 +496,7 @@ class IpcPath:
                         _copy(cu, self._mailbox_at[peer] + offset, address(buffer), nbytes, handle)
                         places.append((offset, nbytes))
                         offset += nbytes
-                    _write(cu, handle, flags.my_pushed, seq & 0xFFFFFFFF)
+                    _write(cu, handle, flags.my_pushed, seq)
                     pushed[peer] = (slot, places)
                 done = torch.cuda.Event()
                 done.record(stream)
@@ -514,9 +520,10 @@ class IpcPath:
 
     def free_slots(self, seq: int, slots: dict[int, int]) -> None:
         """Frees the slots (by peer) that the peers pushed collective ``seq`` into, which
-        failed its verdict unread (see the module docstring)."""
-        for peer, slot in slots.items():
-            self._flags[peer].consume(slot, seq)
+        failed its verdict unread (see the module docstring); queued by ``done_with``, which
+        the failed collective calls next."""
+        with self._order_lock:
+            self._unread.append((seq, slots))
 
     def started(self, seq: int) -> None:
         """Collective ``seq`` takes this path (called in call order)."""
@@ -530,10 +537,36 @@ class IpcPath:
         return not self.shares_gpu or self._last_final is None or self._last_final.query()
 
     def done_with(self, seq: int, final: torch.cuda.Event | None) -> None:
-        """Collective ``seq`` is queued (ending with ``final``) or failed before that."""
-        self._unqueued.discard(seq)
+        """Collective ``seq`` is queued (ending with ``final``) or failed before that. The
+        slots of failed collectives that every earlier collective is queued before are freed
+        first, while ``seq`` still holds back every later one (``ready``)."""
+        with self._order_lock:
+            if self._unread:
+                later = [s for s in self._unqueued if s != seq]
+                self._free_unread_before(min(later) if later else None)
+            self._unqueued.discard(seq)
         if final is not None:
             self._last_final = final
+
+    def _free_unread_before(self, first_unqueued: int | None) -> None:
+        """Queues the "read" flag writes of the failed collectives' slots that come before
+        ``first_unqueued`` (None: all), in sequence order."""
+        due = sorted(
+            (u for u in self._unread if first_unqueued is None or u[0] < first_unqueued),
+            key=lambda u: u[0],
+        )
+        if not due:
+            return
+        self._unread = [u for u in self._unread if u not in due]
+        cu = driver()
+        replaced = cu.bind(self.device)
+        try:
+            handle = ctypes.c_void_p(self.stream.cuda_stream)
+            for seq, slots in due:
+                for peer, slot in slots.items():
+                    _write(cu, handle, self._flags[peer].my_consumed[slot], seq)
+        finally:
+            cu.restore(replaced)
 
     def enqueue(
         self,
@@ -577,7 +610,7 @@ class IpcPath:
             # The inputs are read until the pushes are done, which waited for ``ready`` on the
             # push stream: waiting for them waits for both.
             stream.wait_event(export.push_done if export.push_done is not None else ready)
-            flag = seq & 0xFFFFFFFF
+            flag = seq
             self._last_seq = seq
             for offset, source in export.scratch_copies:
                 _copy(cu, export.scratch_pointer + offset, address(source), len(source), handle)
@@ -650,8 +683,8 @@ def _copy(cu: Any, dst: int, src: int, nbytes: int, stream: ctypes.c_void_p) -> 
 
 
 def _write(cu: Any, stream: ctypes.c_void_p, flag: int, value: int) -> None:
-    cu.check(cu.write_value32(stream, flag, value, _WRITE_DEFAULT), "cuStreamWriteValue32")
+    cu.check(cu.write_value64(stream, flag, value, _WRITE_DEFAULT), "cuStreamWriteValue64")
 
 
 def _wait(cu: Any, stream: ctypes.c_void_p, flag: int, value: int) -> None:
-    cu.check(cu.wait_value32(stream, flag, value, _WAIT_GEQ), "cuStreamWaitValue32")
+    cu.check(cu.wait_value64(stream, flag, value, _WAIT_GEQ), "cuStreamWaitValue64")

@@ -48,6 +48,19 @@ def _code(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
+# Every collective the backend runs itself, by header code: each rank names a peer's collective
+# from this one table, so a mismatch of collectives reads the same on every rank.
+OPS = (
+    "all_gather",
+    "all_gather_coalesced",
+    "all_gather_into_tensor",
+    "all_gather_into_tensor_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+)
+_OP_NAMES = {_code(name): name for name in OPS}
+
+
 @dataclass(frozen=True)
 class Signature:
     """One rank's side of a collective.
@@ -139,17 +152,16 @@ class Signature:
         return self._with_text(struct.pack(f"<{len(ints)}q", *ints))
 
     @staticmethod
-    def decode(buffer: np.ndarray, world_size: int, op: str) -> Signature:
-        """The shared fields and the error of a fixed-size header (no sizes: it holds digests);
-        ``op`` names the collective when the code matches it."""
+    def decode(buffer: np.ndarray, world_size: int) -> Signature:
+        """The shared fields and the error of a fixed-size header (no sizes: it holds digests)."""
         del world_size
         raw = buffer.tobytes()
         ints = struct.unpack_from(f"<{_HEADER_INTS}q", raw)
-        return Signature._decoded(raw, ints, 8 * _HEADER_INTS, _VERSION, op, (), (), 0, ())
+        return Signature._decoded(raw, ints, 8 * _HEADER_INTS, _VERSION, (), (), 0, ())
 
     @staticmethod
-    def decode_table(buffer: np.ndarray, world_size: int, op: str) -> Signature:
-        """Inverse of ``encode_table``; ``op`` names the collective when the code matches it."""
+    def decode_table(buffer: np.ndarray, world_size: int) -> Signature:
+        """Inverse of ``encode_table``."""
         raw = buffer.tobytes()
         n_ints = _ints(world_size)
         ints = struct.unpack_from(f"<{n_ints}q", raw)
@@ -159,7 +171,6 @@ class Signature:
             ints,
             8 * n_ints,
             _TABLE_VERSION,
-            op,
             ints[first : first + n],
             ints[first + n : first + 2 * n],
             ints[5],
@@ -172,7 +183,6 @@ class Signature:
         ints: Sequence[int],
         text_at: int,
         version: int,
-        op: str,
         send_bytes: Sequence[int],
         recv_bytes: Sequence[int],
         send_layout: int,
@@ -185,7 +195,7 @@ class Signature:
             error = error or f"speaks header version {ints[0]} (this rank: {version})"
         devices = {code: name for name, code in DEVICE_CODES.items()}
         return Signature(
-            op=op if ints[1] == _code(op) else f"<another collective, code {ints[1]:#x}>",
+            op=_OP_NAMES.get(ints[1], f"<unknown collective, code {ints[1]:#x}>"),
             dtype=dtype,
             device=devices.get(ints[2], "unknown"),
             count=ints[3],
@@ -267,7 +277,7 @@ class _NeedsTable:
 NEEDS_TABLE = _NeedsTable()
 
 
-def judge(headers: Sequence[np.ndarray], world_size: int, op: str) -> str | _NeedsTable | None:
+def judge(headers: Sequence[np.ndarray], world_size: int) -> str | _NeedsTable | None:
     """The verdict on a table of fixed-size headers (rank order): None (consistent), the first
     problem (an error, or shared fields that differ), or ``NEEDS_TABLE`` (the size digests
     disagree). O(N) in the group size."""
@@ -285,11 +295,11 @@ def judge(headers: Sequence[np.ndarray], world_size: int, op: str) -> str | _Nee
         sends = (weights_k * ints[:, 5].astype(np.uint64)).sum(dtype=np.uint64)
         recvs = (weights_f * ints[:, 6].astype(np.uint64)).sum(dtype=np.uint64)
         return None if sends == recvs else NEEDS_TABLE
-    problem = verdict([Signature.decode(h, world_size, op) for h in headers])
+    problem = verdict([Signature.decode(h, world_size) for h in headers])
     return problem if problem is not None else NEEDS_TABLE
 
 
-def judge_table(headers: Sequence[np.ndarray], world_size: int, op: str) -> str | None:
+def judge_table(headers: Sequence[np.ndarray], world_size: int) -> str | None:
     """The verdict on a table of ``encode_table`` headers (rank order): the first problem, or
     None.
 
@@ -315,7 +325,7 @@ def judge_table(headers: Sequence[np.ndarray], world_size: int, op: str) -> str 
         )
     if consistent:
         return None
-    return verdict([Signature.decode_table(h, world_size, op) for h in headers])
+    return verdict([Signature.decode_table(h, world_size) for h in headers])
 
 
 def verdict(signatures: Sequence[Signature]) -> str | None:
