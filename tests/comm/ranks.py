@@ -684,7 +684,20 @@ def new_user_mistakes() -> list[str]:
         lambda: dist.all_to_all_single(
             torch.empty(n), torch.ones(n), [1] * n, [n + 1, -1] + [0] * (n - 2)
         ),
+        # Float split sizes (Gloo refuses them too), on rank 0 only.
+        lambda: dist.all_to_all_single(
+            torch.empty(n), torch.ones(n), [1] * n, [1.5 if rank == 0 else 1] * n
+        ),
+        # A lazily negated view, whose bytes are not its values, on rank 0 only; the shape is
+        # one the plan cache has seen (the checks must not be skipped there).
+        lambda: dist.all_to_all_single(
+            torch.empty(n), torch._neg_view(torch.ones(n)) if rank == 0 else torch.ones(n)
+        ),
+        # all_gather_coalesced with one output list too few.
+        lambda: dist.all_gather_coalesced([[torch.empty(1)]] * (n - 1), [torch.ones(1)]),
     ]
+    for _ in range(2):  # the plan cache keeps a shape seen twice
+        dist.all_to_all_single(torch.empty(n), torch.ones(n))
     for call in calls:
         start = time.monotonic()
         try:
@@ -697,6 +710,28 @@ def new_user_mistakes() -> list[str]:
     dist.all_gather_into_tensor(out, torch.tensor([float(rank)]))
     _same(out, torch.arange(n, dtype=torch.float32), "after the mistakes")
     return messages
+
+
+def all_gather_coalesced_like_gloo() -> int:
+    """``dist.all_gather_coalesced`` (torch's layout: ``outputs[p][k]`` is rank p's input k)
+    against Gloo's, twice per shape (the second from the plan cache). Returns the calls."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    calls = 0
+    for shapes in [[(2,), (3, 2)], [(2, 2), (1,), (2,)], [(5,)]]:
+        for again in range(2):
+            inputs = [
+                make_tensor(shape, torch.float32, 100 * rank + 10 * k + again)
+                for k, shape in enumerate(shapes)
+            ]
+            got = [[torch.full(shape, -1.0) for shape in shapes] for _ in range(n)]
+            want = [[torch.full(shape, -1.0) for shape in shapes] for _ in range(n)]
+            dist.all_gather_coalesced(got, inputs)
+            dist.all_gather_coalesced(want, inputs, group=gloo_group())
+            for p in range(n):
+                for k in range(len(shapes)):
+                    _same(got[p][k], want[p][k], f"all_gather_coalesced {shapes} [{p}][{k}]")
+            calls += 1
+    return calls
 
 
 def _error_after(call: Any) -> str:

@@ -34,13 +34,17 @@ def test_bad_inputs_fail_on_every_rank_before_data_moves(fs_group):
 def test_meta_tensor_and_negative_split_fail_on_every_rank_at_once(fs_group):
     per_rank = fs_group.run(ranks.new_user_mistakes, timeout_s=30)
     for messages in per_rank:
-        assert len(messages) == 4
+        assert len(messages) == 7
         # At once: well inside the group timeout (60 s), not after it.
         assert all(float(m.split(" ", 1)[0]) < 5 for m in messages), messages
         for m in messages[:2]:
             assert "rank 0: " in m and "got a tensor on meta" in m, m
         assert "rank 0: all_gather mixes devices meta and cpu" in messages[2]
         assert "contain a negative size" in messages[3] and "add up" not in messages[3]
+        assert "rank 0: all_to_all_single input split sizes [1.5" in messages[4], messages[4]
+        assert "are not all integers" in messages[4]
+        assert "rank 0: all_to_all_single got a negative or conjugate view" in messages[5]
+        assert "needs one output list per rank" in messages[6], messages[6]
 
 
 @pytest.mark.parametrize(

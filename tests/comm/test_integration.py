@@ -34,6 +34,10 @@ def test_overlapping_inputs_and_outputs(fs_group, elements):
     assert fs_group.run(ranks.overlapping_inputs, elements) == [want] * fs_group.spec.world_size
 
 
+def test_all_gather_coalesced_matches_gloo(fs_group):
+    assert fs_group.run(ranks.all_gather_coalesced_like_gloo) == [6] * fs_group.spec.world_size
+
+
 def test_subgroups(fs_group4):
     results = fs_group4.run(ranks.subgroups)
     assert results[0] == [1.0, 1.0]

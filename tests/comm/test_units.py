@@ -40,6 +40,20 @@ def test_options_from_env_and_explicit_values(monkeypatch):
         FreescaleOptions(allgather="tree")
     with pytest.raises(ValueError, match="idle_wait"):
         FreescaleOptions(idle_wait="spin")
+    # Values that compare as if valid, or not at all: NaN would turn off peer-death detection.
+    monkeypatch.setenv("FREESCALE_HEARTBEAT_S", "1")
+    monkeypatch.setenv("FREESCALE_DEAD_AFTER_S", "nan")
+    with pytest.raises(ValueError, match="dead_after_s must be a finite number"):
+        FreescaleOptions.from_env()
+    for field, value, says in [
+        ("validate", "no", "a bool"),
+        ("chunk_bytes", 1.5, "an integer"),
+        ("eager_bytes", True, "an integer"),
+        ("heartbeat_s", float("inf"), "a finite number"),
+        ("shm_max_bytes", -5, ">= 0"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            FreescaleOptions(**{field: value})
 
 
 def test_auto_idle_wait_yields_only_where_the_hosts_ranks_outnumber_its_cores():

@@ -8,6 +8,7 @@ and exits with status 2, before any process starts.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -61,6 +62,8 @@ def float_in(low: float, high: float | None = None, *, open_low: bool = False) -
     """A number option in ``[low, high]`` (``(low, high]`` with ``open_low``)."""
 
     def check(value: float) -> float:
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {value:g}")
         too_low = value <= low if open_low else value < low
         if too_low or (high is not None and value > high):
             bracket = "(" if open_low else "["
@@ -84,7 +87,7 @@ def byte_size(text: str) -> int:
     scale = _UNITS.get(number[-1:], 1)
     try:
         value = int(float(number[:-1] if scale > 1 else number) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a size (bytes, or with K, M, G: 4K, 64M, 1G)"
         ) from None

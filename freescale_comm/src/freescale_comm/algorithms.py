@@ -23,6 +23,7 @@ import collections
 import ctypes
 import itertools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -327,9 +328,14 @@ def _planned(
     """The call's plan: from its cached template, or built (and remembered when it may be)."""
     key = None if cache is None else cache.key(op, tensors, extra)
     template = None if cache is None else cache.get(key)
-    if template is not None:
+    if template is not None and not any(_unreadable(t) for t in tensors):
         return template.plan(tensors, result)
-    plan = build()
+    try:
+        plan = build()
+    except Exception as err:  # every rank must hear of it, not only this one
+        b = _Builder(op, world_size, tensors)
+        b.fail(f"cannot read its tensors: {type(err).__name__}: {err}")
+        return Plan(b.signature(len(tensors), [], []), result=result)
     if cache is not None and key is not None:
         cache.remember(key, plan, tensors, world_size)
     return plan
@@ -352,6 +358,11 @@ def _copy_own(plan: Plan, dst: Bytes, src: Bytes) -> None:
     HBM-bound DtoD copy beside the compute the collective overlaps."""
     if len(dst) != len(src) or address(dst) != address(src):
         plan.local_copies.append((dst, src))
+
+
+def _unreadable(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's bytes are not its values (a lazy negation or conjugation)."""
+    return tensor.is_neg() or tensor.is_conj()
 
 
 def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
@@ -380,8 +391,10 @@ class _Builder:
                 self.fail(f"mixes dtypes {self.dtype} and {tensor.dtype}")
             elif tensor.device != self.device:
                 self.fail(f"mixes devices {self.device} and {tensor.device}")
-            elif tensor.is_sparse or tensor.layout != torch.strided:
+            elif tensor.is_sparse or tensor.layout != torch.strided or tensor.is_nested:
                 self.fail(f"got a {tensor.layout} tensor; only dense tensors are supported")
+            elif _unreadable(tensor):
+                self.fail("got a negative or conjugate view; resolve_neg() / resolve_conj() it")
         if self.device.type not in ("cpu", "cuda"):
             self.fail(f"got a tensor on {self.device}; the backend handles cpu and cuda")
 
@@ -524,7 +537,12 @@ def _build_all_to_all_single(
             splits.append([0] * world_size)
             continue
         rows = tensor.size(0)
-        given = [int(s) for s in given]
+        try:
+            given = [operator.index(s) for s in given]
+        except TypeError:
+            b.fail(f"{name} split sizes {list(given)} are not all integers")
+            splits.append([0] * world_size)
+            continue
         if not given:
             if rows % world_size:
                 b.fail(f"{name}.size(0)={rows} is not divisible by the world size {world_size}")
@@ -589,10 +607,13 @@ def _build_all_gather(
     outputs: Sequence[Sequence[torch.Tensor]],
     inputs: Sequence[torch.Tensor],
     options: FreescaleOptions,
+    problem: str | None = None,
 ) -> Plan:
     """Plan of one or more list AllGathers: ``outputs[k][p]`` receives rank p's ``inputs[k]``."""
     b = _Builder(op, world_size, [*inputs, *(t for slots in outputs for t in slots)])
     result = [t for slots in outputs for t in slots]
+    if problem:
+        b.fail(problem)
     if len(outputs) != len(inputs):
         b.fail(f"got {len(inputs)} inputs but {len(outputs)} output lists")
     for slots in outputs:
@@ -781,18 +802,20 @@ def all_gather(
     inputs: Sequence[torch.Tensor],
     options: FreescaleOptions,
     cache: PlanCache | None = None,
+    problem: str | None = None,
 ) -> Plan:
-    """Plan of one or more list AllGathers: ``outputs[k][p]`` receives rank p's ``inputs[k]``."""
+    """Plan of one or more list AllGathers: ``outputs[k][p]`` receives rank p's ``inputs[k]``;
+    ``problem``: what the caller found wrong with the call (every rank raises it)."""
     result = [t for slots in outputs for t in slots]
     tensors = (*inputs, *result)
     return _planned(
-        cache,
+        None if problem else cache,
         op,
         tensors,
         tuple(len(s) for s in outputs),
         result,
         world_size,
-        lambda: _build_all_gather(op, rank, world_size, outputs, inputs, options),
+        lambda: _build_all_gather(op, rank, world_size, outputs, inputs, options, problem),
     )
 
 

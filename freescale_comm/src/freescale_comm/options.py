@@ -7,6 +7,8 @@ defaults there fall back to the environment, so a launcher can tune a job withou
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -120,6 +122,21 @@ class FreescaleOptions:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"FreescaleOptions.{name} must be one of {allowed}")
+        for item in dataclasses.fields(self):
+            value, kind = getattr(self, item.name), type(item.default)
+            # bool is an int: a flag must be a bool, a count an integer and not a bool.
+            if kind is bool and not isinstance(value, bool):
+                raise ValueError(f"FreescaleOptions.{item.name} must be a bool")
+            if kind is int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                raise ValueError(f"FreescaleOptions.{item.name} must be an integer")
+            if kind is float and (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Real)
+                or not math.isfinite(value)
+            ):
+                raise ValueError(f"FreescaleOptions.{item.name} must be a finite number")
+        if min(self.ring_threshold_bytes, self.shm_max_bytes) < 0:
+            raise ValueError("ring_threshold_bytes and shm_max_bytes must be >= 0")
         if self.chunk_bytes <= 0:
             raise ValueError("chunk_bytes must be > 0")
         if self.eager_bytes < 0:
@@ -130,7 +147,7 @@ class FreescaleOptions:
             raise ValueError("shm_slot_bytes must be >= 4096 and shm_pool_bytes >= 2 slots")
         if self.shm_outbox_bytes < 0:
             raise ValueError("shm_outbox_bytes must be >= 0")
-        if self.heartbeat_s <= 0 or self.dead_after_s <= 2 * self.heartbeat_s:
+        if not (self.heartbeat_s > 0 and self.dead_after_s > 2 * self.heartbeat_s):
             raise ValueError("heartbeat_s must be > 0 and dead_after_s > 2 * heartbeat_s")
 
     @classmethod

@@ -198,15 +198,27 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         input_list: Sequence[torch.Tensor],
         opts: Any = None,
     ) -> FreescaleWork:
-        """``dist.all_gather_coalesced``: one list AllGather per input, in one collective."""
+        """``dist.all_gather_coalesced``: one list AllGather per input, in one collective;
+        ``output_lists[p][k]`` receives rank p's ``input_list[k]``."""
+        size, count = self.size(), len(input_list)
+        problem = None
+        if len(output_lists) == size and all(len(row) == count for row in output_lists):
+            by_input = [[output_lists[p][k] for p in range(size)] for k in range(count)]
+        else:
+            by_input = [list(row) for row in output_lists]
+            problem = (
+                f"needs one output list per rank ({size}) of one tensor per input ({count}), "
+                f"got lists of {[len(row) for row in output_lists]}"
+            )
         return self._own(
             algorithms.all_gather(
                 "all_gather_coalesced",
                 *self._rs(),
-                output_lists,
+                by_input,
                 input_list,
                 self._gather_options(input_list),
                 self._plans,
+                problem,
             ),
             opts,
         )
