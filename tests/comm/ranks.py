@@ -667,6 +667,50 @@ def early_data_after_a_bad_verdict(rounds: int) -> int:
     return rounds
 
 
+def early_data_after_the_sequence_wraps() -> str:
+    """A bad verdict whose early data the rings drop, then a good collective whose tags repeat
+    the bad one's once the sequence number wraps (the counter is moved on, to half a round
+    later and then to a whole one, rather than run through 2^20 collectives): the rings must
+    not drop that one's early data too. Rank 0 calls late, so its peers' early data is in its
+    rings first. Returns "ok"."""
+    import itertools
+
+    from freescale_comm import FreescaleOptions, FreescaleValidationError
+    from freescale_comm.transport import SEQ_BITS
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    # No outboxes: 128 KiB per peer then leaves early over the rings, headers behind it.
+    group = dist.new_group(
+        backend="freescale",
+        timeout=timedelta(seconds=15),
+        pg_options=FreescaleOptions(shm_outbox_bytes=0),
+    )
+    rows = 32 << 10
+    send = [rows + (rank == 1 and peer == 0) for peer in range(n)]
+    try:
+        dist.all_to_all_single(
+            torch.empty(n * rows), torch.ones(sum(send)), [rows] * n, send, group=group
+        )
+        raise AssertionError("mismatched splits were accepted")
+    except FreescaleValidationError:
+        pass
+    x = torch.arange(n * rows, dtype=torch.float32) + 1e6 * rank
+    want = torch.cat([x[rank * rows : (rank + 1) * rows] - 1e6 * rank + 1e6 * r for r in range(n)])
+    for step in range(4):
+        # Once each ring has passed the bad one's early data on (FIFO, two good ones), the
+        # counter moves on: to half a round after the bad one (#1), then to where its tags
+        # come round again.
+        if step >= 2:
+            group._ctx._seq = itertools.count(1 + (1 << (SEQ_BITS - 1 + step - 2)))
+        if step == 3 and rank == 0:
+            time.sleep(0.5)
+        out = torch.empty(n * rows)
+        dist.all_to_all_single(out, x, group=group)
+        _same(out, want, f"good collective {step} (the last once the sequence number wrapped)")
+    dist.destroy_process_group(group)
+    return "ok"
+
+
 def new_user_mistakes() -> list[str]:
     """A meta tensor on one rank and a negative split: the same validation error on every rank
     at once (no rank left waiting for the timeout), and the group still works afterwards."""

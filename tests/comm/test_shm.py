@@ -151,6 +151,50 @@ def test_data_sent_with_the_headers_is_dropped_after_a_bad_verdict(fs_group):
     assert fs_group.run(ranks.early_data_after_a_bad_verdict, 3, timeout_s=60) == [3] * n
 
 
+def test_early_data_is_not_dropped_once_the_sequence_number_wraps(fs_group):
+    n = fs_group.spec.world_size
+    assert fs_group.run(ranks.early_data_after_the_sequence_wraps, timeout_s=60) == ["ok"] * n
+
+
+def test_a_pair_that_disagrees_on_staging_rings_leaves_no_file():
+    """One rank makes CUDA staging rings, its peer (no CUDA there) does not: the pair links
+    without them, and neither ring's name stays in /dev/shm."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=20))
+    made: dict[int, tuple] = {}
+
+    def rank(r: int, staging: tuple[int, int] | None) -> None:
+        made[r] = shm.open_links(store, r, [1 - r], 4, 4096, 20, staging=staging)
+
+    threads = [
+        threading.Thread(target=rank, args=(0, (2, 4096))),
+        threading.Thread(target=rank, args=(1, None)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    mine = f"freescale-ring-{os.getpid()}-"
+    try:
+        for r in (0, 1):
+            links, failures = made[r]
+            assert list(links) == [1 - r] and not failures, made[r]
+            assert links[1 - r].staging is None
+        assert not [name for name in _ring_files() if name.startswith(mine)]
+    finally:
+        for r in made:
+            for link in made[r][0].values():
+                shm.Hub.get().remove(link)
+        for name in _ring_files():
+            if name.startswith(mine):
+                os.unlink(f"/dev/shm/{name}")
+
+
 def test_leftovers_of_a_crashed_run_are_swept():
     dead = subprocess.Popen(["true"])
     dead.wait()

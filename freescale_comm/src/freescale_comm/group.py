@@ -29,7 +29,7 @@ from freescale_comm.engine import Engine, yields_when_idle
 from freescale_comm.errors import FreescaleError
 from freescale_comm.liveness import Liveness
 from freescale_comm.options import FreescaleOptions
-from freescale_comm.transport import MAX_GROUP_SIZE, SUB_BITS, Transport, make_tag
+from freescale_comm.transport import MAX_GROUP_SIZE, SEQ_BITS, SUB_BITS, Transport, make_tag
 from freescale_comm.validation import Signature
 
 if TYPE_CHECKING:
@@ -89,6 +89,9 @@ class GroupContext:
         self.outbox_eager_per_peer = self.eager_per_peer
         self._broken: str | None = None
         self._seq = itertools.count(1)
+        # Collectives whose early messages the rings were told to discard or let through
+        # (``discard_early``, ``unstall_early``), until their tags come round again.
+        self._marked_seqs: set[int] = set()
         self._outbox_seq = itertools.count(1)
         self._graveyard: list[tuple[Plan, list[torch.Tensor]]] = []
         self._inflight: list[Collective] = []
@@ -302,6 +305,7 @@ class GroupContext:
 
     def discard_early(self, seq: int) -> None:
         """Drops what peers sent early for collective ``seq`` (its verdict was bad)."""
+        self._marked_seqs.add(seq)
         for peer, link in enumerate(self._links):
             if link is not None:
                 self._hub.discard(link, make_tag(self.group_id, seq, peer, 0) >> SUB_BITS)
@@ -309,6 +313,7 @@ class GroupContext:
     def unstall_early(self, seq: int) -> None:
         """Lets what peers sent early for collective ``seq`` leave the rings before its receive
         is posted (a second header round follows it)."""
+        self._marked_seqs.add(seq)
         for peer, link in enumerate(self._links):
             if link is not None:
                 self._hub.unstall(link, make_tag(self.group_id, seq, peer, 0) >> SUB_BITS)
@@ -451,7 +456,19 @@ class GroupContext:
         return path
 
     def next_seq(self) -> int:
-        return next(self._seq)
+        seq = next(self._seq)
+        if self._marked_seqs:
+            # Tags repeat every 2^SEQ_BITS collectives: what the rings were told about a
+            # collective (discard, unstall) ends half a round later, long after its last
+            # message and before a peer ahead of this rank sends one that repeats its tags.
+            earlier = seq - (1 << (SEQ_BITS - 1))
+            if earlier in self._marked_seqs:
+                self._marked_seqs.discard(earlier)
+                for peer, link in enumerate(self._links):
+                    if link is not None:
+                        prefix = make_tag(self.group_id, earlier, peer, 0) >> SUB_BITS
+                        self._hub.forget(link, prefix)
+        return seq
 
     def next_outbox_seq(self) -> int:
         """The outbox number of the next collective that sends headers (``outbox``)."""

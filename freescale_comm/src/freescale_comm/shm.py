@@ -501,6 +501,12 @@ class Channel:
         while len(self._unstalled) > 256:
             self._unstalled.popitem(last=False)
 
+    def forget(self, prefix: int) -> None:
+        """Ends ``discard`` and ``unstall`` of ``prefix``: a later collective's tags repeat it
+        once the sequence number wraps."""
+        self._discarded.pop(prefix, None)
+        self._unstalled.pop(prefix, None)
+
     @staticmethod
     def _deliver(request: Request, data: np.ndarray) -> None:
         if len(data) > request.length:
@@ -564,6 +570,11 @@ class Link:
         self.host.discard(prefix)
         if self.staging is not None:
             self.staging.discard(prefix)
+
+    def forget(self, prefix: int) -> None:
+        self.host.forget(prefix)
+        if self.staging is not None:
+            self.staging.forget(prefix)
 
     def close(self) -> None:
         self.host.close()
@@ -675,6 +686,10 @@ class Hub:
         with self.lock:
             link.host.unstall(prefix)
 
+    def forget(self, link: Link, prefix: int) -> None:
+        with self.lock:
+            link.forget(prefix)
+
     def post(self, link: Link, buffer: Any, tag: int, send: bool, ready: Any = None) -> Request:
         """Posts a send or receive of host bytes (numpy) or device bytes (staging rings; CUDA
         copies ordered after the event ``ready``)."""
@@ -756,6 +771,9 @@ def open_links(
             if out_staging and inc_staging and answer == "12":
                 stage = Channel(hub, out_staging[0], inc_staging[0], name, device=True)
             else:
+                for ring in inc_staging:  # this rank's own: its name goes too
+                    with contextlib.suppress(OSError):
+                        os.unlink(ring.path)
                 for ring in out_staging + inc_staging:
                     ring.close()
             links[peer] = Link(host, stage)
