@@ -711,6 +711,40 @@ def early_data_after_the_sequence_wraps() -> str:
     return "ok"
 
 
+def later_data_never_overtakes_earlier(medium_kib: int, large_kib: int) -> str:
+    """AllToAll a (large: its data leaves after the verdict) then b (medium: over the rings,
+    early if nothing earlier may still send), in the same order on every rank; rank 0 waits
+    for a before it calls b, the others call both at once. b's early data must not sit in
+    rank 0's rings ahead of a's. Returns "ok"."""
+    from freescale_comm import FreescaleOptions
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(
+        backend="freescale",
+        timeout=timedelta(seconds=20),
+        pg_options=FreescaleOptions(host_path="shm", shm_outbox_bytes=0),
+    )
+    large, medium = (large_kib << 10) // 4, (medium_kib << 10) // 4
+    xa, xb = torch.full((n * large,), float(rank)), torch.full((n * medium,), rank + 0.5)
+    oa, ob = torch.empty_like(xa), torch.empty_like(xb)
+    if rank == 0:
+        time.sleep(0.3)  # the others' a and b are both out first
+        dist.all_to_all_single(oa, xa, group=group)
+        dist.all_to_all_single(ob, xb, group=group)
+    else:
+        works = [
+            dist.all_to_all_single(oa, xa, group=group, async_op=True),
+            dist.all_to_all_single(ob, xb, group=group, async_op=True),
+        ]
+        for work in works:
+            work.wait()
+    for out, rows, add in ((oa, large, 0.0), (ob, medium, 0.5)):
+        want = torch.cat([torch.full((rows,), r + add) for r in range(n)])
+        _same(out, want, f"AllToAll of {rows * 4} bytes per peer")
+    dist.destroy_process_group(group)
+    return "ok"
+
+
 def new_user_mistakes() -> list[str]:
     """A meta tensor on one rank and a negative split: the same validation error on every rank
     at once (no rank left waiting for the timeout), and the group still works afterwards."""

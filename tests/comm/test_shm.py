@@ -195,6 +195,12 @@ def test_a_pair_that_disagrees_on_staging_rings_leaves_no_file():
                 os.unlink(f"/dev/shm/{name}")
 
 
+def test_a_later_collectives_early_data_never_overtakes_an_earlier_ones(fs_group):
+    n = fs_group.spec.world_size
+    got = fs_group.run(ranks.later_data_never_overtakes_earlier, 256, 2048, timeout_s=60)
+    assert got == ["ok"] * n
+
+
 def test_leftovers_of_a_crashed_run_are_swept():
     dead = subprocess.Popen(["true"])
     dead.wait()

@@ -353,8 +353,11 @@ class Collective:
         and reaches the output only once the receiver has judged every header consistent (a
         receive into the output is posted only then); after a bad verdict the receivers
         discard it. On the staging rings (CUDA) every send leaves early: its D2H copy waits on
-        the GPU for the caller's stream."""
+        the GPU for the caller's stream. Host data leaves early only if no earlier collective
+        may still send data behind it (``GroupContext.holds_back_early_sends``)."""
         g = self.group
+        if not self.on_cuda and g.holds_back_early_sends(self.seq):
+            return
         for transfer in self.plan.transfers:
             if (
                 transfer.send
@@ -838,6 +841,16 @@ class Collective:
             cuda.release_streams(self._streams)
         self._phase = "sealed"
         self.sealed.set()
+
+    @property
+    def may_post_host_data(self) -> bool:
+        """Whether this collective may still post data to the host rings: a later one's data
+        must not go ahead of it there (``GroupContext.holds_back_early_sends``)."""
+        return (
+            not self.finished
+            and not self.on_cuda
+            and (self._phase in ("header", "diagnose", "ready") or bool(self._unposted))
+        )
 
     @property
     def needs_engine(self) -> bool:

@@ -303,6 +303,13 @@ class GroupContext:
             return False
         return self.options.host_path == "shm" or nbytes <= self.options.shm_max_bytes
 
+    def holds_back_early_sends(self, seq: int) -> bool:
+        """Whether an earlier collective than ``seq`` may still post data to the host rings.
+        A ring delivers in order and holds data that arrives before its receive is posted, so
+        ``seq``'s data sent early would sit ahead of that earlier data: a peer that waits for
+        the earlier collective before it calls ``seq`` would wait for ever."""
+        return any(op.seq < seq and op.may_post_host_data for op in self._inflight)
+
     def discard_early(self, seq: int) -> None:
         """Drops what peers sent early for collective ``seq`` (its verdict was bad)."""
         self._marked_seqs.add(seq)
