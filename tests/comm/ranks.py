@@ -892,6 +892,31 @@ def die_during_collective(victim: int, delay_s: float, per_peer: int = 256) -> f
     return time.monotonic() - start
 
 
+def die_while_a_group_is_set_up(victim: int, step: str) -> None:
+    """The victim exits in the middle of a new group's set-up (``step``: making its rings, or
+    its outbox); the others' ``new_group`` must raise within the group timeout (5 s), having
+    left nothing of theirs in /dev/shm (they re-raise with what they left)."""
+    from freescale_comm import outbox, shm
+
+    rank = dist.get_rank()
+    if rank == victim:
+        if step == "rings":
+            shm.open_links = lambda *args, **kwargs: os._exit(7)
+        else:
+            outbox.open_outboxes = lambda *args, **kwargs: os._exit(7)
+    start = time.monotonic()
+    try:
+        dist.new_group(backend="freescale", timeout=timedelta(seconds=5))
+    except Exception as err:
+        mine = f"freescale-ring-{os.getpid()}-"
+        left = [name for name in os.listdir("/dev/shm") if name.startswith(mine)]
+        raise RuntimeError(
+            f"survivor {rank} raised after {time.monotonic() - start:.1f} s, leaving {left}: "
+            f"{type(err).__name__}"
+        ) from err
+    raise AssertionError("the group was set up without the victim")
+
+
 def late_peer_wait_cost(idle_wait: str) -> dict[str, Any]:
     """What a wait of 1 s for a late peer costs rank 0 in CPU under ``idle_wait``: with
     ``yield`` (``auto`` where the ranks outnumber the cores) it yields for ``engine.YIELD_S``,

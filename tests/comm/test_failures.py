@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -66,6 +67,21 @@ def test_a_failure_on_one_rank_fails_every_rank_at_once(fs_group, rank_fn, own_e
             assert error.startswith(f"{own_error}:"), error
         else:
             assert error.startswith("FreescalePeerError") and peers_see in error, error
+
+
+@pytest.mark.parametrize("step", ["rings", "outbox"])
+def test_a_peer_dying_during_set_up_fails_it_within_the_timeout_and_leaves_nothing(step):
+    group = LocalGroup(2, backend="freescale", setup=SETUP, init_timeout_s=20)
+    try:
+        group.start()
+        with pytest.raises(RankFailure) as failure:
+            group.run(ranks.die_while_a_group_is_set_up, 1, step, timeout_s=40)
+    finally:
+        group.close()
+    report = str(failure.value)
+    assert "rank 1: died" in report, report
+    found = re.search(r"survivor 0 raised after ([0-9.]+) s, leaving \[\]", report)
+    assert found and float(found.group(1)) < 15, report  # the group timeout is 5 s
 
 
 @pytest.mark.parametrize("per_peer", [256, 1 << 18], ids=["rings", "ucx"])

@@ -98,10 +98,24 @@ class GroupContext:
         self._cuda: dict[int, CudaSupport] = {}
         self._ipc: dict[int, IpcPath] = {}
         self._closed = False
+        self.liveness: Liveness | None = None
+        self._links: list[Any] = [None] * size
+        self._hub: Any = None
         self.transport = Transport.acquire()
         self.engine = Engine.acquire(self.transport, _cuda_device())
+        try:
+            self._set_up(store, keys)
+        except BaseException:
+            # A peer that died or stalled during set-up (every store wait is bounded by the
+            # group timeout), /dev/shm full, ...: what this rank acquired is given back.
+            self.close()
+            raise
+
+    def _set_up(self, store: dist.Store, keys: dist.Store) -> None:
+        """Directory, liveness, the paths within the host (``__init__``)."""
         from freescale_comm import shm
 
+        rank, size, options = self.rank, self.size, self.options
         # Set-up order: rank 0 writes the group id and the abort key, and every rank beats once,
         # before its entry is published; once the directory has seen every entry, every key a
         # liveness poll reads exists (a ``multi_get`` of a missing key would wait for it).

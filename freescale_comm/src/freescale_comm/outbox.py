@@ -249,6 +249,16 @@ def open_outboxes(
         store.set(f"freescale/box/{rank}", "")
         problem = f"could not create an outbox in /dev/shm: {err}"
     peers: dict[int, Segment] = {}
+    try:  # bounded: a peer that died during set-up fails it within the group timeout
+        store.wait(
+            [f"freescale/box/{p}" for p in host_ranks if p != rank], timedelta(seconds=timeout_s)
+        )
+    except BaseException:
+        if own is not None:
+            own.close()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise
     for peer in host_ranks:
         if peer == rank:
             continue
@@ -264,9 +274,16 @@ def open_outboxes(
     # then, so that its memory goes with the processes whatever happens to them. A rank that
     # failed reports too: the others wait for every rank here.
     store.set(f"freescale/box_mapped/{rank}", "1")
-    store.wait([f"freescale/box_mapped/{p}" for p in host_ranks], timedelta(seconds=timeout_s))
-    with contextlib.suppress(OSError):
-        os.unlink(path)
+    try:
+        store.wait([f"freescale/box_mapped/{p}" for p in host_ranks], timedelta(seconds=timeout_s))
+    except BaseException:
+        for segment in (own, *peers.values()):
+            if segment is not None:
+                segment.close()
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
     if problem or own is None:
         for segment in (own, *peers.values()):
             if segment is not None:

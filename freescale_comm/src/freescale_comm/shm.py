@@ -45,6 +45,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any, Protocol
 
 import numpy as np
@@ -740,59 +741,67 @@ def open_links(
             store.set(f"freescale/shm/{peer}to{rank}", "")
             failures[peer] = f"could not create a ring in {_SHM_DIR}: {err}"
     theirs: dict[int, tuple[list[Ring], bytes]] = {}
-    for peer in peers:
-        entry = store.get(f"freescale/shm/{rank}to{peer}").decode()
-        ok = False
-        if not entry:
-            failures.setdefault(peer, f"rank {peer} could not create its ring in {_SHM_DIR}")
-        else:
-            name, *paths = entry.split("\n")
-            rings: list[Ring] = []
-            try:
-                rings.append(Ring(paths[0], slots, slot_bytes, create=False))
-                if staging is not None and len(paths) > 1:
-                    rings.append(Ring(paths[1], *staging, create=False, reserve=False))
-                theirs[peer] = (rings, bytes.fromhex(name))
-                ok = True
-            except (OSError, FreescaleError) as err:
-                for ring in rings:
-                    ring.close()
-                failures.setdefault(peer, f"could not map rank {peer}'s ring: {err}")
-        store.set(f"freescale/shm_ok/{rank}to{peer}", f"1{len(theirs[peer][0])}" if ok else "0")
-    links: dict[int, Link] = {}
-    for peer in peers:
-        answer = store.get(f"freescale/shm_ok/{peer}to{rank}").decode()
-        if answer.startswith("1") and peer in theirs and peer in mine:
-            (out, *out_staging), name = theirs.pop(peer)
-            inc, *inc_staging = mine.pop(peer)
-            host = Channel(hub, out, inc, name)
-            # Staging rings only where both directions were made and mapped.
-            stage = None
-            if out_staging and inc_staging and answer == "12":
-                stage = Channel(hub, out_staging[0], inc_staging[0], name, device=True)
+    wait = timedelta(seconds=timeout_s)
+    try:
+        # Bounded: a peer that died during set-up fails it within the group timeout.
+        store.wait([f"freescale/shm/{rank}to{peer}" for peer in peers], wait)
+        for peer in peers:
+            entry = store.get(f"freescale/shm/{rank}to{peer}").decode()
+            ok = False
+            if not entry:
+                failures.setdefault(peer, f"rank {peer} could not create its ring in {_SHM_DIR}")
             else:
-                for ring in inc_staging:  # this rank's own: its name goes too
+                name, *paths = entry.split("\n")
+                rings: list[Ring] = []
+                try:
+                    rings.append(Ring(paths[0], slots, slot_bytes, create=False))
+                    if staging is not None and len(paths) > 1:
+                        rings.append(Ring(paths[1], *staging, create=False, reserve=False))
+                    theirs[peer] = (rings, bytes.fromhex(name))
+                    ok = True
+                except (OSError, FreescaleError) as err:
+                    for ring in rings:
+                        ring.close()
+                    failures.setdefault(peer, f"could not map rank {peer}'s ring: {err}")
+            store.set(f"freescale/shm_ok/{rank}to{peer}", f"1{len(theirs[peer][0])}" if ok else "0")
+        links: dict[int, Link] = {}
+        store.wait([f"freescale/shm_ok/{peer}to{rank}" for peer in peers], wait)
+        for peer in peers:
+            answer = store.get(f"freescale/shm_ok/{peer}to{rank}").decode()
+            if answer.startswith("1") and peer in theirs and peer in mine:
+                (out, *out_staging), name = theirs.pop(peer)
+                inc, *inc_staging = mine.pop(peer)
+                host = Channel(hub, out, inc, name)
+                # Staging rings only where both directions were made and mapped.
+                stage = None
+                if out_staging and inc_staging and answer == "12":
+                    stage = Channel(hub, out_staging[0], inc_staging[0], name, device=True)
+                else:
+                    for ring in inc_staging:  # this rank's own: its name goes too
+                        with contextlib.suppress(OSError):
+                            os.unlink(ring.path)
+                    for ring in out_staging + inc_staging:
+                        ring.close()
+                links[peer] = Link(host, stage)
+                hub.add(links[peer])
+            else:
+                failures.setdefault(peer, f"rank {peer} could not map this rank's ring")
+        # Both sides of every pair have mapped (or given up on) every ring: unlink the names, so
+        # that the memory goes away with the processes whatever happens to them.
+        for link in links.values():
+            for channel in (link.host, link.staging):
+                if channel is not None:
                     with contextlib.suppress(OSError):
-                        os.unlink(ring.path)
-                for ring in out_staging + inc_staging:
-                    ring.close()
-            links[peer] = Link(host, stage)
-            hub.add(links[peer])
-        else:
-            failures.setdefault(peer, f"rank {peer} could not map this rank's ring")
-    # Both sides of every pair have mapped (or given up on) every ring: unlink the names, so
-    # that the memory goes away with the processes whatever happens to them.
-    for link in links.values():
-        for channel in (link.host, link.staging):
-            if channel is not None:
+                        os.unlink(channel.inc.path)
+    finally:
+        # The rings no link uses (all of them if set-up failed): this rank's go, names and
+        # all; the peers' are unmapped.
+        for rings in mine.values():
+            for ring in rings:
                 with contextlib.suppress(OSError):
-                    os.unlink(channel.inc.path)
-    for rings in mine.values():
-        for ring in rings:
-            with contextlib.suppress(OSError):
-                os.unlink(ring.path)
-            ring.close()
-    for rings, _ in theirs.values():
-        for ring in rings:
-            ring.close()
+                    os.unlink(ring.path)
+                ring.close()
+        for rings, _ in theirs.values():
+            for ring in rings:
+                ring.close()
     return links, failures
