@@ -1262,6 +1262,35 @@ def ipc_special_cases(seed: int) -> dict[str, Any]:
     return report
 
 
+def gpu_stalled_past_the_timeout() -> dict[str, Any]:
+    """Rank 1's GPU is busy for about 7 s before a synchronous IPC collective of a group whose
+    timeout is 3 s: rank 0's call returns once queued, its GPU waits for rank 1's flags, and
+    nothing drives the collective any more. It must still fail at its deadline (the group
+    aborted, the waits released) rather than hold rank 0's streams until rank 1's GPU is
+    back. Returns when rank 0's call returned, when its GPU drained, and what a later call
+    raised."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev, group = cuda_group(timeout_s=3, cuda_path="ipc")
+    x = torch.ones(n * 1024, device=dev)
+    dist.all_to_all_single(torch.empty_like(x), x, group=group)
+    torch.cuda.synchronize()
+    dist.barrier(group=gloo_group())
+    if rank == 1:
+        torch.cuda._sleep(14_000_000_000)
+    start = time.monotonic()
+    dist.all_to_all_single(torch.empty_like(x), x, group=group)
+    returned = time.monotonic() - start
+    torch.cuda.synchronize()
+    drained = time.monotonic() - start
+    try:
+        dist.all_to_all_single(torch.empty_like(x), x, group=group)
+        after = "no error"
+    except Exception as err:
+        after = type(err).__name__
+    dist.destroy_process_group(group)
+    return {"returned_s": returned, "drained_s": drained, "after": after}
+
+
 def die_during_ipc_collective(victim: int) -> dict[str, float]:
     """The victim dies right after its collective is queued behind a second of GPU work: its
     header is out, so the survivors queue theirs and wait on the GPU for its flags, which never

@@ -153,6 +153,15 @@ def test_ipc_flags_hold_past_two_to_the_31_collectives(fs_group):
         assert report["checked"] == 4, report
 
 
+def test_a_returned_ipc_collective_still_fails_at_its_deadline(local_groups):
+    group = local_groups.get(2, backend="freescale", setup=SETUP, init_timeout_s=60)
+    rank0, rank1 = group.run(ranks.gpu_stalled_past_the_timeout, timeout_s=60)
+    assert rank0["returned_s"] < 1.5, rank0
+    # Failed at its deadline (3 s, checked each second), not when rank 1's GPU came back (7 s).
+    assert rank0["drained_s"] < 5.5, rank0
+    assert rank0["after"] != "no error" and rank1["after"] != "no error", (rank0, rank1)
+
+
 def test_killed_peer_on_ipc_releases_the_gpu():
     group = LocalGroup(2, backend="freescale", setup=SETUP, init_timeout_s=30, env=FAST_FAILURE_ENV)
     try:

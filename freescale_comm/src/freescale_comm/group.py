@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +54,25 @@ def root_store(store: dist.Store) -> dist.Store:
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     return store
+
+
+class _SealedDeadlines:
+    """A watch (``engine.Watch``) that fails the group's collectives left to their CUDA end
+    event past their deadline: no thread drives those (the event's watcher finishes them), so
+    a peer whose GPU never meets the collective's flags would otherwise hold this rank's
+    streams for ever, unreported."""
+
+    _PERIOD_S = 1.0
+
+    def __init__(self, inflight: Callable[[], list[Collective]]) -> None:
+        self._inflight = inflight
+        self.next_due = time.monotonic() + self._PERIOD_S
+
+    def tick(self, now: float) -> None:
+        self.next_due = now + self._PERIOD_S
+        for op in self._inflight():
+            if not op.finished and not op.needs_engine and now > op.deadline:
+                op.expire()
 
 
 class GroupContext:
@@ -99,6 +120,7 @@ class GroupContext:
         self._ipc: dict[int, IpcPath] = {}
         self._closed = False
         self.liveness: Liveness | None = None
+        self._sealed = _SealedDeadlines(lambda: list(self._inflight))
         self._links: list[Any] = [None] * size
         self._hub: Any = None
         self.transport = Transport.acquire()
@@ -128,6 +150,7 @@ class GroupContext:
         self.directory = directory.Directory(keys, rank, size, host, self.transport.address)
         self.group_id = self.directory.group_id
         self.engine.watch(self.liveness)
+        self.engine.watch(self._sealed)
         self._endpoints: list[Any] = [None] * size
         self._header_room = Signature.size(size) + self.eager_per_peer
         self._setup_host_paths()
@@ -590,6 +613,7 @@ class GroupContext:
             op.fail("the process group was shut down", "internal")
         self._inflight = []
         self.engine.unwatch(self.liveness)
+        self.engine.unwatch(self._sealed)
         self.engine.release()
         for path in self._ipc.values():
             path.close()
