@@ -122,8 +122,10 @@ class Liveness:
         if error is not None and not self._told and self._on_failure is not None:
             # Once: what nobody polls must learn of it too (GPU waits on a dead peer's flags).
             self._told = True
+            # The abort key's reason as it stands: the group prefixes "aborted by" itself.
+            reason = self.aborted if self.dead is None and self.aborted is not None else error
             try:
-                self._on_failure(error)
+                self._on_failure(reason)
             except Exception:  # the engine thread must live on
                 logger.exception("freescale: handling a failed peer raised")
 
