@@ -154,8 +154,8 @@ class Counted:
         self._store.append(key, value)
         self._count(1, len(key) + len(value))
 
-    def wait(self, keys: list[str]) -> None:
-        self._store.wait(keys)
+    def wait(self, keys: list[str], *timeout: timedelta) -> None:
+        self._store.wait(keys, *timeout)
         self._count(len(keys), sum(len(k) for k in keys))
 
     def check(self, keys: list[str]) -> bool:
@@ -209,7 +209,7 @@ class NewGroup:
         directory.start(keys, root, rank)
         self.liveness = liveness.Liveness(keys, rank, size, config.heartbeat_s, config.dead_after_s)
         self.directory = directory.Directory(
-            keys, rank, size, _host(rank), os.urandom(_ADDRESS_BYTES)
+            keys, rank, size, _host(rank), os.urandom(_ADDRESS_BYTES), timedelta(seconds=600)
         )
         if len(self.directory.same_host) != min(_RANKS_PER_HOST, size - rank // 8 * 8):
             raise AssertionError(f"rank {rank} found {self.directory.same_host} on its host")

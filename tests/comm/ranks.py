@@ -893,17 +893,20 @@ def die_during_collective(victim: int, delay_s: float, per_peer: int = 256) -> f
 
 
 def die_while_a_group_is_set_up(victim: int, step: str) -> None:
-    """The victim exits in the middle of a new group's set-up (``step``: making its rings, or
-    its outbox); the others' ``new_group`` must raise within the group timeout (5 s), having
-    left nothing of theirs in /dev/shm (they re-raise with what they left)."""
-    from freescale_comm import outbox, shm
+    """The victim exits in the middle of a new group's set-up (``step``: joining its directory,
+    making its rings, or its outbox); the others' ``new_group`` must raise within the group
+    timeout (5 s), having left nothing of theirs in /dev/shm (they re-raise with what they
+    left)."""
+    from freescale_comm import directory, outbox, shm
 
     rank = dist.get_rank()
     if rank == victim:
-        if step == "rings":
-            shm.open_links = lambda *args, **kwargs: os._exit(7)
-        else:
-            outbox.open_outboxes = lambda *args, **kwargs: os._exit(7)
+        owner, name = {
+            "directory": (directory, "Directory"),
+            "rings": (shm, "open_links"),
+            "outbox": (outbox, "open_outboxes"),
+        }[step]
+        setattr(owner, name, lambda *args, **kwargs: os._exit(7))
     start = time.monotonic()
     try:
         dist.new_group(backend="freescale", timeout=timedelta(seconds=5))

@@ -69,7 +69,7 @@ def test_a_failure_on_one_rank_fails_every_rank_at_once(fs_group, rank_fn, own_e
             assert error.startswith("FreescalePeerError") and peers_see in error, error
 
 
-@pytest.mark.parametrize("step", ["rings", "outbox"])
+@pytest.mark.parametrize("step", ["directory", "rings", "outbox"])
 def test_a_peer_dying_during_set_up_fails_it_within_the_timeout_and_leaves_nothing(step):
     group = LocalGroup(2, backend="freescale", setup=SETUP, init_timeout_s=20)
     try:

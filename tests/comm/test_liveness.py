@@ -168,7 +168,7 @@ def _join(clients, size, prefix, hosts):
             keys = directory.incarnation_keys(dist.PrefixStore(prefix, clients[rank]), size)
             directory.start(keys, clients[rank], rank)
             found[rank] = directory.Directory(
-                keys, rank, size, hosts[rank], f"address of {rank}".encode()
+                keys, rank, size, hosts[rank], f"address of {rank}".encode(), timedelta(seconds=60)
             )
         except Exception as err:
             errors.append(err)

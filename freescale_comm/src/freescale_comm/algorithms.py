@@ -247,6 +247,7 @@ class PlanCache:
                 not (t.is_cpu or (self._ipc_fits is not None and t.is_cuda))
                 or not t.is_contiguous()
                 or t.layout != torch.strided
+                or _unreadable(t)  # refused by the builder, every time
             ):
                 return None
             nbytes = t.nbytes
@@ -328,7 +329,7 @@ def _planned(
     """The call's plan: from its cached template, or built (and remembered when it may be)."""
     key = None if cache is None else cache.key(op, tensors, extra)
     template = None if cache is None else cache.get(key)
-    if template is not None and not any(_unreadable(t) for t in tensors):
+    if template is not None:
         return template.plan(tensors, result)
     try:
         plan = build()

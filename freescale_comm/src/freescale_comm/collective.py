@@ -151,6 +151,7 @@ class Collective:
         self._lock = threading.Lock()
         self._abort_reason: str | None = None
         self._phase = "header"
+        self._data_posted = False  # CPU: every message of the data phase posted (or queued)
         self._posted: list[Transfer] = []
         self._unposted: list[Transfer] = []
         self._headers: list[Any] = []
@@ -718,6 +719,7 @@ class Collective:
                 self._post(transfer)
             else:
                 self._unposted.append(transfer)
+        self._data_posted = True
         if posted or self.on_cuda:  # a receive posted after its rendezvous arrived needs one
             g.transport.progress()
         if not self.on_cuda:
@@ -845,12 +847,13 @@ class Collective:
     @property
     def may_post_host_data(self) -> bool:
         """Whether this collective may still post data to the host rings: a later one's data
-        must not go ahead of it there (``GroupContext.holds_back_early_sends``)."""
-        return (
-            not self.finished
-            and not self.on_cuda
-            and (self._phase in ("header", "diagnose", "ready") or bool(self._unposted))
-        )
+        must not go ahead of it there (``GroupContext.holds_back_early_sends``). A CUDA one
+        may until it is sealed (staged chunks, headers posted once their D2H is done)."""
+        if self.finished:
+            return False
+        if self.on_cuda:
+            return self._phase != "sealed"
+        return not self._data_posted or bool(self._unposted)
 
     @property
     def needs_engine(self) -> bool:

@@ -6,7 +6,7 @@ entries into one key. Once every block exists (one ``wait``), a rank reads the g
 host's list (one ``multi_get``): that is all set-up needs (the shared-memory rings are between
 ranks of one host). A peer's address is read only when this rank first talks to it over UCX, a
 block at a time, so a rank reads what its collectives need: two blocks for a ring, all of them
-for an AllToAll. Set-up makes 6 requests per rank (8 for a block's first rank) whatever N, and
+for an AllToAll. Set-up makes 6 requests per rank (9 for a block's first rank) whatever N, and
 the store reads O(N) keys and bytes in all (every rank reading every rank's address and host
 at creation would be 2·N² key reads, N²·280 bytes: 290 MB at 1,024 ranks).
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import struct
 import threading
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -79,9 +80,12 @@ class Directory:
         size: ranks in the group.
         host: this process's host identity.
         address: this process's UCX worker address.
+        timeout: bound on the wait for every rank (a rank that died before joining).
     """
 
-    def __init__(self, keys: Any, rank: int, size: int, host: str, address: bytes) -> None:
+    def __init__(
+        self, keys: Any, rank: int, size: int, host: str, address: bytes, timeout: timedelta
+    ) -> None:
         self._keys = keys
         self.rank, self.size, self.host = rank, size, host
         self._block = block_size(size)
@@ -92,10 +96,12 @@ class Directory:
         keys.append(host_key, f"{rank},")
         keys.set(f"entry/{rank}", pack([host.encode(), address]))
         if rank % self._block == 0:
-            members = range(rank, min(size, rank + self._block))
-            keys.set(self._block_key(rank), pack(keys.multi_get([f"entry/{p}" for p in members])))
+            entries = [f"entry/{p}" for p in range(rank, min(size, rank + self._block))]
+            keys.wait(entries, timeout)
+            keys.set(self._block_key(rank), pack(keys.multi_get(entries)))
         # Every block exists once every rank has appended its host and published its entry.
-        keys.wait([self._block_key(b * self._block) for b in range(math.ceil(size / self._block))])
+        blocks = [self._block_key(b * self._block) for b in range(math.ceil(size / self._block))]
+        keys.wait(blocks, timeout)
         group_id, local = keys.multi_get(["group_id", host_key])
         self.group_id = int(group_id)
         self.same_host = sorted({int(r) for r in bytes(local).decode().split(",") if r})

@@ -71,8 +71,14 @@ class _SealedDeadlines:
     def tick(self, now: float) -> None:
         self.next_due = now + self._PERIOD_S
         for op in self._inflight():
-            if not op.finished and not op.needs_engine and now > op.deadline:
+            if op.finished or op.needs_engine or now <= op.deadline:
+                continue
+            if op.final is not None and op.final.query():
+                continue  # done on the GPU; its watcher finishes it
+            try:
                 op.expire()
+            except Exception:  # the engine thread serves every group: it must live on
+                logger.exception("freescale: expiring %s raised", op.label)
 
 
 class GroupContext:
@@ -120,6 +126,7 @@ class GroupContext:
         self._ipc: dict[int, IpcPath] = {}
         self._closed = False
         self.liveness: Liveness | None = None
+        self.outboxes: Any = None  # ``outbox.Outboxes`` with the peers on this host
         self._sealed = _SealedDeadlines(lambda: list(self._inflight))
         self._links: list[Any] = [None] * size
         self._hub: Any = None
@@ -143,11 +150,12 @@ class GroupContext:
         # liveness poll reads exists (a ``multi_get`` of a missing key would wait for it).
         self._keys = keys
         directory.start(keys, root_store(store), rank)
+        wait = timedelta(seconds=self.timeout_s)
         self.liveness = Liveness(
             keys, rank, size, options.heartbeat_s, options.dead_after_s, self.abort
         )
         host = shm.host_identity()
-        self.directory = directory.Directory(keys, rank, size, host, self.transport.address)
+        self.directory = directory.Directory(keys, rank, size, host, self.transport.address, wait)
         self.group_id = self.directory.group_id
         self.engine.watch(self.liveness)
         self.engine.watch(self._sealed)
@@ -171,7 +179,7 @@ class GroupContext:
         self._no_rings: dict[int, str] = {}
         self._ipc_peers: frozenset[int] = frozenset()
         self._all_on_staging_rings = False
-        self.outboxes: Any = None  # ``outbox.Outboxes`` with the peers on this host
+        self.outboxes = None
         # Why a peer on this host is not reached by outbox (where ``shm_outbox_bytes`` > 0).
         self._no_outboxes = "not every pair on a host shares rings"
         unsupported = shm.rings_supported()
@@ -242,7 +250,13 @@ class GroupContext:
             box_bytes,
             self.timeout_s,
         )
-        if self._agree("outboxes", boxes is not None and all(p in links for p in local)):
+        try:
+            agreed = self._agree("outboxes", boxes is not None and all(p in links for p in local))
+        except BaseException:
+            if boxes is not None:
+                boxes.close()
+            raise
+        if agreed:
             self.outboxes = boxes
             self._hub.watch(boxes)
             if self.eager_per_peer > 0:

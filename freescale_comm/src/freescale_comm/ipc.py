@@ -541,10 +541,12 @@ class IpcPath:
         slots of failed collectives that every earlier collective is queued before are freed
         first, while ``seq`` still holds back every later one (``ready``)."""
         with self._order_lock:
-            if self._unread:
-                later = [s for s in self._unqueued if s != seq]
-                self._free_unread_before(min(later) if later else None)
-            self._unqueued.discard(seq)
+            try:
+                if self._unread:
+                    rest = self._unqueued - {seq}  # one step: ``started`` may add meanwhile
+                    self._free_unread_before(min(rest) if rest else None)
+            finally:  # a later collective must not wait for this one, whatever happened
+                self._unqueued.discard(seq)
         if final is not None:
             self._last_final = final
 

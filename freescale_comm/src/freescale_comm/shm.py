@@ -741,6 +741,7 @@ def open_links(
             store.set(f"freescale/shm/{peer}to{rank}", "")
             failures[peer] = f"could not create a ring in {_SHM_DIR}: {err}"
     theirs: dict[int, tuple[list[Ring], bytes]] = {}
+    links: dict[int, Link] = {}
     wait = timedelta(seconds=timeout_s)
     try:
         # Bounded: a peer that died during set-up fails it within the group timeout.
@@ -764,7 +765,6 @@ def open_links(
                         ring.close()
                     failures.setdefault(peer, f"could not map rank {peer}'s ring: {err}")
             store.set(f"freescale/shm_ok/{rank}to{peer}", f"1{len(theirs[peer][0])}" if ok else "0")
-        links: dict[int, Link] = {}
         store.wait([f"freescale/shm_ok/{peer}to{rank}" for peer in peers], wait)
         for peer in peers:
             answer = store.get(f"freescale/shm_ok/{peer}to{rank}").decode()
@@ -793,6 +793,10 @@ def open_links(
                 if channel is not None:
                     with contextlib.suppress(OSError):
                         os.unlink(channel.inc.path)
+    except BaseException:
+        for link in links.values():
+            hub.remove(link)
+        raise
     finally:
         # The rings no link uses (all of them if set-up failed): this rank's go, names and
         # all; the peers' are unmapped.
