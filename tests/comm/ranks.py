@@ -1265,6 +1265,18 @@ def ipc_special_cases(seed: int) -> dict[str, Any]:
     return report
 
 
+def _ipc_group_in_step(timeout_s: float) -> tuple[Any, torch.Tensor]:
+    """A new IPC group whose first collective is done on every rank's GPU, and the input of
+    the collectives that follow (1,024 floats per peer)."""
+    n = dist.get_world_size()
+    dev, group = cuda_group(timeout_s=timeout_s, cuda_path="ipc")
+    x = torch.ones(n * 1024, device=dev)
+    dist.all_to_all_single(torch.empty_like(x), x, group=group)
+    torch.cuda.synchronize()
+    dist.barrier(group=gloo_group())
+    return group, x
+
+
 def gpu_stalled_past_the_timeout() -> dict[str, Any]:
     """Rank 1's GPU is busy for about 7 s before a synchronous IPC collective of a group whose
     timeout is 3 s: rank 0's call returns once queued, its GPU waits for rank 1's flags, and
@@ -1272,12 +1284,8 @@ def gpu_stalled_past_the_timeout() -> dict[str, Any]:
     aborted, the waits released) rather than hold rank 0's streams until rank 1's GPU is
     back. Returns when rank 0's call returned, when its GPU drained, and what a later call
     raised."""
-    rank, n = dist.get_rank(), dist.get_world_size()
-    dev, group = cuda_group(timeout_s=3, cuda_path="ipc")
-    x = torch.ones(n * 1024, device=dev)
-    dist.all_to_all_single(torch.empty_like(x), x, group=group)
-    torch.cuda.synchronize()
-    dist.barrier(group=gloo_group())
+    rank = dist.get_rank()
+    group, x = _ipc_group_in_step(timeout_s=3)
     if rank == 1:
         torch.cuda._sleep(14_000_000_000)
     start = time.monotonic()
@@ -1299,12 +1307,8 @@ def die_during_ipc_collective(victim: int) -> dict[str, float]:
     header is out, so the survivors queue theirs and wait on the GPU for its flags, which never
     come. The survivors must raise, and their streams drain (abort releases the waits)."""
 
-    rank, n = dist.get_rank(), dist.get_world_size()
-    dev, group = cuda_group(timeout_s=20, cuda_path="ipc")
-    x = torch.ones(n * 1024, device=dev)
-    dist.all_to_all_single(torch.empty_like(x), x, group=group)
-    torch.cuda.synchronize()
-    dist.barrier(group=gloo_group())
+    rank = dist.get_rank()
+    group, x = _ipc_group_in_step(timeout_s=20)
     if rank == victim:
         torch.cuda._sleep(2_000_000_000)  # about a second before its inputs are ready
         dist.all_to_all_single(torch.empty_like(x), x, group=group)  # returns once queued
