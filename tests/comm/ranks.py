@@ -745,6 +745,43 @@ def later_data_never_overtakes_earlier(medium_kib: int, large_kib: int) -> str:
     return "ok"
 
 
+def ring_gathers_only_even_pieces() -> list[str]:
+    """``allgather="ring"``: list AllGathers of uneven pieces (the ring needs even ones) take
+    the direct algorithm on every rank, whatever each rank's own piece, and are correct; then
+    ranks whose ``allgather`` option differs fail validation together. Returns the errors."""
+    from freescale_comm import FreescaleOptions, FreescaleValidationError
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+
+    def group_of(allgather: str) -> Any:
+        return dist.new_group(
+            backend="freescale",
+            timeout=timedelta(seconds=20),
+            pg_options=FreescaleOptions(allgather=allgather, ring_threshold_bytes=4096),
+        )
+
+    ring = group_of("ring")
+    for sizes in (
+        [100, 100] + [2000] * (n - 2),
+        [0] + [2000] * (n - 1),
+        [5 + 2 * p for p in range(n)],
+    ):
+        pieces = [torch.arange(sizes[p], dtype=torch.float32) + 1000 * p for p in range(n)]
+        got = [torch.full((k,), -1.0) for k in sizes]
+        dist.all_gather(got, pieces[rank], group=ring)
+        for p in range(n):
+            _same(got[p], pieces[p], f"uneven all_gather {sizes}, piece {p}")
+    mixed = group_of("ring" if rank == 0 else "direct")
+    errors = []
+    try:
+        dist.all_gather_into_tensor(torch.empty(n * 2048), torch.ones(2048), group=mixed)
+    except FreescaleValidationError as err:
+        errors.append(str(err).split(": ", 1)[1])
+    for group in (ring, mixed):
+        dist.destroy_process_group(group)
+    return errors
+
+
 def new_user_mistakes() -> list[str]:
     """A meta tensor on one rank and a negative split: the same validation error on every rank
     at once (no rank left waiting for the timeout), and the group still works afterwards."""

@@ -38,6 +38,12 @@ def test_all_gather_coalesced_matches_gloo(fs_group):
     assert fs_group.run(ranks.all_gather_coalesced_like_gloo) == [6] * fs_group.spec.world_size
 
 
+def test_the_ring_all_gather_is_chosen_alike_on_every_rank(fs_group4):
+    errors = fs_group4.run(ranks.ring_gathers_only_even_pieces, timeout_s=90)
+    assert all(e == errors[0] for e in errors) and len(errors[0]) == 1, errors
+    assert "rank 0 calls all_gather_into_tensor (ring), ranks 1-3 call" in errors[0][0], errors
+
+
 def test_subgroups(fs_group4):
     results = fs_group4.run(ranks.subgroups)
     assert results[0] == [1.0, 1.0]

@@ -684,19 +684,26 @@ def _gather(
     if len(inputs) > 1:  # one message per peer carries every input: check how it splits
         send_layout = layout(in_bytes)
         recv_layouts = [layout([slots[p] for slots in slot_bytes]) for p in range(n)]
-    plan = Plan(
-        b.signature(len(inputs), send_bytes, recv_bytes, send_layout, recv_layouts), result=result
-    )
-    if b.error:
-        return plan
+    # The ring needs every rank's piece of one size. Decided from the whole table of sizes (the
+    # output slots), not this rank's input, so ranks whose calls agree decide alike; the
+    # signature names it, so ranks whose options differ fail validation together.
     ring = (
-        len(inputs) == 1
+        not b.error
+        and len(inputs) == 1
         and n > 2
+        and len(set(slot_bytes[0])) == 1
         and (
             options.allgather == "ring"
             or (options.allgather == "auto" and in_bytes[0] >= options.ring_threshold_bytes)
         )
     )
+    if ring:
+        b.op = f"{b.op} (ring)"
+    plan = Plan(
+        b.signature(len(inputs), send_bytes, recv_bytes, send_layout, recv_layouts), result=result
+    )
+    if b.error:
+        return plan
     sources = [b.source(tensor) for tensor in inputs]
     targets_per_input = [targets_of(k) for k in range(len(inputs))]
     every_target = [t for slots in targets_per_input for t in slots]

@@ -50,14 +50,13 @@ def _code(text: str) -> int:
 
 # Every collective the backend runs itself, by header code: each rank names a peer's collective
 # from this one table, so a mismatch of collectives reads the same on every rank.
-OPS = (
+_GATHERS = (
     "all_gather",
     "all_gather_coalesced",
     "all_gather_into_tensor",
     "all_gather_into_tensor_coalesced",
-    "all_to_all",
-    "all_to_all_single",
 )
+OPS = (*_GATHERS, *(f"{name} (ring)" for name in _GATHERS), "all_to_all", "all_to_all_single")
 _OP_NAMES = {_code(name): name for name in OPS}
 
 
