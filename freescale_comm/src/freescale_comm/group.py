@@ -364,17 +364,15 @@ class GroupContext:
     def discard_early(self, seq: int) -> None:
         """Drops what peers sent early for collective ``seq`` (its verdict was bad)."""
         self._marked_seqs.add(seq)
-        for peer, link in enumerate(self._links):
-            if link is not None:
-                self._hub.discard(link, make_tag(self.group_id, seq, peer, 0) >> SUB_BITS)
+        for link, prefix in self._ring_prefixes(seq):
+            self._hub.discard(link, prefix)
 
     def unstall_early(self, seq: int) -> None:
         """Lets what peers sent early for collective ``seq`` leave the rings before its receive
         is posted (a second header round follows it)."""
         self._marked_seqs.add(seq)
-        for peer, link in enumerate(self._links):
-            if link is not None:
-                self._hub.unstall(link, make_tag(self.group_id, seq, peer, 0) >> SUB_BITS)
+        for link, prefix in self._ring_prefixes(seq):
+            self._hub.unstall(link, prefix)
 
     def paths(self) -> list[dict[str, Any]]:
         """Per peer: the path host bytes take to it, and why (``freescale comm info``)."""
@@ -522,11 +520,17 @@ class GroupContext:
             earlier = seq - (1 << (SEQ_BITS - 1))
             if earlier in self._marked_seqs:
                 self._marked_seqs.discard(earlier)
-                for peer, link in enumerate(self._links):
-                    if link is not None:
-                        prefix = make_tag(self.group_id, earlier, peer, 0) >> SUB_BITS
-                        self._hub.forget(link, prefix)
+                for link, prefix in self._ring_prefixes(earlier):
+                    self._hub.forget(link, prefix)
         return seq
+
+    def _ring_prefixes(self, seq: int) -> list[tuple[Any, int]]:
+        """(link, tag prefix of collective ``seq``'s messages from that peer) per ring link."""
+        return [
+            (link, make_tag(self.group_id, seq, peer, 0) >> SUB_BITS)
+            for peer, link in enumerate(self._links)
+            if link is not None
+        ]
 
     def next_outbox_seq(self) -> int:
         """The outbox number of the next collective that sends headers (``outbox``)."""

@@ -612,29 +612,28 @@ class IpcPath:
             # The inputs are read until the pushes are done, which waited for ``ready`` on the
             # push stream: waiting for them waits for both.
             stream.wait_event(export.push_done if export.push_done is not None else ready)
-            flag = seq
             self._last_seq = seq
             for offset, source in export.scratch_copies:
                 _copy(cu, export.scratch_pointer + offset, address(source), len(source), handle)
             for peer in export.readers:
-                _write(cu, handle, self._flags[peer].my_ready, flag)
+                _write(cu, handle, self._flags[peer].my_ready, seq)
             for dst, src in local_copies:
                 _copy(cu, address(dst), address(src), len(src), handle)
             for peer, (slot, pieces) in pushed_in.items():
                 flags = self._flags[peer]
-                _wait(cu, handle, flags.peer_pushed, flag)
+                _wait(cu, handle, flags.peer_pushed, seq)
                 for dst, piece in pieces:
                     source = self.mailbox.pointer + piece.offset
                     _copy(cu, address(dst), source, piece.nbytes, handle)
-                _write(cu, handle, flags.my_consumed[slot], flag)
+                _write(cu, handle, flags.my_consumed[slot], seq)
             for peer, copies in sources.items():
                 flags = self._flags[peer]
-                _wait(cu, handle, flags.peer_ready, flag)
+                _wait(cu, handle, flags.peer_ready, seq)
                 for dst, src, nbytes in copies:
                     _copy(cu, dst, src, nbytes, handle)
-                _write(cu, handle, flags.my_done, flag)
+                _write(cu, handle, flags.my_done, seq)
             for peer in export.readers:
-                _wait(cu, handle, self._flags[peer].peer_done, flag)
+                _wait(cu, handle, self._flags[peer].peer_done, seq)
         finally:
             cu.restore(replaced)
 
