@@ -373,8 +373,34 @@ def functional_and_compile(use_compile: bool) -> list[float]:
     return out
 
 
-def ddp_train(backend: str, steps: int) -> list[float]:
-    """A few DDP steps on a small model over ``backend`` (world group or a Gloo group)."""
+def _gather_mean_hook(group, bucket):
+    """A DDP comm hook shaped like torch's quantization hooks (which fail on Gloo in torch
+    2.13): the mean gradient from two AllGathers, the second started and waited for inside the
+    first one's future callback."""
+    grad = bucket.buffer()
+    n = dist.get_world_size(group)
+    scales = torch.empty(n, dtype=grad.dtype)
+    first = dist.all_gather_into_tensor(
+        scales, grad.abs().max().reshape(1), group=group, async_op=True
+    )
+
+    def gather_scaled(fut: torch.futures.Future) -> torch.Tensor:
+        fut.wait()
+        scale = scales.max().clamp_min(1e-12)
+        gathered = torch.empty(n * grad.numel(), dtype=grad.dtype)
+        second = dist.all_gather_into_tensor(gathered, grad / scale, group=group, async_op=True)
+        second.get_future().wait()
+        return gathered.view(n, -1).sum(0) * (scale / n)
+
+    return first.get_future().then(gather_scaled)
+
+
+def ddp_train(backend: str, steps: int, hook: str | None = None) -> list[float]:
+    """A few DDP steps on a small model over ``backend`` (world group or a Gloo group), with
+    DDP's default all-reduce or a comm hook whose future callbacks start further collectives
+    of the group and wait for them: ``"powersgd"`` (torch's; all-reduces, which the backend
+    hands to Gloo), ``"gather_mean"`` (all-gathers, the backend's own)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
     rank = dist.get_rank()
@@ -384,6 +410,21 @@ def ddp_train(backend: str, steps: int) -> list[float]:
     )
     group = None if backend == "freescale" else gloo_group()
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.001)
+    if hook == "powersgd":
+        # Compression from the earliest step DDP allows (2): then every bucket's callbacks
+        # start and wait for the group's next collectives.
+        state = powerSGD_hook.PowerSGDState(
+            process_group=group,
+            matrix_approximation_rank=1,
+            start_powerSGD_iter=2,
+            min_compression_rate=0.0,
+            use_error_feedback=True,
+            warm_start=True,
+            random_seed=0,
+        )
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif hook == "gather_mean":
+        ddp.register_comm_hook(group, _gather_mean_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(100 + rank)
     for _ in range(steps):
@@ -829,7 +870,8 @@ def new_user_mistakes() -> list[str]:
 
 def all_gather_coalesced_like_gloo() -> int:
     """``dist.all_gather_coalesced`` (torch's layout: ``outputs[p][k]`` is rank p's input k)
-    against Gloo's, twice per shape (the second from the plan cache). Returns the calls."""
+    against Gloo's, twice per shape (the second from the plan cache, asynchronous: its
+    future's value against Gloo's). Returns the calls."""
     rank, n = dist.get_rank(), dist.get_world_size()
     calls = 0
     for shapes in [[(2,), (3, 2)], [(2, 2), (1,), (2,)], [(5,)]]:
@@ -840,8 +882,13 @@ def all_gather_coalesced_like_gloo() -> int:
             ]
             got = [[torch.full(shape, -1.0) for shape in shapes] for _ in range(n)]
             want = [[torch.full(shape, -1.0) for shape in shapes] for _ in range(n)]
-            dist.all_gather_coalesced(got, inputs)
-            dist.all_gather_coalesced(want, inputs, group=gloo_group())
+            if again:  # async: torch hands back the future, whose value is the outputs
+                got = dist.all_gather_coalesced(got, inputs, async_op=True).wait()
+                want = dist.all_gather_coalesced(want, inputs, gloo_group(), True).wait()
+            else:
+                dist.all_gather_coalesced(got, inputs)
+                dist.all_gather_coalesced(want, inputs, group=gloo_group())
+            assert [len(row) for row in got] == [len(row) for row in want], (got, want)
             for p in range(n):
                 for k in range(len(shapes)):
                     _same(got[p][k], want[p][k], f"all_gather_coalesced {shapes} [{p}][{k}]")

@@ -85,6 +85,15 @@ def test_ddp_matches_gloo(fs_group, steps):
     assert all(r == ours[0] for r in ours)
 
 
+@pytest.mark.parametrize("hook", ["powersgd", "gather_mean"])
+def test_ddp_with_a_comm_hook_matches_gloo(fs_group, hook):
+    # Both hooks' future callbacks start collectives of the group and wait for them.
+    ours = fs_group.run(ranks.ddp_train, "freescale", 5, hook, timeout_s=60)
+    gloo = fs_group.run(ranks.ddp_train, "gloo", 5, hook, timeout_s=60)
+    assert ours == gloo
+    assert all(r == ours[0] for r in ours)
+
+
 @pytest.mark.parametrize("idle_wait", ["yield", "sleep", "auto"])
 def test_a_rank_waiting_for_a_late_peer_polls_briefly_then_sleeps(fs_group, idle_wait):
     # A rank that waits a second for a late peer spends a few milliseconds of CPU on it, not

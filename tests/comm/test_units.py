@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -404,3 +406,40 @@ def test_completion_wakes_a_waiter_on_another_thread():
     already.set()
     assert already.wait(0)  # set before anyone waited: no Event made
     assert already._event is None
+
+
+def test_futures_complete_in_the_order_they_were_asked_for():
+    from freescale_comm.futures import make_future, resolve
+
+    ran: list[str] = []
+    first, second = make_future(None, lambda: None), make_future(None, lambda: None)
+    chained = [
+        future.then(lambda _, name=name: ran.append(name))
+        for future, name in ((first, "first"), (second, "second"))
+    ]
+    resolve(second, (True, ["b"]))
+    time.sleep(0.2)
+    assert not second.done() and ran == []  # held behind the future asked for before it
+    resolve(first, (False, FreescaleError("first failed")))
+    torch.futures.wait_all(chained)
+    assert ran == ["first", "second"] and second.value() == ["b"]
+    with pytest.raises(FreescaleError, match="first failed"):
+        first.wait()
+
+
+def test_a_callback_that_waits_for_a_later_future_completes_it_itself():
+    # The callback runs on the settling thread; the future it waits for is queued behind it.
+    from freescale_comm.futures import make_future, resolve
+
+    later_done = threading.Event()
+    first = make_future(None, lambda: None)
+    later = make_future(None, lambda: later_done.wait(10))
+    chained = first.then(lambda _: later.wait()[0] + 1)
+    resolve(first, (True, [0]))
+    time.sleep(0.1)
+    resolve(later, (True, [41]))
+    later_done.set()
+    waiter = threading.Thread(target=chained.wait, daemon=True)
+    waiter.start()
+    waiter.join(10)
+    assert not waiter.is_alive() and chained.value() == 42

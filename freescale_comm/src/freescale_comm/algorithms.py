@@ -96,7 +96,8 @@ class Plan:
         transfers: the messages, receives and sends; each peer's in tag (``sub``) order.
         local_copies: (destination, source) bytes copied when the data phase starts.
         copy_back: (user tensor, contiguous staging) pairs copied after the last message.
-        result: the value of the collective's future (its output tensors).
+        result: the collective's output tensors, the value of its future unless ``value``.
+        value: the future's value where it is shaped otherwise (Gloo's, for the same call).
         forwarding: some sends wait for a receive (ring): they cannot travel in the header.
         staged: CUDA bytes that move through pinned host memory (``staged``), not UCX directly
             (with ``ipc``: the bytes of the peers IPC does not reach).
@@ -110,6 +111,7 @@ class Plan:
     local_copies: list[tuple[Bytes, Bytes]] = field(default_factory=list)
     copy_back: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     result: list[torch.Tensor] = field(default_factory=list)
+    value: Any = None
     forwarding: bool = False
     staged: bool = False
     ipc: bool = False

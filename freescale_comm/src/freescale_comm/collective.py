@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,6 +49,7 @@ from freescale_comm.errors import (
     FreescaleTimeoutError,
     FreescaleValidationError,
 )
+from freescale_comm.futures import CollectiveFuture, Outcome, make_future, resolve
 from freescale_comm.transport import make_tag
 from freescale_comm.validation import NEEDS_TABLE, Signature, judge, judge_table
 
@@ -114,14 +116,6 @@ class _Done:
         return event.wait(timeout)
 
 
-def _settle(future: torch.futures.Future, outcome: tuple[bool, Any]) -> None:
-    ok, value = outcome
-    if ok:
-        future.set_result(value)
-    else:
-        future.set_exception(value)
-
-
 class Collective:
     """A collective of one group in flight (see the module docstring)."""
 
@@ -145,9 +139,9 @@ class Collective:
         self.ring_cuda = False
         self._ring_events: list[torch.cuda.Event] = []  # ends of the rings' H2D copies
         # Made when asked for (``future``): most synchronous calls never ask.
-        self._future: torch.futures.Future | None = None
+        self._future: CollectiveFuture | None = None
         self._future_lock = threading.Lock()
-        self._outcome: tuple[bool, Any] | None = None
+        self._outcome: Outcome | None = None
         self._lock = threading.Lock()
         self._abort_reason: str | None = None
         self._phase = "header"
@@ -187,22 +181,22 @@ class Collective:
         self._ipc_done: torch.cuda.Event | None = None  # IPC part queued, others still to come
         self.final: torch.cuda.Event | None = None  # the CUDA end event, once sealed
 
-    @property
-    def future(self) -> torch.futures.Future:
-        """The collective's future (its outputs, or its error), made on first use."""
+    def future(self, wait_done: Callable[[], None]) -> CollectiveFuture:
+        """The collective's future (its outputs, or its error), made on first use;
+        ``wait_done`` blocks until the collective is done (``futures.CollectiveFuture``)."""
         with self._future_lock:
             if self._future is None:
-                self._future = torch.futures.Future()
-                if self._outcome is not None:
-                    _settle(self._future, self._outcome)
+                self._future = make_future(self._outcome, wait_done)
             return self._future
 
     def _set_outcome(self, ok: bool, value: Any) -> None:
+        # No callback runs here (under the collective's lock, on the engine thread): the
+        # settling thread completes the future (``futures``).
         with self._future_lock:
             self._outcome = (ok, value)
             future = self._future
         if future is not None:
-            _settle(future, self._outcome)
+            resolve(future, self._outcome)
 
     @property
     def label(self) -> str:
@@ -868,7 +862,6 @@ class Collective:
                 self._fail_locked(error, "internal")
                 return
             self.finished = True
-        # Outside the lock: the future's callbacks run here, on the watcher's thread.
         self._resolve()
 
     def _finish(self) -> None:
@@ -879,7 +872,8 @@ class Collective:
         """Completes a finished collective: buffers released, future and event set."""
         self._pinned = []
         self._ring_events = []
-        self._set_outcome(True, self.plan.result)
+        plan = self.plan
+        self._set_outcome(True, plan.result if plan.value is None else plan.value)
         self.event.set()
 
     def expire(self) -> None:

@@ -2,15 +2,16 @@
 
 One daemon thread per process, for every group. While collectives are in flight it progresses
 the UCX worker, notices completed requests (ucxx has no blocking wait from Python), posts the
-next step of multi-step algorithms (the ring), completes futures, and fails collectives that run
-past their deadline or whose peer died; when nothing moved it sleeps in an epoll over the
-worker's events (GIL released) until UCX signals an event, something calls
-``Transport.wake`` (a new collective, a finished CUDA copy) or ``_EPOLL_MS`` passes — so an
-arriving message wakes it at once and an idle wait costs no CPU (where its group yields when
-idle, ``yields_when_idle``, it first yields its core and polls again, for up to ``YIELD_S``).
-While no collective is in flight it sleeps on a condition. In flight or not, it beats and
-polls every group's liveness when due (``liveness``): the store requests of the process are
-made here, and a collective's health check only reads what the last poll found.
+next step of multi-step algorithms (the ring), completes collectives (their futures' callbacks
+run on another thread, ``futures``), and fails collectives that run past their deadline or whose
+peer died; when nothing moved it sleeps in an epoll over the worker's events (GIL released)
+until UCX signals an event, something calls ``Transport.wake`` (a new collective, a finished
+CUDA copy) or ``_EPOLL_MS`` passes — so an arriving message wakes it at once and an idle wait
+costs no CPU (where its group yields when idle, ``yields_when_idle``, it first yields its core
+and polls again, for up to ``YIELD_S``). While no collective is in flight it sleeps on a
+condition. In flight or not, it beats and polls every group's liveness when due
+(``liveness``): the store requests of the process are made here, and a collective's health
+check only reads what the last poll found.
 
 A synchronous collective (``async_op=False``: the caller waits at once) that finds the engine
 idle is *claimed* by its caller instead: ``Work.wait`` runs the same loop on the calling thread

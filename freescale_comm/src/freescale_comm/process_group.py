@@ -210,18 +210,17 @@ class ProcessGroupFreescale(dist.ProcessGroup):
                 f"needs one output list per rank ({size}) of one tensor per input ({count}), "
                 f"got lists of {[len(row) for row in output_lists]}"
             )
-        return self._own(
-            algorithms.all_gather(
-                "all_gather_coalesced",
-                *self._rs(),
-                by_input,
-                input_list,
-                self._gather_options(input_list),
-                self._plans,
-                problem,
-            ),
-            opts,
+        plan = algorithms.all_gather(
+            "all_gather_coalesced",
+            *self._rs(),
+            by_input,
+            input_list,
+            self._gather_options(input_list),
+            self._plans,
+            problem,
         )
+        plan.value = [list(row) for row in output_lists]  # as Gloo's future: [rank][input]
+        return self._own(plan, opts)
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
