@@ -135,6 +135,37 @@ def test_abort_first_reason_wins_and_stops_the_polls(store):
     assert all(live.error() == "the group was aborted by rank 2: first" for live in ranks)
 
 
+class _CountedStore:
+    """A store whose requests are counted (the liveness's own store behind it)."""
+
+    def __init__(self, store):
+        self._store, self.requests = store, 0
+
+    def __getattr__(self, name):
+        self.requests += 1
+        return getattr(self._store, name)
+
+
+def test_a_store_whose_host_is_gone_is_retried_ever_less_often():
+    # Each failed request makes torch log a warning with a stack trace; a rank idling after the
+    # store's host exited logged two a second for as long as it lived.
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)
+    )
+    ranks = _group(server, 2, "gone", heartbeat_s=0.05, dead_after_s=0.5)
+    for live in ranks:
+        live.store = _CountedStore(live.store)
+    _tick_for(ranks, 0.3)
+    assert all(live.error() is None for live in ranks)
+    del server  # its host leaves: every later request fails
+    before = [live.store.requests for live in ranks]
+    _tick_for(ranks, 3.0)
+    for live, start in zip(ranks, before, strict=True):
+        assert "the c10d store is unreachable" in live.error()
+        # Retries 0.1, 0.2, 0.4, 0.8 and 1.6 s apart, not 60 beats and 60 polls.
+        assert live.store.requests - start <= 6, live.store.requests - start
+
+
 def test_every_rank_is_told_once_of_a_silent_rank_and_of_an_abort(store):
     # What no collective polls (a sealed IPC collective waits on the GPU) learns of it here.
     told: list[tuple[int, str]] = []

@@ -32,6 +32,8 @@ WATCHED = 2
 # A watcher whose consecutive polls are further apart than this many periods was itself stopped
 # or starved: what it saw before the gap says nothing about its neighbours.
 _GAP_PERIODS = 4
+# Longest wait between retries of a store that keeps failing.
+_MAX_RETRY_S = 30.0
 
 
 def poll_period(dead_after_s: float) -> float:
@@ -96,6 +98,7 @@ class Liveness:
         self.aborted: str | None = None  # the abort key's reason, once set
         self.dead: str | None = None  # what this rank's own watch found
         self.store_error: str | None = None  # the last poll failed (cleared by the next one)
+        self._store_failures = 0  # store requests failed in a row
         self.beat()
 
     @property
@@ -109,15 +112,24 @@ class Liveness:
     def tick(self, now: float) -> None:
         """Beats and polls as due (engine thread); a store error is remembered, not raised."""
         try:
+            asked = False
             if now >= self._next_beat:
                 self.beat()
+                asked = True
             if now >= self._next_poll and self.aborted is None:
                 self.poll(time.monotonic())
-            self.store_error = None
+                asked = True
+            if asked:
+                self.store_error = None
+                self._store_failures = 0
         except Exception as err:  # the store's host may be the process that died
             self.store_error = f"the c10d store is unreachable ({err})"
-            self._next_beat = max(self._next_beat, now + self.heartbeat_s)
-            self._next_poll = max(self._next_poll, now + self.poll_s)
+            # A store whose host is gone fails every request, and torch logs each failure
+            # with a stack trace: the retries grow apart while the failures last.
+            self._store_failures += 1
+            retry = min(_MAX_RETRY_S, self.poll_s * 2**self._store_failures)
+            self._next_beat = max(self._next_beat, now + retry)
+            self._next_poll = max(self._next_poll, now + retry)
         error = self.error()
         if error is not None and not self._told and self._on_failure is not None:
             # Once: what nobody polls must learn of it too (GPU waits on a dead peer's flags).
