@@ -240,6 +240,56 @@ def in_place_all_gather(elements: int) -> bool:
     return True
 
 
+def nested_future_collectives(rounds: int, cuda_path: str | None = None) -> int:
+    """Two AllGathers in flight, each future's callback starting an AllToAll of its own size
+    and waiting for its future: the callbacks run in the order the futures were asked for
+    (completed ones at once, in ``then``), the same on every rank, so the nested calls pair
+    up. On CUDA tensors over a group forced to ``cuda_path`` when given, else on the CPU
+    (world group). Returns the checked results."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    device, group = torch.device("cpu"), None
+    if cuda_path is not None:
+        device, group = cuda_group(cuda_path=cuda_path)
+
+    def then_all_to_all(gathered: torch.Tensor, per_peer: int) -> Any:
+        def callback(fut: torch.futures.Future) -> torch.Tensor:
+            fut.wait()
+            moved = torch.empty(n * per_peer, device=device)
+            source = gathered[:1].repeat(n * per_peer) + torch.arange(n * per_peer, device=device)
+            work = dist.all_to_all_single(moved, source, group=group, async_op=True)
+            work.get_future().wait()
+            return moved
+
+        return callback
+
+    checked = 0
+    for i in range(rounds):
+        # Both calls first: this thread starts no collective while callbacks may.
+        gathered = [torch.empty(n, device=device) for _ in range(2)]
+        futures = [
+            dist.all_gather_into_tensor(
+                out,
+                torch.full((1,), float(100 * i + 10 * k + rank), device=device),
+                group=group,
+                async_op=True,
+            ).get_future()
+            for k, out in enumerate(gathered)
+        ]
+        chained, wants = [], []
+        for k, per_peer in enumerate((3, 5)):
+            chained.append(futures[k].then(then_all_to_all(gathered[k], per_peer)))
+            # Each peer sent its first gathered value (rank 0's) plus its own offsets.
+            offsets = torch.arange(rank * per_peer, (rank + 1) * per_peer, device=device)
+            wants.append((100 * i + 10 * k + offsets).float().repeat(n))
+        for future, want in zip(chained, wants, strict=True):
+            _same(future.wait(), want, f"nested AllToAll of round {i}")
+            checked += 1
+    if group is not None:
+        torch.cuda.synchronize()
+        dist.destroy_process_group(group)
+    return checked
+
+
 def overlapping_inputs(elements: int, cuda_path: str | None = None) -> list[str]:
     """AllToAlls whose input is their output, and an AllGather whose input overlaps a slot that
     receives a peer's piece: every result as if the input had been copied first. On CUDA

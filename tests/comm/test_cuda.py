@@ -76,6 +76,12 @@ def test_a_pair_without_rings(fs_group4, cuda_path, validate, allgather):
                 assert path == "ipc" and pushes > 0, (rank, peer, path, pushes)
 
 
+@pytest.mark.parametrize("cuda_path", ["staged", "ipc", "direct"])
+def test_future_callbacks_may_start_collectives_and_wait_for_them(fs_group, cuda_path):
+    n = fs_group.spec.world_size
+    assert fs_group.run(ranks.nested_future_collectives, 3, cuda_path, timeout_s=120) == [6] * n
+
+
 @pytest.mark.parametrize("cuda_path", ["staged", "ipc"])
 def test_paths_within_a_host(fs_group, cuda_path):
     n = fs_group.spec.world_size

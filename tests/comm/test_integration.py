@@ -94,6 +94,10 @@ def test_ddp_with_a_comm_hook_matches_gloo(fs_group, hook):
     assert all(r == ours[0] for r in ours)
 
 
+def test_future_callbacks_may_start_collectives_and_wait_for_them(fs_group):
+    assert fs_group.run(ranks.nested_future_collectives, 3) == [6] * fs_group.spec.world_size
+
+
 @pytest.mark.parametrize("idle_wait", ["yield", "sleep", "auto"])
 def test_a_rank_waiting_for_a_late_peer_polls_briefly_then_sleeps(fs_group, idle_wait):
     # A rank that waits a second for a late peer spends a few milliseconds of CPU on it, not
