@@ -447,10 +447,8 @@ def _gather_mean_hook(group, bucket):
 
 def ddp_train(backend: str, steps: int, hook: str | None = None) -> list[float]:
     """A few DDP steps on a small model over ``backend`` (world group or a Gloo group), with
-    DDP's default all-reduce or a comm hook whose future callbacks start further collectives
-    of the group and wait for them: ``"powersgd"`` (torch's; all-reduces, which the backend
-    hands to Gloo), ``"gather_mean"`` (all-gathers, the backend's own)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    DDP's default all-reduce or, with ``hook="gather_mean"``, a comm hook whose future
+    callback starts another AllGather and waits for it."""
     from torch.nn.parallel import DistributedDataParallel
 
     rank = dist.get_rank()
@@ -460,20 +458,7 @@ def ddp_train(backend: str, steps: int, hook: str | None = None) -> list[float]:
     )
     group = None if backend == "freescale" else gloo_group()
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.001)
-    if hook == "powersgd":
-        # Compression from the earliest step DDP allows (2): then every bucket's callbacks
-        # start and wait for the group's next collectives.
-        state = powerSGD_hook.PowerSGDState(
-            process_group=group,
-            matrix_approximation_rank=1,
-            start_powerSGD_iter=2,
-            min_compression_rate=0.0,
-            use_error_feedback=True,
-            warm_start=True,
-            random_seed=0,
-        )
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    elif hook == "gather_mean":
+    if hook == "gather_mean":
         ddp.register_comm_hook(group, _gather_mean_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(100 + rank)
