@@ -443,3 +443,26 @@ def test_a_callback_that_waits_for_a_later_future_completes_it_itself():
     waiter.start()
     waiter.join(10)
     assert not waiter.is_alive() and chained.value() == 42
+
+
+def test_futures_complete_in_a_forked_child():
+    # A DataLoader worker is a fork: the parent's settling thread does not exist there.
+    from freescale_comm.futures import make_future, resolve
+
+    parents = make_future(None, lambda: None)
+    resolve(parents, (True, [1]))
+    assert parents.wait() == [1]  # the parent's settling thread runs
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            childs = make_future(None, lambda: None)
+            resolve(childs, (True, [2]))
+            waiter = threading.Thread(target=childs.wait, daemon=True)
+            waiter.start()
+            waiter.join(10)
+            code = 0 if childs.done() and childs.value() == [2] else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -10,12 +10,15 @@ collectives start them in the same order everywhere, as a group's collectives mu
 A callback that waits for a future behind it in that order (one it asked for itself, or a
 later one) completes that future at once, in the same thread, once its collective is done.
 Waiting from a callback on anything else that needs a later future (``collect_all`` over it, a
-``then`` of it) waits for its own thread: such a callback must wait for the future itself.
+``then`` of it) waits for its own thread: such a callback must wait for the future itself. The
+order spans the process's groups: a future waits for those of any group asked for before it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +28,7 @@ import torch
 
 from freescale_comm.errors import FreescaleError
 
+logger = logging.getLogger(__name__)
 Outcome = tuple[bool, Any]  # (True, value) or (False, exception)
 
 
@@ -106,10 +110,20 @@ class _Settler:
                 if future._taken:
                     continue
                 future._taken = True
-            _complete(future, future._outcome)
+            try:
+                _complete(future, future._outcome)
+            except Exception:  # torch keeps callbacks' errors; this thread serves every future
+                logger.exception("freescale: completing a collective's future raised")
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent's thread and queue are not this process's."""
+        self._cond = threading.Condition()
+        self._queue = deque()
+        self._thread = None
 
 
 _SETTLER = _Settler()
+os.register_at_fork(after_in_child=_SETTLER.forget_after_fork)
 
 
 def make_future(outcome: Outcome | None, wait_done: Callable[[], None]) -> CollectiveFuture:
