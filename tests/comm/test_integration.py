@@ -38,6 +38,12 @@ def test_all_gather_coalesced_matches_gloo(fs_group):
     assert fs_group.run(ranks.all_gather_coalesced_like_gloo) == [6] * fs_group.spec.world_size
 
 
+def test_all_gather_coalesced_of_one_rank_matches_gloo(local_groups):
+    # Gloo's future then holds one list by input, not one list per rank.
+    group = local_groups.get(1, backend="freescale", setup=SETUP, init_timeout_s=60)
+    assert group.run(ranks.all_gather_coalesced_like_gloo) == [6]
+
+
 def test_the_ring_all_gather_is_chosen_alike_on_every_rank(fs_group4):
     errors = fs_group4.run(ranks.ring_gathers_only_even_pieces, timeout_s=90)
     assert all(e == errors[0] for e in errors) and len(errors[0]) == 1, errors

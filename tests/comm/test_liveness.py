@@ -166,6 +166,47 @@ def test_a_store_whose_host_is_gone_is_retried_ever_less_often():
         assert live.store.requests - start <= 6, live.store.requests - start
 
 
+def test_a_rank_that_read_the_abort_key_stops_polling(store):
+    # It polled at once on every engine tick, forever: a core spent by an idle process.
+    ranks = _group(store, 3, "done", heartbeat_s=0.2, dead_after_s=2.0)
+    ranks[1].abort("rank 1: gone")
+    _tick_for(ranks[:1], 0.3)
+    assert ranks[0].aborted == "rank 1: gone"
+    time.sleep(0.5)  # past the poll that would have been next
+    ranks[0].tick(time.monotonic())
+    assert ranks[0].next_due > time.monotonic()  # its next beat, not a poll already due
+
+
+class _FailingStore:
+    """Answers until ``up`` is cleared, then fails every request (a stand-in for the backoff's
+    arithmetic only)."""
+
+    up = True
+
+    def add(self, key, value):
+        if not self.up:
+            raise RuntimeError("store gone")
+        return 1
+
+    def multi_get(self, keys):
+        if not self.up:
+            raise RuntimeError("store gone")
+        return [b""] + [b"1"] * (len(keys) - 1)
+
+
+def test_the_store_retry_period_stays_bounded_however_long_the_store_is_gone():
+    # The period doubled without bound: after 1,024 failures (8.5 h) it overflowed and the
+    # exception ended the engine thread of every group.
+    store = _FailingStore()
+    live = liveness.Liveness(store, 0, 3, 1.0, 10.0)
+    store.up = False
+    for _ in range(2000):
+        now = live.next_due
+        live.tick(now)
+        assert 0 < live.next_due - now <= 30.0
+    assert "the c10d store is unreachable" in live.error()
+
+
 def test_every_rank_is_told_once_of_a_silent_rank_and_of_an_abort(store):
     # What no collective polls (a sealed IPC collective waits on the GPU) learns of it here.
     told: list[tuple[int, str]] = []

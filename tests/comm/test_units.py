@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -408,61 +409,61 @@ def test_completion_wakes_a_waiter_on_another_thread():
     assert already._event is None
 
 
-def test_futures_complete_in_the_order_they_were_asked_for():
-    from freescale_comm.futures import make_future, resolve
+def _done_future(value: Any, runner: Any) -> Any:
+    from freescale_comm.futures import CollectiveFuture
 
-    ran: list[str] = []
-    first, second = make_future(None, lambda: None), make_future(None, lambda: None)
+    future = CollectiveFuture(runner)
+    future.set_result(value)
+    runner.future_done()
+    return future
+
+
+def test_callbacks_run_off_the_completing_thread_in_the_order_attached():
+    from freescale_comm.futures import CallbackRunner, CollectiveFuture
+
+    runner = CallbackRunner(None)
+    ran: list[tuple[str, str]] = []
+    first, second = CollectiveFuture(runner), CollectiveFuture(runner)
     chained = [
-        future.then(lambda _, name=name: ran.append(name))
+        future.then(lambda f, name=name: ran.append((name, threading.current_thread().name)))
         for future, name in ((first, "first"), (second, "second"))
     ]
-    resolve(second, (True, ["b"]))
+    second.set_result(["b"])  # done first, attached second: waits for the first
+    runner.future_done()
     time.sleep(0.2)
-    assert not second.done() and ran == []  # held behind the future asked for before it
-    resolve(first, (False, FreescaleError("first failed")))
+    assert ran == [] and second.done()  # done as soon as completed: only its callback waits
+    first.set_exception(FreescaleError("first failed"))
+    runner.future_done()
     torch.futures.wait_all(chained)
-    assert ran == ["first", "second"] and second.value() == ["b"]
-    with pytest.raises(FreescaleError, match="first failed"):
-        first.wait()
+    assert [name for name, _ in ran] == ["first", "second"]
+    assert {thread for _, thread in ran} == {"freescale-comm-callbacks"}
+    # Attached to a done future with nothing waiting: at once, in the attaching thread.
+    late = _done_future([3], runner).then(lambda f: threading.current_thread().name)
+    assert late.done() and late.value() == threading.current_thread().name
+    runner.close(timeout_s=5)
 
 
-def test_a_callback_that_waits_for_a_later_future_completes_it_itself():
-    # The callback runs on the settling thread; the future it waits for is queued behind it.
-    from freescale_comm.futures import make_future, resolve
+def test_a_callback_may_wait_for_a_later_future_and_attach_callbacks():
+    from freescale_comm.futures import CallbackRunner, CollectiveFuture
 
-    later_done = threading.Event()
-    first = make_future(None, lambda: None)
-    later = make_future(None, lambda: later_done.wait(10))
-    chained = first.then(lambda _: later.wait()[0] + 1)
-    resolve(first, (True, [0]))
+    runner = CallbackRunner(None)
+    first, later = CollectiveFuture(runner), CollectiveFuture(runner)
+
+    def waits_for_later(_: torch.futures.Future) -> int:
+        # On the callback thread: a callback attached here runs at once, in order.
+        return later.wait()[0] + later.then(lambda f: f.value()[0]).wait()
+
+    chained = first.then(waits_for_later)
+    first.set_result([0])
+    runner.future_done()
     time.sleep(0.1)
-    resolve(later, (True, [41]))
-    later_done.set()
+    later.set_result([21])
+    runner.future_done()
     waiter = threading.Thread(target=chained.wait, daemon=True)
     waiter.start()
     waiter.join(10)
     assert not waiter.is_alive() and chained.value() == 42
-
-
-def test_futures_complete_in_a_forked_child():
-    # A DataLoader worker is a fork: the parent's settling thread does not exist there.
-    from freescale_comm.futures import make_future, resolve
-
-    parents = make_future(None, lambda: None)
-    resolve(parents, (True, [1]))
-    assert parents.wait() == [1]  # the parent's settling thread runs
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            childs = make_future(None, lambda: None)
-            resolve(childs, (True, [2]))
-            waiter = threading.Thread(target=childs.wait, daemon=True)
-            waiter.start()
-            waiter.join(10)
-            code = 0 if childs.done() and childs.value() == [2] else 2
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    runner.close(timeout_s=5)
+    assert not any(
+        t.name == "freescale-comm-callbacks" and t.is_alive() for t in threading.enumerate()
+    )

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -49,7 +48,7 @@ from freescale_comm.errors import (
     FreescaleTimeoutError,
     FreescaleValidationError,
 )
-from freescale_comm.futures import CollectiveFuture, Outcome, make_future, resolve
+from freescale_comm.futures import CollectiveFuture
 from freescale_comm.transport import make_tag
 from freescale_comm.validation import NEEDS_TABLE, Signature, judge, judge_table
 
@@ -116,6 +115,14 @@ class _Done:
         return event.wait(timeout)
 
 
+def _complete(future: torch.futures.Future, outcome: tuple[bool, Any]) -> None:
+    ok, value = outcome
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
+
+
 class Collective:
     """A collective of one group in flight (see the module docstring)."""
 
@@ -141,7 +148,7 @@ class Collective:
         # Made when asked for (``future``): most synchronous calls never ask.
         self._future: CollectiveFuture | None = None
         self._future_lock = threading.Lock()
-        self._outcome: Outcome | None = None
+        self._outcome: tuple[bool, Any] | None = None
         self._lock = threading.Lock()
         self._abort_reason: str | None = None
         self._phase = "header"
@@ -181,22 +188,25 @@ class Collective:
         self._ipc_done: torch.cuda.Event | None = None  # IPC part queued, others still to come
         self.final: torch.cuda.Event | None = None  # the CUDA end event, once sealed
 
-    def future(self, wait_done: Callable[[], None]) -> CollectiveFuture:
-        """The collective's future (its outputs, or its error), made on first use;
-        ``wait_done`` blocks until the collective is done (``futures.CollectiveFuture``)."""
+    @property
+    def future(self) -> CollectiveFuture:
+        """The collective's future (its outputs, or its error), made on first use."""
         with self._future_lock:
             if self._future is None:
-                self._future = make_future(self._outcome, wait_done)
+                self._future = CollectiveFuture(self.group.callbacks)
+                if self._outcome is not None:
+                    _complete(self._future, self._outcome)
             return self._future
 
     def _set_outcome(self, ok: bool, value: Any) -> None:
-        # No callback runs here (under the collective's lock, on the engine thread): the
-        # settling thread completes the future (``futures``).
         with self._future_lock:
             self._outcome = (ok, value)
             future = self._future
         if future is not None:
-            resolve(future, self._outcome)
+            # No Python callback runs here (on the engine thread, under the collective's
+            # lock): the group's callback thread runs them (``futures``).
+            _complete(future, self._outcome)
+            self.group.callbacks.future_done()
 
     @property
     def label(self) -> str:

@@ -1,142 +1,147 @@
-"""The collectives' futures, completed on a thread of their own in the order they were asked for.
+"""The collectives' futures: completed with the collective, their callbacks run off the engine.
 
-A future's callbacks (``then``, ``add_done_callback``) run in the thread that completes it. That
-must not be the engine thread: a callback that starts another collective and waits for it (a
-DDP comm hook built like torch's quantization or PowerSGD hooks) would wait for the thread that
-runs it. One settling thread per process completes them instead, in the order they were asked
-for (``Work.get_future``), which on every rank is the program's order: callbacks that start
-collectives start them in the same order everywhere, as a group's collectives must be started.
+A torch future runs its callbacks (``then``, ``add_done_callback``) in the thread that completes
+it. A collective completes on the engine thread (or on a thread that drives it), under its lock:
+a callback that starts another collective and waits for it (a DDP comm hook built like torch's
+quantization or PowerSGD hooks) would wait for the thread that runs it. So a collective's future
+is completed there as torch's are, and is done once ``Work.wait`` returns, as Gloo's is; but the
+callbacks attached to it in Python run on the group's callback thread (``CallbackRunner``):
 
-A callback that waits for a future behind it in that order (one it asked for itself, or a
-later one) completes that future at once, in the same thread, once its collective is done.
-Waiting from a callback on anything else that needs a later future (``collect_all`` over it, a
-``then`` of it) waits for its own thread: such a callback must wait for the future itself. The
-order spans the process's groups: a future waits for those of any group asked for before it.
+- one at a time, in the order they were attached, each once its future is done, so that
+  collectives started from callbacks start in one order on every rank where the program
+  attaches the callbacks in one order and no other thread starts collectives of the group
+  meanwhile (DDP with several buckets does: its hooks start collectives from the autograd
+  thread; that interleaving differs between ranks with Gloo as well);
+- a callback attached from the group's callback thread, or to a done future while nothing
+  attached before it is still waiting, runs at once in the attaching thread, as torch runs it;
+- every group has a thread of its own: a callback waiting for one group holds up no other's.
+
+A callback that waits for the result of a callback attached after it (to a future of the same
+group) waits for its own thread. Callbacks attached by C++ (``collect_all``, a future handed to
+C++) run in the completing thread, as torch's do.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from freescale_comm.errors import FreescaleError
-
 logger = logging.getLogger(__name__)
-Outcome = tuple[bool, Any]  # (True, value) or (False, exception)
 
 
 class CollectiveFuture(torch.futures.Future):
-    """A collective's future (see the module docstring).
+    """A collective's future: its Python callbacks run through the group's ``CallbackRunner``."""
+
+    def __init__(self, runner: CallbackRunner) -> None:
+        super().__init__()
+        self._runner = runner
+
+    def then(self, callback: Callable[[torch.futures.Future], Any]) -> torch.futures.Future:
+        child: torch.futures.Future = torch.futures.Future()
+        self._runner.attach(_Callback(self, callback, child))
+        return child
+
+    def add_done_callback(self, callback: Callable[[torch.futures.Future], None]) -> None:
+        self._runner.attach(_Callback(self, callback, None))
+
+
+@dataclass
+class _Callback:
+    future: torch.futures.Future
+    callback: Callable[[torch.futures.Future], Any]
+    child: torch.futures.Future | None  # ``then``'s future; None for ``add_done_callback``
+
+    def run(self) -> None:
+        try:
+            value = self.callback(self.future)
+        except Exception as err:
+            if self.child is None:  # torch logs these too, and goes on
+                logger.exception("freescale: a future's done callback raised")
+            else:
+                self.child.set_exception(err)
+            return
+        if self.child is not None:
+            self.child.set_result(value)
+
+
+class CallbackRunner:
+    """One group's callback thread and the callbacks still to run, in order (module docstring).
 
     Args:
-        wait_done: blocks until the collective is done, bounded by its group's timeout; raises
-            its error.
+        cuda_device: the CUDA device made current on the thread (the group's), or None.
     """
 
-    def __init__(self, wait_done: Callable[[], None]) -> None:
-        super().__init__()
-        self._wait_done: Callable[[], None] | None = wait_done
-        self._outcome: Outcome | None = None
-        self._taken = False  # completed, or being completed, by one thread
-
-    def wait(self) -> Any:
-        wait_done = self._wait_done
-        if wait_done is not None and _SETTLER.is_settling_thread():
-            with contextlib.suppress(FreescaleError):  # the future carries the same error
-                wait_done()
-            _SETTLER.settle_now(self)
-        return super().wait()
-
-
-def _complete(future: CollectiveFuture, outcome: Outcome) -> None:
-    future._wait_done = None  # it refers to the collective, which refers to this future
-    ok, value = outcome
-    if ok:
-        future.set_result(value)
-    else:
-        future.set_exception(value)
-
-
-class _Settler:
-    """The process's settling thread and the futures it has still to complete, in order."""
-
-    def __init__(self) -> None:
+    def __init__(self, cuda_device: int | None) -> None:
+        self._cuda_device = cuda_device
         self._cond = threading.Condition()
-        self._queue: deque[CollectiveFuture] = deque()
+        self._queue: deque[_Callback] = deque()
         self._thread: threading.Thread | None = None
+        self._running_inline = False
+        self._closed = False
 
-    def is_settling_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    def expect(self, future: CollectiveFuture) -> None:
-        """Queues a future asked for before its collective finished."""
+    def attach(self, entry: _Callback) -> None:
+        """Runs ``entry`` at once where that keeps the order, else queues it."""
+        if threading.current_thread() is self._thread:
+            entry.run()
+            return
         with self._cond:
-            self._queue.append(future)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="freescale-comm-futures", daemon=True
-                )
-                self._thread.start()
+            # Once the group is closed every future of it is done and nothing keeps order.
+            idle = self._closed or (not self._queue and not self._running_inline)
+            inline = idle and entry.future.done()
+            if inline:
+                self._running_inline = True  # the thread waits for it: one at a time
+            else:
+                self._queue.append(entry)
+                self._start_locked()
+                self._cond.notify()
+        if inline:
+            try:
+                entry.run()
+            finally:
+                with self._cond:
+                    self._running_inline = False
+                    self._cond.notify()
 
-    def resolve(self, future: CollectiveFuture, outcome: Outcome) -> None:
-        """Records a queued future's outcome; the settling thread completes it in its turn."""
+    def future_done(self) -> None:
+        """Called once a future of the group is done (from any thread)."""
         with self._cond:
-            future._outcome = outcome
+            if self._queue:
+                self._cond.notify()
+
+    def close(self, timeout_s: float) -> None:
+        """Runs what is left once its futures are done (the group fails what is in flight
+        first), then ends the thread; a callback still running after ``timeout_s`` is left."""
+        with self._cond:
+            self._closed = True
             self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
 
-    def settle_now(self, future: CollectiveFuture) -> None:
-        """Completes ``future`` in the calling thread, unless it is done or being done."""
-        with self._cond:
-            if future._taken or future._outcome is None:
-                return
-            future._taken = True
-        _complete(future, future._outcome)
+    def _start_locked(self) -> None:
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(
+                target=self._run, name="freescale-comm-callbacks", daemon=True
+            )
+            self._thread.start()
+
+    def _ready_locked(self) -> bool:
+        return bool(self._queue) and self._queue[0].future.done() and not self._running_inline
 
     def _run(self) -> None:
+        if self._cuda_device is not None:
+            torch.cuda.set_device(self._cuda_device)
         while True:
             with self._cond:
-                while not self._queue or (
-                    self._queue[0]._outcome is None and not self._queue[0]._taken
-                ):
-                    self._cond.wait()
-                future = self._queue.popleft()
-                if future._taken:
-                    continue
-                future._taken = True
-            try:
-                _complete(future, future._outcome)
-            except Exception:  # torch keeps callbacks' errors; this thread serves every future
-                logger.exception("freescale: completing a collective's future raised")
-
-    def forget_after_fork(self) -> None:
-        """In a forked child: the parent's thread and queue are not this process's."""
-        self._cond = threading.Condition()
-        self._queue = deque()
-        self._thread = None
-
-
-_SETTLER = _Settler()
-os.register_at_fork(after_in_child=_SETTLER.forget_after_fork)
-
-
-def make_future(outcome: Outcome | None, wait_done: Callable[[], None]) -> CollectiveFuture:
-    """A collective's future: completed now if ``outcome`` is known, else queued (``resolve``)."""
-    future = CollectiveFuture(wait_done)
-    if outcome is None:
-        _SETTLER.expect(future)
-    else:
-        future._taken = True
-        _complete(future, outcome)
-    return future
-
-
-def resolve(future: CollectiveFuture, outcome: Outcome) -> None:
-    """Hands a queued future its collective's outcome (from any thread; no callback runs)."""
-    _SETTLER.resolve(future, outcome)
+                while not self._ready_locked():
+                    if self._closed and not self._queue:
+                        return
+                    self._cond.wait(1.0 if self._closed else None)
+                entry = self._queue.popleft()
+            entry.run()

@@ -29,6 +29,7 @@ from freescale_comm import directory
 from freescale_comm.cpu import usable_cores
 from freescale_comm.engine import Engine, yields_when_idle
 from freescale_comm.errors import FreescaleError
+from freescale_comm.futures import CallbackRunner
 from freescale_comm.liveness import Liveness
 from freescale_comm.options import FreescaleOptions
 from freescale_comm.transport import MAX_GROUP_SIZE, SEQ_BITS, SUB_BITS, Transport, make_tag
@@ -132,6 +133,7 @@ class GroupContext:
         self._hub: Any = None
         self.transport = Transport.acquire()
         self.engine = Engine.acquire(self.transport, _cuda_device())
+        self.callbacks = CallbackRunner(_cuda_device())  # of the futures (``futures``)
         try:
             self._set_up(store, keys)
         except BaseException:
@@ -630,6 +632,7 @@ class GroupContext:
         for op in list(self._inflight):
             op.fail("the process group was shut down", "internal")
         self._inflight = []
+        self.callbacks.close(timeout_s=1.0)
         self.engine.unwatch(self.liveness)
         self.engine.unwatch(self._sealed)
         self.engine.release()

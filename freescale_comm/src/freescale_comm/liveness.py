@@ -21,6 +21,7 @@ the watcher of a dead rank may be idle while the others wait for that rank.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -103,7 +104,8 @@ class Liveness:
 
     @property
     def next_due(self) -> float:
-        return min(self._next_beat, self._next_poll)
+        # Once the abort key is read there is nothing left to poll for.
+        return min(self._next_beat, self._next_poll if self.aborted is None else math.inf)
 
     def beat(self) -> None:
         self.store.add(self._own_key, 1)
@@ -127,7 +129,7 @@ class Liveness:
             # A store whose host is gone fails every request, and torch logs each failure
             # with a stack trace: the retries grow apart while the failures last.
             self._store_failures += 1
-            retry = min(_MAX_RETRY_S, self.poll_s * 2**self._store_failures)
+            retry = min(_MAX_RETRY_S, self.poll_s * 2 ** min(self._store_failures, 16))
             self._next_beat = max(self._next_beat, now + retry)
             self._next_poll = max(self._next_poll, now + retry)
         error = self.error()

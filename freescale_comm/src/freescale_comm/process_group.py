@@ -219,7 +219,8 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             self._plans,
             problem,
         )
-        plan.value = [list(row) for row in output_lists]  # as Gloo's future: [rank][input]
+        # As Gloo's future: one list per rank, [rank][input]; alone, the list by input.
+        plan.value = list(output_lists[0]) if size == 1 else [list(row) for row in output_lists]
         return self._own(plan, opts)
 
     def all_gather_single(

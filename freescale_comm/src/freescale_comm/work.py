@@ -98,7 +98,7 @@ class FreescaleWork(dist.Work):
         return self._unclaim()._op.error
 
     def get_future(self) -> torch.futures.Future:
-        return self._unclaim()._op.future(self.synchronize)
+        return self._unclaim()._op.future
 
     def result(self) -> list[torch.Tensor]:
         self.wait()
