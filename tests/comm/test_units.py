@@ -467,3 +467,32 @@ def test_a_callback_may_wait_for_a_later_future_and_attach_callbacks():
     assert not any(
         t.name == "freescale-comm-callbacks" and t.is_alive() for t in threading.enumerate()
     )
+
+
+def test_a_callback_attached_while_another_runs_waits_for_it():
+    # Attached to a done future while the callback thread ran another: it ran at once, beside
+    # it, and the nested collectives of the two paired up differently on each rank.
+    from freescale_comm.futures import CallbackRunner, CollectiveFuture
+
+    runner = CallbackRunner(None)
+    release, ran = threading.Event(), []
+
+    def first_callback(_: torch.futures.Future) -> None:
+        ran.append("first started")
+        release.wait(10)
+        ran.append("first ended")
+
+    first = CollectiveFuture(runner)
+    first.then(first_callback)  # queued: it runs on the callback thread once done
+    first.set_result([1])
+    runner.future_done()
+    deadline = time.monotonic() + 10
+    while ran != ["first started"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    second = _done_future([2], runner).then(lambda _: ran.append("second"))
+    time.sleep(0.2)
+    assert ran == ["first started"]
+    release.set()
+    second.wait()
+    assert ran == ["first started", "first ended", "second"]
+    runner.close(timeout_s=5)

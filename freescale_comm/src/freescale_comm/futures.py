@@ -12,13 +12,14 @@ callbacks attached to it in Python run on the group's callback thread (``Callbac
   attaches the callbacks in one order and no other thread starts collectives of the group
   meanwhile (DDP with several buckets does: its hooks start collectives from the autograd
   thread; that interleaving differs between ranks with Gloo as well);
-- a callback attached from the group's callback thread, or to a done future while nothing
-  attached before it is still waiting, runs at once in the attaching thread, as torch runs it;
+- a callback attached to a done future, from the group's callback thread or while nothing
+  attached before it is still waiting or running, runs at once in the attaching thread, as
+  torch runs it;
 - every group has a thread of its own: a callback waiting for one group holds up no other's.
 
-A callback that waits for the result of a callback attached after it (to a future of the same
-group) waits for its own thread. Callbacks attached by C++ (``collect_all``, a future handed to
-C++) run in the completing thread, as torch's do.
+A callback that waits for the result of a callback attached after it to a future of the same
+group that is not done yet waits for its own thread. Callbacks attached by C++ (``collect_all``,
+a future handed to C++) run in the completing thread, as torch's do.
 """
 
 from __future__ import annotations
@@ -82,31 +83,26 @@ class CallbackRunner:
         self._cond = threading.Condition()
         self._queue: deque[_Callback] = deque()
         self._thread: threading.Thread | None = None
-        self._running_inline = False
+        self._running = False  # a callback runs (on the thread, or inline in ``attach``)
         self._closed = False
 
     def attach(self, entry: _Callback) -> None:
         """Runs ``entry`` at once where that keeps the order, else queues it."""
-        if threading.current_thread() is self._thread:
-            entry.run()
+        if threading.current_thread() is self._thread and entry.future.done():
+            entry.run()  # inside the callback that runs now: in order
             return
         with self._cond:
             # Once the group is closed every future of it is done and nothing keeps order.
-            idle = self._closed or (not self._queue and not self._running_inline)
+            idle = self._closed or (not self._queue and not self._running)
             inline = idle and entry.future.done()
             if inline:
-                self._running_inline = True  # the thread waits for it: one at a time
+                self._running = True  # the thread waits for it: one at a time
             else:
                 self._queue.append(entry)
                 self._start_locked()
                 self._cond.notify()
         if inline:
-            try:
-                entry.run()
-            finally:
-                with self._cond:
-                    self._running_inline = False
-                    self._cond.notify()
+            self._run_one(entry)
 
     def future_done(self) -> None:
         """Called once a future of the group is done (from any thread)."""
@@ -132,7 +128,16 @@ class CallbackRunner:
             self._thread.start()
 
     def _ready_locked(self) -> bool:
-        return bool(self._queue) and self._queue[0].future.done() and not self._running_inline
+        return bool(self._queue) and self._queue[0].future.done() and not self._running
+
+    def _run_one(self, entry: _Callback) -> None:
+        """Runs ``entry``, claimed by setting ``_running``; then lets the next one go."""
+        try:
+            entry.run()
+        finally:
+            with self._cond:
+                self._running = False
+                self._cond.notify()
 
     def _run(self) -> None:
         if self._cuda_device is not None:
@@ -144,4 +149,5 @@ class CallbackRunner:
                         return
                     self._cond.wait(1.0 if self._closed else None)
                 entry = self._queue.popleft()
-            entry.run()
+                self._running = True
+            self._run_one(entry)
