@@ -496,3 +496,47 @@ def test_a_callback_attached_while_another_runs_waits_for_it():
     second.wait()
     assert ran == ["first started", "first ended", "second"]
     runner.close(timeout_s=5)
+
+
+def _in_thread(fn: Any, timeout_s: float = 10) -> Any:
+    """``fn()`` on a thread of its own; fails the test if it does not return in time."""
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert out, f"did not return within {timeout_s} s"
+    return out[0]
+
+
+def test_a_running_callback_may_attach_to_futures_and_wait_for_them():
+    # Attached inside a callback running inline, the nested callback was queued behind the one
+    # waiting for it: a hang.
+    from freescale_comm.futures import CallbackRunner, CollectiveFuture
+
+    runner = CallbackRunner(None)
+    done, pending = _done_future([2], runner), CollectiveFuture(runner)
+
+    def outer(_: torch.futures.Future) -> int:
+        # A done future's callback, and one whose future completes a moment later.
+        threading.Timer(0.2, lambda: (pending.set_result([3]), runner.future_done())).start()
+        first = done.then(lambda f: f.value()[0] * 10)
+        second = pending.then(lambda f: f.value()[0] * 100)
+        return first.wait() + second.wait()
+
+    assert _in_thread(lambda: _done_future([1], runner).then(outer).wait()) == 320
+    runner.close(timeout_s=5)
+
+
+def test_a_failing_callback_fails_thens_future_as_torchs_then_does():
+    from freescale_comm.futures import CallbackRunner
+
+    runner = CallbackRunner(None)
+    plain: torch.futures.Future = torch.futures.Future()
+    plain.set_result([1])
+    raised = []
+    for future in (_done_future([1], runner), plain):
+        with pytest.raises(Exception) as err:
+            future.then(lambda _: 1 / 0).wait()
+        raised.append((type(err.value), str(err.value).splitlines()[0]))
+    assert raised[0] == raised[1], raised
+    runner.close(timeout_s=5)

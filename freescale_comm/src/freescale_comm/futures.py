@@ -5,26 +5,29 @@ it. A collective completes on the engine thread (or on a thread that drives it),
 a callback that starts another collective and waits for it (a DDP comm hook built like torch's
 quantization or PowerSGD hooks) would wait for the thread that runs it. So a collective's future
 is completed there as torch's are, and is done once ``Work.wait`` returns, as Gloo's is; but the
-callbacks attached to it in Python run on the group's callback thread (``CallbackRunner``):
+callbacks attached to it in Python run through the group's ``CallbackRunner``:
 
 - one at a time, in the order they were attached, each once its future is done, so that
   collectives started from callbacks start in one order on every rank where the program
   attaches the callbacks in one order and no other thread starts collectives of the group
   meanwhile (DDP with several buckets does: its hooks start collectives from the autograd
   thread; that interleaving differs between ranks with Gloo as well);
-- a callback attached to a done future, from the group's callback thread or while nothing
-  attached before it is still waiting or running, runs at once in the attaching thread, as
-  torch runs it;
+- on the group's callback thread; or at once in the attaching thread, as torch runs it, when
+  the future is done and no callback attached before it is waiting or running; a callback
+  attached from inside a running callback runs in its thread as soon as its future is done
+  (``then`` waits for that);
 - every group has a thread of its own: a callback waiting for one group holds up no other's.
 
-A callback that waits for the result of a callback attached after it to a future of the same
-group that is not done yet waits for its own thread. Callbacks attached by C++ (``collect_all``,
-a future handed to C++) run in the completing thread, as torch's do.
+Each runs as a callback of a private torch future that the runner completes when its turn
+comes, so errors reach ``then``'s future as torch's own ``then`` reports them. Callbacks that
+C++ attaches (``torch.futures.collect_all`` over these futures, and callbacks on its result)
+run in the completing thread, as torch's do: on the engine thread, where a callback must not
+wait for a collective.
 """
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -32,8 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 
 class CollectiveFuture(torch.futures.Future):
@@ -44,31 +45,26 @@ class CollectiveFuture(torch.futures.Future):
         self._runner = runner
 
     def then(self, callback: Callable[[torch.futures.Future], Any]) -> torch.futures.Future:
-        child: torch.futures.Future = torch.futures.Future()
-        self._runner.attach(_Callback(self, callback, child))
+        trigger: torch.futures.Future = torch.futures.Future()
+        child = trigger.then(lambda _: callback(self))
+        self._runner.attach(_Turn(self, trigger))
         return child
 
     def add_done_callback(self, callback: Callable[[torch.futures.Future], None]) -> None:
-        self._runner.attach(_Callback(self, callback, None))
+        trigger: torch.futures.Future = torch.futures.Future()
+        trigger.add_done_callback(lambda _: callback(self))
+        self._runner.attach(_Turn(self, trigger))
 
 
 @dataclass
-class _Callback:
+class _Turn:
+    """One attached callback: completing ``trigger`` runs it (in the completing thread)."""
+
     future: torch.futures.Future
-    callback: Callable[[torch.futures.Future], Any]
-    child: torch.futures.Future | None  # ``then``'s future; None for ``add_done_callback``
+    trigger: torch.futures.Future
 
     def run(self) -> None:
-        try:
-            value = self.callback(self.future)
-        except Exception as err:
-            if self.child is None:  # torch logs these too, and goes on
-                logger.exception("freescale: a future's done callback raised")
-            else:
-                self.child.set_exception(err)
-            return
-        if self.child is not None:
-            self.child.set_result(value)
+        self.trigger.set_result(None)
 
 
 class CallbackRunner:
@@ -81,28 +77,29 @@ class CallbackRunner:
     def __init__(self, cuda_device: int | None) -> None:
         self._cuda_device = cuda_device
         self._cond = threading.Condition()
-        self._queue: deque[_Callback] = deque()
+        self._queue: deque[_Turn] = deque()
         self._thread: threading.Thread | None = None
-        self._running = False  # a callback runs (on the thread, or inline in ``attach``)
+        self._running: int | None = None  # the thread running a callback (its ident), if any
         self._closed = False
 
-    def attach(self, entry: _Callback) -> None:
-        """Runs ``entry`` at once where that keeps the order, else queues it."""
-        if threading.current_thread() is self._thread and entry.future.done():
-            entry.run()  # inside the callback that runs now: in order
+    def attach(self, turn: _Turn) -> None:
+        """Runs ``turn`` at once where that keeps the order, else queues it."""
+        me = threading.get_ident()
+        if self._running == me:  # attached inside the running callback: its turn is now
+            with contextlib.suppress(Exception):  # the callback sees the future's error
+                turn.future.wait()
+            turn.run()
             return
         with self._cond:
-            # Once the group is closed every future of it is done and nothing keeps order.
-            idle = self._closed or (not self._queue and not self._running)
-            inline = idle and entry.future.done()
+            inline = not self._queue and self._running is None and turn.future.done()
             if inline:
-                self._running = True  # the thread waits for it: one at a time
+                self._running = me  # the thread waits for it: one at a time
             else:
-                self._queue.append(entry)
+                self._queue.append(turn)
                 self._start_locked()
                 self._cond.notify()
         if inline:
-            self._run_one(entry)
+            self._run_one(turn)
 
     def future_done(self) -> None:
         """Called once a future of the group is done (from any thread)."""
@@ -121,22 +118,23 @@ class CallbackRunner:
             thread.join(timeout_s)
 
     def _start_locked(self) -> None:
-        if self._thread is None and not self._closed:
+        # Also after one ended: closed and drained, or killed by a callback's BaseException.
+        if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(
                 target=self._run, name="freescale-comm-callbacks", daemon=True
             )
             self._thread.start()
 
     def _ready_locked(self) -> bool:
-        return bool(self._queue) and self._queue[0].future.done() and not self._running
+        return bool(self._queue) and self._queue[0].future.done() and self._running is None
 
-    def _run_one(self, entry: _Callback) -> None:
-        """Runs ``entry``, claimed by setting ``_running``; then lets the next one go."""
+    def _run_one(self, turn: _Turn) -> None:
+        """Runs ``turn``, claimed by setting ``_running``; then lets the next one go."""
         try:
-            entry.run()
+            turn.run()
         finally:
             with self._cond:
-                self._running = False
+                self._running = None
                 self._cond.notify()
 
     def _run(self) -> None:
@@ -148,6 +146,6 @@ class CallbackRunner:
                     if self._closed and not self._queue:
                         return
                     self._cond.wait(1.0 if self._closed else None)
-                entry = self._queue.popleft()
-                self._running = True
-            self._run_one(entry)
+                turn = self._queue.popleft()
+                self._running = threading.get_ident()
+            self._run_one(turn)
