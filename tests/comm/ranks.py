@@ -1099,6 +1099,9 @@ def threads_after_destroy() -> dict[str, Any]:
     group = dist.new_group(backend="freescale", timeout=timedelta(seconds=30))
     out = torch.empty(dist.get_world_size())
     dist.all_gather_into_tensor(out, torch.tensor([1.0]), group=group)
+    # A callback attached before its collective is done starts the group's callback thread.
+    work = dist.all_gather_into_tensor(out, torch.tensor([2.0]), group=group, async_op=True)
+    work.get_future().then(lambda f: f.value()[0].sum()).wait()
     during = count()
     during_python = {t.name for t in threading.enumerate()} - before_python
     dist.destroy_process_group(group)
