@@ -16,6 +16,7 @@ import os
 import random
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -1120,6 +1121,22 @@ def threads_after_destroy() -> dict[str, Any]:
         "engine_during": sorted(during_python),
         "left": sorted({t.name for t in threading.enumerate()} - before_python),
     }
+
+
+def context_freed_by_destroy() -> bool:
+    """Whether destroying a freescale subgroup frees its context with its last reference,
+    without waiting for a garbage collection (its context referred back to itself)."""
+    group = dist.new_group(backend="freescale", timeout=timedelta(seconds=30))
+    out = torch.empty(dist.get_world_size())
+    dist.all_gather_into_tensor(out, torch.tensor([1.0]), group=group)
+    context = weakref.ref(group._ctx)
+    gc.disable()
+    try:
+        dist.destroy_process_group(group)
+        del group
+        return context() is None
+    finally:
+        gc.enable()
 
 
 def _bytes_near_eager(rng: random.Random, eager: int) -> int:

@@ -115,6 +115,11 @@ def test_killed_peer_makes_every_survivor_raise(world_size, per_peer):
 
 
 @GLOO_GROUPS
+def test_destroy_frees_the_groups_context_at_once(local_groups):
+    # Reference cycles kept it (and what it refers to) until the next garbage collection.
+    assert local_groups.get(2).run(ranks.context_freed_by_destroy) == [True, True]
+
+
 def test_destroy_leaves_no_threads(local_groups):
     group = local_groups.get(2)  # a Gloo world; the freescale group is made inside it
     for result in group.run(ranks.threads_after_destroy):

@@ -635,6 +635,11 @@ class GroupContext:
         self.callbacks.close(timeout_s=1.0)
         self.engine.unwatch(self.liveness)
         self.engine.unwatch(self._sealed)
+        # Both refer back to this context: without them it is freed with its last reference,
+        # not at the next garbage collection.
+        self._sealed = None
+        if self.liveness is not None:
+            self.liveness.forget_failure_handler()
         self.engine.release()
         for path in self._ipc.values():
             path.close()

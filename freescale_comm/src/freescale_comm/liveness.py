@@ -143,6 +143,10 @@ class Liveness:
             except Exception:  # the engine thread must live on
                 logger.exception("freescale: handling a failed peer raised")
 
+    def forget_failure_handler(self) -> None:
+        """Drops ``on_failure`` (its group is closed)."""
+        self._on_failure = None
+
     def poll(self, now: float) -> None:
         """One request: the abort key and the watched counters."""
         values = self.store.multi_get(self._keys)
