@@ -413,8 +413,7 @@ def _done_future(value: Any, runner: Any) -> Any:
     from freescale_comm.futures import CollectiveFuture
 
     future = CollectiveFuture(runner)
-    future.set_result(value)
-    runner.future_done()
+    future.complete(True, value)
     return future
 
 
@@ -428,12 +427,10 @@ def test_callbacks_run_off_the_completing_thread_in_the_order_attached():
         future.then(lambda f, name=name: ran.append((name, threading.current_thread().name)))
         for future, name in ((first, "first"), (second, "second"))
     ]
-    second.set_result(["b"])  # done first, attached second: waits for the first
-    runner.future_done()
+    second.complete(True, ["b"])  # done first, attached second: waits for the first
     time.sleep(0.2)
     assert ran == [] and second.done()  # done as soon as completed: only its callback waits
-    first.set_exception(FreescaleError("first failed"))
-    runner.future_done()
+    first.complete(False, FreescaleError("first failed"))
     torch.futures.wait_all(chained)
     assert [name for name, _ in ran] == ["first", "second"]
     assert {thread for _, thread in ran} == {"freescale-comm-callbacks"}
@@ -454,11 +451,9 @@ def test_a_callback_may_wait_for_a_later_future_and_attach_callbacks():
         return later.wait()[0] + later.then(lambda f: f.value()[0]).wait()
 
     chained = first.then(waits_for_later)
-    first.set_result([0])
-    runner.future_done()
+    first.complete(True, [0])
     time.sleep(0.1)
-    later.set_result([21])
-    runner.future_done()
+    later.complete(True, [21])
     waiter = threading.Thread(target=chained.wait, daemon=True)
     waiter.start()
     waiter.join(10)
@@ -484,8 +479,7 @@ def test_a_callback_attached_while_another_runs_waits_for_it():
 
     first = CollectiveFuture(runner)
     first.then(first_callback)  # queued: it runs on the callback thread once done
-    first.set_result([1])
-    runner.future_done()
+    first.complete(True, [1])
     deadline = time.monotonic() + 10
     while ran != ["first started"] and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -518,7 +512,7 @@ def test_a_running_callback_may_attach_to_futures_and_wait_for_them():
 
     def outer(_: torch.futures.Future) -> int:
         # A done future's callback, and one whose future completes a moment later.
-        threading.Timer(0.2, lambda: (pending.set_result([3]), runner.future_done())).start()
+        threading.Timer(0.2, lambda: pending.complete(True, [3])).start()
         first = done.then(lambda f: f.value()[0] * 10)
         second = pending.then(lambda f: f.value()[0] * 100)
         return first.wait() + second.wait()

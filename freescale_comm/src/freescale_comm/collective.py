@@ -115,14 +115,6 @@ class _Done:
         return event.wait(timeout)
 
 
-def _complete(future: torch.futures.Future, outcome: tuple[bool, Any]) -> None:
-    ok, value = outcome
-    if ok:
-        future.set_result(value)
-    else:
-        future.set_exception(value)
-
-
 class Collective:
     """A collective of one group in flight (see the module docstring)."""
 
@@ -195,7 +187,7 @@ class Collective:
             if self._future is None:
                 self._future = CollectiveFuture(self.group.callbacks)
                 if self._outcome is not None:
-                    _complete(self._future, self._outcome)
+                    self._future.complete(*self._outcome)
             return self._future
 
     def _set_outcome(self, ok: bool, value: Any) -> None:
@@ -205,8 +197,7 @@ class Collective:
         if future is not None:
             # No Python callback runs here (on the engine thread, under the collective's
             # lock): the group's callback thread runs them (``futures``).
-            _complete(future, self._outcome)
-            self.group.callbacks.future_done()
+            future.complete(ok, value)
 
     @property
     def label(self) -> str:

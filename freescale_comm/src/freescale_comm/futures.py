@@ -55,6 +55,15 @@ class CollectiveFuture(torch.futures.Future):
         trigger.add_done_callback(lambda _: callback(self))
         self._runner.attach(_Turn(self, trigger))
 
+    def complete(self, ok: bool, value: Any) -> None:
+        """Sets the collective's outputs (``ok``) or its error, and lets the callbacks that
+        wait for it run (no Python callback runs in this thread)."""
+        if ok:
+            self.set_result(value)
+        else:
+            self.set_exception(value)
+        self._runner.future_done()
+
 
 @dataclass
 class _Turn:

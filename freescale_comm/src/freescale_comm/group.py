@@ -132,8 +132,9 @@ class GroupContext:
         self._links: list[Any] = [None] * size
         self._hub: Any = None
         self.transport = Transport.acquire()
-        self.engine = Engine.acquire(self.transport, _cuda_device())
-        self.callbacks = CallbackRunner(_cuda_device())  # of the futures (``futures``)
+        cuda_device = _cuda_device()
+        self.engine = Engine.acquire(self.transport, cuda_device)
+        self.callbacks = CallbackRunner(cuda_device)  # of the futures (``futures``)
         try:
             self._set_up(store, keys)
         except BaseException:
