@@ -243,8 +243,8 @@ def in_place_all_gather(elements: int) -> bool:
 
 def nested_future_collectives(rounds: int, cuda_path: str | None = None) -> int:
     """Two AllGathers in flight, each future's callback starting an AllToAll of its own size
-    and waiting for its future: the callbacks run in the order the futures were asked for
-    (completed ones at once, in ``then``), the same on every rank, so the nested calls pair
+    and waiting for its future: the callbacks run one at a time in the order attached (a
+    done future's at once, in ``then``), the same on every rank, so the nested calls pair
     up. On CUDA tensors over a group forced to ``cuda_path`` when given, else on the CPU
     (world group). Returns the checked results."""
     rank, n = dist.get_rank(), dist.get_world_size()
