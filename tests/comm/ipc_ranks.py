@@ -160,3 +160,75 @@ def ipc_late_sequence_cases(seed: int) -> dict[str, Any]:
     torch.cuda.synchronize()
     dist.destroy_process_group(group)
     return {"checked": checked}
+
+
+def ipc_end_event_cases() -> dict[str, Any]:
+    """Collectives left to their CUDA end event once ``wait`` returned (IPC): how many of 20
+    synchronous calls went to a watcher thread, and when a future asked for late,
+    ``is_completed`` and ``synchronize`` saw the end (each behind a GPU sleep, so the call
+    returns first)."""
+    import time
+
+    from freescale_comm import cuda
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev, group = cuda_group(cuda_path="ipc")
+    watched = [0]
+    original = cuda.StreamWatcher.watch
+
+    def counting(self: Any, *args: Any) -> None:
+        watched[0] += 1
+        original(self, *args)
+
+    def pair() -> tuple[torch.Tensor, torch.Tensor]:
+        sent = torch.arange(2 * n, dtype=torch.float32, device=dev) + 100 * rank
+        return sent, torch.empty_like(sent)
+
+    def expected() -> torch.Tensor:
+        return torch.tensor(
+            [100 * j + 2 * rank + k for j in range(n) for k in range(2)], device=dev
+        )
+
+    report: dict[str, Any] = {}
+    sent, received = pair()
+    dist.all_to_all_single(received, sent, group=group)  # maps the peers' mailboxes
+    torch.cuda.synchronize()
+    cuda.StreamWatcher.watch = counting
+    try:
+        for _ in range(20):
+            dist.all_to_all_single(received, sent, group=group)
+        report["watched_of_20_sync_calls"] = watched[0]
+
+        sent, received = pair()
+        dist.all_to_all_single(received, sent, group=group, async_op=True).wait()
+        torch.cuda.synchronize()
+        report["correct"] = torch.equal(received, expected())
+
+        def behind_a_sleep() -> tuple[Any, torch.Tensor]:
+            sent, received = pair()
+            torch.cuda._sleep(600_000_000)  # about 0.3 s
+            work = dist.all_to_all_single(received, sent, group=group, async_op=True)
+            work.wait()
+            return work, received
+
+        work, received = behind_a_sleep()
+        future = work.get_future()
+        torch.cuda.synchronize()
+        gpu_done = time.monotonic()
+        future.wait()
+        report["future_after_gpu_s"] = time.monotonic() - gpu_done
+        report["future_correct"] = torch.equal(future.value()[0], expected())
+
+        work, _ = behind_a_sleep()
+        torch.cuda.synchronize()
+        report["is_completed_after_gpu"] = work.is_completed()
+
+        work, _ = behind_a_sleep()
+        start = time.monotonic()
+        work.synchronize()
+        report["synchronize_s"] = time.monotonic() - start
+        report["synchronize_left_gpu_work"] = not torch.cuda.current_stream().query()
+    finally:
+        cuda.StreamWatcher.watch = original
+    dist.destroy_process_group(group)
+    return report

@@ -179,6 +179,11 @@ class Collective:
         self._pushed_slots: dict[int, int] = {}  # ... their slots, read before the verdict
         self._ipc_done: torch.cuda.Event | None = None  # IPC part queued, others still to come
         self.final: torch.cuda.Event | None = None  # the CUDA end event, once sealed
+        # A sealed CUDA collective without a pipeline finishes once ``final`` has completed:
+        # found by a poll (``poll_final``) unless somebody waits for it (``finish_promptly``),
+        # which hands ``final`` to a watcher thread. Guarded by ``_future_lock``.
+        self._final_watcher: Any = None  # the watcher ``final`` goes to once asked for
+        self._prompt = False  # somebody waits: ``final`` goes to the watcher once sealed
 
     @property
     def future(self) -> CollectiveFuture:
@@ -188,7 +193,36 @@ class Collective:
                 self._future = CollectiveFuture(self.group.callbacks)
                 if self._outcome is not None:
                     self._future.complete(*self._outcome)
-            return self._future
+            future = self._future
+        self.finish_promptly()
+        return future
+
+    def finish_promptly(self) -> None:
+        """Somebody waits for this collective's end (its future, ``synchronize``): a CUDA one
+        left to its end event then finishes as soon as the event completes, on a watcher
+        thread, rather than at the next poll."""
+        if self.finished:
+            return
+        with self._future_lock:
+            if self._prompt:
+                return
+            self._prompt = True
+            watcher = self._final_watcher
+        if watcher is not None:
+            watcher.watch(self.final, self._finish_after_final)
+
+    def poll_final(self) -> None:
+        """Finishes a sealed CUDA collective whose end event has completed (a cheap query;
+        a collective in any other state is left alone)."""
+        if self.finished or self._final_watcher is None:
+            return
+        try:
+            done = self.final.query()
+        except RuntimeError as err:  # a CUDA error: the stream's work is lost
+            self._finish_after_final(f"its CUDA copies failed: {err}")
+            return
+        if done:
+            self._finish_after_final(None)
 
     def _set_outcome(self, ok: bool, value: Any) -> None:
         with self._future_lock:
@@ -773,7 +807,9 @@ class Collective:
         self._pulls, self._pushed_in = {}, {}
         stream = path.stream
         if self._ipc_partial:
-            self._ipc_done = torch.cuda.Event()
+            # Blocking-sync: the IPC path may hand it to a watcher thread (``IpcPath.ready``),
+            # which would otherwise spin on a core until it completes.
+            self._ipc_done = torch.cuda.Event(blocking=True)
             self._ipc_done.record(stream)
             path.done_with(self.seq, self._ipc_done)
             return
@@ -830,10 +866,19 @@ class Collective:
                     dst.copy_(src, non_blocking=True)  # strided outputs: a copy kernel
         self.final = torch.cuda.Event(blocking=True)
         self.final.record(stream)
-        # Without a pipeline nothing but the end event is left: the watcher that waits for it
-        # finishes the collective, so a caller that drove it here hands nothing to the engine
-        # (whose thread, busy with it, would refuse the caller's next collective its claim).
-        watcher.watch(self.final, self._finish_after_final if self._pipeline is None else None)
+        if self._pipeline is not None:
+            watcher.watch(self.final)  # wakes the engine thread, which finishes the pipeline
+        else:
+            # Nothing but the end event is left, and a caller that drove the collective here
+            # hands nothing to the engine (whose thread, busy with it, would refuse the
+            # caller's next collective its claim). Unless somebody waits for the end, it is
+            # found by a poll (the group's next call, the deadline watch): a watcher thread
+            # woken per collective took the GIL from the caller's next call.
+            with self._future_lock:
+                self._final_watcher = watcher
+                prompt = self._prompt
+            if prompt:
+                watcher.watch(self.final, self._finish_after_final)
         if self._streams is not None:  # IPC alone takes none
             cuda.release_streams(self._streams)
         self._phase = "sealed"

@@ -58,10 +58,11 @@ def root_store(store: dist.Store) -> dist.Store:
 
 
 class _SealedDeadlines:
-    """A watch (``engine.Watch``) that fails the group's collectives left to their CUDA end
-    event past their deadline: no thread drives those (the event's watcher finishes them), so
-    a peer whose GPU never meets the collective's flags would otherwise hold this rank's
-    streams for ever, unreported."""
+    """A watch (``engine.Watch``) over the group's collectives left to their CUDA end event:
+    no thread drives those. It finishes those whose event has completed (nothing else may
+    poll them: the group's last call before an idle spell), and fails those past their
+    deadline: a peer whose GPU never meets the collective's flags would otherwise hold this
+    rank's streams for ever, unreported."""
 
     _PERIOD_S = 1.0
 
@@ -72,14 +73,14 @@ class _SealedDeadlines:
     def tick(self, now: float) -> None:
         self.next_due = now + self._PERIOD_S
         for op in self._inflight():
-            if op.finished or op.needs_engine or now <= op.deadline:
+            if op.finished or op.needs_engine:
                 continue
-            if op.final is not None and op.final.query():
-                continue  # done on the GPU; its watcher finishes it
             try:
-                op.expire()
+                op.poll_final()
+                if not op.finished and now > op.deadline:
+                    op.expire()
             except Exception:  # the engine thread serves every group: it must live on
-                logger.exception("freescale: expiring %s raised", op.label)
+                logger.exception("freescale: finishing or expiring %s raised", op.label)
 
 
 class GroupContext:
@@ -511,7 +512,8 @@ class GroupContext:
 
             links = {p: link for p, link in enumerate(self._links) if link is not None}
             host_ranks = self.directory.same_host
-            path = self._ipc[device] = IpcPath(device, links, self.rank, host_ranks)
+            watch = self.cuda(device).h2d_watch.watch
+            path = self._ipc[device] = IpcPath(device, links, self.rank, host_ranks, watch)
         return path
 
     def next_seq(self) -> int:
@@ -583,6 +585,8 @@ class GroupContext:
             if self.broken is None:
                 self.abort(f"rank {self.rank}: {op.label} could not start: {err}")
             raise
+        for earlier in self._inflight:
+            earlier.poll_final()  # the CUDA ones whose end event completed since
         self._inflight = [c for c in self._inflight if not c.finished]
         self._inflight.append(op)
         may_drive = caller_waits and (not op.on_cuda or _cuda_device() == op.plan.cuda_index)
@@ -631,6 +635,7 @@ class GroupContext:
             return
         self._closed = True
         for op in list(self._inflight):
+            op.poll_final()  # done on the GPU, not yet polled: a success
             op.fail("the process group was shut down", "internal")
         self._inflight = []
         self.callbacks.close(timeout_s=1.0)

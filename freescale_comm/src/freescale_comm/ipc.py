@@ -70,9 +70,8 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -120,18 +119,17 @@ def pieces_in(room: int) -> int:
     return max(0, (room - _COUNT.size) // _ENTRY.size)
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """Where a peer's bytes for this rank lie: an allocation (its IPC handle), offset, size;
-    pushed pieces lie in this rank's mailbox, at that offset."""
+    pushed pieces lie in this rank's mailbox, at that offset. (Tuples: decoded per peer per
+    call, where a frozen dataclass's construction cost microseconds.)"""
 
     handle: bytes
     offset: int
     nbytes: int
 
 
-@dataclass(frozen=True)
-class Descriptor:
+class Descriptor(NamedTuple):
     """What one rank's header tells a peer: the sender's GPU and mailbox, the slot of the
     peer's mailbox its pieces were pushed into (-1: none), and where the pieces lie."""
 
@@ -156,7 +154,7 @@ def decode(message: np.ndarray, pieces: int) -> Descriptor:
     if count != pieces or len(message) < end:
         raise FreescaleError(f"a CUDA IPC descriptor names {count} pieces, {pieces} expected")
     raw = message[_COUNT.size : end].tobytes()
-    return Descriptor(gpu, mailbox, slot, [Piece(*entry) for entry in _ENTRY.iter_unpack(raw)])
+    return Descriptor(gpu, mailbox, slot, list(map(Piece._make, _ENTRY.iter_unpack(raw))))
 
 
 def slot_offset(sender: int, slot: int) -> int:
@@ -402,10 +400,17 @@ class IpcPath:
         rank: this rank in the group.
         host_ranks: the group ranks on this host, in the same order on each of them (the
             mailbox has slots for each, whatever the group's size).
+        watch: hands an event to a thread that wakes the group's waiting threads once it has
+            completed (``cuda.StreamWatcher.watch``).
     """
 
     def __init__(
-        self, device: int, links: dict[int, Link], rank: int, host_ranks: Sequence[int]
+        self,
+        device: int,
+        links: dict[int, Link],
+        rank: int,
+        host_ranks: Sequence[int],
+        watch: Callable[[torch.cuda.Event], None],
     ) -> None:
         if driver().attribute(device, _CAN_USE_64_BIT_STREAM_MEM_OPS) != 1:
             raise FreescaleError(
@@ -439,6 +444,8 @@ class IpcPath:
         # collectives are then queued one at a time (``ready``).
         self.shares_gpu = False
         self._last_final: torch.cuda.Event | None = None
+        self._watch = watch
+        self._watched_final: torch.cuda.Event | None = None  # handed to ``watch`` by ``ready``
         # One stream for every IPC collective of the group: collectives run in call order,
         # each one's flag writes before its waits (see the module docstring).
         self.stream = _new_stream(device)
@@ -534,7 +541,13 @@ class IpcPath:
         and on a GPU shared with a peer the previous one has finished."""
         if min(self._unqueued) != seq:
             return False
-        return not self.shares_gpu or self._last_final is None or self._last_final.query()
+        final = self._last_final
+        if not self.shares_gpu or final is None or final.query():
+            return True
+        if self._watched_final is not final:  # nothing else need wake the waiting thread
+            self._watched_final = final
+            self._watch(final)
+        return False
 
     def done_with(self, seq: int, final: torch.cuda.Event | None) -> None:
         """Collective ``seq`` is queued (ending with ``final``) or failed before that. The

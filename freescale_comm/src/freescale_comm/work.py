@@ -35,7 +35,9 @@ class FreescaleWork(dist.Work):
     message has arrived (on the staging rings: until its last H2D copy is queued), because the
     last copies and the event that ends them exist only then (see ``cuda``'s module docstring
     for why a flag written by the CPU is not used). A mismatch of inputs raises there. The
-    collective keeps its tensors referenced until its copies are done. ``synchronize`` blocks
+    collective keeps its tensors referenced until its copies are done and the group noticed:
+    at its next call, a poll of the handle, or within a second; a wait for the end
+    (``synchronize``, the future) is woken as soon as they are done. ``synchronize`` blocks
     until everything is done.
     """
 
@@ -67,6 +69,7 @@ class FreescaleWork(dist.Work):
 
     def _wait_done(self, timeout: timedelta | None) -> bool:
         op = self._op
+        op.finish_promptly()
         limit, short = self._bound(timeout)
         until = time.monotonic() + limit
         op.group.engine.drive(op, until)
@@ -81,11 +84,14 @@ class FreescaleWork(dist.Work):
         # thread waits for them (and frees the buffers) while the caller goes on.
         op.group.engine.drive(op, until, op.sealed.is_set)
         self._block(op.sealed, limit, short, until)
-        torch.cuda.current_stream(op.plan.cuda_index).wait_event(op.final)
+        from freescale_comm.cuda import current_stream  # CPU-only processes never import it
+
+        current_stream(op.plan.cuda_index).wait_event(op.final)
         return True
 
     def _unclaim(self) -> FreescaleWork:
         self._op.group.engine.hand_over(self._op)
+        self._op.poll_final()
         return self
 
     def is_completed(self) -> bool:
