@@ -163,71 +163,81 @@ def ipc_late_sequence_cases(seed: int) -> dict[str, Any]:
 
 
 def ipc_end_event_cases() -> dict[str, Any]:
-    """Collectives left to their CUDA end event once ``wait`` returned (IPC): how many of 20
-    synchronous calls went to a watcher thread, and when a future asked for late,
-    ``is_completed`` and ``synchronize`` saw the end (each behind a GPU sleep, so the call
-    returns first)."""
+    """Synchronous IPC collectives, left to their CUDA end event once ``wait`` returned: how
+    many of 20 back to back handed it to a watcher thread to be finished, and (each behind a
+    GPU sleep, so the call returns first, its handle kept) how soon after the GPU a future
+    asked for late, ``is_completed`` and ``synchronize`` saw the end."""
     import time
 
     from freescale_comm import cuda
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    dev, group = cuda_group(cuda_path="ipc")
-    watched = [0]
+    finishing = [0]  # watches that finish a collective (the IPC gate's only wake a thread)
     original = cuda.StreamWatcher.watch
 
-    def counting(self: Any, *args: Any) -> None:
-        watched[0] += 1
-        original(self, *args)
+    def counting(self: Any, event: Any, then: Any = None) -> None:
+        finishing[0] += then is not None
+        original(self, event, then)
 
-    def pair() -> tuple[torch.Tensor, torch.Tensor]:
-        sent = torch.arange(2 * n, dtype=torch.float32, device=dev) + 100 * rank
-        return sent, torch.empty_like(sent)
-
-    def expected() -> torch.Tensor:
-        return torch.tensor(
-            [100 * j + 2 * rank + k for j in range(n) for k in range(2)], device=dev
-        )
-
-    report: dict[str, Any] = {}
-    sent, received = pair()
-    dist.all_to_all_single(received, sent, group=group)  # maps the peers' mailboxes
-    torch.cuda.synchronize()
+    # Patched before the group's first collective, which binds the IPC gate's watch.
     cuda.StreamWatcher.watch = counting
     try:
-        for _ in range(20):
-            dist.all_to_all_single(received, sent, group=group)
-        report["watched_of_20_sync_calls"] = watched[0]
+        dev, group = cuda_group(cuda_path="ipc")
 
+        def pair() -> tuple[torch.Tensor, torch.Tensor]:
+            sent = torch.arange(2 * n, dtype=torch.float32, device=dev) + 100 * rank
+            return sent, torch.empty_like(sent)
+
+        def expected() -> torch.Tensor:
+            return torch.tensor(
+                [100 * j + 2 * rank + k for j in range(n) for k in range(2)], device=dev
+            )
+
+        def synchronous(received: torch.Tensor, sent: torch.Tensor, sleep: bool = False) -> Any:
+            """A call its caller drives (as ``async_op=False`` makes it), handle kept."""
+            if sleep:
+                torch.cuda._sleep(600_000_000)  # about 0.3 s
+            opts = dist.AllToAllOptions()
+            opts.asyncOp = False
+            work = group.alltoall_base(received, sent, [], [], opts)
+            work.wait()
+            return work
+
+        report: dict[str, Any] = {}
         sent, received = pair()
-        dist.all_to_all_single(received, sent, group=group, async_op=True).wait()
+        synchronous(received, sent)  # maps the peers' mailboxes
+        torch.cuda.synchronize()
+        finishing[0] = 0
+        for _ in range(20):
+            synchronous(received, sent)
+        report["finishing_watches_of_20_calls"] = finishing[0]
         torch.cuda.synchronize()
         report["correct"] = torch.equal(received, expected())
 
-        def behind_a_sleep() -> tuple[Any, torch.Tensor]:
-            sent, received = pair()
-            torch.cuda._sleep(600_000_000)  # about 0.3 s
-            work = dist.all_to_all_single(received, sent, group=group, async_op=True)
-            work.wait()
-            return work, received
+        futures_after_gpu = []
+        for _ in range(3):  # a poll each second would be this prompt one time in five
+            work = synchronous(received, sent, sleep=True)
+            future = work.get_future()
+            torch.cuda.synchronize()
+            gpu_done = time.monotonic()
+            future.wait()
+            futures_after_gpu.append(time.monotonic() - gpu_done)
+            report["future_correct"] = torch.equal(future.value()[0], expected())
+        report["futures_after_gpu_s"] = futures_after_gpu
 
-        work, received = behind_a_sleep()
-        future = work.get_future()
-        torch.cuda.synchronize()
-        gpu_done = time.monotonic()
-        future.wait()
-        report["future_after_gpu_s"] = time.monotonic() - gpu_done
-        report["future_correct"] = torch.equal(future.value()[0], expected())
-
-        work, _ = behind_a_sleep()
+        work = synchronous(received, sent, sleep=True)
         torch.cuda.synchronize()
         report["is_completed_after_gpu"] = work.is_completed()
 
-        work, _ = behind_a_sleep()
-        start = time.monotonic()
+        start, began = time.monotonic(), torch.cuda.Event(enable_timing=True)
+        began.record()
+        work = synchronous(received, sent, sleep=True)
+        ended = torch.cuda.Event(enable_timing=True)
+        ended.record()
         work.synchronize()
-        report["synchronize_s"] = time.monotonic() - start
-        report["synchronize_left_gpu_work"] = not torch.cuda.current_stream().query()
+        returned = time.monotonic() - start
+        ended.synchronize()
+        report["synchronize_after_gpu_s"] = returned - began.elapsed_time(ended) / 1e3
     finally:
         cuda.StreamWatcher.watch = original
     dist.destroy_process_group(group)

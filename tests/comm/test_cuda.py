@@ -184,9 +184,9 @@ def test_killed_peer_on_ipc_releases_the_gpu():
 def test_ipc_collectives_end_without_a_watcher_thread_unless_awaited(fs_group):
     for report in fs_group.run(ipc_ranks.ipc_end_event_cases, timeout_s=120):
         # A watcher thread woken per synchronous call took the GIL from the caller's next one.
-        assert report["watched_of_20_sync_calls"] == 0, report
+        assert report["finishing_watches_of_20_calls"] == 0, report
         assert report["correct"] and report["future_correct"], report
-        # Prompt, not at the next deadline tick (each second).
-        assert report["future_after_gpu_s"] < 0.2, report
+        # As soon as the GPU is done, not at the next deadline tick (each second).
+        assert max(report["futures_after_gpu_s"]) < 0.2, report
         assert report["is_completed_after_gpu"], report
-        assert report["synchronize_s"] < 1.0 and not report["synchronize_left_gpu_work"], report
+        assert report["synchronize_after_gpu_s"] < 0.2, report

@@ -25,8 +25,9 @@ starts it):
 3. ``data``: local copies, then either every message posted (CPU, direct CUDA; ring forwards as
    soon as the receive they forward has completed) or the staged pipeline (``staged``).
 4. ``sealed`` (CUDA): every copy is enqueued, the last one followed by the collective's end
-   event (``work.wait()`` makes the caller's stream wait for it); the engine waits for that event
-   before releasing buffers and completing the future.
+   event (``work.wait()`` makes the caller's stream wait for it). The collective finishes (its
+   future completed) once that event has: at once where somebody waits for it (a watcher
+   thread), else when a poll finds it (``poll_final``).
 
 A failure at any point cancels the outstanding requests (dropping a ucxx request cancels it) but
 keeps the buffers referenced by the group, so a late UCX access never touches freed memory.
@@ -211,10 +212,12 @@ class Collective:
         if watcher is not None:
             watcher.watch(self.final, self._finish_after_final)
 
-    def poll_final(self) -> None:
+    def poll_final(self, awaited_too: bool = False) -> None:
         """Finishes a sealed CUDA collective whose end event has completed (a cheap query;
-        a collective in any other state is left alone)."""
-        if self.finished or self._final_watcher is None:
+        a collective in any other state is left alone). One that somebody waits for is left to
+        its watcher unless ``awaited_too``: completing its future here would run the callbacks
+        C++ chained to it (``collect_all``) on the polling thread."""
+        if self.finished or self._final_watcher is None or (self._prompt and not awaited_too):
             return
         try:
             done = self.final.query()

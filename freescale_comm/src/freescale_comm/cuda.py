@@ -10,8 +10,11 @@ engines) and ordering uses events.
   is reused only by a collective started after the previous user enqueued its last copy, so a
   later collective's wait for its caller's stream never lands in front of an earlier one's copies.
 - ``StreamWatcher``: a thread per kind of event (the callers' streams, D2H, H2D) that sleeps in
-  ``cudaEventSynchronize`` on the events the engine waits for, in order, and wakes the engine
-  when each completes, so a finished copy is acted on at once without polling.
+  ``cudaEventSynchronize`` on the events handed to it, in order, and wakes the engine when each
+  completes, so a finished copy that somebody waits for is acted on at once without polling.
+  A collective's end event goes to it only where somebody waits for the collective
+  (``Collective.finish_promptly``): one wake-up per collective took the GIL from the caller's
+  next call.
 - ``SlotPool`` over a ``_PinnedRegion``: the staged path's bounded host memory: one page-locked
   region (registered with ``cudaHostRegister``, unregistered when the group is destroyed) cut
   into chunk-sized slots, half for sends and half for receives, handed out first come, first

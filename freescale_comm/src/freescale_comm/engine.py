@@ -37,9 +37,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Bound of one epoll sleep while collectives are in flight. Every completion that matters wakes
-# the sleeper (UCX events; CUDA copies through ``cuda.StreamWatcher``); this bounds the cost of a
-# wake-up lost in a race, and sets how often deadlines are checked between events.
+# Bound of one epoll sleep while collectives are in flight. Most completions wake the sleeper (UCX
+# events; CUDA copies through ``cuda.StreamWatcher``); this bounds the cost of a wake-up lost in a
+# race, or of a CUDA end event nobody hands to a watcher (an unawaited collective the engine
+# drives finds it by its query), and sets how often deadlines are checked between events.
 _EPOLL_MS = 1
 # How often collectives in flight are checked against their group's liveness verdict (no store
 # request: the verdict is what the engine thread's last poll found).
@@ -67,7 +68,7 @@ class Op(Protocol):
     group: GroupHealth
     deadline: float
     finished: bool
-    needs_engine: bool  # False: something else finishes it (a CUDA end event's watcher)
+    needs_engine: bool  # False: only its CUDA end event is left (``Collective.poll_final``)
     yields_when_idle: bool  # wait by yielding the core for a while (``FreescaleOptions``)
 
     def advance(self) -> bool:

@@ -76,7 +76,7 @@ class _SealedDeadlines:
             if op.finished or op.needs_engine:
                 continue
             try:
-                op.poll_final()
+                op.poll_final(awaited_too=True)
                 if not op.finished and now > op.deadline:
                     op.expire()
             except Exception:  # the engine thread serves every group: it must live on
@@ -576,6 +576,8 @@ class GroupContext:
                 transports use the progressing thread's context).
         """
         try:
+            for earlier in self._inflight:
+                earlier.poll_final()  # the CUDA ones whose end event completed since
             op.start()
         except Exception as err:
             # This rank took the collective's sequence number, its peers never see its
@@ -585,8 +587,6 @@ class GroupContext:
             if self.broken is None:
                 self.abort(f"rank {self.rank}: {op.label} could not start: {err}")
             raise
-        for earlier in self._inflight:
-            earlier.poll_final()  # the CUDA ones whose end event completed since
         self._inflight = [c for c in self._inflight if not c.finished]
         self._inflight.append(op)
         may_drive = caller_waits and (not op.on_cuda or _cuda_device() == op.plan.cuda_index)
@@ -623,6 +623,7 @@ class GroupContext:
             with contextlib.suppress(Exception):
                 self.liveness.abort(reason)
             for op in list(self._inflight):
+                op.poll_final(awaited_too=True)  # done on the GPU, not yet polled: a success
                 op.fail(f"the group was aborted by {reason}", "peer")
         # After the failures (a collective whose GPU waits pass must not finish as a success):
         # the GPU must not wait forever for a dead peer's flags.
@@ -635,7 +636,7 @@ class GroupContext:
             return
         self._closed = True
         for op in list(self._inflight):
-            op.poll_final()  # done on the GPU, not yet polled: a success
+            op.poll_final(awaited_too=True)  # done on the GPU, not yet polled: a success
             op.fail("the process group was shut down", "internal")
         self._inflight = []
         self.callbacks.close(timeout_s=1.0)

@@ -35,10 +35,11 @@ class FreescaleWork(dist.Work):
     message has arrived (on the staging rings: until its last H2D copy is queued), because the
     last copies and the event that ends them exist only then (see ``cuda``'s module docstring
     for why a flag written by the CPU is not used). A mismatch of inputs raises there. The
-    collective keeps its tensors referenced until its copies are done and the group noticed:
-    at its next call, a poll of the handle, or within a second; a wait for the end
-    (``synchronize``, the future) is woken as soon as they are done. ``synchronize`` blocks
-    until everything is done.
+    collective keeps its tensors referenced until its copies are done and the group's next
+    call (or its destroy). ``synchronize`` blocks until everything is done, and a future is done
+    as soon as it is (a watcher thread waits for the end event of a collective somebody
+    waits for; the others are found done by a poll: the group's next call, a poll of the
+    handle, the deadline watch each second).
     """
 
     def __init__(self, op: Collective) -> None:
