@@ -17,6 +17,7 @@ import random
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -627,6 +628,21 @@ def _shm_full_for_ring_from(peer: int | None) -> Any:
     return _shm_full_for(None if peer is None else f"-{peer}to{dist.get_rank()}")
 
 
+@contextlib.contextmanager
+def _reads_refused(refused: bool) -> Iterator[None]:
+    """The kernel refuses this rank's reads of its peers' memory (ptrace restrictions), as
+    probed while a group is set up."""
+    from freescale_comm import shm
+
+    original = shm._can_read
+    if refused:
+        shm._can_read = lambda pid, address: False
+    try:
+        yield
+    finally:
+        shm._can_read = original
+
+
 class _Recorded(logging.Handler):
     """Keeps the messages of the records it is handed."""
 
@@ -645,13 +661,15 @@ def ring_cases(
     options: dict[str, Any],
     no_ring_from: dict[int, int] | None = None,
     no_outbox_on: int | None = None,
+    reads_refused_on: int | None = None,
 ) -> dict[str, Any]:
     """Random cases over a freescale group whose ranks look as if on ``hosts`` hosts (the
     host identity set per rank before the group is made), with ``FreescaleOptions(**options)``,
     against Gloo; several collectives in flight at once; then the group destroyed. Returns what
     the ranks saw: the count, the paths, ring messages, and the rings' memory during and after.
     ``no_ring_from``: rank -> the peer whose ring that rank cannot make (``/dev/shm`` full);
-    ``no_outbox_on``: the rank that cannot make its outbox.
+    ``no_outbox_on``: the rank that cannot make its outbox; ``reads_refused_on``: the rank
+    the kernel does not let read its peers' memory.
     """
     from freescale_comm import FreescaleOptions
 
@@ -664,6 +682,7 @@ def ring_cases(
         with (
             _shm_full_for_ring_from((no_ring_from or {}).get(rank)),
             _shm_full_for("-box" if no_outbox_on == rank else None),
+            _reads_refused(reads_refused_on == rank),
         ):
             group = dist.new_group(
                 backend="freescale",
@@ -1000,13 +1019,14 @@ def an_internal_error_on_one_rank() -> str:
 
 
 def die_during_collective(victim: int, delay_s: float, per_peer: int = 256) -> float:
-    """The victim exits mid-way; the survivors' collective must raise (they re-raise it).
-    ``per_peer``: float32 elements for each peer (1 KiB: the rings; 1 MiB: UCX messages)."""
+    """Every rank runs AllToAlls back to back; the victim exits after ``delay_s``, most likely
+    in the middle of one (its peers may be reading its memory); the survivors' collective must
+    raise (they re-raise it). ``per_peer``: float32 elements for each peer (1 KiB: the rings;
+    1 MiB and more: read from the sender's memory)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     dist.barrier()
     if rank == victim:
-        time.sleep(delay_s)
-        os._exit(7)
+        threading.Timer(delay_s, os._exit, (7,)).start()
     start = time.monotonic()
     x = torch.ones(n * per_peer)
     try:

@@ -84,7 +84,7 @@ def test_a_peer_dying_during_set_up_fails_it_within_the_timeout_and_leaves_nothi
     assert found and float(found.group(1)) < 15, report  # the group timeout is 5 s
 
 
-@pytest.mark.parametrize("per_peer", [256, 1 << 18], ids=["rings", "ucx"])
+@pytest.mark.parametrize("per_peer", [256, 1 << 18, 1 << 20], ids=["rings", "reads", "large-reads"])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_killed_peer_makes_every_survivor_raise(world_size, per_peer):
     group = LocalGroup(
@@ -106,9 +106,11 @@ def test_killed_peer_makes_every_survivor_raise(world_size, per_peer):
     assert "timeout" not in report.split("---")[0]
     # Detected by heartbeat (3 s) or abort, well inside the 20 s group timeout.
     assert elapsed < 15, report
-    # Its messages took the shared-memory rings (1 KiB per peer) or UCX (1 MiB; host_path=
-    # auto); the segments were unlinked once mapped, so the dead process left nothing in
-    # /dev/shm (counted for this group's processes: tests running beside it make theirs).
+    # Its messages took the shared-memory rings (1 KiB per peer), or were read from its memory
+    # (1 and 4 MiB; host_path=auto: through UCX's cross-memory attach, a read of a process
+    # killed meanwhile aborted the reader); the segments were unlinked once mapped, so the dead
+    # process left nothing in /dev/shm (counted for this group's processes: tests running
+    # beside it make theirs).
     mine = tuple(f"freescale-ring-{pid}-" for pid in pids)
     assert [f for f in os.listdir("/dev/shm") if f.startswith(mine)] == []
     assert f"rank {world_size - 1}" in report.split("survivor")[1]

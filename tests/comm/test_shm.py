@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -99,7 +101,7 @@ def test_two_hosts_intra_and_inter_host_paths_agree(fs_group4, outbox_bytes):
         assert result["count"] == 15
         by_peer = {p["peer"]: p for p in result["paths"]}
         mate = rank ^ 1
-        assert by_peer[mate]["path"] == "shm <= 2048 B, ucx above"
+        assert by_peer[mate]["path"] == "shm <= 2048 B, read from the sender's memory above"
         if outbox_bytes:
             want = "outboxes (CPU data up to 2048 B per peer inside)"
             assert by_peer[mate]["headers"] == want
@@ -231,6 +233,19 @@ def test_leftovers_of_a_crashed_run_are_swept():
                 os.unlink(f"/dev/shm/{name}")
 
 
+def test_large_messages_take_ucx_one_way_where_the_kernel_refuses_reads(fs_group):
+    # Rank 1 may not read rank 0's memory: rank 0's messages above shm_max_bytes take UCX to
+    # it, rank 1's are read by rank 0 (both sides of each direction agree), results as Gloo's.
+    options = {"host_path": "auto", "shm_max_bytes": 2048, "eager_bytes": 512, **_SMALL_RINGS}
+    results = fs_group.run(ranks.ring_cases, 9, 15, 1, options, None, None, 1, timeout_s=180)
+    for result in results:
+        assert result["count"] == 15
+        for path in result["paths"]:
+            if {path["rank"], path["peer"]} == {0, 1}:
+                assert path["path"] == "shm <= 2048 B, read one way, ucx the other above", path
+                assert "the kernel refused a read" in path["why"], path
+
+
 def test_info_says_which_path_each_pair_takes(capsys):
     from freescale_comm.cli import main
     from freescale_comm.cpu import usable_cores
@@ -238,7 +253,7 @@ def test_info_says_which_path_each_pair_takes(capsys):
     assert main(["info", "--ranks", "2"]) == 0
     out = capsys.readouterr().out
     assert "host identity: " in out
-    assert "rank 0 -> 1: shm <= 524288 B, ucx above  (same host; host_path=auto" in out
+    assert "rank 0 -> 1: shm <= 524288 B, read from the sender's memory above  (same host" in out
     assert "rank 1 -> 0: shm" in out
     # And the path of CUDA bytes (no staging rings without CUDA: UCX's device path or pipeline).
     assert "    CUDA bytes: " in out
@@ -516,3 +531,55 @@ def test_outboxes_write_once_read_in_place_and_reuse_a_box_only_once_consumed(tm
     finally:
         for boxes in (a, b, c):
             boxes.close()
+
+
+def _host_channel_pair(tmp_path, reader_pid: int) -> tuple[Any, Any]:
+    """Two host channels of this process over one pair of rings: ``a`` sends large messages
+    by read, ``b`` reads them from process ``reader_pid`` (this one, or a dead one)."""
+    hub = shm.Hub.get()
+    rings = [shm.Ring(str(tmp_path / n), 3, 64, create=True) for n in ("ab", "ba")]
+    a = shm.Channel(hub, rings[0], rings[1], hub.name, peer_pid=os.getpid(), reads_out=True)
+    mapped = [shm.Ring(str(tmp_path / n), 3, 64, create=False) for n in ("ba", "ab")]
+    b = shm.Channel(hub, *mapped, hub.name, peer_pid=reader_pid, reads_in=True)
+    return a, b
+
+
+def test_a_large_message_is_read_from_the_senders_memory_once_its_receive_is_posted(tmp_path):
+    import numpy as np
+
+    a, b = _host_channel_pair(tmp_path, os.getpid())
+    try:
+        data = np.arange(100_000, dtype=np.uint32).view(np.uint8)  # far more than 3 slots
+        tag = (5 << 16) | 1
+        sent = a.send(data, tag, by_read=True)
+        b.progress()  # no receive posted yet: the descriptor waits in the ring
+        assert int(b.inc.ctrl[8]) == 0 and not sent.completed
+        out = np.zeros_like(data)
+        received = b.recv(out, tag)
+        b.progress()  # one read, then the acknowledgement
+        assert received.completed and received.error is None
+        assert np.array_equal(out, data) and not sent.completed  # not before it is told
+        a.progress()
+        assert sent.completed and sent.error is None
+        assert int(a.out.ctrl[0]) == 1 and int(b.out.ctrl[0]) == 1  # one slot each way
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_read_from_a_process_that_exited_fails_the_receive(tmp_path):
+    import numpy as np
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its pid names no process now
+    a, b = _host_channel_pair(tmp_path, child.pid)
+    try:
+        data = np.ones(4096, dtype=np.uint8)
+        a.send(data, (6 << 16) | 1, by_read=True)
+        received = b.recv(np.zeros_like(data), (6 << 16) | 1)
+        b.progress()
+        assert received.completed and "No such process" in (received.error or ""), received.error
+        assert int(b.out.ctrl[0]) == 0  # not acknowledged: the sender's collective fails too
+    finally:
+        a.close()
+        b.close()

@@ -207,6 +207,7 @@ class GroupContext:
             options.shm_slot_bytes,
             self.timeout_s,
             staging=_staging_rings(options, peers),
+            reads=options.host_reads and options.host_path == "auto",
         )
         self._no_rings.update(failures)
         if failures:
@@ -323,6 +324,10 @@ class GroupContext:
             nbytes = self._header_room if sub == 0 else len(buffer)
             if self.options.host_path == "shm" or nbytes <= self.options.shm_max_bytes:
                 return self._hub.post(link, buffer, tag, send)
+            # Larger: read by the receiver from the sender's memory where that direction
+            # allows it (both sides know: ``shm.open_links``), else UCX.
+            if sub != 0 and (link.host.reads_out if send else link.host.reads_in):
+                return self._hub.post(link, buffer, tag, send, by_read=True)
         return self._ucx_post(peer, buffer, tag, send)
 
     def _ucx_post(self, peer: int, buffer: Any, tag: int, send: bool) -> Any:
@@ -397,8 +402,17 @@ class GroupContext:
                 elif options.shm_max_bytes >= 1 << 40:
                     path, why = "shm", "same host; host_path=auto: rings at every size"
                 else:
-                    path = f"shm <= {options.shm_max_bytes} B, ucx above"
+                    host = self._links[peer].host
+                    above = {
+                        (True, True): "read from the sender's memory",
+                        (False, False): "ucx",
+                    }.get((host.reads_out, host.reads_in), "read one way, ucx the other")
+                    path = f"shm <= {options.shm_max_bytes} B, {above} above"
                     why = "same host; host_path=auto (the faster path per size)"
+                    if not options.host_reads:
+                        why += "; host_reads=False"
+                    elif above != "read from the sender's memory":
+                        why += "; the kernel refused a read of a peer's memory (ptrace)"
             elif same:
                 path, why = "ucx", f"same host, no rings: {self._no_rings.get(peer, '?')}"
             else:

@@ -60,11 +60,16 @@ class FreescaleOptions:
         host_path: how host bytes (CPU tensors, staged chunks) move between ranks of one host:
             ``shm`` (the group's shared-memory rings), ``ucx`` (UCX: shared memory for small
             messages, cross-memory attach for large ones) or ``auto`` (rings for messages of up
-            to ``shm_max_bytes``, UCX above). Ranks on other hosts always use UCX. Same on every
-            rank. ``FREESCALE_HOST_PATH``; the host identity is ``FREESCALE_HOST_ID`` (default:
-            hostname and boot id).
+            to ``shm_max_bytes``, above that read from the sender's memory, ``host_reads``).
+            Ranks on other hosts always use UCX. Same on every rank. ``FREESCALE_HOST_PATH``;
+            the host identity is ``FREESCALE_HOST_ID`` (default: hostname and boot id).
         shm_max_bytes: ``auto`` sends messages up to this size through the rings.
             ``FREESCALE_SHM_MAX_BYTES``.
+        host_reads: under ``auto``, a larger message is read by its receiver straight from
+            the sender's memory (``process_vm_readv``: one copy, as UCX's cross-memory attach,
+            but a sender that died fails the collective instead of aborting the reader), where
+            the kernel allows it (probed per direction at set-up); else, or with False, UCX.
+            ``FREESCALE_HOST_READS``.
         shm_slot_bytes: size of one ring slot (the pipelining unit). ``FREESCALE_SHM_SLOT_BYTES``.
         shm_pool_bytes: the rings a process receives into, per group: split over its peers on
             the host, 2 to 64 slots each. ``FREESCALE_SHM_POOL_BYTES``.
@@ -105,6 +110,7 @@ class FreescaleOptions:
     staging_pool_bytes: int = 64 << 20
     host_path: HostPath = "auto"
     shm_max_bytes: int = 512 << 10
+    host_reads: bool = True
     shm_slot_bytes: int = 256 << 10
     shm_pool_bytes: int = 4 << 20
     shm_outbox_bytes: int = 2 << 20

@@ -12,6 +12,14 @@ receiver's verdict on its collective, which needs no message behind it (a second
 ``Channel.unstall``, lets it out first). A header (sub 0) that arrives before its receive is
 copied out into a buffer of its own.
 
+A host message above ``shm_max_bytes`` (``host_path="auto"``) does not go through the slots:
+its sender posts one slot naming where the bytes lie in its memory, and the receiver, once its
+receive is posted, reads them straight into it with ``process_vm_readv`` (one copy, as UCX's
+cross-memory attach) and answers with an acknowledgement slot, which completes the send. A
+sender that died makes the read fail with an error, which fails the collective (UCX aborted
+the reading process there). Where the kernel refuses the read (ptrace restrictions: it is
+probed at set-up, per direction), those messages take UCX.
+
 Segments are unlinked as soon as both sides have mapped them (their memory dies with the
 processes); a segment that a crash left between creation and that point is named after its
 creator's pid and removed by the next process that starts rings on the host.
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import mmap
 import os
 import platform
@@ -64,6 +73,11 @@ _SLOT_HEADER = 4  # uint64: tag, message length, offset of the chunk, chunk leng
 _STALE_AFTER_S = 60.0
 _SUB_BITS = 16  # transport.SUB_BITS: a tag's low bits number the messages of a collective
 _SUB_MASK = (1 << _SUB_BITS) - 1  # 0: the collective's header (or diagnosis) message
+# A slot header's offset field marks a read descriptor (its data: the sender's address) and a
+# read's acknowledgement; real offsets are below the message length.
+_READ_FROM = 1 << 63
+_READ_DONE = _READ_FROM + 1
+_PROBE_MAGIC = 0x6672656573636C65  # a probe word holds this xor its process id
 
 
 def host_identity() -> str:
@@ -126,6 +140,48 @@ def _alive(pid: int) -> bool:
     return True
 
 
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+_process_vm_readv: Any = None
+
+
+def read_process(pid: int, local: int, remote: int, nbytes: int) -> str | None:
+    """Copies ``nbytes`` at address ``remote`` of process ``pid`` to ``local`` in this one
+    (``process_vm_readv``, GIL released); returns why it failed, or None."""
+    global _process_vm_readv
+    if _process_vm_readv is None:
+        fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
+        fn.argtypes = [
+            ctypes.c_int,
+            ctypes.POINTER(_IoVec),
+            ctypes.c_ulong,
+            ctypes.POINTER(_IoVec),
+            ctypes.c_ulong,
+            ctypes.c_ulong,
+        ]
+        fn.restype = ctypes.c_ssize_t
+        _process_vm_readv = fn
+    done = 0
+    while done < nbytes:  # the kernel may copy less than asked
+        into = _IoVec(local + done, nbytes - done)
+        source = _IoVec(remote + done, nbytes - done)
+        got = _process_vm_readv(pid, ctypes.byref(into), 1, ctypes.byref(source), 1, 0)
+        if got <= 0:
+            return os.strerror(ctypes.get_errno()) if got < 0 else "no bytes read"
+        done += got
+    return None
+
+
+def _can_read(pid: int, address: int) -> bool:
+    """Whether this process may read process ``pid``'s memory: its probe word at ``address``."""
+    word = np.zeros(1, dtype=np.uint64)
+    return read_process(pid, word.ctypes.data, address, 8) is None and int(word[0]) == (
+        _PROBE_MAGIC ^ pid
+    )
+
+
 class Request:
     """A shared-memory send or receive in flight (the interface of a UCX request).
 
@@ -134,15 +190,28 @@ class Request:
     copy engine's event that ends them (CUDA: the collective orders its own end after it).
     """
 
-    __slots__ = ("buffer", "completed", "done_bytes", "error", "last", "length", "ready", "tag")
+    __slots__ = (
+        "buffer",
+        "by_read",
+        "completed",
+        "done_bytes",
+        "error",
+        "last",
+        "length",
+        "ready",
+        "tag",
+    )
 
-    def __init__(self, buffer: Any, tag: int, ready: Any = None) -> None:
+    def __init__(self, buffer: Any, tag: int, ready: Any = None, by_read: bool = False) -> None:
         self.buffer = buffer
         self.tag = tag
-        self.length = len(buffer)
+        # A send the receiver reads from this process's memory (complete once it says so), or
+        # a read's acknowledgement (``buffer`` None).
+        self.by_read = by_read
         self.done_bytes = 0
         self.completed = False
         self.error: str | None = None
+        self.length = len(buffer) if buffer is not None else 0
         self.ready = ready  # CUDA: copies of this request wait for this event first
         self.last: Any = None
 
@@ -309,12 +378,24 @@ class Channel:
             being copied out into a buffer of its own; it only waits for this rank's own
             verdict on its collective, which needs no message of this ring. A receive is
             complete once its copies are queued (``Request.last``).
+        peer_pid: the peer's process id (reads of its memory).
+        reads_out: the peer reads this rank's sends posted ``by_read`` from its memory.
+        reads_in: this rank reads such sends of the peer (the same answer on both sides of a
+            direction: probed at set-up by the reader, ``open_links``).
     """
 
     DEVICE_CHUNKS_PER_PUSH = 2
 
     def __init__(
-        self, hub: Hub, outgoing: Ring, incoming: Ring, peer_socket: bytes, device: bool = False
+        self,
+        hub: Hub,
+        outgoing: Ring,
+        incoming: Ring,
+        peer_socket: bytes,
+        device: bool = False,
+        peer_pid: int = 0,
+        reads_out: bool = False,
+        reads_in: bool = False,
     ) -> None:
         self.hub = hub
         self.out = outgoing
@@ -330,6 +411,9 @@ class Channel:
         self._sends: collections.deque[Request] = collections.deque()
         self._recvs: dict[int, Request] = {}
         self._unexpected: dict[int, _Unexpected] = {}
+        self.peer_pid = peer_pid
+        self.reads_out, self.reads_in = reads_out, reads_in
+        self._awaiting: dict[int, Request] = {}  # sends posted by_read, until acknowledged
         self.closed = False
         # Collectives (tag >> SUB_BITS) whose early messages are dropped on arrival.
         self._discarded: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -343,8 +427,10 @@ class Channel:
         self._woken = 0  # the peer's sleep this channel last sent a wake-up byte in
 
     # --------------------------------------------------------------- posting (hub lock held)
-    def send(self, buffer: Any, tag: int, ready: Any = None) -> Request:
-        request = Request(buffer, tag, ready)
+    def send(self, buffer: Any, tag: int, ready: Any = None, by_read: bool = False) -> Request:
+        """Posts a send; ``by_read`` (host bytes, ``reads_out``): the peer reads the bytes
+        from this process's memory, which must stay as they are until the send completes."""
+        request = Request(buffer, tag, ready, by_read)
         self.sent += 1
         self._sends.append(request)
         if self._push():
@@ -408,6 +494,19 @@ class Channel:
         filling = self._filling
         while self._sends and free > 0:
             request = self._sends[0]
+            if request.by_read:  # one slot: where the bytes lie, or a read's acknowledgement
+                k = reserved % slots
+                if request.buffer is None:
+                    ring.headers[k] = (request.tag, 0, _READ_DONE, 0)
+                else:
+                    ring.data[k, :8].view(np.uint64)[0] = request.buffer.ctypes.data
+                    ring.headers[k] = (request.tag, request.length, _READ_FROM, 8)
+                    self._awaiting[request.tag] = request
+                reserved += 1
+                free -= 1
+                self._sends.popleft()
+                filling.append((None, None))
+                continue
             offset = request.done_bytes
             n = min(size, request.length - offset)
             k = reserved % slots
@@ -443,7 +542,10 @@ class Channel:
             chunk = ring.data[k, :n]
             token, finished = None, None
             request = self._recvs.get(tag)
-            if request is not None:
+            if offset >= _READ_FROM:
+                if not self._read_slot(tag, length, offset, chunk, request):
+                    break  # its receive is posted once this rank has judged its collective
+            elif request is not None:
                 if length > request.length:
                     request.error = _too_long(length, request)
                     request.completed = True
@@ -484,6 +586,37 @@ class Channel:
             moved = True
         return moved
 
+    def _read_slot(
+        self, tag: int, length: int, offset: int, chunk: np.ndarray, request: Request | None
+    ) -> bool:
+        """Acts on a slot of the read protocol: an acknowledgement completes this rank's send;
+        a read descriptor is read into its posted receive (then acknowledged). False: the
+        receive is not posted yet (read descriptors travel only after the sender's verdict, so
+        the receive comes with this rank's own)."""
+        if offset == _READ_DONE:
+            sent = self._awaiting.pop(tag, None)
+            if sent is not None:
+                sent.completed = True
+            return True
+        if request is None:
+            return tag >> _SUB_BITS in self._discarded  # dropped, as early data is
+        del self._recvs[tag]
+        if length > request.length:
+            request.error = _too_long(length, request)
+        else:
+            source = int(chunk.view(np.uint64)[0])
+            failed = read_process(self.peer_pid, request.buffer.ctypes.data, source, length)
+            if failed is None:
+                request.done_bytes = length
+                self._sends.append(Request(None, tag, by_read=True))
+            else:  # not acknowledged: the collective fails, and with it the group
+                request.error = (
+                    f"reading {length} bytes from process {self.peer_pid} failed: {failed} "
+                    "(has it exited?)"
+                )
+        request.completed = True  # last: a thread that sees it must see the error too
+        return True
+
     def discard(self, prefix: int) -> None:
         """Drops the messages of one collective (``tag >> SUB_BITS == prefix``) that arrived
         or will arrive without a receive (early data of a collective that failed its verdict).
@@ -522,6 +655,7 @@ class Channel:
         self._sends.clear()
         self._recvs.clear()
         self._unexpected.clear()
+        self._awaiting.clear()
         self._filling.clear()
         self._draining.clear()
         self.out.close()
@@ -599,6 +733,8 @@ class Hub:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
         self.sock.bind(self.name)
         self.fd = self.sock.fileno()
+        # A word peers read to learn whether the kernel lets them read this process's memory.
+        self.probe = np.array([_PROBE_MAGIC ^ os.getpid()], dtype=np.uint64)
         sweep_stale()
 
     @classmethod
@@ -691,12 +827,23 @@ class Hub:
         with self.lock:
             link.forget(prefix)
 
-    def post(self, link: Link, buffer: Any, tag: int, send: bool, ready: Any = None) -> Request:
+    def post(
+        self,
+        link: Link,
+        buffer: Any,
+        tag: int,
+        send: bool,
+        ready: Any = None,
+        by_read: bool = False,
+    ) -> Request:
         """Posts a send or receive of host bytes (numpy) or device bytes (staging rings; CUDA
-        copies ordered after the event ``ready``)."""
+        copies ordered after the event ``ready``); ``by_read``: a host send the peer reads
+        from this process's memory (``Channel.send``)."""
         with self.lock:
             channel = link.channel(buffer)
-            return channel.send(buffer, tag, ready) if send else channel.recv(buffer, tag, ready)
+            if send:
+                return channel.send(buffer, tag, ready, by_read)
+            return channel.recv(buffer, tag, ready)
 
 
 def open_links(
@@ -707,6 +854,7 @@ def open_links(
     slot_bytes: int,
     timeout_s: float,
     staging: tuple[int, int] | None = None,
+    reads: bool = False,
 ) -> tuple[dict[int, Link], dict[int, str]]:
     """Sets up the rings with ``peers`` (group ranks on this host) through the group's store.
 
@@ -718,8 +866,16 @@ def open_links(
         staging: (slots, slot bytes) of the sparse CUDA staging rings to make beside the host
             rings (a process with CUDA); a pair has them only if both sides made and mapped
             them.
+        reads: large host messages may be read from the sender's memory (``Channel``); a
+            direction does so only if both of its ranks ask and its receiver could read a
+            word of the sender's (the kernel may forbid it: ptrace restrictions).
     """
     hub = Hub.get()
+    pid = os.getpid()
+    hub.probe[0] = _PROBE_MAGIC ^ pid
+    probe = f"{pid}:{hub.probe.ctypes.data}" if reads else "-"
+    peer_pids: dict[int, int] = {}
+    reads_in: dict[int, bool] = {}  # per peer: this rank reads its large messages
     mine: dict[int, list[Ring]] = {}
     failures: dict[int, str] = {}
     for peer in peers:
@@ -731,7 +887,8 @@ def open_links(
                 paths.append(hub.segment_path(f"stage-{peer}to{rank}"))
                 made.append(Ring(paths[1], *staging, create=True, reserve=False))
             mine[peer] = made
-            store.set(f"freescale/shm/{peer}to{rank}", "\n".join([hub.name.hex(), *paths]))
+            entry = "\n".join([hub.name.hex(), probe, *paths])
+            store.set(f"freescale/shm/{peer}to{rank}", entry)
         except OSError as err:
             for ring in made:
                 ring.close()
@@ -752,8 +909,11 @@ def open_links(
             if not entry:
                 failures.setdefault(peer, f"rank {peer} could not create its ring in {_SHM_DIR}")
             else:
-                name, *paths = entry.split("\n")
+                name, peer_probe, *paths = entry.split("\n")
                 rings: list[Ring] = []
+                if peer_probe != "-":
+                    peer_pids[peer] = int(peer_probe.split(":")[0])
+                    reads_in[peer] = reads and _can_read(*map(int, peer_probe.split(":")))
                 try:
                     rings.append(Ring(paths[0], slots, slot_bytes, create=False))
                     if staging is not None and len(paths) > 1:
@@ -764,17 +924,26 @@ def open_links(
                     for ring in rings:
                         ring.close()
                     failures.setdefault(peer, f"could not map rank {peer}'s ring: {err}")
-            store.set(f"freescale/shm_ok/{rank}to{peer}", f"1{len(theirs[peer][0])}" if ok else "0")
+            answer = f"1{len(theirs[peer][0])}{'r' if reads_in.get(peer) else ''}" if ok else "0"
+            store.set(f"freescale/shm_ok/{rank}to{peer}", answer)
         store.wait([f"freescale/shm_ok/{peer}to{rank}" for peer in peers], wait)
         for peer in peers:
             answer = store.get(f"freescale/shm_ok/{peer}to{rank}").decode()
             if answer.startswith("1") and peer in theirs and peer in mine:
                 (out, *out_staging), name = theirs.pop(peer)
                 inc, *inc_staging = mine.pop(peer)
-                host = Channel(hub, out, inc, name)
+                host = Channel(
+                    hub,
+                    out,
+                    inc,
+                    name,
+                    peer_pid=peer_pids.get(peer, 0),
+                    reads_out=answer.endswith("r"),
+                    reads_in=reads_in.get(peer, False),
+                )
                 # Staging rings only where both directions were made and mapped.
                 stage = None
-                if out_staging and inc_staging and answer == "12":
+                if out_staging and inc_staging and answer[:2] == "12":
                     stage = Channel(hub, out_staging[0], inc_staging[0], name, device=True)
                 else:
                     for ring in inc_staging:  # this rank's own: its name goes too
