@@ -845,6 +845,51 @@ def later_data_never_overtakes_earlier(medium_kib: int, large_kib: int) -> str:
     return "ok"
 
 
+def read_counted_past_early_data(per_peer_kib: int, piece_kib: int, rounds: int) -> dict[str, Any]:
+    """Rounds of an AllToAll of ``per_peer_kib`` per peer (read from the sender's memory:
+    above ``shm_max_bytes``), then an AllGather of two ``piece_kib`` inputs (sent early, with
+    its headers); rank 0 waits for the AllToAll before it calls the AllGather, the others call
+    both at once. Rank 0's AllToAll completes only once its peers say they read its bytes,
+    which must reach it past their AllGather data if that is in their rings first, waiting for
+    the receive rank 0 has not posted yet (how the two interleave varies: rank 0 starts each
+    round a little later, by a varying delay). Returns this rank's reads of its peers' memory,
+    per peer.
+    """
+    from freescale_comm import FreescaleOptions
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(
+        backend="freescale",
+        timeout=timedelta(seconds=10),
+        pg_options=FreescaleOptions(host_path="auto", shm_outbox_bytes=0),
+    )
+    rows, piece = (per_peer_kib << 10) // 4, (piece_kib << 10) // 4
+    for k in range(rounds):
+        x = torch.full((n * rows,), float(rank + k))
+        out = torch.empty_like(x)
+        pieces = [torch.full((piece,), rank + 0.5), torch.full((piece,), rank + 0.25)]
+        gathered = [[torch.empty(piece) for _ in pieces] for _ in range(n)]
+        if rank == 0:
+            time.sleep(k % 10 * 1e-4)
+            dist.all_to_all_single(out, x, group=group)
+            dist.all_gather_coalesced(gathered, pieces, group=group)
+        else:
+            works = [
+                dist.all_to_all_single(out, x, group=group, async_op=True),
+                dist.all_gather_coalesced(gathered, pieces, group=group, async_op=True),
+            ]
+            for work in works:
+                work.wait()
+        want = torch.arange(n, dtype=torch.float32).repeat_interleave(rows) + k
+        _same(out, want, f"AllToAll #{k}")
+        for p in range(n):
+            for got, add in zip(gathered[p], (0.5, 0.25), strict=True):
+                _same(got, torch.full((piece,), p + add), f"rank {p}'s piece #{k}")
+    reads = {row["peer"]: row["ring_reads"] for row in group.paths()}
+    dist.destroy_process_group(group)
+    return reads
+
+
 def ring_gathers_only_even_pieces() -> list[str]:
     """``allgather="ring"``: list AllGathers of uneven pieces (the ring needs even ones) take
     the direct algorithm on every rank, whatever each rank's own piece, and are correct; then

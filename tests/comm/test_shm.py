@@ -203,6 +203,13 @@ def test_a_later_collectives_early_data_never_overtakes_an_earlier_ones(fs_group
     assert got == ["ok"] * n
 
 
+def test_a_read_is_counted_done_past_a_later_collectives_early_data(fs_group):
+    n = fs_group.spec.world_size
+    reads = fs_group.run(ranks.read_counted_past_early_data, 2048, 300, 200, timeout_s=120)
+    # Every rank read each peer's AllToAll bytes from its memory, the AllGather's none.
+    assert reads == [{peer: 200 for peer in range(n) if peer != rank} for rank in range(n)]
+
+
 def test_leftovers_of_a_crashed_run_are_swept():
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -234,8 +241,8 @@ def test_leftovers_of_a_crashed_run_are_swept():
 
 
 def test_large_messages_take_ucx_one_way_where_the_kernel_refuses_reads(fs_group):
-    # Rank 1 may not read rank 0's memory: rank 0's messages above shm_max_bytes take UCX to
-    # it, rank 1's are read by rank 0 (both sides of each direction agree), results as Gloo's.
+    # Rank 1 may not read its peers' memory: their messages above shm_max_bytes take UCX to
+    # it, rank 1's are read by them (both sides of each direction agree), results as Gloo's.
     options = {"host_path": "auto", "shm_max_bytes": 2048, "eager_bytes": 512, **_SMALL_RINGS}
     results = fs_group.run(ranks.ring_cases, 9, 15, 1, options, None, None, 1, timeout_s=180)
     for result in results:
@@ -244,6 +251,8 @@ def test_large_messages_take_ucx_one_way_where_the_kernel_refuses_reads(fs_group
             if {path["rank"], path["peer"]} == {0, 1}:
                 assert path["path"] == "shm <= 2048 B, read one way, ucx the other above", path
                 assert "the kernel refused a read" in path["why"], path
+            # Rank 1 read none of its peers' large messages; they read all of its.
+            assert (path["ring_reads"] > 0) == (path["rank"] != 1), path
 
 
 def test_info_says_which_path_each_pair_takes(capsys):
@@ -556,12 +565,42 @@ def test_a_large_message_is_read_from_the_senders_memory_once_its_receive_is_pos
         assert int(b.inc.ctrl[8]) == 0 and not sent.completed
         out = np.zeros_like(data)
         received = b.recv(out, tag)
-        b.progress()  # one read, then the acknowledgement
-        assert received.completed and received.error is None
+        b.progress()  # one read, then the count of reads done
+        assert received.completed and received.error is None and b.reads == 1
         assert np.array_equal(out, data) and not sent.completed  # not before it is told
         a.progress()
         assert sent.completed and sent.error is None
-        assert int(a.out.ctrl[0]) == 1 and int(b.out.ctrl[0]) == 1  # one slot each way
+        assert int(a.out.ctrl[0]) == 1 and int(b.out.ctrl[0]) == 0  # one slot, no answer slot
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_read_is_counted_done_past_data_that_fills_the_readers_own_ring(tmp_path):
+    # The reader's ring towards the sender holds data the sender has not posted a receive for
+    # (a later collective's, sent early), which stops everything behind it: the sender learns
+    # of the read all the same, and only then posts that receive.
+    import numpy as np
+
+    a, b = _host_channel_pair(tmp_path, os.getpid())
+    try:
+        data = np.arange(4096, dtype=np.uint8)
+        first, later = (7 << 16) | 1, (8 << 16) | 1
+        sent = a.send(data, first, by_read=True)
+        early = np.full(3 * 64, 9, dtype=np.uint8)  # b's 3 slots
+        b.send(early, later)
+        a.progress()  # the early data waits in the ring for its receive
+        out = np.zeros_like(data)
+        b.recv(out, first)
+        b.progress()
+        a.progress()
+        assert sent.completed and np.array_equal(out, data)
+        got = np.zeros_like(early)
+        received = a.recv(got, later)
+        for _ in range(10):
+            a.progress()
+            b.progress()
+        assert received.completed and np.array_equal(got, early)
     finally:
         a.close()
         b.close()
@@ -579,7 +618,30 @@ def test_a_read_from_a_process_that_exited_fails_the_receive(tmp_path):
         received = b.recv(np.zeros_like(data), (6 << 16) | 1)
         b.progress()
         assert received.completed and "No such process" in (received.error or ""), received.error
-        assert int(b.out.ctrl[0]) == 0  # not acknowledged: the sender's collective fails too
+        assert b.reads == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_closed_channels_unread_sends_keep_their_buffers_until_read(tmp_path):
+    import numpy as np
+
+    a, b = _host_channel_pair(tmp_path, os.getpid())
+    hub = shm.Hub.get()
+    try:
+        data = np.arange(4096, dtype=np.uint8)
+        tag = (9 << 16) | 1
+        a.send(data, tag, by_read=True)
+        a.close()  # a group destroyed in the middle of a collective: the peer may still read
+        lent = [entry for entry in hub._lent if entry.ring is a.out]
+        assert len(lent) == 1 and lent[0].sends[0].buffer is data
+        out = np.zeros_like(data)
+        b.recv(out, tag)
+        b.progress()
+        assert np.array_equal(out, data)
+        hub.remove(shm.Link(b))  # a link going checks what was lent
+        assert not [entry for entry in hub._lent if entry.ring is a.out]
     finally:
         a.close()
         b.close()

@@ -428,6 +428,7 @@ class GroupContext:
                     "peer_host": self.directory.host_of(peer),
                     "ring_messages": (link.sent, link.received) if link else (0, 0),
                     "ring_slots": link.inc.slots if link else 0,
+                    "ring_reads": link.host.reads if link else 0,  # of the peer's memory
                     "headers": self._headers_path(peer),
                     "waits": waits,
                     "outbox_posts": self.outboxes.posted if self.outboxes is not None else 0,

@@ -15,10 +15,14 @@ copied out into a buffer of its own.
 A host message above ``shm_max_bytes`` (``host_path="auto"``) does not go through the slots:
 its sender posts one slot naming where the bytes lie in its memory, and the receiver, once its
 receive is posted, reads them straight into it with ``process_vm_readv`` (one copy, as UCX's
-cross-memory attach) and answers with an acknowledgement slot, which completes the send. A
-sender that died makes the read fail with an error, which fails the collective (UCX aborted
-the reading process there). Where the kernel refuses the read (ptrace restrictions: it is
-probed at set-up, per direction), those messages take UCX.
+cross-memory attach), then counts the descriptor done in the ring's control block, which
+completes the sends in the order they were posted. The count is not a slot: an answer queued
+in the reader's own ring behind data it sent early for a later collective would wait for a
+receive the sender posts only once this send completed. A sender that died makes the read fail
+with an error, which fails the collective (UCX aborted the reading process there). Where the
+kernel refuses the read (ptrace restrictions: it is probed at set-up, per direction), those
+messages take UCX. A send still unread when its channel closes keeps its buffer until the
+reader counts it or exits (``Hub`` holds it).
 
 Segments are unlinked as soon as both sides have mapped them (their memory dies with the
 processes); a segment that a crash left between creation and that point is named after its
@@ -55,7 +59,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -66,17 +70,18 @@ _PREFIX = "freescale-ring-"
 _SHM_DIR = "/dev/shm"
 # Head at byte 0, tail at 64; the CUDA IPC path's flags at 128 and 192 (``ipc``); at 256 whether
 # the ring's receiver sleeps in its epoll (it wants a wake-up byte; odd: it does, the count of
-# its sleeps begun and ended): separate lines.
-_CTRL_BYTES = 320
+# its sleeps begun and ended); at 320 how many read descriptors its receiver is done with:
+# separate lines.
+_CTRL_BYTES = 384
 _ASLEEP = 32  # uint64 index of that flag
+_READS_DONE = 40  # and of that count
 _SLOT_HEADER = 4  # uint64: tag, message length, offset of the chunk, chunk length
 _STALE_AFTER_S = 60.0
 _SUB_BITS = 16  # transport.SUB_BITS: a tag's low bits number the messages of a collective
 _SUB_MASK = (1 << _SUB_BITS) - 1  # 0: the collective's header (or diagnosis) message
-# A slot header's offset field marks a read descriptor (its data: the sender's address) and a
-# read's acknowledgement; real offsets are below the message length.
+# A slot header's offset field marks a read descriptor (its data: the sender's address); real
+# offsets are below the message length.
 _READ_FROM = 1 << 63
-_READ_DONE = _READ_FROM + 1
 _PROBE_MAGIC = 0x6672656573636C65  # a probe word holds this xor its process id
 
 
@@ -205,13 +210,12 @@ class Request:
     def __init__(self, buffer: Any, tag: int, ready: Any = None, by_read: bool = False) -> None:
         self.buffer = buffer
         self.tag = tag
-        # A send the receiver reads from this process's memory (complete once it says so), or
-        # a read's acknowledgement (``buffer`` None).
+        # A send the receiver reads from this process's memory (complete once it says so).
         self.by_read = by_read
         self.done_bytes = 0
         self.completed = False
         self.error: str | None = None
-        self.length = len(buffer) if buffer is not None else 0
+        self.length = len(buffer)
         self.ready = ready  # CUDA: copies of this request wait for this event first
         self.last: Any = None
 
@@ -413,7 +417,11 @@ class Channel:
         self._unexpected: dict[int, _Unexpected] = {}
         self.peer_pid = peer_pid
         self.reads_out, self.reads_in = reads_out, reads_in
-        self._awaiting: dict[int, Request] = {}  # sends posted by_read, until acknowledged
+        # Sends posted by_read, in ring order, until the peer counts them read; the counts.
+        self._awaiting: collections.deque[Request] = collections.deque()
+        self._reads_seen = int(outgoing.ctrl[_READS_DONE])
+        self._reads_done = int(incoming.ctrl[_READS_DONE])
+        self.reads = 0  # messages this rank read from the peer's memory (tests check the path)
         self.closed = False
         # Collectives (tag >> SUB_BITS) whose early messages are dropped on arrival.
         self._discarded: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -456,7 +464,7 @@ class Channel:
         if self.closed:
             return False
         if (
-            not (self._sends or self._filling or self._draining)
+            not (self._sends or self._filling or self._draining or self._awaiting)
             and int(self.inc.ctrl[0]) == self._consumed
         ):
             return False  # the common case, polled several times per collective and peer
@@ -464,7 +472,17 @@ class Channel:
         pushed = self._push() if self._sends or self._filling else False
         if pushed or pulled:
             self.wake_peer()
-        return pushed or pulled
+        return self._reads_counted() or pushed or pulled
+
+    def _reads_counted(self) -> bool:
+        """Completes the sends whose read the peer counted done; True if any."""
+        done = int(self.out.ctrl[_READS_DONE])
+        if done == self._reads_seen:
+            return False
+        for _ in range(done - self._reads_seen):
+            self._awaiting.popleft().completed = True
+        self._reads_seen = done
+        return True
 
     def wake_peer(self) -> None:
         """Sends the peer a wake-up byte if it sleeps and has not had one from this channel in
@@ -494,14 +512,11 @@ class Channel:
         filling = self._filling
         while self._sends and free > 0:
             request = self._sends[0]
-            if request.by_read:  # one slot: where the bytes lie, or a read's acknowledgement
+            if request.by_read:  # one slot: where the bytes lie
                 k = reserved % slots
-                if request.buffer is None:
-                    ring.headers[k] = (request.tag, 0, _READ_DONE, 0)
-                else:
-                    ring.data[k, :8].view(np.uint64)[0] = request.buffer.ctypes.data
-                    ring.headers[k] = (request.tag, request.length, _READ_FROM, 8)
-                    self._awaiting[request.tag] = request
+                ring.data[k, :8].view(np.uint64)[0] = request.buffer.ctypes.data
+                ring.headers[k] = (request.tag, request.length, _READ_FROM, 8)
+                self._awaiting.append(request)
                 reserved += 1
                 free -= 1
                 self._sends.popleft()
@@ -542,7 +557,7 @@ class Channel:
             chunk = ring.data[k, :n]
             token, finished = None, None
             request = self._recvs.get(tag)
-            if offset >= _READ_FROM:
+            if offset == _READ_FROM:
                 if not self._read_slot(tag, length, offset, chunk, request):
                     break  # its receive is posted once this rank has judged its collective
             elif request is not None:
@@ -589,32 +604,32 @@ class Channel:
     def _read_slot(
         self, tag: int, length: int, offset: int, chunk: np.ndarray, request: Request | None
     ) -> bool:
-        """Acts on a slot of the read protocol: an acknowledgement completes this rank's send;
-        a read descriptor is read into its posted receive (then acknowledged). False: the
-        receive is not posted yet (read descriptors travel only after the sender's verdict, so
-        the receive comes with this rank's own)."""
-        if offset == _READ_DONE:
-            sent = self._awaiting.pop(tag, None)
-            if sent is not None:
-                sent.completed = True
-            return True
+        """Reads a read descriptor's bytes into its posted receive, then counts it done (the
+        sender may reuse its buffer); a dropped or failed one is counted too, so that the
+        count completes the sender's sends in order. False: the receive is not posted yet
+        (read descriptors travel only after the sender's verdict, so the receive comes with
+        this rank's own)."""
         if request is None:
-            return tag >> _SUB_BITS in self._discarded  # dropped, as early data is
-        del self._recvs[tag]
-        if length > request.length:
-            request.error = _too_long(length, request)
+            if tag >> _SUB_BITS not in self._discarded:
+                return False
         else:
-            source = int(chunk.view(np.uint64)[0])
-            failed = read_process(self.peer_pid, request.buffer.ctypes.data, source, length)
-            if failed is None:
-                request.done_bytes = length
-                self._sends.append(Request(None, tag, by_read=True))
-            else:  # not acknowledged: the collective fails, and with it the group
-                request.error = (
-                    f"reading {length} bytes from process {self.peer_pid} failed: {failed} "
-                    "(has it exited?)"
-                )
-        request.completed = True  # last: a thread that sees it must see the error too
+            del self._recvs[tag]
+            if length > request.length:
+                request.error = _too_long(length, request)
+            else:
+                source = int(chunk.view(np.uint64)[0])
+                failed = read_process(self.peer_pid, request.buffer.ctypes.data, source, length)
+                if failed is None:
+                    request.done_bytes = length
+                    self.reads += 1
+                else:  # the collective fails, and with it the group
+                    request.error = (
+                        f"reading {length} bytes from process {self.peer_pid} failed: {failed} "
+                        "(has it exited?)"
+                    )
+            request.completed = True  # after the error: a thread that sees it sees the error
+        self._reads_done += 1
+        self.inc.ctrl[_READS_DONE] = self._reads_done  # after the read: the sender's bytes
         return True
 
     def discard(self, prefix: int) -> None:
@@ -651,15 +666,36 @@ class Channel:
         request.completed = True
 
     def close(self) -> None:
+        """Unmaps the rings (hub lock held). Sends the peer has not counted read yet (a group
+        destroyed during a collective) go to the hub with their ring: the peer may still read
+        their buffers, which must not be freed and reused under it."""
         self.closed = True
         self._sends.clear()
         self._recvs.clear()
         self._unexpected.clear()
-        self._awaiting.clear()
         self._filling.clear()
         self._draining.clear()
-        self.out.close()
+        if self._awaiting:
+            self._reads_counted()
+        if self._awaiting:
+            self.hub.lend(_Lent(self.out, self._reads_seen, list(self._awaiting), self.peer_pid))
+        else:
+            self.out.close()
+        self._awaiting.clear()
         self.inc.close()
+
+
+class _Lent(NamedTuple):
+    """Sends of a closed channel that its peer may still read (``Channel.close``)."""
+
+    ring: Ring  # the outgoing ring: its control block counts the reads done
+    seen: int  # the count when the channel closed
+    sends: list[Request]  # they hold their buffers
+    peer_pid: int
+
+    def returned(self) -> bool:
+        done = int(self.ring.ctrl[_READS_DONE]) - self.seen >= len(self.sends)
+        return done or not _alive(self.peer_pid)
 
 
 class Link:
@@ -735,6 +771,7 @@ class Hub:
         self.fd = self.sock.fileno()
         # A word peers read to learn whether the kernel lets them read this process's memory.
         self.probe = np.array([_PROBE_MAGIC ^ os.getpid()], dtype=np.uint64)
+        self._lent: list[_Lent] = []
         sweep_stale()
 
     @classmethod
@@ -754,12 +791,28 @@ class Hub:
     def add(self, link: Link) -> None:
         with self.lock:
             self.links.append(link)
+            self._reclaim()
 
     def remove(self, link: Link) -> None:
         with self.lock:
             if link in self.links:
                 self.links.remove(link)
             link.close()
+            self._reclaim()
+
+    def lend(self, lent: _Lent) -> None:
+        """Holds sends a closed channel's peer may still read (hub lock held), until it has
+        read them or exited: checked whenever a link comes or goes."""
+        self._lent.append(lent)
+
+    def _reclaim(self) -> None:
+        keep = []
+        for lent in self._lent:
+            if lent.returned():
+                lent.ring.close()
+            else:
+                keep.append(lent)
+        self._lent = keep
 
     def watch(self, outboxes: Any) -> None:
         with self.lock:
