@@ -624,24 +624,77 @@ def test_a_read_from_a_process_that_exited_fails_the_receive(tmp_path):
         b.close()
 
 
-def test_a_closed_channels_unread_sends_keep_their_buffers_until_read(tmp_path):
+def _bare_view(tensor: torch.Tensor) -> Any:
+    """A numpy view of ``tensor``'s bytes that owns nothing (as the plan cache makes them)."""
+    import ctypes
+
+    import numpy as np
+
+    size = tensor.numel() * tensor.element_size()
+    return np.frombuffer((ctypes.c_uint8 * size).from_address(tensor.data_ptr()), dtype=np.uint8)
+
+
+def test_a_closed_channels_unread_sends_keep_their_memory_until_read(tmp_path):
+    import gc
+
+    a, b = _host_channel_pair(tmp_path, os.getpid())
+    hub = shm.Hub.get()
+    try:
+        tag = (9 << 16) | 1
+        owner = torch.full((1 << 20,), 42.0)  # 4 MiB: freed memory would be unmapped
+        a.send(_bare_view(owner), tag, by_read=True, owner=(owner,))
+        del owner
+        a.close()  # a group destroyed in the middle of a collective: the peer may still read
+        gc.collect()
+        torch.full((1 << 20,), -7.0)  # what freed memory would be reused for
+        out = torch.zeros(1 << 20)
+        received = b.recv(_bare_view(out), tag)
+        b.progress()
+        assert received.error is None and bool((out == 42.0).all())
+        assert [entry for entry in hub._lent if entry.ring is a.out]
+        hub.remove(shm.Link(b))  # a link going checks what was lent: read, so returned
+        assert not [entry for entry in hub._lent if entry.ring is a.out]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_lent_sends_are_returned_when_the_reader_closes_without_reading(tmp_path):
     import numpy as np
 
     a, b = _host_channel_pair(tmp_path, os.getpid())
     hub = shm.Hub.get()
     try:
-        data = np.arange(4096, dtype=np.uint8)
-        tag = (9 << 16) | 1
-        a.send(data, tag, by_read=True)
-        a.close()  # a group destroyed in the middle of a collective: the peer may still read
-        lent = [entry for entry in hub._lent if entry.ring is a.out]
-        assert len(lent) == 1 and lent[0].sends[0].buffer is data
-        out = np.zeros_like(data)
-        b.recv(out, tag)
-        b.progress()
-        assert np.array_equal(out, data)
-        hub.remove(shm.Link(b))  # a link going checks what was lent
+        a.send(np.ones(4096, dtype=np.uint8), (10 << 16) | 1, by_read=True)
+        a.close()
+        assert [entry for entry in hub._lent if entry.ring is a.out]
+        hub.remove(shm.Link(b))  # closes b unread: it says so in the ring
         assert not [entry for entry in hub._lent if entry.ring is a.out]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_failed_collectives_receives_leave_the_ring(tmp_path):
+    # A receive of a collective that failed (its caller may reuse the buffer) is dropped
+    # with the collective's messages: what arrives for it later is not read into the buffer,
+    # and counted done, so that the sender's later reads still complete in order.
+    import numpy as np
+
+    a, b = _host_channel_pair(tmp_path, os.getpid())
+    try:
+        failed, later = (11 << 16) | 1, (12 << 16) | 1
+        out = np.zeros(4096, dtype=np.uint8)
+        b.recv(out, failed)
+        b.discard(failed >> 16)
+        first = a.send(np.ones(4096, dtype=np.uint8), failed, by_read=True)
+        second = a.send(np.full(4096, 2, dtype=np.uint8), later, by_read=True)
+        got = np.zeros(4096, dtype=np.uint8)
+        b.recv(got, later)
+        b.progress()
+        a.progress()
+        assert not out.any() and bool((got == 2).all()) and b.reads == 1
+        assert first.completed and second.completed
     finally:
         a.close()
         b.close()

@@ -509,7 +509,11 @@ class Collective:
             and buffer.is_cuda
             and g.stages_on_rings(peer)
         )
-        return g.post(peer, buffer, tag, send, sub, self._ready if ring else None)
+        # A send a peer reads from this process's memory: what owns that memory (the call's
+        # tensors, the page-locked headers, the pipeline's slots) outlives the group if the
+        # peer may still read it then.
+        owner = (self.plan, self._pinned, self._pipeline) if send else None
+        return g.post(peer, buffer, tag, send, sub, self._ready if ring else None, owner)
 
     # ----------------------------------------------------------------- engine thread
     def advance(self) -> bool:
@@ -981,6 +985,9 @@ class Collective:
             in_flight += self._pipeline.cancel()
         self.group.transport.cancel(in_flight)
         if kind != "validation":
+            # Its receives on the rings go too: the caller may reuse their buffers now (a bad
+            # verdict dropped them already, ``_reject``).
+            self.group.discard_early(self.seq)
             # A verdict comes after every header request and copy completed: nothing to keep.
             self.group.keep_alive(self.plan, self._pinned)
         if self._ipc is not None:  # a later IPC collective need not wait for this one

@@ -22,7 +22,7 @@ receive the sender posts only once this send completed. A sender that died makes
 with an error, which fails the collective (UCX aborted the reading process there). Where the
 kernel refuses the read (ptrace restrictions: it is probed at set-up, per direction), those
 messages take UCX. A send still unread when its channel closes keeps its buffer until the
-reader counts it or exits (``Hub`` holds it).
+reader counts it, closes its side or exits (``Hub`` holds it).
 
 Segments are unlinked as soon as both sides have mapped them (their memory dies with the
 processes); a segment that a crash left between creation and that point is named after its
@@ -70,11 +70,12 @@ _PREFIX = "freescale-ring-"
 _SHM_DIR = "/dev/shm"
 # Head at byte 0, tail at 64; the CUDA IPC path's flags at 128 and 192 (``ipc``); at 256 whether
 # the ring's receiver sleeps in its epoll (it wants a wake-up byte; odd: it does, the count of
-# its sleeps begun and ended); at 320 how many read descriptors its receiver is done with:
-# separate lines.
+# its sleeps begun and ended); at 320 how many read descriptors its receiver is done with, and
+# whether it closed the ring (it reads no more): separate lines.
 _CTRL_BYTES = 384
 _ASLEEP = 32  # uint64 index of that flag
 _READS_DONE = 40  # and of that count
+_CLOSED = 41
 _SLOT_HEADER = 4  # uint64: tag, message length, offset of the chunk, chunk length
 _STALE_AFTER_S = 60.0
 _SUB_BITS = 16  # transport.SUB_BITS: a tag's low bits number the messages of a collective
@@ -203,15 +204,25 @@ class Request:
         "error",
         "last",
         "length",
+        "owner",
         "ready",
         "tag",
     )
 
-    def __init__(self, buffer: Any, tag: int, ready: Any = None, by_read: bool = False) -> None:
+    def __init__(
+        self,
+        buffer: Any,
+        tag: int,
+        ready: Any = None,
+        by_read: bool = False,
+        owner: Any = None,
+    ) -> None:
         self.buffer = buffer
         self.tag = tag
-        # A send the receiver reads from this process's memory (complete once it says so).
+        # A send the receiver reads from this process's memory (complete once it says so), and
+        # what owns that memory (``buffer`` may be a bare view of an address).
         self.by_read = by_read
+        self.owner = owner
         self.done_bytes = 0
         self.completed = False
         self.error: str | None = None
@@ -435,10 +446,13 @@ class Channel:
         self._woken = 0  # the peer's sleep this channel last sent a wake-up byte in
 
     # --------------------------------------------------------------- posting (hub lock held)
-    def send(self, buffer: Any, tag: int, ready: Any = None, by_read: bool = False) -> Request:
+    def send(
+        self, buffer: Any, tag: int, ready: Any = None, by_read: bool = False, owner: Any = None
+    ) -> Request:
         """Posts a send; ``by_read`` (host bytes, ``reads_out``): the peer reads the bytes
-        from this process's memory, which must stay as they are until the send completes."""
-        request = Request(buffer, tag, ready, by_read)
+        from this process's memory, which must stay as they are until the send completes, and
+        which ``owner`` keeps alive until then, even past the channel's end."""
+        request = Request(buffer, tag, ready, by_read, owner)
         self.sent += 1
         self._sends.append(request)
         if self._push():
@@ -633,11 +647,13 @@ class Channel:
         return True
 
     def discard(self, prefix: int) -> None:
-        """Drops the messages of one collective (``tag >> SUB_BITS == prefix``) that arrived
-        or will arrive without a receive (early data of a collective that failed its verdict).
-        """
+        """Drops the messages of one collective (``tag >> SUB_BITS == prefix``) that failed
+        (its verdict, or later): those that arrived or will arrive, and its receives still
+        posted, whose buffers the caller may reuse once it has seen the failure."""
         for tag in [t for t in self._unexpected if t >> _SUB_BITS == prefix]:
             del self._unexpected[tag]
+        for tag in [t for t in self._recvs if t >> _SUB_BITS == prefix]:
+            del self._recvs[tag]
         self._discarded[prefix] = None
         while len(self._discarded) > 256:
             self._discarded.popitem(last=False)
@@ -669,6 +685,8 @@ class Channel:
         """Unmaps the rings (hub lock held). Sends the peer has not counted read yet (a group
         destroyed during a collective) go to the hub with their ring: the peer may still read
         their buffers, which must not be freed and reused under it."""
+        if self.closed:
+            return
         self.closed = True
         self._sends.clear()
         self._recvs.clear()
@@ -682,6 +700,7 @@ class Channel:
         else:
             self.out.close()
         self._awaiting.clear()
+        self.inc.ctrl[_CLOSED] = 1  # the peer's lent sends, if any, are returned
         self.inc.close()
 
 
@@ -690,11 +709,12 @@ class _Lent(NamedTuple):
 
     ring: Ring  # the outgoing ring: its control block counts the reads done
     seen: int  # the count when the channel closed
-    sends: list[Request]  # they hold their buffers
+    sends: list[Request]  # their owners hold their memory
     peer_pid: int
 
     def returned(self) -> bool:
-        done = int(self.ring.ctrl[_READS_DONE]) - self.seen >= len(self.sends)
+        ctrl = self.ring.ctrl
+        done = int(ctrl[_READS_DONE]) - self.seen >= len(self.sends) or int(ctrl[_CLOSED]) != 0
         return done or not _alive(self.peer_pid)
 
 
@@ -802,7 +822,7 @@ class Hub:
 
     def lend(self, lent: _Lent) -> None:
         """Holds sends a closed channel's peer may still read (hub lock held), until it has
-        read them or exited: checked whenever a link comes or goes."""
+        read them, closed its side or exited: checked whenever a link comes or goes."""
         self._lent.append(lent)
 
     def _reclaim(self) -> None:
@@ -888,14 +908,15 @@ class Hub:
         send: bool,
         ready: Any = None,
         by_read: bool = False,
+        owner: Any = None,
     ) -> Request:
         """Posts a send or receive of host bytes (numpy) or device bytes (staging rings; CUDA
         copies ordered after the event ``ready``); ``by_read``: a host send the peer reads
-        from this process's memory (``Channel.send``)."""
+        from this process's memory, which ``owner`` keeps alive (``Channel.send``)."""
         with self.lock:
             channel = link.channel(buffer)
             if send:
-                return channel.send(buffer, tag, ready, by_read)
+                return channel.send(buffer, tag, ready, by_read, owner)
             return channel.recv(buffer, tag, ready)
 
 
