@@ -811,6 +811,18 @@ def early_data_after_the_sequence_wraps() -> str:
     return "ok"
 
 
+def _rank_0_waits_in_between(first: Any, second: Any) -> None:
+    """Calls two collectives (each a function of ``async_op``): rank 0 waits for the first
+    before it calls the second, the other ranks call both at once, then wait for them."""
+    if dist.get_rank() == 0:
+        first(async_op=False)
+        second(async_op=False)
+        return
+    works = [first(async_op=True), second(async_op=True)]
+    for work in works:
+        work.wait()
+
+
 def later_data_never_overtakes_earlier(medium_kib: int, large_kib: int) -> str:
     """AllToAll a (large: its data leaves after the verdict) then b (medium: over the rings,
     early if nothing earlier may still send), in the same order on every rank; rank 0 waits
@@ -829,15 +841,10 @@ def later_data_never_overtakes_earlier(medium_kib: int, large_kib: int) -> str:
     oa, ob = torch.empty_like(xa), torch.empty_like(xb)
     if rank == 0:
         time.sleep(0.3)  # the others' a and b are both out first
-        dist.all_to_all_single(oa, xa, group=group)
-        dist.all_to_all_single(ob, xb, group=group)
-    else:
-        works = [
-            dist.all_to_all_single(oa, xa, group=group, async_op=True),
-            dist.all_to_all_single(ob, xb, group=group, async_op=True),
-        ]
-        for work in works:
-            work.wait()
+    _rank_0_waits_in_between(
+        functools.partial(dist.all_to_all_single, oa, xa, group=group),
+        functools.partial(dist.all_to_all_single, ob, xb, group=group),
+    )
     for out, rows, add in ((oa, large, 0.0), (ob, medium, 0.5)):
         want = torch.cat([torch.full((rows,), r + add) for r in range(n)])
         _same(out, want, f"AllToAll of {rows * 4} bytes per peer")
@@ -871,15 +878,10 @@ def read_counted_past_early_data(per_peer_kib: int, piece_kib: int, rounds: int)
         gathered = [[torch.empty(piece) for _ in pieces] for _ in range(n)]
         if rank == 0:
             time.sleep(k % 10 * 1e-4)
-            dist.all_to_all_single(out, x, group=group)
-            dist.all_gather_coalesced(gathered, pieces, group=group)
-        else:
-            works = [
-                dist.all_to_all_single(out, x, group=group, async_op=True),
-                dist.all_gather_coalesced(gathered, pieces, group=group, async_op=True),
-            ]
-            for work in works:
-                work.wait()
+        _rank_0_waits_in_between(
+            functools.partial(dist.all_to_all_single, out, x, group=group),
+            functools.partial(dist.all_gather_coalesced, gathered, pieces, group=group),
+        )
         want = torch.arange(n, dtype=torch.float32).repeat_interleave(rows) + k
         _same(out, want, f"AllToAll #{k}")
         for p in range(n):
