@@ -255,6 +255,17 @@ def test_large_messages_take_ucx_one_way_where_the_kernel_refuses_reads(fs_group
             assert (path["ring_reads"] > 0) == (path["rank"] != 1), path
 
 
+def test_peers_are_let_read_this_process_only_under_yamas_relational_scope(tmp_path):
+    scope = tmp_path / "ptrace_scope"
+    for value in ("0", "2", "3"):
+        scope.write_text(f"{value}\n")
+        assert not shm.allow_reads_by_peers(str(scope))
+    assert not shm.allow_reads_by_peers(str(tmp_path / "absent"))  # no Yama
+    scope.write_text("1\n")
+    # The kernel takes the request where it has Yama (EINVAL without).
+    assert shm.allow_reads_by_peers(str(scope)) == os.path.exists(shm._YAMA_SCOPE)
+
+
 def test_info_says_which_path_each_pair_takes(capsys):
     from freescale_comm.cli import main
     from freescale_comm.cpu import usable_cores

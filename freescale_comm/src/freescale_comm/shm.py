@@ -20,7 +20,8 @@ completes the sends in the order they were posted. The count is not a slot: an a
 in the reader's own ring behind data it sent early for a later collective would wait for a
 receive the sender posts only once this send completed. A sender that died makes the read fail
 with an error, which fails the collective (UCX aborted the reading process there). Where the
-kernel refuses the read (ptrace restrictions: it is probed at set-up, per direction), those
+kernel refuses the read (ptrace restrictions: it is probed at set-up, per direction; under
+Yama's ``ptrace_scope`` 1 each process first allows it, ``allow_reads_by_peers``), those
 messages take UCX. A send still unread when its channel closes keeps its buffer until the
 reader counts it, closes its side or exits (``Hub`` holds it).
 
@@ -178,6 +179,27 @@ def read_process(pid: int, local: int, remote: int, nbytes: int) -> str | None:
             return os.strerror(ctypes.get_errno()) if got < 0 else "no bytes read"
         done += got
     return None
+
+
+_YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+_PR_SET_PTRACER = 0x59616D61
+_PR_SET_PTRACER_ANY = (1 << 64) - 1  # (unsigned long) -1
+
+
+def allow_reads_by_peers(scope_file: str = _YAMA_SCOPE) -> bool:
+    """Lets processes of this user read this one's memory where Yama's ``ptrace_scope`` is 1
+    (Ubuntu's default: else only ancestors may, and ranks are siblings), as UCX's
+    cross-memory attach does in every process that loads it; True if it asked the kernel."""
+    try:
+        with open(scope_file) as f:
+            if f.read().strip() != "1":
+                return False
+    except OSError:
+        return False  # no Yama: reads follow the classic same-user rule
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    prctl.restype = ctypes.c_int
+    return prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0) == 0
 
 
 def _can_read(pid: int, address: int) -> bool:
@@ -947,6 +969,8 @@ def open_links(
     hub = Hub.get()
     pid = os.getpid()
     hub.probe[0] = _PROBE_MAGIC ^ pid
+    if reads:
+        allow_reads_by_peers()
     probe = f"{pid}:{hub.probe.ctypes.data}" if reads else "-"
     peer_pids: dict[int, int] = {}
     reads_in: dict[int, bool] = {}  # per peer: this rank reads its large messages
