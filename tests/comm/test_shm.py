@@ -660,11 +660,14 @@ def test_a_closed_channels_unread_sends_keep_their_memory_until_read(tmp_path):
         torch.full((1 << 20,), -7.0)  # what freed memory would be reused for
         out = torch.zeros(1 << 20)
         received = b.recv(_bare_view(out), tag)
-        b.progress()
-        assert received.error is None and bool((out == 42.0).all())
+        link = shm.Link(b)
+        hub.add(link)  # a link coming checks what was lent: not read yet
         assert [entry for entry in hub._lent if entry.ring is a.out]
-        hub.remove(shm.Link(b))  # a link going checks what was lent: read, so returned
+        time.sleep(0.15)
+        hub.progress()  # reads, then finds the lent send returned
+        assert received.error is None and bool((out == 42.0).all())
         assert not [entry for entry in hub._lent if entry.ring is a.out]
+        hub.remove(link)
     finally:
         a.close()
         b.close()

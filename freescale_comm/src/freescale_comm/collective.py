@@ -509,10 +509,10 @@ class Collective:
             and buffer.is_cuda
             and g.stages_on_rings(peer)
         )
-        # A send a peer reads from this process's memory: what owns that memory (the call's
-        # tensors, the page-locked headers, the pipeline's slots) outlives the group if the
-        # peer may still read it then.
-        owner = (self.plan, self._pinned, self._pipeline) if send else None
+        # A send a peer reads from this process's memory: the call's tensors own it (the plan
+        # cache's views of them own nothing; staging slots own theirs) and outlive the group
+        # if the peer may still read it then.
+        owner = self.plan.keep if send else None
         return g.post(peer, buffer, tag, send, sub, self._ready if ring else None, owner)
 
     # ----------------------------------------------------------------- engine thread

@@ -79,6 +79,7 @@ _READS_DONE = 40  # and of that count
 _CLOSED = 41
 _SLOT_HEADER = 4  # uint64: tag, message length, offset of the chunk, chunk length
 _STALE_AFTER_S = 60.0
+_RECLAIM_EVERY_S = 0.1  # how often progress checks whether lent sends came back
 _SUB_BITS = 16  # transport.SUB_BITS: a tag's low bits number the messages of a collective
 _SUB_MASK = (1 << _SUB_BITS) - 1  # 0: the collective's header (or diagnosis) message
 # A slot header's offset field marks a read descriptor (its data: the sender's address); real
@@ -188,15 +189,17 @@ _PR_SET_PTRACER_ANY = (1 << 64) - 1  # (unsigned long) -1
 
 def allow_reads_by_peers(scope_file: str = _YAMA_SCOPE) -> bool:
     """Lets processes of this user read this one's memory where Yama's ``ptrace_scope`` is 1
-    (Ubuntu's default: else only ancestors may, and ranks are siblings), as UCX's
-    cross-memory attach does in every process that loads it; True if it asked the kernel."""
+    (Ubuntu's default: else only ancestors may, and ranks are siblings); True if the kernel
+    took it. Like UCX's cross-memory attach, which makes the same call in every process that
+    loads it and never takes it back, this lets any process of the user attach to this one,
+    not only read it."""
     try:
         with open(scope_file) as f:
             if f.read().strip() != "1":
                 return False
     except OSError:
         return False  # no Yama: reads follow the classic same-user rule
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl = ctypes.CDLL(None).prctl
     prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
     prctl.restype = ctypes.c_int
     return prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0) == 0
@@ -814,6 +817,7 @@ class Hub:
         # A word peers read to learn whether the kernel lets them read this process's memory.
         self.probe = np.array([_PROBE_MAGIC ^ os.getpid()], dtype=np.uint64)
         self._lent: list[_Lent] = []
+        self._reclaimed_at = 0.0
         sweep_stale()
 
     @classmethod
@@ -844,10 +848,13 @@ class Hub:
 
     def lend(self, lent: _Lent) -> None:
         """Holds sends a closed channel's peer may still read (hub lock held), until it has
-        read them, closed its side or exited: checked whenever a link comes or goes."""
+        read them, closed its side or exited: checked whenever a link comes or goes, and
+        every ``_RECLAIM_EVERY_S`` while links are progressed (with no group left, they stay
+        until the next one comes)."""
         self._lent.append(lent)
 
     def _reclaim(self) -> None:
+        self._reclaimed_at = time.monotonic()
         keep = []
         for lent in self._lent:
             if lent.returned():
@@ -876,6 +883,8 @@ class Hub:
                 moved |= link.progress()
             for outboxes in self.outboxes:
                 moved |= outboxes.moved()
+            if self._lent and time.monotonic() - self._reclaimed_at > _RECLAIM_EVERY_S:
+                self._reclaim()
             return moved
         finally:
             self.lock.release()
@@ -969,7 +978,7 @@ def open_links(
     hub = Hub.get()
     pid = os.getpid()
     hub.probe[0] = _PROBE_MAGIC ^ pid
-    if reads:
+    if reads and peers:
         allow_reads_by_peers()
     probe = f"{pid}:{hub.probe.ctypes.data}" if reads else "-"
     peer_pids: dict[int, int] = {}
