@@ -635,14 +635,13 @@ def test_a_read_from_a_process_that_exited_fails_the_receive(tmp_path):
         b.close()
 
 
-def _bare_view(tensor: torch.Tensor) -> Any:
-    """A numpy view of ``tensor``'s bytes that owns nothing (as the plan cache makes them)."""
+def _cached_view(tensor: torch.Tensor) -> Any:
+    """A numpy view of ``tensor``'s bytes as the plan cache makes them."""
     import ctypes
 
-    import numpy as np
+    from freescale_comm.algorithms import _owning_view
 
-    size = tensor.numel() * tensor.element_size()
-    return np.frombuffer((ctypes.c_uint8 * size).from_address(tensor.data_ptr()), dtype=np.uint8)
+    return _owning_view(ctypes.c_uint8 * (tensor.numel() * tensor.element_size()), tensor)
 
 
 def test_a_closed_channels_unread_sends_keep_their_memory_until_read(tmp_path):
@@ -652,14 +651,14 @@ def test_a_closed_channels_unread_sends_keep_their_memory_until_read(tmp_path):
     hub = shm.Hub.get()
     try:
         tag = (9 << 16) | 1
-        owner = torch.full((1 << 20,), 42.0)  # 4 MiB: freed memory would be unmapped
-        a.send(_bare_view(owner), tag, by_read=True, owner=(owner,))
-        del owner
+        tensor = torch.full((1 << 20,), 42.0)  # 4 MiB: freed memory would be unmapped
+        a.send(_cached_view(tensor), tag, by_read=True)
+        del tensor
         a.close()  # a group destroyed in the middle of a collective: the peer may still read
         gc.collect()
         torch.full((1 << 20,), -7.0)  # what freed memory would be reused for
         out = torch.zeros(1 << 20)
-        received = b.recv(_bare_view(out), tag)
+        received = b.recv(_cached_view(out), tag)
         link = shm.Link(b)
         hub.add(link)  # a link coming checks what was lent: not read yet
         assert [entry for entry in hub._lent if entry.ring is a.out]

@@ -509,11 +509,7 @@ class Collective:
             and buffer.is_cuda
             and g.stages_on_rings(peer)
         )
-        # A send a peer reads from this process's memory: the call's tensors own it (the plan
-        # cache's views of them own nothing; staging slots own theirs) and outlive the group
-        # if the peer may still read it then.
-        owner = self.plan.keep if send else None
-        return g.post(peer, buffer, tag, send, sub, self._ready if ring else None, owner)
+        return g.post(peer, buffer, tag, send, sub, self._ready if ring else None)
 
     # ----------------------------------------------------------------- engine thread
     def advance(self) -> bool:

@@ -307,20 +307,13 @@ class GroupContext:
         return keys.get(f"{prefix}/verdict") == b"1"
 
     def post(
-        self,
-        peer: int,
-        buffer: Any,
-        tag: int,
-        send: bool,
-        sub: int,
-        ready: Any = None,
-        owner: Any = None,
+        self, peer: int, buffer: Any, tag: int, send: bool, sub: int, ready: Any = None
     ) -> Any:
         """Posts one tagged send to / receive from ``peer`` on the path for its size: the
         shared-memory ring for host bytes between ranks of one host (``host_path``), the
         staging rings for staged CUDA bytes (given ``ready``, the CUDA event their copies
         wait for), UCX otherwise. A header (``sub`` 0) counts as its largest size, which both
-        sides know. ``owner`` keeps ``buffer``'s memory alive while a peer may read it."""
+        sides know."""
         link = self._links[peer]
         if link is not None:
             if ready is not None:
@@ -334,7 +327,7 @@ class GroupContext:
             # Larger: read by the receiver from the sender's memory where that direction
             # allows it (both sides know: ``shm.open_links``), else UCX.
             if sub != 0 and (link.host.reads_out if send else link.host.reads_in):
-                return self._hub.post(link, buffer, tag, send, by_read=True, owner=owner)
+                return self._hub.post(link, buffer, tag, send, by_read=True)
         return self._ucx_post(peer, buffer, tag, send)
 
     def _ucx_post(self, peer: int, buffer: Any, tag: int, send: bool) -> Any:

@@ -229,25 +229,15 @@ class Request:
         "error",
         "last",
         "length",
-        "owner",
         "ready",
         "tag",
     )
 
-    def __init__(
-        self,
-        buffer: Any,
-        tag: int,
-        ready: Any = None,
-        by_read: bool = False,
-        owner: Any = None,
-    ) -> None:
+    def __init__(self, buffer: Any, tag: int, ready: Any = None, by_read: bool = False) -> None:
         self.buffer = buffer
         self.tag = tag
-        # A send the receiver reads from this process's memory (complete once it says so), and
-        # what owns that memory (``buffer`` may be a bare view of an address).
+        # A send the receiver reads from this process's memory (complete once it says so).
         self.by_read = by_read
-        self.owner = owner
         self.done_bytes = 0
         self.completed = False
         self.error: str | None = None
@@ -471,13 +461,11 @@ class Channel:
         self._woken = 0  # the peer's sleep this channel last sent a wake-up byte in
 
     # --------------------------------------------------------------- posting (hub lock held)
-    def send(
-        self, buffer: Any, tag: int, ready: Any = None, by_read: bool = False, owner: Any = None
-    ) -> Request:
+    def send(self, buffer: Any, tag: int, ready: Any = None, by_read: bool = False) -> Request:
         """Posts a send; ``by_read`` (host bytes, ``reads_out``): the peer reads the bytes
-        from this process's memory, which must stay as they are until the send completes, and
-        which ``owner`` keeps alive until then, even past the channel's end."""
-        request = Request(buffer, tag, ready, by_read, owner)
+        from this process's memory, which must stay as they are until the send completes (the
+        buffer holds its memory: the request keeps it alive, even past the channel's end)."""
+        request = Request(buffer, tag, ready, by_read)
         self.sent += 1
         self._sends.append(request)
         if self._push():
@@ -597,7 +585,7 @@ class Channel:
             token, finished = None, None
             request = self._recvs.get(tag)
             if offset == _READ_FROM:
-                if not self._read_slot(tag, length, offset, chunk, request):
+                if not self._read_slot(tag, length, chunk, request):
                     break  # its receive is posted once this rank has judged its collective
             elif request is not None:
                 if length > request.length:
@@ -640,9 +628,7 @@ class Channel:
             moved = True
         return moved
 
-    def _read_slot(
-        self, tag: int, length: int, offset: int, chunk: np.ndarray, request: Request | None
-    ) -> bool:
+    def _read_slot(self, tag: int, length: int, chunk: np.ndarray, request: Request | None) -> bool:
         """Reads a read descriptor's bytes into its posted receive, then counts it done (the
         sender may reuse its buffer); a dropped or failed one is counted too, so that the
         count completes the sender's sends in order. False: the receive is not posted yet
@@ -718,8 +704,7 @@ class Channel:
         self._unexpected.clear()
         self._filling.clear()
         self._draining.clear()
-        if self._awaiting:
-            self._reads_counted()
+        self._reads_counted()
         if self._awaiting:
             self.hub.lend(_Lent(self.out, self._reads_seen, list(self._awaiting), self.peer_pid))
         else:
@@ -734,7 +719,7 @@ class _Lent(NamedTuple):
 
     ring: Ring  # the outgoing ring: its control block counts the reads done
     seen: int  # the count when the channel closed
-    sends: list[Request]  # their owners hold their memory
+    sends: list[Request]  # their buffers hold their memory
     peer_pid: int
 
     def returned(self) -> bool:
@@ -939,15 +924,14 @@ class Hub:
         send: bool,
         ready: Any = None,
         by_read: bool = False,
-        owner: Any = None,
     ) -> Request:
         """Posts a send or receive of host bytes (numpy) or device bytes (staging rings; CUDA
         copies ordered after the event ``ready``); ``by_read``: a host send the peer reads
-        from this process's memory, which ``owner`` keeps alive (``Channel.send``)."""
+        from this process's memory (``Channel.send``)."""
         with self.lock:
             channel = link.channel(buffer)
             if send:
-                return channel.send(buffer, tag, ready, by_read, owner)
+                return channel.send(buffer, tag, ready, by_read)
             return channel.recv(buffer, tag, ready)
 
 
