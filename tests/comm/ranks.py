@@ -1206,6 +1206,24 @@ def context_freed_by_destroy() -> bool:
         gc.enable()
 
 
+def cached_calls_free_their_tensors() -> list[bool]:
+    """Whether the tensors of collectives served by the plan cache (the second call of each
+    shape), small and read from this process's memory (1 MiB per peer), are freed with their
+    last reference in the caller. Returns one answer per size."""
+    n = dist.get_world_size()
+    answers = []
+    for per_peer in (64, 1 << 20):
+        refs = []
+        for _ in range(2):
+            inp, out = torch.ones(n * per_peer // 4), torch.empty(n * per_peer // 4)
+            dist.all_to_all_single(out, inp)
+            refs += [weakref.ref(inp), weakref.ref(out)]
+            del inp, out
+        gc.collect()
+        answers.append(all(ref() is None for ref in refs))
+    return answers
+
+
 def _bytes_near_eager(rng: random.Random, eager: int) -> int:
     """A per-peer size: none, tiny, either side of the eager limit, or well past it."""
     return rng.choice([0, 64, eager // 2, eager - 64, eager, eager + 64, 4 * eager])
@@ -1308,6 +1326,30 @@ def run_cuda_cases(
     paths = {row["peer"]: (row["cuda"].split(":")[0], row["ipc_pushes"]) for row in rows}
     dist.destroy_process_group(group)
     return {"cases": cases, "paths": paths, "why": {row["peer"]: row["cuda"] for row in rows}}
+
+
+def staged_ring_all_gathers(host_path: str, calls: int) -> int:
+    """Ring AllGathers of the staged pipeline over 2 pretend hosts of 2 ranks each: every piece
+    is several chunks, and each rank's ring neighbour is on its host for one direction (whose
+    chunks used to take the host ring, which delivers in order, and stall behind a chunk the
+    pipeline's receive window had not posted yet). Returns how many results were checked."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunk = 64 << 10
+    dev, group = cuda_group(
+        host=f"test-host-{rank * 2 // n}",
+        cuda_path="staged",
+        allgather="ring",
+        chunk_bytes=chunk,
+        host_path=host_path,
+    )
+    for call in range(calls):
+        rows = (3 + call % 3) * chunk // 4  # 3 to 5 chunks of float32 per piece
+        inputs = [make_tensor((rows,), torch.float32, 1000 * call + r) for r in range(n)]
+        out = torch.empty(n * rows, device=dev)
+        dist.all_gather_into_tensor(out, inputs[rank].to(dev), group=group)
+        _same(out.cpu(), torch.cat(inputs), f"ring AllGather {call} over {host_path}")
+    dist.destroy_process_group(group)
+    return calls
 
 
 def ring_cuda_checks(seed: int, cuda_path: str = "staged") -> dict[str, Any]:

@@ -28,3 +28,10 @@ def test_random_cases_ring_and_without_validation(local_groups):
 def test_repeated_shapes_from_the_plan_cache(fs_group):
     n = fs_group.spec.world_size
     assert fs_group.run(ranks.repeated_shapes, 4, timeout_s=120) == [36] * n
+
+
+def test_cached_calls_keep_no_tensor_alive(fs_group):
+    # The plan cache's byte views hold addresses only; a send read from this process's memory
+    # is kept alive by its request while it may be read, not by the cache.
+    n = fs_group.spec.world_size
+    assert fs_group.run(ranks.cached_calls_free_their_tensors, timeout_s=60) == [[True, True]] * n

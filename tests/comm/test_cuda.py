@@ -34,6 +34,13 @@ def test_cuda_cases_match_reference(fs_group, cuda_path, hosts):
                 assert path == want and pushes == 0, (rank, peer, path, pushes)
 
 
+@pytest.mark.parametrize("host_path", ["auto", "shm"])
+def test_staged_ring_all_gather_between_hosts(fs_group4, host_path):
+    # The pipeline's chunks to a neighbour on the same pretend host take UCX, which matches
+    # them by tag: over the host ring (read or copied) they stalled until the timeout.
+    assert fs_group4.run(ranks.staged_ring_all_gathers, host_path, 6, timeout_s=120) == [6] * 4
+
+
 @pytest.mark.parametrize(("cuda_path", "validate"), [("ipc", True), ("auto", False)])
 def test_a_rank_alone_on_its_host(fs_group4, cuda_path, validate):
     # Ranks 0-2 on one pretend host, rank 3 alone: it reaches every peer by the remote path,

@@ -636,12 +636,14 @@ def test_a_read_from_a_process_that_exited_fails_the_receive(tmp_path):
 
 
 def _cached_view(tensor: torch.Tensor) -> Any:
-    """A numpy view of ``tensor``'s bytes as the plan cache makes them."""
+    """A numpy view of ``tensor``'s bytes as the plan cache makes them: an address, owning
+    nothing."""
     import ctypes
 
-    from freescale_comm.algorithms import _owning_view
+    import numpy as np
 
-    return _owning_view(ctypes.c_uint8 * (tensor.numel() * tensor.element_size()), tensor)
+    size = tensor.numel() * tensor.element_size()
+    return np.frombuffer((ctypes.c_uint8 * size).from_address(tensor.data_ptr()), np.uint8)
 
 
 def test_a_closed_channels_unread_sends_keep_their_memory_until_read(tmp_path):
@@ -652,7 +654,7 @@ def test_a_closed_channels_unread_sends_keep_their_memory_until_read(tmp_path):
     try:
         tag = (9 << 16) | 1
         tensor = torch.full((1 << 20,), 42.0)  # 4 MiB: freed memory would be unmapped
-        a.send(_cached_view(tensor), tag, by_read=True)
+        a.send(_cached_view(tensor), tag, by_read=True).keep = tensor  # as its collective does
         del tensor
         a.close()  # a group destroyed in the middle of a collective: the peer may still read
         gc.collect()
@@ -711,3 +713,24 @@ def test_a_failed_collectives_receives_leave_the_ring(tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def test_the_ring_control_block_words_do_not_overlap():
+    # The host rings' counters and flags and the IPC path's GPU flags share each ring's first
+    # page; the IPC path maps that page for the GPU.
+    from freescale_comm import ipc
+
+    words = {
+        "head": [0],
+        "tail": [8],
+        "ipc ready": [ipc._READY],
+        "ipc pushed": [ipc._PUSHED],
+        "ipc done": [ipc._DONE],
+        "ipc consumed": list(range(ipc._CONSUMED, ipc._CONSUMED + ipc.MAILBOX_SLOTS)),
+        "asleep": [shm._ASLEEP],
+        "reads done": [shm._READS_DONE],
+        "closed": [shm._CLOSED],
+    }
+    flat = [word for used in words.values() for word in used]
+    assert len(flat) == len(set(flat)), words
+    assert max(flat) < shm._CTRL_BYTES // 8 and shm._CTRL_BYTES <= ipc._FLAG_PAGE

@@ -204,7 +204,7 @@ class Template:
             if view is None
             else DeviceBytes(t.data_ptr(), view)
             if isinstance(view, int)
-            else _owning_view(view, t)
+            else np.frombuffer(view.from_address(t.data_ptr()), dtype=np.uint8)
             for view, t in zip(self.views, tensors, strict=True)
         ]
         # One view per byte range: an AllGather's sends to every peer share their buffer, which
@@ -218,15 +218,6 @@ class Template:
             buffers.append(view)
         copies = [(flats[d][a:b], flats[s][c:e]) for d, a, b, s, c, e in self.copies]
         return buffers, copies
-
-
-def _owning_view(view: type, tensor: torch.Tensor) -> np.ndarray:
-    """The bytes of a contiguous CPU ``tensor`` as numpy, through its cached ctypes array type
-    (cheaper than ``tensor.numpy()``); the view holds the tensor, as any other numpy buffer
-    holds its memory (a peer may read a send's buffer after the call's plan is gone)."""
-    array = view.from_address(tensor.data_ptr())
-    array.owner = tensor
-    return np.frombuffer(array, dtype=np.uint8)
 
 
 _EMPTY = np.empty(0, dtype=np.uint8)

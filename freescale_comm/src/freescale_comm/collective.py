@@ -492,9 +492,13 @@ class Collective:
         return by_peer
 
     def _post(self, transfer: Transfer) -> None:
-        transfer.request = self._message(
+        request = transfer.request = self._message(
             transfer.peer, transfer.buffer, transfer.sub, transfer.send
         )
+        if getattr(request, "by_read", False):
+            # The peer reads it from this process's memory, maybe after the group is gone;
+            # the plan cache's byte views hold only an address.
+            request.keep = self.plan.keep
         self._posted.append(transfer)
 
     def _message(self, peer: int, buffer: Any, sub: int, send: bool) -> Any:
@@ -510,6 +514,16 @@ class Collective:
             and g.stages_on_rings(peer)
         )
         return g.post(peer, buffer, tag, send, sub, self._ready if ring else None)
+
+    def _pipeline_message(self, peer: int, buffer: np.ndarray, sub: int, send: bool) -> Any:
+        """Posts one host chunk of the staged pipeline, on UCX even to a peer of this host: the
+        pipeline posts a window of receives in its own order, so a ring, which delivers in the
+        order sent, could hold the next chunk behind one whose receive is not posted yet (a
+        ring AllGather's own chunk before the forward the window waits for: a deadlock)."""
+        g = self.group
+        return g.post_ucx(
+            peer, buffer, make_tag(g.group_id, self.seq, g.rank if send else peer, sub), send
+        )
 
     # ----------------------------------------------------------------- engine thread
     def advance(self) -> bool:
@@ -784,7 +798,7 @@ class Collective:
             self.plan,
             cuda,
             streams,
-            self._message,
+            self._pipeline_message,
             g.options.chunk_bytes,
             [t for t in unfolded if id(t) not in ids],
         )
@@ -924,6 +938,7 @@ class Collective:
         plan = self.plan
         self._set_outcome(True, plan.result if plan.value is None else plan.value)
         self.event.set()
+        self.group.retire(self)
 
     def expire(self) -> None:
         """Fails the collective because the group's timeout passed, naming who is missing."""

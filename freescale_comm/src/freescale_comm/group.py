@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -123,13 +124,16 @@ class GroupContext:
         self._marked_seqs: set[int] = set()
         self._outbox_seq = itertools.count(1)
         self._graveyard: list[tuple[Plan, list[torch.Tensor]]] = []
+        # Started and not finished, and failed ones until the next call; successful ones
+        # leave at once (``retire``): they hold the caller's tensors.
         self._inflight: list[Collective] = []
+        self._inflight_lock = threading.Lock()
         self._cuda: dict[int, CudaSupport] = {}
         self._ipc: dict[int, IpcPath] = {}
         self._closed = False
         self.liveness: Liveness | None = None
         self.outboxes: Any = None  # ``outbox.Outboxes`` with the peers on this host
-        self._sealed = _SealedDeadlines(lambda: list(self._inflight))
+        self._sealed = _SealedDeadlines(self.inflight)
         self._links: list[Any] = [None] * size
         self._hub: Any = None
         self.transport = Transport.acquire()
@@ -320,7 +324,7 @@ class GroupContext:
                 self.cuda(buffer.device.index).attach(link.staging)
                 return self._hub.post(link, buffer, tag, send, ready)
             if not isinstance(buffer, np.ndarray):
-                return self._ucx_post(peer, buffer, tag, send)
+                return self.post_ucx(peer, buffer, tag, send)
             nbytes = self._header_room if sub == 0 else len(buffer)
             if self.options.host_path == "shm" or nbytes <= self.options.shm_max_bytes:
                 return self._hub.post(link, buffer, tag, send)
@@ -328,9 +332,11 @@ class GroupContext:
             # allows it (both sides know: ``shm.open_links``), else UCX.
             if sub != 0 and (link.host.reads_out if send else link.host.reads_in):
                 return self._hub.post(link, buffer, tag, send, by_read=True)
-        return self._ucx_post(peer, buffer, tag, send)
+        return self.post_ucx(peer, buffer, tag, send)
 
-    def _ucx_post(self, peer: int, buffer: Any, tag: int, send: bool) -> Any:
+    def post_ucx(self, peer: int, buffer: Any, tag: int, send: bool) -> Any:
+        """Posts one tagged send to / receive from ``peer`` on UCX, whatever its host: UCX
+        matches messages to receives by tag, where a ring delivers them in the order sent."""
         endpoint = self.endpoint(peer)
         transport = self.transport
         return (
@@ -368,7 +374,7 @@ class GroupContext:
         A ring delivers in order and holds data that arrives before its receive is posted, so
         ``seq``'s data sent early would sit ahead of that earlier data: a peer that waits for
         the earlier collective before it calls ``seq`` would wait for ever."""
-        return any(op.seq < seq and op.may_post_host_data for op in self._inflight)
+        return any(op.seq < seq and op.may_post_host_data for op in self.inflight())
 
     def discard_early(self, seq: int) -> None:
         """Drops what peers sent or will send to the rings for collective ``seq``, and its
@@ -592,7 +598,7 @@ class GroupContext:
                 transports use the progressing thread's context).
         """
         try:
-            for earlier in self._inflight:
+            for earlier in self.inflight():
                 earlier.poll_final()  # the CUDA ones whose end event completed since
             op.start()
         except Exception as err:
@@ -603,11 +609,23 @@ class GroupContext:
             if self.broken is None:
                 self.abort(f"rank {self.rank}: {op.label} could not start: {err}")
             raise
-        self._inflight = [c for c in self._inflight if not c.finished]
-        self._inflight.append(op)
+        with self._inflight_lock:
+            self._inflight = [c for c in self._inflight if not c.finished]
+            self._inflight.append(op)
         may_drive = caller_waits and (not op.on_cuda or _cuda_device() == op.plan.cuda_index)
         if not (may_drive and self.engine.claim(op)):
             self.engine.submit(op)
+
+    def inflight(self) -> list[Collective]:
+        """The collectives started and not finished (and failed ones until the next call)."""
+        with self._inflight_lock:
+            return list(self._inflight)
+
+    def retire(self, op: Collective) -> None:
+        """Forgets a collective that succeeded, from any thread."""
+        with self._inflight_lock:
+            if op in self._inflight:
+                self._inflight.remove(op)
 
     def keep_alive(self, plan: Plan, pinned: list[torch.Tensor]) -> None:
         """Keeps a failed collective's buffers alive: a cancelled UCX request may still read."""
@@ -638,7 +656,7 @@ class GroupContext:
             # The store's host may be the process that died.
             with contextlib.suppress(Exception):
                 self.liveness.abort(reason)
-            for op in list(self._inflight):
+            for op in self.inflight():
                 op.poll_final(awaited_too=True)  # done on the GPU, not yet polled: a success
                 op.fail(f"the group was aborted by {reason}", "peer")
         # After the failures (a collective whose GPU waits pass must not finish as a success):
@@ -651,10 +669,11 @@ class GroupContext:
         if self._closed:
             return
         self._closed = True
-        for op in list(self._inflight):
+        for op in self.inflight():
             op.poll_final(awaited_too=True)  # done on the GPU, not yet polled: a success
             op.fail("the process group was shut down", "internal")
-        self._inflight = []
+        with self._inflight_lock:
+            self._inflight = []
         self.callbacks.close(timeout_s=1.0)
         self.engine.unwatch(self.liveness)
         self.engine.unwatch(self._sealed)
@@ -664,6 +683,9 @@ class GroupContext:
         if self.liveness is not None:
             self.liveness.forget_failure_handler()
         self.engine.release()
+        for link in self._links:
+            if link is not None:
+                self._hub.detach(link)  # other groups' threads progress the hub meanwhile
         for path in self._ipc.values():
             path.close()
         self._ipc = {}

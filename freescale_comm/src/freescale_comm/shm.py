@@ -227,6 +227,7 @@ class Request:
         "completed",
         "done_bytes",
         "error",
+        "keep",
         "last",
         "length",
         "ready",
@@ -244,6 +245,9 @@ class Request:
         self.length = len(buffer)
         self.ready = ready  # CUDA: copies of this request wait for this event first
         self.last: Any = None
+        # What owns a by_read send's memory, if its buffer does not (set by its collective):
+        # a send lent past its channel's end (``Hub.lend``) keeps it alive until read.
+        self.keep: Any = None
 
     def check_error(self) -> None:
         if self.error is not None:
@@ -464,7 +468,8 @@ class Channel:
     def send(self, buffer: Any, tag: int, ready: Any = None, by_read: bool = False) -> Request:
         """Posts a send; ``by_read`` (host bytes, ``reads_out``): the peer reads the bytes
         from this process's memory, which must stay as they are until the send completes (the
-        buffer holds its memory: the request keeps it alive, even past the channel's end)."""
+        request keeps the buffer, and ``Request.keep`` what owns its memory, alive even past
+        the channel's end)."""
         request = Request(buffer, tag, ready, by_read)
         self.sent += 1
         self._sends.append(request)
@@ -823,6 +828,13 @@ class Hub:
         with self.lock:
             self.links.append(link)
             self._reclaim()
+
+    def detach(self, link: Link) -> None:
+        """Stops progressing ``link`` (no thread does once this returns); ``remove`` closes it.
+        A group detaches its links before freeing the CUDA streams its staging channel uses."""
+        with self.lock:
+            if link in self.links:
+                self.links.remove(link)
 
     def remove(self, link: Link) -> None:
         with self.lock:
