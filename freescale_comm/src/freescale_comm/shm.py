@@ -665,7 +665,8 @@ class Channel:
     def discard(self, prefix: int) -> None:
         """Drops the messages of one collective (``tag >> SUB_BITS == prefix``) that failed
         (its verdict, or later): those that arrived or will arrive, and its receives still
-        posted, whose buffers the caller may reuse once it has seen the failure."""
+        posted, whose buffers the caller may reuse once it has seen the failure (on a staging
+        channel, copies of earlier chunks already queued on its streams still land there)."""
         for tag in [t for t in self._unexpected if t >> _SUB_BITS == prefix]:
             del self._unexpected[tag]
         for tag in [t for t in self._recvs if t >> _SUB_BITS == prefix]:
