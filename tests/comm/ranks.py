@@ -1224,6 +1224,24 @@ def cached_calls_free_their_tensors() -> list[bool]:
     return answers
 
 
+def one_element_strided_tensors() -> int:
+    """AllGathers and an AllToAll whose one-element inputs and outputs have a stride other
+    than 1 (torch calls them contiguous: ``t[:, 0]`` of a 1 x 2 tensor); returns the checks."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    mine = torch.tensor([[float(rank), -1.0]])[:, 0]
+    out = torch.empty(n)
+    dist.all_gather_into_tensor(out, mine)
+    assert out.tolist() == [float(r) for r in range(n)], out
+    grid = torch.zeros(1, 2 * n, dtype=torch.int64)
+    dist.all_gather([grid[:, 2 * r] for r in range(n)], mine.to(torch.int64))
+    assert grid[0, ::2].tolist() == list(range(n)) and not grid[0, 1::2].any(), grid
+    sends = [torch.tensor([[10.0 * rank + p, -1.0]])[:, 0] for p in range(n)]
+    received = torch.zeros(1, 2 * n)
+    dist.all_to_all([received[:, 2 * p] for p in range(n)], sends)
+    assert received[0, ::2].tolist() == [10.0 * p + rank for p in range(n)], received
+    return 3
+
+
 def _bytes_near_eager(rng: random.Random, eager: int) -> int:
     """A per-peer size: none, tiny, either side of the eager limit, or well past it."""
     return rng.choice([0, 64, eager // 2, eager - 64, eager, eager + 64, 4 * eager])

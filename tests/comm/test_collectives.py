@@ -35,3 +35,9 @@ def test_cached_calls_keep_no_tensor_alive(fs_group):
     # is kept alive by its request while it may be read, not by the cache.
     n = fs_group.spec.world_size
     assert fs_group.run(ranks.cached_calls_free_their_tensors, timeout_s=60) == [[True, True]] * n
+
+
+def test_one_element_tensors_with_any_stride(fs_group):
+    # A one-element tensor is contiguous whatever its stride; Gloo takes it, so must we.
+    n = fs_group.spec.world_size
+    assert fs_group.run(ranks.one_element_strided_tensors, timeout_s=60) == [3] * n

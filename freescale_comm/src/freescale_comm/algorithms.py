@@ -346,7 +346,9 @@ def _planned(
 
 def flat_bytes(tensor: torch.Tensor) -> Bytes:
     """A contiguous tensor's storage as flat bytes (any dtype, no copy): numpy on the host."""
-    flat = tensor.reshape(-1).view(torch.uint8)
+    # Not ``reshape(-1)``: a one-element tensor is contiguous whatever its stride, which
+    # reshape keeps, and a view as bytes needs stride 1.
+    flat = tensor.as_strided((tensor.numel(),), (1,)).view(torch.uint8)
     return flat if flat.is_cuda else flat.numpy()
 
 
