@@ -206,7 +206,7 @@ class NewGroup:
         tally.add(1, 1, 32)
         group_store = dist.PrefixStore(f"bench/new/{size}", client)
         keys = Counted(directory.incarnation_keys(group_store, size), tally)
-        directory.start(keys, root, rank)
+        directory.start(keys, root, rank, FreescaleOptions().shared())
         self.liveness = liveness.Liveness(keys, rank, size, config.heartbeat_s, config.dead_after_s)
         self.directory = directory.Directory(
             keys, rank, size, _host(rank), os.urandom(_ADDRESS_BYTES), timedelta(seconds=600)

@@ -895,7 +895,8 @@ def read_counted_past_early_data(per_peer_kib: int, piece_kib: int, rounds: int)
 def ring_gathers_only_even_pieces() -> list[str]:
     """``allgather="ring"``: list AllGathers of uneven pieces (the ring needs even ones) take
     the direct algorithm on every rank, whatever each rank's own piece, and are correct; then
-    ranks whose ``allgather`` option differs fail validation together. Returns the errors."""
+    ranks whose ``allgather`` option differs fail to create a group together. Returns the
+    errors (what follows "differ between ranks")."""
     from freescale_comm import FreescaleOptions, FreescaleValidationError
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -918,14 +919,12 @@ def ring_gathers_only_even_pieces() -> list[str]:
         dist.all_gather(got, pieces[rank], group=ring)
         for p in range(n):
             _same(got[p], pieces[p], f"uneven all_gather {sizes}, piece {p}")
-    mixed = group_of("ring" if rank == 0 else "direct")
+    dist.destroy_process_group(ring)
     errors = []
     try:
-        dist.all_gather_into_tensor(torch.empty(n * 2048), torch.ones(2048), group=mixed)
+        group_of("ring" if rank == 0 else "direct")
     except FreescaleValidationError as err:
-        errors.append(str(err).split(": ", 1)[1])
-    for group in (ring, mixed):
-        dist.destroy_process_group(group)
+        errors.append(str(err).split("; ", 1)[1])
     return errors
 
 
@@ -1240,6 +1239,56 @@ def one_element_strided_tensors() -> int:
     dist.all_to_all([received[:, 2 * p] for p in range(n)], sends)
     assert received[0, ::2].tolist() == [10.0 * p + rank for p in range(n)], received
     return 3
+
+
+def mismatched_shared_options(field: str, value: Any) -> tuple[str, float]:
+    """Creates a freescale group where rank 1 alone sets ``field`` to ``value``; returns the
+    error its creation raised here and how long it took, after checking the world group
+    still works."""
+    from freescale_comm import FreescaleOptions, FreescaleValidationError
+
+    options = FreescaleOptions(**({field: value} if dist.get_rank() == 1 else {}))
+    started = time.monotonic()
+    try:
+        dist.new_group(backend="freescale", timeout=timedelta(seconds=60), pg_options=options)
+    except FreescaleValidationError as err:
+        message, took = str(err), time.monotonic() - started
+    else:
+        raise AssertionError("a group whose ranks' options differ was created")
+    out = torch.empty(dist.get_world_size())
+    dist.all_gather_into_tensor(out, torch.tensor([1.0]))
+    return message, took
+
+
+def per_device_backend_strings() -> dict[str, Any]:
+    """CPU AllGathers and AllToAlls over freescale groups made with per-device backend strings:
+    for each, the results checked and how many the group ran itself; for a string naming a
+    backend the group does not have, the error of its first collective."""
+    from freescale_comm import FreescaleError
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    report: dict[str, Any] = {}
+    for spec in ("cpu:gloo,cuda:freescale", "cpu:freescale,cuda:nccl", "cpu:freescale,cuda:ucc"):
+        group = dist.new_group(backend=spec, timeout=timedelta(seconds=30))
+        launched: list[Any] = []
+
+        def counted(op: Any, caller_waits: bool, launch=group._ctx.launch, seen=launched) -> None:
+            seen.append(op)
+            launch(op, caller_waits)
+
+        group._ctx.launch = counted
+        try:
+            out = torch.empty(n)
+            dist.all_gather_into_tensor(out, torch.tensor([float(rank)]), group=group)
+            assert out.tolist() == [float(r) for r in range(n)], out
+            received = torch.empty(n)
+            dist.all_to_all_single(received, torch.full((n,), float(rank)), group=group)
+            assert received.tolist() == [float(r) for r in range(n)], received
+            report[spec] = len(launched)
+        except FreescaleError as err:
+            report[spec] = str(err)
+        dist.destroy_process_group(group)
+    return report
 
 
 def _bytes_near_eager(rng: random.Random, eager: int) -> int:

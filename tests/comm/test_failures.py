@@ -135,3 +135,16 @@ def test_destroy_leaves_no_threads(local_groups):
         # ... and none of them once the group is destroyed.
         assert result["after"] == result["before"]
         assert result["left"] == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("validate", False), ("eager_bytes", 16), ("host_path", "ucx")]
+)
+def test_options_that_must_match_fail_set_up_on_every_rank(local_groups, field, value):
+    # Before: a rank without validation, or with another eager size or host path, made the
+    # group's first collectives time out, fail as an "internal error", or set-up hang.
+    reports = local_groups.get(2).run(ranks.mismatched_shared_options, field, value, timeout_s=60)
+    for rank, (message, took) in enumerate(reports):
+        assert f"{field}=" in message and "differ between ranks" in message, message
+        assert took < 20, (rank, took)
+    assert "this rank has" in reports[1][0] and "so does this rank" in reports[0][0]

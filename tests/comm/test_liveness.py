@@ -238,7 +238,7 @@ def _join(clients, size, prefix, hosts):
     def rank_main(rank):
         try:
             keys = directory.incarnation_keys(dist.PrefixStore(prefix, clients[rank]), size)
-            directory.start(keys, clients[rank], rank)
+            directory.start(keys, clients[rank], rank, "")
             found[rank] = directory.Directory(
                 keys, rank, size, hosts[rank], f"address of {rank}".encode(), timedelta(seconds=60)
             )

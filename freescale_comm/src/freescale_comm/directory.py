@@ -60,11 +60,13 @@ def incarnation_keys(store: Any, size: int) -> Any:
     return dist.PrefixStore(f"freescale/{size}.{incarnation}", store)
 
 
-def start(keys: Any, root: Any, rank: int) -> None:
+def start(keys: Any, root: Any, rank: int, shared_options: str) -> None:
     """Rank 0's part before anyone reads: a group id for the tags (a counter in the root store,
-    so that groups never share one) and the empty abort key every liveness poll reads."""
+    so that groups never share one), the empty abort key every liveness poll reads, and its
+    options that every rank must share (``FreescaleOptions.shared``)."""
     if rank == 0:
         keys.set(ABORT_KEY, b"")
+        keys.set("shared_options", shared_options)
         keys.set("group_id", str(root.add("freescale/next_group_id", 1)))
 
 
@@ -102,8 +104,9 @@ class Directory:
         # Every block exists once every rank has appended its host and published its entry.
         blocks = [self._block_key(b * self._block) for b in range(math.ceil(size / self._block))]
         keys.wait(blocks, timeout)
-        group_id, local = keys.multi_get(["group_id", host_key])
+        group_id, local, shared = keys.multi_get(["group_id", host_key, "shared_options"])
         self.group_id = int(group_id)
+        self.first_rank_options = bytes(shared).decode()  # rank 0's ``start``
         self.same_host = sorted({int(r) for r in bytes(local).decode().split(",") if r})
 
     def _block_key(self, rank: int) -> str:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from freescale_comm import directory
 from freescale_comm.cpu import usable_cores
 from freescale_comm.engine import Engine, yields_when_idle
-from freescale_comm.errors import FreescaleError
+from freescale_comm.errors import FreescaleError, FreescaleValidationError
 from freescale_comm.futures import CallbackRunner
 from freescale_comm.liveness import Liveness
 from freescale_comm.options import FreescaleOptions
@@ -157,7 +157,7 @@ class GroupContext:
         # before its entry is published; once the directory has seen every entry, every key a
         # liveness poll reads exists (a ``multi_get`` of a missing key would wait for it).
         self._keys = keys
-        directory.start(keys, root_store(store), rank)
+        directory.start(keys, root_store(store), rank, options.shared())
         wait = timedelta(seconds=self.timeout_s)
         self.liveness = Liveness(
             keys, rank, size, options.heartbeat_s, options.dead_after_s, self.abort
@@ -165,6 +165,7 @@ class GroupContext:
         host = shm.host_identity()
         self.directory = directory.Directory(keys, rank, size, host, self.transport.address, wait)
         self.group_id = self.directory.group_id
+        self._check_shared_options()
         self.engine.watch(self.liveness)
         self.engine.watch(self._sealed)
         self._endpoints: list[Any] = [None] * size
@@ -174,6 +175,18 @@ class GroupContext:
         self._cores = usable_cores()
         self.yields_when_idle = yields_when_idle(
             options.idle_wait, len(self.directory.same_host), self._cores
+        )
+
+    def _check_shared_options(self) -> None:
+        """Fails set-up on every rank where some rank's options that every rank must share
+        differ from rank 0's: its collectives would otherwise time out or fail obscurely."""
+        first, mine = self.directory.first_rank_options, self.options.shared()
+        if self._agree("shared_options", mine == first):
+            return
+        raise FreescaleValidationError(
+            f"freescale group {self.group_id}, rank {self.rank}: FreescaleOptions fields that "
+            f"must be the same on every rank differ between ranks; rank 0 has {first}"
+            + ("; so does this rank" if mine == first else f"; this rank has {mine}")
         )
 
     def _setup_host_paths(self) -> None:

@@ -19,6 +19,18 @@ HostPath = Literal["auto", "ucx", "shm"]
 IdleWait = Literal["auto", "sleep", "yield"]
 
 _ENV_PREFIX = "FREESCALE_"
+# What both sides of a message must agree on: whether headers are exchanged, what travels
+# inside them, the algorithm and its chunks, and the path each kind of bytes takes.
+SHARED_FIELDS = (
+    "validate",
+    "eager_bytes",
+    "allgather",
+    "ring_threshold_bytes",
+    "chunk_bytes",
+    "cuda_path",
+    "host_path",
+    "shm_outbox_bytes",
+)
 
 
 @dataclass(frozen=True)
@@ -29,7 +41,7 @@ class FreescaleOptions:
         validate: exchange a small signature (op, dtype, per-peer byte counts) with every peer
             before any data moves, so mismatched inputs fail on every rank with a clear error.
             Costs one round of tiny messages, which carries the data itself where it is small
-            (``eager_bytes``). ``FREESCALE_VALIDATE``.
+            (``eager_bytes``). Must be the same on every rank. ``FREESCALE_VALIDATE``.
         eager_bytes: data (CPU, or CUDA staged through page-locked memory) of at most this many
             bytes per peer travels inside the validation header (one message and one round trip
             per peer instead of two); every header receive buffer has this much room. Must be
@@ -155,6 +167,11 @@ class FreescaleOptions:
             raise ValueError("shm_outbox_bytes must be >= 0")
         if not (self.heartbeat_s > 0 and self.dead_after_s > 2 * self.heartbeat_s):
             raise ValueError("heartbeat_s must be > 0 and dead_after_s > 2 * heartbeat_s")
+
+    def shared(self) -> str:
+        """The fields every rank of a group must set alike (``SHARED_FIELDS``), as text: a group
+        whose ranks differ there fails its set-up on every rank, naming them."""
+        return ", ".join(f"{name}={getattr(self, name)!r}" for name in SHARED_FIELDS)
 
     @classmethod
     def from_env(cls, base: FreescaleOptions | None = None) -> FreescaleOptions:

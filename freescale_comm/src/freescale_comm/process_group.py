@@ -20,7 +20,8 @@ collective in that instant deadlocks (its peers then time out in that collective
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -30,11 +31,65 @@ import torch.distributed as dist
 from freescale_comm import algorithms, directory
 from freescale_comm.algorithms import Plan
 from freescale_comm.collective import Collective
+from freescale_comm.errors import FreescaleError
 from freescale_comm.group import GroupContext
 from freescale_comm.options import FreescaleOptions
 from freescale_comm.work import FreescaleWork
 
 BACKEND_NAME = "freescale"
+
+
+# The backend of this group's own that runs a device's collectives it does not run itself.
+_INNER = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def _elsewhere(group: dist.ProcessGroup) -> frozenset[str]:
+    """The devices whose collectives the user gave to another backend in the group's backend
+    string (``"cpu:gloo,cuda:freescale"``): c10d hands such a group wholly to this one, which
+    runs them on its own Gloo / NCCL backend. Raises where that is not the backend named."""
+    try:
+        spec = str(dist.get_backend(group))
+    except (ValueError, RuntimeError):  # not made through c10d (a test builds it directly)
+        return frozenset()
+    devices = set()
+    for part in spec.split(",") if ":" in spec else []:
+        device, _, name = (item.strip().lower() for item in part.partition(":"))
+        if name == BACKEND_NAME:
+            continue
+        if _INNER.get(device) != name:
+            raise FreescaleError(
+                f"backend {spec!r}: a freescale group runs {device} collectives itself or on "
+                f"its own {_INNER.get(device, 'Gloo / NCCL')} backend, not on {name!r}"
+            )
+        devices.add(device)
+    return frozenset(devices)
+
+
+def _device_type(args: Sequence[Any]) -> str | None:
+    """The device type of the first tensor in a collective's arguments (lists nest them)."""
+    for arg in args:
+        while isinstance(arg, (list, tuple)) and arg:
+            arg = arg[0]
+        if isinstance(arg, torch.Tensor):
+            return arg.device.type
+    return None
+
+
+def _own_unless_elsewhere(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Runs one of the group's own collectives, or under the same name on its Gloo / NCCL
+    backend where the backend string gives its tensors' device to that backend."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def run(self: ProcessGroupFreescale, *args: Any, **kwargs: Any) -> Any:
+        elsewhere = self._elsewhere
+        if elsewhere is None:  # the first call: c10d knows the group's string only now
+            elsewhere = self._elsewhere = _elsewhere(self)
+        if elsewhere and _device_type(args) in elsewhere:
+            return getattr(self._plain, name)(*args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    return run
 
 
 class ProcessGroupFreescale(dist.ProcessGroup):
@@ -110,6 +165,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         # plain addresses; UCX needs tensors.)
         self._plans = algorithms.PlanCache(ctx.ipc_fits if self._ipc_reaches_all else None)
         self._direct_gather = dataclasses.replace(options, allgather="direct")
+        self._elsewhere: frozenset[str] | None = None  # ``_own_unless_elsewhere``
 
     def name(self) -> str:
         return BACKEND_NAME
@@ -173,6 +229,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             template.header = plan.signature.encode(self._rank_size[1])
 
     # ----------------------------------------------------------------- AllGather
+    @_own_unless_elsewhere
     def allgather(
         self,
         output_tensors: Sequence[Sequence[torch.Tensor]],
@@ -192,6 +249,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             opts,
         )
 
+    @_own_unless_elsewhere
     def allgather_coalesced(
         self,
         output_lists: Sequence[Sequence[torch.Tensor]],
@@ -223,6 +281,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         plan.value = list(output_lists[0]) if size == 1 else [list(row) for row in output_lists]
         return self._own(plan, opts)
 
+    @_own_unless_elsewhere
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> FreescaleWork:
@@ -239,12 +298,14 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             opts,
         )
 
+    @_own_unless_elsewhere
     def _allgather_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> FreescaleWork:
         """``dist.all_gather_into_tensor`` (torch 2.11 name)."""
         return self.all_gather_single(output, input, opts)
 
+    @_own_unless_elsewhere
     def all_gather_single_coalesced(
         self,
         outputs: Sequence[torch.Tensor],
@@ -264,6 +325,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             opts,
         )
 
+    @_own_unless_elsewhere
     def allgather_into_tensor_coalesced(
         self,
         outputs: Sequence[torch.Tensor],
@@ -274,6 +336,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         return self.all_gather_single_coalesced(outputs, inputs, opts)
 
     # ----------------------------------------------------------------- AllToAll
+    @_own_unless_elsewhere
     def all_to_all_single(
         self,
         output: torch.Tensor,
@@ -296,6 +359,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             opts,
         )
 
+    @_own_unless_elsewhere
     def alltoall_base(
         self,
         output: torch.Tensor,
@@ -307,6 +371,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         """``dist.all_to_all_single`` (torch 2.11 name)."""
         return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
 
+    @_own_unless_elsewhere
     def alltoall(
         self,
         output_tensors: Sequence[torch.Tensor],
