@@ -148,3 +148,20 @@ def test_options_that_must_match_fail_set_up_on_every_rank(local_groups, field, 
         assert f"{field}=" in message and "differ between ranks" in message, message
         assert took < 20, (rank, took)
     assert "this rank has" in reports[1][0] and "so does this rank" in reports[0][0]
+
+
+def test_an_exited_peer_on_the_host_is_reported_at_once():
+    # Default liveness (dead after 10 s of silence): a peer of this host is also watched by
+    # its process, so its exit is reported at the next poll, as Gloo's closed connection is.
+    group = LocalGroup(2, backend="freescale", setup=SETUP, init_timeout_s=20)
+    try:
+        group.start()
+        start = time.monotonic()
+        with pytest.raises(RankFailure) as failure:
+            group.run(ranks.die_during_collective, 1, 0.5, timeout_s=40)
+        elapsed = time.monotonic() - start
+    finally:
+        group.close()
+    report = str(failure.value)
+    assert "rank 1: its process on this host" in report and "has exited" in report, report
+    assert elapsed < 6, report

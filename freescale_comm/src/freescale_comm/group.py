@@ -237,6 +237,7 @@ class GroupContext:
             )
         for peer, link in links.items():
             self._links[peer] = link
+        self.liveness.watch_processes({p: link.host.peer_pid for p, link in links.items()})
         self._ipc_peers = frozenset(links)
         if links:
             self._hub = shm.Hub.get()

@@ -10,6 +10,10 @@ rank; every rank reads that key in its next poll, so every survivor learns of th
 one more period. The store serves N ``add`` per ``heartbeat_s`` and N ``multi_get`` of
 ``1 + WATCHED`` keys per ``poll_s``.
 
+Peers on this host are also watched by their process (``watch_processes``): a poll that finds
+one gone (exited, or a zombie; its pid reused by another process counts as gone) reports it
+at once, without waiting ``dead_after_s``, as a broken connection does for Gloo.
+
 Coverage: on a ring of successors, the live rank just before any run of dead (or stopped) ranks
 watches one of them, so a death is seen while any rank lives, also when the watcher of a rank
 dies with it (a whole host). A watcher whose own polls were interrupted (the process was
@@ -100,6 +104,8 @@ class Liveness:
         self.dead: str | None = None  # what this rank's own watch found
         self.store_error: str | None = None  # the last poll failed (cleared by the next one)
         self._store_failures = 0  # store requests failed in a row
+        # Same-host peers: rank -> (pid, start time), checked locally at every poll.
+        self._processes: dict[int, tuple[int, int]] = {}
         self.beat()
 
     @property
@@ -136,8 +142,9 @@ class Liveness:
         if error is not None and not self._told and self._on_failure is not None:
             # Once: what nobody polls must learn of it too (GPU waits on a dead peer's flags).
             self._told = True
-            # The abort key's reason as it stands: the group prefixes "aborted by" itself.
-            reason = self.aborted if self.dead is None and self.aborted is not None else error
+            # The abort key's reason as it stands (the group prefixes "aborted by" itself),
+            # also where this rank wrote it: "rank 0: rank 1 ...", who found what.
+            reason = self.aborted or error
             try:
                 self._on_failure(reason)
             except Exception:  # the engine thread must live on
@@ -147,8 +154,23 @@ class Liveness:
         """Drops ``on_failure`` (its group is closed)."""
         self._on_failure = None
 
+    def watch_processes(self, pids: dict[int, int]) -> None:
+        """Also watches the processes of these peers of this host (rank -> pid): a poll that
+        finds one gone reports it at once. A pid that cannot be read is left to heartbeats."""
+        for peer, pid in pids.items():
+            started = process_start_time(pid)
+            if started is not None:
+                self._processes[peer] = (pid, started)
+
     def poll(self, now: float) -> None:
-        """One request: the abort key and the watched counters."""
+        """One request: the abort key and the watched counters (and the same-host peers'
+        processes, without a request)."""
+        gone = [p for p, (pid, started) in self._processes.items() if _gone(pid, started)]
+        if gone and self.dead is None:
+            pids = ", ".join(str(self._processes[p][0]) for p in gone)
+            self.dead = f"{self.describe(gone)}: its process on this host (pid {pids}) has exited"
+            self.abort(f"rank {self.rank}: {self.dead}")
+            return
         values = self.store.multi_get(self._keys)
         if now - self._last_poll > _GAP_PERIODS * self.poll_s:
             self._seen = {p: (seen, now) for p, (seen, _) in self._seen.items()}
@@ -197,3 +219,21 @@ class Liveness:
                 notes.append(f"rank {peer} sent no heartbeat for {silent:.1f} s")
         listed = f"rank {peers[0]}" if len(peers) == 1 else f"ranks {peers}"
         return listed + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def process_start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot: with the pid, its identity), or
+    None if it is gone, a zombie, or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    # After the command's closing parenthesis: state is field 3, starttime field 22.
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def _gone(pid: int, started: int) -> bool:
+    return process_start_time(pid) != started
