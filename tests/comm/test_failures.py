@@ -138,11 +138,13 @@ def test_destroy_leaves_no_threads(local_groups):
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("validate", False), ("eager_bytes", 16), ("host_path", "ucx")]
+    ("field", "value"),
+    [("validate", False), ("eager_bytes", 16), ("host_path", "ucx"), ("shm_slot_bytes", 128 << 10)],
 )
 def test_options_that_must_match_fail_set_up_on_every_rank(local_groups, field, value):
-    # Before: a rank without validation, or with another eager size or host path, made the
-    # group's first collectives time out, fail as an "internal error", or set-up hang.
+    # Before: a rank without validation, or with another eager size, host path or ring slot,
+    # made the group's first collectives time out, fail as an "internal error", set-up hang,
+    # or (slots) return wrong data.
     reports = local_groups.get(2).run(ranks.mismatched_shared_options, field, value, timeout_s=60)
     for rank, (message, took) in enumerate(reports):
         assert f"{field}=" in message and "differ between ranks" in message, message
@@ -150,10 +152,18 @@ def test_options_that_must_match_fail_set_up_on_every_rank(local_groups, field, 
     assert "this rank has" in reports[1][0] and "so does this rank" in reports[0][0]
 
 
-def test_an_exited_peer_on_the_host_is_reported_at_once():
+@pytest.mark.parametrize("host_path", ["auto", "ucx"])
+def test_an_exited_peer_on_the_host_is_reported_at_once(host_path):
     # Default liveness (dead after 10 s of silence): a peer of this host is also watched by
-    # its process, so its exit is reported at the next poll, as Gloo's closed connection is.
-    group = LocalGroup(2, backend="freescale", setup=SETUP, init_timeout_s=20)
+    # its process, so its exit is reported at the next poll, as Gloo's closed connection is,
+    # whatever path its bytes take.
+    group = LocalGroup(
+        2,
+        backend="freescale",
+        setup=SETUP,
+        init_timeout_s=20,
+        env={"FREESCALE_HOST_PATH": host_path},
+    )
     try:
         group.start()
         start = time.monotonic()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -144,6 +145,42 @@ class _CountedStore:
     def __getattr__(self, name):
         self.requests += 1
         return getattr(self._store, name)
+
+
+def test_only_processes_that_are_the_ones_published_are_watched(store):
+    # A peer process is watched only if it is in this PID namespace and its start time, read
+    # here, is the one it published (else, as in containers that share a host's /dev/shm but
+    # not its PIDs, the pid would name another process); its exit is then found by a poll.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 10
+        while liveness.process_start_time(child.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        namespace = liveness.process_identity().split("/")[1]
+        started = liveness.process_start_time(child.pid)
+        keys = _client(store)
+        keys.set(liveness.ABORT_KEY, b"")
+        for peer in (1, 2):  # the ranks rank 0 watches by heartbeat: alive
+            keys.add(liveness.beat_key(peer), 1)
+        live = liveness.Liveness(keys, 0, 5, 0.1, 10.0)
+        live.watch_processes(
+            {
+                1: f"{child.pid}/{namespace}/{started}",
+                2: f"{child.pid}/0:0/{started}",  # another PID namespace
+                3: f"{child.pid}/{namespace}/{started + 1}",  # another process, same pid
+                4: "",  # /proc could not tell
+            }
+        )
+        assert list(live._processes) == [1]
+        live.poll(time.monotonic())
+        assert live.error() is None
+        child.kill()
+        child.wait()
+        live.poll(time.monotonic())
+        assert live.error() == f"rank 1: its process on this host (pid {child.pid}) has exited"
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_a_store_whose_host_is_gone_is_retried_ever_less_often():

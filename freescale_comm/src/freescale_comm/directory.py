@@ -1,14 +1,15 @@
 """Group set-up through the c10d store: a constant number of requests per rank, addresses on use.
 
 Every rank publishes one entry (its host identity and UCX worker address) and appends its rank
-to its host's list; the first rank of each block of about sqrt(N) ranks gathers its block's
-entries into one key. Once every block exists (one ``wait``), a rank reads the group id and its
-host's list (one ``multi_get``): that is all set-up needs (the shared-memory rings are between
-ranks of one host). A peer's address is read only when this rank first talks to it over UCX, a
-block at a time, so a rank reads what its collectives need: two blocks for a ring, all of them
-for an AllToAll. Set-up makes 6 requests per rank (9 for a block's first rank) whatever N, and
-the store reads O(N) keys and bytes in all (every rank reading every rank's address and host
-at creation would be 2·N² key reads, N²·280 bytes: 290 MB at 1,024 ranks).
+(with its process's identity, which liveness watches) to its host's list; the first rank of each
+block of about sqrt(N) ranks gathers its block's entries into one key. Once every block exists
+(one ``wait``), a rank reads the group id and its host's list (one ``multi_get``): that is all
+set-up needs (the shared-memory rings are between ranks of one host). A peer's address is read
+only when this rank first talks to it over UCX, a block at a time, so a rank reads what its
+collectives need: two blocks for a ring, all of them for an AllToAll. Set-up makes 6 requests
+per rank (9 for a block's first rank) whatever N, and the store reads O(N) keys and bytes in all
+(every rank reading every rank's address and host at creation would be 2·N² key reads, N²·280
+bytes: 290 MB at 1,024 ranks).
 
 The keys live under an incarnation prefix: ``init_process_group`` after ``destroy`` gives the new
 group the same c10d prefix, and its ranks must not read the addresses, group id or abort key of
@@ -83,10 +84,18 @@ class Directory:
         host: this process's host identity.
         address: this process's UCX worker address.
         timeout: bound on the wait for every rank (a rank that died before joining).
+        process: this process's identity for the ranks of its host (``host_processes``).
     """
 
     def __init__(
-        self, keys: Any, rank: int, size: int, host: str, address: bytes, timeout: timedelta
+        self,
+        keys: Any,
+        rank: int,
+        size: int,
+        host: str,
+        address: bytes,
+        timeout: timedelta,
+        process: str = "",
     ) -> None:
         self._keys = keys
         self.rank, self.size, self.host = rank, size, host
@@ -95,7 +104,7 @@ class Directory:
         self._lock = threading.Lock()
         self.blocks_read = 0
         host_key = f"host/{host}"
-        keys.append(host_key, f"{rank},")
+        keys.append(host_key, f"{rank}={process},")
         keys.set(f"entry/{rank}", pack([host.encode(), address]))
         if rank % self._block == 0:
             entries = [f"entry/{p}" for p in range(rank, min(size, rank + self._block))]
@@ -107,7 +116,12 @@ class Directory:
         group_id, local, shared = keys.multi_get(["group_id", host_key, "shared_options"])
         self.group_id = int(group_id)
         self.first_rank_options = bytes(shared).decode()  # rank 0's ``start``
-        self.same_host = sorted({int(r) for r in bytes(local).decode().split(",") if r})
+        # rank -> its process (``liveness.process_identity``), for the ranks of this host.
+        self.host_processes = dict(
+            (int(r), identity)
+            for r, _, identity in (e.partition("=") for e in bytes(local).decode().split(",") if e)
+        )
+        self.same_host = sorted(self.host_processes)
 
     def _block_key(self, rank: int) -> str:
         return f"block/{rank // self._block}"

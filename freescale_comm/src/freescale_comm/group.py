@@ -31,7 +31,7 @@ from freescale_comm.cpu import usable_cores
 from freescale_comm.engine import Engine, yields_when_idle
 from freescale_comm.errors import FreescaleError, FreescaleValidationError
 from freescale_comm.futures import CallbackRunner
-from freescale_comm.liveness import Liveness
+from freescale_comm.liveness import Liveness, process_identity
 from freescale_comm.options import FreescaleOptions
 from freescale_comm.transport import MAX_GROUP_SIZE, SEQ_BITS, SUB_BITS, Transport, make_tag
 from freescale_comm.validation import Signature
@@ -163,9 +163,14 @@ class GroupContext:
             keys, rank, size, options.heartbeat_s, options.dead_after_s, self.abort
         )
         host = shm.host_identity()
-        self.directory = directory.Directory(keys, rank, size, host, self.transport.address, wait)
+        self.directory = directory.Directory(
+            keys, rank, size, host, self.transport.address, wait, process_identity()
+        )
         self.group_id = self.directory.group_id
         self._check_shared_options()
+        self.liveness.watch_processes(
+            {p: who for p, who in self.directory.host_processes.items() if p != rank}
+        )
         self.engine.watch(self.liveness)
         self.engine.watch(self._sealed)
         self._endpoints: list[Any] = [None] * size
@@ -237,7 +242,6 @@ class GroupContext:
             )
         for peer, link in links.items():
             self._links[peer] = link
-        self.liveness.watch_processes({p: link.host.peer_pid for p, link in links.items()})
         self._ipc_peers = frozenset(links)
         if links:
             self._hub = shm.Hub.get()

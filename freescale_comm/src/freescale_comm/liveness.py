@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -154,13 +155,25 @@ class Liveness:
         """Drops ``on_failure`` (its group is closed)."""
         self._on_failure = None
 
-    def watch_processes(self, pids: dict[int, int]) -> None:
-        """Also watches the processes of these peers of this host (rank -> pid): a poll that
-        finds one gone reports it at once. A pid that cannot be read is left to heartbeats."""
-        for peer, pid in pids.items():
-            started = process_start_time(pid)
-            if started is not None:
-                self._processes[peer] = (pid, started)
+    def watch_processes(self, identities: dict[int, str]) -> None:
+        """Also watches the processes of these peers of this host (rank -> the identity each
+        published, ``process_identity``): a poll that finds one gone reports it at once. Only
+        a peer in this process's PID namespace whose process, read here, is the one it
+        published (same start time) is watched; the others are left to heartbeats. Call it
+        before the engine ticks this liveness."""
+        mine = process_identity().split("/")
+        watched = {}
+        for peer, identity in identities.items():
+            parts = identity.split("/")
+            if len(parts) != 3 or len(mine) != 3 or parts[1] != mine[1]:
+                continue
+            pid, started = int(parts[0]), int(parts[2])
+            try:
+                if process_start_time(pid) == started:
+                    watched[peer] = (pid, started)
+            except OSError:
+                continue
+        self._processes = watched
 
     def poll(self, now: float) -> None:
         """One request: the abort key and the watched counters (and the same-host peers'
@@ -221,13 +234,27 @@ class Liveness:
         return listed + (f" ({'; '.join(notes)})" if notes else "")
 
 
+def process_identity() -> str:
+    """This process as the ranks of its host watch it: pid, PID namespace and start time
+    (``pid/namespace/start``; empty where ``/proc`` cannot tell)."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid")
+    except OSError:
+        return ""
+    started = process_start_time(os.getpid())
+    if started is None:
+        return ""
+    return f"{os.getpid()}/{namespace.st_dev}:{namespace.st_ino}/{started}"
+
+
 def process_start_time(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks since boot: with the pid, its identity), or
-    None if it is gone, a zombie, or unreadable."""
+    None if it is gone or a zombie. Raises OSError where ``/proc`` cannot be read for another
+    reason (permissions, descriptors): that says nothing about the process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             fields = stat.read().rsplit(b")", 1)[1].split()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return None
     # After the command's closing parenthesis: state is field 3, starttime field 22.
     if fields[0] in (b"Z", b"X"):
@@ -236,4 +263,7 @@ def process_start_time(pid: int) -> int | None:
 
 
 def _gone(pid: int, started: int) -> bool:
-    return process_start_time(pid) != started
+    try:
+        return process_start_time(pid) != started
+    except OSError:
+        return False  # unreadable now: heartbeats decide

@@ -29,6 +29,8 @@ SHARED_FIELDS = (
     "chunk_bytes",
     "cuda_path",
     "host_path",
+    "shm_max_bytes",
+    "shm_slot_bytes",
     "shm_outbox_bytes",
 )
 
@@ -69,20 +71,23 @@ class FreescaleOptions:
         staging_pool_bytes: page-locked host memory of a group's staged path (half for send
             chunks, half for receive chunks, at least four chunks; allocated on the first staged
             collective, freed when the group is destroyed). ``FREESCALE_STAGING_POOL_BYTES``.
-        host_path: how host bytes (CPU tensors, staged chunks) move between ranks of one host:
-            ``shm`` (the group's shared-memory rings), ``ucx`` (UCX: shared memory for small
-            messages, cross-memory attach for large ones) or ``auto`` (rings for messages of up
-            to ``shm_max_bytes``, above that read from the sender's memory, ``host_reads``).
-            Ranks on other hosts always use UCX. Same on every rank. ``FREESCALE_HOST_PATH``;
-            the host identity is ``FREESCALE_HOST_ID`` (default: hostname and boot id).
-        shm_max_bytes: ``auto`` sends messages up to this size through the rings.
-            ``FREESCALE_SHM_MAX_BYTES``.
+        host_path: how CPU bytes move between ranks of one host: ``shm`` (the group's
+            shared-memory rings), ``ucx`` (UCX: shared memory for small messages, cross-memory
+            attach for large ones) or ``auto`` (rings for messages of up to ``shm_max_bytes``,
+            above that read from the sender's memory, ``host_reads``). ``ucx`` also leaves
+            staged CUDA bytes without the staging rings; the staged pipeline's chunks always
+            take UCX. Ranks on other hosts always use UCX. Same on every rank.
+            ``FREESCALE_HOST_PATH``; the host identity is ``FREESCALE_HOST_ID`` (default:
+            hostname and boot id).
+        shm_max_bytes: ``auto`` sends messages up to this size through the rings. Same on
+            every rank. ``FREESCALE_SHM_MAX_BYTES``.
         host_reads: under ``auto``, a larger message is read by its receiver straight from
             the sender's memory (``process_vm_readv``: one copy, as UCX's cross-memory attach,
             but a sender that died fails the collective instead of aborting the reader), where
             the kernel allows it (probed per direction at set-up); else, or with False, UCX.
             ``FREESCALE_HOST_READS``.
-        shm_slot_bytes: size of one ring slot (the pipelining unit). ``FREESCALE_SHM_SLOT_BYTES``.
+        shm_slot_bytes: size of one ring slot (the pipelining unit). Same on every rank.
+            ``FREESCALE_SHM_SLOT_BYTES``.
         shm_pool_bytes: the rings a process receives into, per group: split over its peers on
             the host, 2 to 64 slots each. ``FREESCALE_SHM_POOL_BYTES``.
         shm_outbox_bytes: between the ranks of a group that share a host (where every pair of
@@ -171,7 +176,7 @@ class FreescaleOptions:
     def shared(self) -> str:
         """The fields every rank of a group must set alike (``SHARED_FIELDS``), as text: a group
         whose ranks differ there fails its set-up on every rank, naming them."""
-        return ", ".join(f"{name}={getattr(self, name)!r}" for name in SHARED_FIELDS)
+        return ", ".join(f"{name}={_plain(getattr(self, name))!r}" for name in SHARED_FIELDS)
 
     @classmethod
     def from_env(cls, base: FreescaleOptions | None = None) -> FreescaleOptions:
@@ -192,6 +197,17 @@ class FreescaleOptions:
                 continue
             values[item.name] = _parse(raw, type(getattr(defaults, item.name)), item.name)
         return cls(**values)
+
+
+def _plain(value: object) -> object:
+    """``value`` as the built-in type it stands for (a numpy integer is an int)."""
+    if isinstance(value, bool | str):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 def _parse(raw: str, kind: type, name: str) -> object:

@@ -140,7 +140,12 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             for device, kind, backend in backends:
                 group._register_backend(device, kind, backend)
             group._set_default_backend(default)
-        self._ctx = GroupContext(store, keys, rank, size, timeout, options)
+        try:
+            self._ctx = GroupContext(store, keys, rank, size, timeout, options)
+        except BaseException:
+            for delegate in self._delegates:  # their threads would outlive the failed set-up
+                delegate.shutdown()
+            raise
         self._rank_size = (rank, size)
         # The paths of CUDA bytes and the AllGather algorithm for them are the group's, fixed
         # at its creation: decided once here, not on every call.

@@ -977,8 +977,7 @@ def open_links(
     hub.probe[0] = _PROBE_MAGIC ^ pid
     if reads and peers:
         allow_reads_by_peers()
-    # This process and where a peer may read a word of it (0: this rank wants no reads).
-    probe = f"{pid}:{hub.probe.ctypes.data if reads else 0}"
+    probe = f"{pid}:{hub.probe.ctypes.data}" if reads else "-"
     peer_pids: dict[int, int] = {}
     reads_in: dict[int, bool] = {}  # per peer: this rank reads its large messages
     mine: dict[int, list[Ring]] = {}
@@ -1016,9 +1015,9 @@ def open_links(
             else:
                 name, peer_probe, *paths = entry.split("\n")
                 rings: list[Ring] = []
-                peer_pid, peer_word = map(int, peer_probe.split(":"))
-                peer_pids[peer] = peer_pid
-                reads_in[peer] = reads and peer_word != 0 and _can_read(peer_pid, peer_word)
+                if peer_probe != "-":
+                    peer_pids[peer] = int(peer_probe.split(":")[0])
+                    reads_in[peer] = reads and _can_read(*map(int, peer_probe.split(":")))
                 try:
                     rings.append(Ring(paths[0], slots, slot_bytes, create=False))
                     if staging is not None and len(paths) > 1:
