@@ -59,6 +59,16 @@ def test_options_from_env_and_explicit_values(monkeypatch):
             FreescaleOptions(**{field: value})
 
 
+def test_a_misspelt_option_variable_is_warned_of(monkeypatch, caplog):
+    monkeypatch.setenv("FREESCALE_EAGER_BYTE", "0")
+    monkeypatch.setenv("FREESCALE_KERNELS_BACKEND", "torch")  # another package's: no warning
+    with caplog.at_level("WARNING", logger="freescale_comm.options"):
+        assert FreescaleOptions.from_env().eager_bytes == FreescaleOptions().eager_bytes
+    assert [r.getMessage() for r in caplog.records] == [
+        "FREESCALE_EAGER_BYTE is not an option of the freescale backend (FREESCALE_EAGER_BYTES?)"
+    ]
+
+
 def test_auto_idle_wait_yields_only_where_the_hosts_ranks_outnumber_its_cores():
     assert yields_when_idle("auto", host_ranks=4, cores=2)
     assert not yields_when_idle("auto", host_ranks=2, cores=2)

@@ -7,6 +7,8 @@ defaults there fall back to the environment, so a launcher can tune a job withou
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import math
 import numbers
 import os
@@ -18,7 +20,10 @@ CudaPath = Literal["auto", "direct", "staged", "ipc"]
 HostPath = Literal["auto", "ucx", "shm"]
 IdleWait = Literal["auto", "sleep", "yield"]
 
+logger = logging.getLogger(__name__)
+
 _ENV_PREFIX = "FREESCALE_"
+HOST_ENV = "FREESCALE_HOST_ID"  # the host identity (``shm.host_identity``), not a field
 # What both sides of a message must agree on: whether headers are exchanged, what travels
 # inside them, the algorithm and its chunks, and the path each kind of bytes takes.
 SHARED_FIELDS = (
@@ -187,6 +192,9 @@ class FreescaleOptions:
         """
         defaults = cls()
         values = {}
+        _warn_of_misspelt_variables(
+            [HOST_ENV] + [_ENV_PREFIX + f.name.upper() for f in dataclasses.fields(cls)]
+        )
         for item in dataclasses.fields(cls):
             explicit = getattr(base, item.name) if base is not None else None
             if explicit is not None and explicit != getattr(defaults, item.name):
@@ -197,6 +205,21 @@ class FreescaleOptions:
                 continue
             values[item.name] = _parse(raw, type(getattr(defaults, item.name)), item.name)
         return cls(**values)
+
+
+_warned: set[str] = set()
+
+
+def _warn_of_misspelt_variables(known: list[str]) -> None:
+    """Warns once of a ``FREESCALE_*`` variable that is no option but nearly names one (other
+    packages of the project have variables of their own under the prefix)."""
+    for name in os.environ:
+        if not name.startswith(_ENV_PREFIX) or name in known or name in _warned:
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+        if close:
+            _warned.add(name)
+            logger.warning("%s is not an option of the freescale backend (%s?)", name, close[0])
 
 
 def _plain(value: object) -> object:

@@ -65,8 +65,8 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from freescale_comm.errors import FreescaleError
+from freescale_comm.options import HOST_ENV
 
-HOST_ENV = "FREESCALE_HOST_ID"
 _PREFIX = "freescale-ring-"
 _SHM_DIR = "/dev/shm"
 # Head at byte 0, tail at 64; the CUDA IPC path's flags at 128 and 192 (``ipc``); at 256 whether
