@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -553,22 +555,27 @@ def test_outboxes_write_once_read_in_place_and_reuse_a_box_only_once_consumed(tm
             boxes.close()
 
 
-def _host_channel_pair(tmp_path, reader_pid: int) -> tuple[Any, Any]:
-    """Two host channels of this process over one pair of rings: ``a`` sends large messages
-    by read, ``b`` reads them from process ``reader_pid`` (this one, or a dead one)."""
+@contextlib.contextmanager
+def _host_channels(tmp_path, reader_pid: int) -> Iterator[tuple[Any, Any]]:
+    """Two host channels of this process over one pair of rings, closed on exit: ``a`` sends
+    large messages by read, ``b`` reads them from process ``reader_pid`` (this one, or a dead
+    one)."""
     hub = shm.Hub.get()
     rings = [shm.Ring(str(tmp_path / n), 3, 64, create=True) for n in ("ab", "ba")]
     a = shm.Channel(hub, rings[0], rings[1], hub.name, peer_pid=os.getpid(), reads_out=True)
     mapped = [shm.Ring(str(tmp_path / n), 3, 64, create=False) for n in ("ba", "ab")]
     b = shm.Channel(hub, *mapped, hub.name, peer_pid=reader_pid, reads_in=True)
-    return a, b
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_large_message_is_read_from_the_senders_memory_once_its_receive_is_posted(tmp_path):
     import numpy as np
 
-    a, b = _host_channel_pair(tmp_path, os.getpid())
-    try:
+    with _host_channels(tmp_path, os.getpid()) as (a, b):
         data = np.arange(100_000, dtype=np.uint32).view(np.uint8)  # far more than 3 slots
         tag = (5 << 16) | 1
         sent = a.send(data, tag, by_read=True)
@@ -582,9 +589,6 @@ def test_a_large_message_is_read_from_the_senders_memory_once_its_receive_is_pos
         a.progress()
         assert sent.completed and sent.error is None
         assert int(a.out.ctrl[0]) == 1 and int(b.out.ctrl[0]) == 0  # one slot, no answer slot
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_read_is_counted_done_past_data_that_fills_the_readers_own_ring(tmp_path):
@@ -593,8 +597,7 @@ def test_a_read_is_counted_done_past_data_that_fills_the_readers_own_ring(tmp_pa
     # of the read all the same, and only then posts that receive.
     import numpy as np
 
-    a, b = _host_channel_pair(tmp_path, os.getpid())
-    try:
+    with _host_channels(tmp_path, os.getpid()) as (a, b):
         data = np.arange(4096, dtype=np.uint8)
         first, later = (7 << 16) | 1, (8 << 16) | 1
         sent = a.send(data, first, by_read=True)
@@ -612,9 +615,6 @@ def test_a_read_is_counted_done_past_data_that_fills_the_readers_own_ring(tmp_pa
             a.progress()
             b.progress()
         assert received.completed and np.array_equal(got, early)
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_read_from_a_process_that_exited_fails_the_receive(tmp_path):
@@ -622,17 +622,13 @@ def test_a_read_from_a_process_that_exited_fails_the_receive(tmp_path):
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()  # reaped: its pid names no process now
-    a, b = _host_channel_pair(tmp_path, child.pid)
-    try:
+    with _host_channels(tmp_path, child.pid) as (a, b):
         data = np.ones(4096, dtype=np.uint8)
         a.send(data, (6 << 16) | 1, by_read=True)
         received = b.recv(np.zeros_like(data), (6 << 16) | 1)
         b.progress()
         assert received.completed and "No such process" in (received.error or ""), received.error
         assert b.reads == 0
-    finally:
-        a.close()
-        b.close()
 
 
 def _cached_view(tensor: torch.Tensor) -> Any:
@@ -649,9 +645,8 @@ def _cached_view(tensor: torch.Tensor) -> Any:
 def test_a_closed_channels_unread_sends_keep_their_memory_until_read(tmp_path):
     import gc
 
-    a, b = _host_channel_pair(tmp_path, os.getpid())
     hub = shm.Hub.get()
-    try:
+    with _host_channels(tmp_path, os.getpid()) as (a, b):
         tag = (9 << 16) | 1
         tensor = torch.full((1 << 20,), 42.0)  # 4 MiB: freed memory would be unmapped
         a.send(_cached_view(tensor), tag, by_read=True).keep = tensor  # as its collective does
@@ -669,25 +664,18 @@ def test_a_closed_channels_unread_sends_keep_their_memory_until_read(tmp_path):
         assert received.error is None and bool((out == 42.0).all())
         assert not [entry for entry in hub._lent if entry.ring is a.out]
         hub.remove(link)
-    finally:
-        a.close()
-        b.close()
 
 
 def test_lent_sends_are_returned_when_the_reader_closes_without_reading(tmp_path):
     import numpy as np
 
-    a, b = _host_channel_pair(tmp_path, os.getpid())
     hub = shm.Hub.get()
-    try:
+    with _host_channels(tmp_path, os.getpid()) as (a, b):
         a.send(np.ones(4096, dtype=np.uint8), (10 << 16) | 1, by_read=True)
         a.close()
         assert [entry for entry in hub._lent if entry.ring is a.out]
         hub.remove(shm.Link(b))  # closes b unread: it says so in the ring
         assert not [entry for entry in hub._lent if entry.ring is a.out]
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_failed_collectives_receives_leave_the_ring(tmp_path):
@@ -696,8 +684,7 @@ def test_a_failed_collectives_receives_leave_the_ring(tmp_path):
     # and counted done, so that the sender's later reads still complete in order.
     import numpy as np
 
-    a, b = _host_channel_pair(tmp_path, os.getpid())
-    try:
+    with _host_channels(tmp_path, os.getpid()) as (a, b):
         failed, later = (11 << 16) | 1, (12 << 16) | 1
         out = np.zeros(4096, dtype=np.uint8)
         b.recv(out, failed)
@@ -710,9 +697,6 @@ def test_a_failed_collectives_receives_leave_the_ring(tmp_path):
         a.progress()
         assert not out.any() and bool((got == 2).all()) and b.reads == 1
         assert first.completed and second.completed
-    finally:
-        a.close()
-        b.close()
 
 
 def test_the_ring_control_block_words_do_not_overlap():
