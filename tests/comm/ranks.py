@@ -49,23 +49,28 @@ def gloo_group() -> Any:
     return _GLOO["world"]
 
 
+def freescale_group(timeout_s: float, **options: Any) -> Any:
+    """A new freescale group of every rank with ``FreescaleOptions(**options)``."""
+    from freescale_comm import FreescaleOptions
+
+    return dist.new_group(
+        backend="freescale",
+        timeout=timedelta(seconds=timeout_s),
+        pg_options=FreescaleOptions(**options),
+    )
+
+
 def cuda_group(
     timeout_s: float = 60, host: str | None = None, **options: Any
 ) -> tuple[torch.device, Any]:
     """This rank's GPU (GPU rank % device count), made current, and a new freescale group
     with ``FreescaleOptions(**options)``; ``host``: the host identity the group sees."""
-    from freescale_comm import FreescaleOptions
-
     device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
     torch.cuda.set_device(device)
     if host is not None:
         os.environ["FREESCALE_HOST_ID"] = host
     try:
-        group = dist.new_group(
-            backend="freescale",
-            timeout=timedelta(seconds=timeout_s),
-            pg_options=FreescaleOptions(**options),
-        )
+        group = freescale_group(timeout_s, **options)
     finally:
         if host is not None:
             del os.environ["FREESCALE_HOST_ID"]
@@ -671,7 +676,6 @@ def ring_cases(
     ``no_outbox_on``: the rank that cannot make its outbox; ``reads_refused_on``: the rank
     the kernel does not let read its peers' memory.
     """
-    from freescale_comm import FreescaleOptions
 
     rank, n = dist.get_rank(), dist.get_world_size()
     before = _ring_state()
@@ -684,11 +688,7 @@ def ring_cases(
             _shm_full_for("-box" if no_outbox_on == rank else None),
             _reads_refused(reads_refused_on == rank),
         ):
-            group = dist.new_group(
-                backend="freescale",
-                timeout=timedelta(seconds=60),
-                pg_options=FreescaleOptions(**options),
-            )
+            group = freescale_group(60, **options)
     finally:
         del os.environ["FREESCALE_HOST_ID"]
         logging.getLogger("freescale_comm.group").removeHandler(warnings)
@@ -775,16 +775,12 @@ def early_data_after_the_sequence_wraps() -> str:
     rings first. Returns "ok"."""
     import itertools
 
-    from freescale_comm import FreescaleOptions, FreescaleValidationError
+    from freescale_comm import FreescaleValidationError
     from freescale_comm.transport import SEQ_BITS
 
     rank, n = dist.get_rank(), dist.get_world_size()
     # No outboxes: 128 KiB per peer then leaves early over the rings, headers behind it.
-    group = dist.new_group(
-        backend="freescale",
-        timeout=timedelta(seconds=15),
-        pg_options=FreescaleOptions(shm_outbox_bytes=0),
-    )
+    group = freescale_group(15, shm_outbox_bytes=0)
     rows = 32 << 10
     send = [rows + (rank == 1 and peer == 0) for peer in range(n)]
     try:
@@ -828,14 +824,9 @@ def later_data_never_overtakes_earlier(medium_kib: int, large_kib: int) -> str:
     early if nothing earlier may still send), in the same order on every rank; rank 0 waits
     for a before it calls b, the others call both at once. b's early data must not sit in
     rank 0's rings ahead of a's. Returns "ok"."""
-    from freescale_comm import FreescaleOptions
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group(
-        backend="freescale",
-        timeout=timedelta(seconds=20),
-        pg_options=FreescaleOptions(host_path="shm", shm_outbox_bytes=0),
-    )
+    group = freescale_group(20, host_path="shm", shm_outbox_bytes=0)
     large, medium = (large_kib << 10) // 4, (medium_kib << 10) // 4
     xa, xb = torch.full((n * large,), float(rank)), torch.full((n * medium,), rank + 0.5)
     oa, ob = torch.empty_like(xa), torch.empty_like(xb)
@@ -862,14 +853,9 @@ def read_counted_past_early_data(per_peer_kib: int, piece_kib: int, rounds: int)
     round a little later, by a varying delay). Returns this rank's reads of its peers' memory,
     per peer.
     """
-    from freescale_comm import FreescaleOptions
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group(
-        backend="freescale",
-        timeout=timedelta(seconds=10),
-        pg_options=FreescaleOptions(host_path="auto", shm_outbox_bytes=0),
-    )
+    group = freescale_group(10, host_path="auto", shm_outbox_bytes=0)
     rows, piece = (per_peer_kib << 10) // 4, (piece_kib << 10) // 4
     for k in range(rounds):
         x = torch.full((n * rows,), float(rank + k))
@@ -897,16 +883,12 @@ def ring_gathers_only_even_pieces() -> list[str]:
     the direct algorithm on every rank, whatever each rank's own piece, and are correct; then
     ranks whose ``allgather`` option differs fail to create a group together. Returns the
     errors (what follows "differ between ranks")."""
-    from freescale_comm import FreescaleOptions, FreescaleValidationError
+    from freescale_comm import FreescaleValidationError
 
     rank, n = dist.get_rank(), dist.get_world_size()
 
     def group_of(allgather: str) -> Any:
-        return dist.new_group(
-            backend="freescale",
-            timeout=timedelta(seconds=20),
-            pg_options=FreescaleOptions(allgather=allgather, ring_threshold_bytes=4096),
-        )
+        return freescale_group(20, allgather=allgather, ring_threshold_bytes=4096)
 
     ring = group_of("ring")
     for sizes in (
@@ -1019,14 +1001,9 @@ def a_mistake_without_validation() -> str:
     at once, and its peers, which called correctly, raise at once too (the group is aborted)
     instead of waiting out the group's 60 s timeout for its messages. Returns the seconds and
     the error this rank saw."""
-    from freescale_comm import FreescaleOptions
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group(
-        backend="freescale",
-        timeout=timedelta(seconds=60),
-        pg_options=FreescaleOptions(validate=False),
-    )
+    group = freescale_group(60, validate=False)
     splits = [n + 1] + [0] * (n - 1) if rank == 0 else [1] * n
     message = _error_after(
         lambda: dist.all_to_all_single(torch.empty(n), torch.ones(n), [1] * n, splits, group=group)
@@ -1117,15 +1094,10 @@ def late_peer_wait_cost(idle_wait: str) -> dict[str, Any]:
     """What a wait of 1 s for a late peer costs rank 0 in CPU under ``idle_wait``: with
     ``yield`` (``auto`` where the ranks outnumber the cores) it yields for ``engine.YIELD_S``,
     then sleeps."""
-    from freescale_comm import FreescaleOptions
     from freescale_comm.cpu import usable_cores
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group(
-        backend="freescale",
-        timeout=timedelta(seconds=30),
-        pg_options=FreescaleOptions(idle_wait=idle_wait),
-    )
+    group = freescale_group(30, idle_wait=idle_wait)
     x = torch.arange(n * 4, dtype=torch.float32) + 100 * rank
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x, group=group)
