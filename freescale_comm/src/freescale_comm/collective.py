@@ -506,7 +506,7 @@ class Collective:
         CUDA bytes of a peer on the staging rings go there, ordered after the caller's
         stream."""
         g = self.group
-        tag = make_tag(g.group_id, self.seq, g.rank if send else peer, sub)
+        tag = self._tag(peer, sub, send)
         ring = (
             self.plan.staged
             and isinstance(buffer, torch.Tensor)
@@ -520,10 +520,12 @@ class Collective:
         pipeline posts a window of receives in its own order, so a ring, which delivers in the
         order sent, could hold the next chunk behind one whose receive is not posted yet (a
         ring AllGather's own chunk before the forward the window waits for: a deadlock)."""
+        return self.group.post_ucx(peer, buffer, self._tag(peer, sub, send), send)
+
+    def _tag(self, peer: int, sub: int, send: bool) -> int:
+        """The tag of this collective's message ``sub`` to or from ``peer`` (the sender's)."""
         g = self.group
-        return g.post_ucx(
-            peer, buffer, make_tag(g.group_id, self.seq, g.rank if send else peer, sub), send
-        )
+        return make_tag(g.group_id, self.seq, g.rank if send else peer, sub)
 
     # ----------------------------------------------------------------- engine thread
     def advance(self) -> bool:

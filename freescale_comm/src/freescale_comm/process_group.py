@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import BackendConfig
 
 from freescale_comm import algorithms, directory
 from freescale_comm.algorithms import Plan
@@ -48,12 +49,11 @@ def _elsewhere(group: dist.ProcessGroup) -> frozenset[str]:
     string (``"cpu:gloo,cuda:freescale"``): c10d hands such a group wholly to this one, which
     runs them on its own Gloo / NCCL backend. Raises where that is not the backend named."""
     try:
-        spec = str(dist.get_backend(group))
+        spec = dist.get_backend(group)
     except (ValueError, RuntimeError):  # not made through c10d (a test builds it directly)
         return frozenset()
     devices = set()
-    for part in spec.split(",") if ":" in spec else []:
-        device, _, name = (item.strip().lower() for item in part.partition(":"))
+    for device, name in BackendConfig(spec).get_device_backend_map().items():
         if name == BACKEND_NAME:
             continue
         if _INNER.get(device) != name:
