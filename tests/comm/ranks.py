@@ -403,6 +403,46 @@ def async_ops(rounds: int) -> bool:
     return True
 
 
+def a_thread_preempted_before_its_start(elements: int) -> dict[str, list[float]]:
+    """Rank 0 calls two AllGathers from two threads, the first preempted inside the backend
+    before its collective starts (a sleep standing in for the scheduler), so the second
+    starts first; the other ranks call both from one thread. Any pairing is right (the calls
+    have one shape), a hang is not: returns each call's gathered values by thread."""
+    from freescale_comm import group as group_module
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    gathered: dict[str, list[float]] = {}
+
+    def call(name: str) -> None:
+        out = torch.empty(n * elements)
+        dist.all_gather_into_tensor(out, torch.full((elements,), float(rank)))
+        gathered[name] = out.view(n, elements)[:, -1].tolist()
+
+    if rank != 0:
+        call("first")
+        call("second")
+        return gathered
+    launch = group_module.GroupContext.launch
+    preempted = threading.Event()
+
+    def preempted_once(self: Any, op: Any, caller_waits: bool) -> None:
+        if not preempted.is_set():
+            preempted.set()
+            time.sleep(0.5)
+        launch(self, op, caller_waits)
+
+    group_module.GroupContext.launch = preempted_once
+    try:
+        first = threading.Thread(target=call, args=("first",))
+        first.start()
+        preempted.wait(10)
+        call("second")
+        first.join(120)
+    finally:
+        group_module.GroupContext.launch = launch
+    return gathered
+
+
 def functional_and_compile(use_compile: bool) -> list[float]:
     """Functional collectives (they reach the coalesced entry points) and torch.compile."""
     import torch.distributed._functional_collectives as funcol
@@ -1214,19 +1254,26 @@ def one_element_strided_tensors() -> int:
 
 
 def mismatched_shared_options(field: str, value: Any) -> tuple[str, float]:
-    """Creates a freescale group where rank 1 alone sets ``field`` to ``value``; returns the
-    error its creation raised here and how long it took, after checking the world group
-    still works."""
-    from freescale_comm import FreescaleOptions, FreescaleValidationError
+    """Creates a freescale group where rank 1 alone sets ``field`` to ``value`` (an options
+    field, or ``wire_version``: as if it ran another version); returns the error its creation
+    raised here and how long it took, after checking the world group still works."""
+    from freescale_comm import FreescaleOptions, FreescaleValidationError, directory
 
-    options = FreescaleOptions(**({field: value} if dist.get_rank() == 1 else {}))
+    other = dist.get_rank() == 1
+    wire = field == "wire_version"
+    options = FreescaleOptions(**({field: value} if other and not wire else {}))
+    own_version = directory.WIRE_VERSION
     started = time.monotonic()
     try:
+        if other and wire:
+            directory.WIRE_VERSION = value
         dist.new_group(backend="freescale", timeout=timedelta(seconds=60), pg_options=options)
     except FreescaleValidationError as err:
         message, took = str(err), time.monotonic() - started
     else:
         raise AssertionError("a group whose ranks' options differ was created")
+    finally:
+        directory.WIRE_VERSION = own_version
     out = torch.empty(dist.get_world_size())
     dist.all_gather_into_tensor(out, torch.tensor([1.0]))
     return message, took

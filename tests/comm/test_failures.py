@@ -139,7 +139,13 @@ def test_destroy_leaves_no_threads(local_groups):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("validate", False), ("eager_bytes", 16), ("host_path", "ucx"), ("shm_slot_bytes", 128 << 10)],
+    [
+        ("validate", False),
+        ("eager_bytes", 16),
+        ("host_path", "ucx"),
+        ("shm_slot_bytes", 128 << 10),
+        ("wire_version", 1000),  # a rank of another version
+    ],
 )
 def test_options_that_must_match_fail_set_up_on_every_rank(local_groups, field, value):
     # Before: a rank without validation, or with another eager size, host path or ring slot,

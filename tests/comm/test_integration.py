@@ -82,6 +82,15 @@ def test_async_and_futures(fs_group):
     assert fs_group.run(ranks.async_ops, 3) == [True] * fs_group.spec.world_size
 
 
+@pytest.mark.parametrize("elements", [300_000])  # sent to the rings with the headers
+def test_collectives_of_two_threads_start_in_the_order_they_are_numbered(fs_group, elements):
+    # A thread preempted between taking its collective's number and starting it let a later
+    # one's early data into the rings ahead of its own: every rank timed out.
+    n = fs_group.spec.world_size
+    want = {"first": [float(r) for r in range(n)], "second": [float(r) for r in range(n)]}
+    assert fs_group.run(ranks.a_thread_preempted_before_its_start, elements) == [want] * n
+
+
 def test_functional_collectives_and_compile(local_groups):
     group = local_groups.get(
         2, backend="freescale", setup="freescale_comm:register", init_timeout_s=60

@@ -123,7 +123,7 @@ class Collective:
         self.group = group
         self.name = name
         self.plan = plan
-        self.seq = group.next_seq()
+        self.seq = 0  # numbered by ``GroupContext.launch``, in the order collectives start
         self.deadline = time.monotonic() + group.timeout_s
         self.finished = False
         self.error: FreescaleError | None = None

@@ -31,6 +31,16 @@ import torch.distributed as dist
 from freescale_comm.liveness import ABORT_KEY
 
 _LENGTH = struct.Struct("<I")
+# What ranks exchange after set-up (headers, outboxes, the rings' control blocks, IPC flags):
+# raised whenever it changes, so that a group whose ranks run versions that cannot talk to
+# each other fails its set-up on every rank (``setup_agreement``) instead of hanging.
+WIRE_VERSION = 1
+
+
+def setup_agreement(shared_options: str) -> str:
+    """What every rank's set-up must find equal to rank 0's: the wire version and the options
+    every rank must share (``FreescaleOptions.shared``)."""
+    return f"wire_version={WIRE_VERSION}, {shared_options}"
 
 
 def block_size(size: int) -> int:
@@ -61,13 +71,13 @@ def incarnation_keys(store: Any, size: int) -> Any:
     return dist.PrefixStore(f"freescale/{size}.{incarnation}", store)
 
 
-def start(keys: Any, root: Any, rank: int, shared_options: str) -> None:
+def start(keys: Any, root: Any, rank: int, agreement: str) -> None:
     """Rank 0's part before anyone reads: a group id for the tags (a counter in the root store,
-    so that groups never share one), the empty abort key every liveness poll reads, and its
-    options that every rank must share (``FreescaleOptions.shared``)."""
+    so that groups never share one), the empty abort key every liveness poll reads, and what
+    every rank must agree with (``setup_agreement``)."""
     if rank == 0:
         keys.set(ABORT_KEY, b"")
-        keys.set("shared_options", shared_options)
+        keys.set("shared_options", agreement)
         keys.set("group_id", str(root.add("freescale/next_group_id", 1)))
 
 
@@ -115,7 +125,7 @@ class Directory:
         keys.wait(blocks, timeout)
         group_id, local, shared = keys.multi_get(["group_id", host_key, "shared_options"])
         self.group_id = int(group_id)
-        self.first_rank_options = bytes(shared).decode()  # rank 0's ``start``
+        self.first_rank_agreement = bytes(shared).decode()  # rank 0's ``start``
         # rank -> its process (``liveness.process_identity``), for the ranks of this host.
         self.host_processes = dict(
             (int(r), identity)

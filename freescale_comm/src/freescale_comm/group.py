@@ -128,6 +128,7 @@ class GroupContext:
         # leave at once (``retire``): they hold the caller's tensors.
         self._inflight: list[Collective] = []
         self._inflight_lock = threading.Lock()
+        self._launch_lock = threading.RLock()  # an abort's callbacks may run in the launcher
         self._cuda: dict[int, CudaSupport] = {}
         self._ipc: dict[int, IpcPath] = {}
         self._closed = False
@@ -157,7 +158,7 @@ class GroupContext:
         # before its entry is published; once the directory has seen every entry, every key a
         # liveness poll reads exists (a ``multi_get`` of a missing key would wait for it).
         self._keys = keys
-        directory.start(keys, root_store(store), rank, options.shared())
+        directory.start(keys, root_store(store), rank, directory.setup_agreement(options.shared()))
         wait = timedelta(seconds=self.timeout_s)
         self.liveness = Liveness(
             keys, rank, size, options.heartbeat_s, options.dead_after_s, self.abort
@@ -183,14 +184,17 @@ class GroupContext:
         )
 
     def _check_shared_options(self) -> None:
-        """Fails set-up on every rank where some rank's options that every rank must share
-        differ from rank 0's: its collectives would otherwise time out or fail obscurely."""
-        first, mine = self.directory.first_rank_options, self.options.shared()
+        """Fails set-up on every rank where some rank's options that every rank must share, or
+        its wire version, differ from rank 0's: its collectives would otherwise time out, fail
+        obscurely or return wrong data."""
+        first = self.directory.first_rank_agreement
+        mine = directory.setup_agreement(self.options.shared())
         if self._agree("shared_options", mine == first):
             return
         raise FreescaleValidationError(
             f"freescale group {self.group_id}, rank {self.rank}: FreescaleOptions fields that "
-            f"must be the same on every rank differ between ranks; rank 0 has {first}"
+            "must be the same on every rank, or the freescale_comm wire versions, differ "
+            f"between ranks; rank 0 has {first}"
             + ("; so does this rank" if mine == first else f"; this rank has {mine}")
         )
 
@@ -615,21 +619,28 @@ class GroupContext:
                 A CUDA caller must have the collective's device current (UCX's CUDA
                 transports use the progressing thread's context).
         """
-        try:
-            for earlier in self.inflight():
-                earlier.poll_final()  # the CUDA ones whose end event completed since
-            op.start()
-        except Exception as err:
-            # This rank took the collective's sequence number, its peers never see its
-            # messages: they would wait out the group timeout, and every later collective
-            # would pair the wrong calls. The group is told now (an error of the caller's own
-            # arguments under validate=False, a CUDA driver call that failed, a full /dev/shm).
-            if self.broken is None:
-                self.abort(f"rank {self.rank}: {op.label} could not start: {err}")
-            raise
-        with self._inflight_lock:
-            self._inflight = [c for c in self._inflight if not c.finished]
-            self._inflight.append(op)
+        # Numbered, started and listed in flight as one step: a thread that took the number
+        # before another and started after it would send behind that later collective's early
+        # data, which a peer calling in number order never receives (the rings deliver in
+        # order), and would take the outbox and IPC numbers out of order.
+        with self._launch_lock:
+            op.seq = self.next_seq()
+            try:
+                for earlier in self.inflight():
+                    earlier.poll_final()  # the CUDA ones whose end event completed since
+                op.start()
+            except Exception as err:
+                # This rank took the collective's sequence number, its peers never see its
+                # messages: they would wait out the group timeout, and every later collective
+                # would pair the wrong calls. The group is told now (an error of the caller's
+                # own arguments under validate=False, a CUDA driver call that failed, a full
+                # /dev/shm).
+                if self.broken is None:
+                    self.abort(f"rank {self.rank}: {op.label} could not start: {err}")
+                raise
+            with self._inflight_lock:
+                self._inflight = [c for c in self._inflight if not c.finished]
+                self._inflight.append(op)
         may_drive = caller_waits and (not op.on_cuda or _cuda_device() == op.plan.cuda_index)
         if not (may_drive and self.engine.claim(op)):
             self.engine.submit(op)
