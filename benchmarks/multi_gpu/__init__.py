@@ -46,6 +46,7 @@ table last. ``--dry-run`` runs the same structure on CPU (Gloo stands in for NCC
 
     python benchmarks/multi_gpu_vs_nccl.py --out $OUT          # on the 2-GPU machine
     python benchmarks/multi_gpu_vs_nccl.py --dry-run            # anywhere, CPU only
+    python benchmarks/multi_gpu_vs_nccl.py --share-gpu --out $OUT   # one GPU: freescale only
 
 Modules, one part each: ``settings`` (phases, caps, targets, NCCL facts), ``sizes``, ``context``
 (a rank's state and shared helpers), ``rank`` (a rank's side of a phase), ``phases`` (the

@@ -16,6 +16,7 @@ from .phases import retry_phase, run_phase
 from .plots import draw_plots
 from .report import format_table, summarize, write_json
 from .settings import (
+    FREESCALE,
     GIB,
     JSON_NAME,
     KIB,
@@ -80,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dry-run", action="store_true", help="CPU tensors, Gloo standing in for NCCL, tiny sizes"
     )
+    parser.add_argument(
+        "--share-gpu",
+        action="store_true",
+        help="every rank on GPU 0 and no NCCL, which refuses that: the freescale parts checked "
+        "on a one-GPU machine (its figures are not a multi-GPU rate)",
+    )
     args = parser.parse_args(argv)
     t_start = time.time()
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -107,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         "started_unix": t_start,
         "dry_run": args.dry_run,
         "nprocs": args.nprocs,
+        "share_gpu": args.share_gpu,
         "budget_s": args.budget,
         "safe_env": SAFE_ENV,
         "json": str(args.out / JSON_NAME),
@@ -120,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             report["cuda_device_count"] = torch.cuda.device_count()
-            if torch.cuda.device_count() < args.nprocs:
+            if torch.cuda.device_count() < (1 if args.share_gpu else args.nprocs):
                 report["error"] = (
                     f"{args.nprocs} ranks need {args.nprocs} GPUs, {torch.cuda.device_count()} seen"
                 )
@@ -128,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             report["error"] = describe_error(err)
     write_json(args.out, report)
     phases = [p for p in PHASES if not (args.no_p2p_phase and p["name"] != "main")]
+    if args.share_gpu:
+        phases = [{**PHASES[0], "backends": list(FREESCALE)}]
     if "error" not in report:
         for index, phase in enumerate(phases):
             left = deadline - time.time()

@@ -26,6 +26,8 @@ def run_embed(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
             "status": "not run: freescale_embed.bench has no BenchConfig / run_bench",
             "attributes": sorted(a for a in dir(bench) if not a.startswith("_")),
         }
+    if args.share_gpu:
+        return {"status": "not run: its ranks take a GPU each (--share-gpu)"}
     fields = {f.name for f in dataclasses.fields(config_cls)}
     if "backend" not in fields:
         return {

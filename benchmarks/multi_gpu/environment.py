@@ -28,9 +28,9 @@ def run_setup(ctx: Ctx, deadline: float) -> dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name(ctx.dev)
         info["nccl_runtime"] = ".".join(map(str, torch.cuda.nccl.version()))
         info["peer_access"] = {
-            j: torch.cuda.can_device_access_peer(ctx.rank, j)
+            j: torch.cuda.can_device_access_peer(ctx.dev.index, j)
             for j in range(torch.cuda.device_count())
-            if j != ctx.rank
+            if j != ctx.dev.index
         }
         try:
             backend = ctx.nccl._get_backend(torch.device("cuda"))
@@ -48,12 +48,13 @@ def run_setup(ctx: Ctx, deadline: float) -> dict[str, Any]:
     # Both kinds of group in one process: one small collective on each.
     checks: dict[str, Any] = {}
     x = torch.full((4,), float(ctx.rank + 1), device=ctx.dev)
-    ctx.progress("setup", "nccl")
-    try:
-        dist.all_reduce(x, group=ctx.nccl)
-        checks["nccl_all_reduce"] = bool(torch.all(x == ctx.n * (ctx.n + 1) / 2))
-    except Exception as err:
-        checks["nccl_all_reduce"] = describe_error(err)
+    if ctx.nccl is not None:
+        ctx.progress("setup", "nccl")
+        try:
+            dist.all_reduce(x, group=ctx.nccl)
+            checks["nccl_all_reduce"] = bool(torch.all(x == ctx.n * (ctx.n + 1) / 2))
+        except Exception as err:
+            checks["nccl_all_reduce"] = describe_error(err)
     for name in (b for b in FREESCALE if b in ctx.backends()):
         ctx.progress("setup", name)
         try:

@@ -36,8 +36,9 @@ def init_rank(
     args: argparse.Namespace, phase: dict[str, Any], deadline: float, progress: str
 ) -> None:
     """Joins this rank's groups on the launcher's store: the default group freescale on the
-    direct path, freescale staged, Gloo for the benchmark's own agreements, NCCL (Gloo in a
-    dry run). Raises if one cannot be made (the launcher reports it and stops the others)."""
+    direct path, freescale IPC and staged, Gloo for the benchmark's own agreements, NCCL (Gloo
+    in a dry run; none with ``--share-gpu``). Raises if one cannot be made (the launcher
+    reports it and stops the others)."""
     global _CTX
     from freescale_comm._local_ranks import local_rank, store_port
 
@@ -54,8 +55,9 @@ def init_rank(
     rank = local_rank()
     cuda = not args.dry_run
     if cuda:
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
+        index = 0 if args.share_gpu else rank
+        torch.cuda.set_device(index)
+        dev = torch.device("cuda", index)
         # Every backend is called from a stream of its own, not the legacy default stream:
         # torch runs a synchronous NCCL collective on the caller's stream, and NCCL 2.28.9's
         # copy-engine path hands that stream to cudaMemcpyBatchAsync, which rejects the legacy
@@ -97,7 +99,8 @@ def init_rank(
         backend="freescale", timeout=timeout, pg_options=FreescaleOptions(cuda_path="staged")
     )
     ctx.gloo = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
-    ctx.nccl = dist.new_group(backend="gloo" if args.dry_run else "nccl", timeout=timeout)
+    if not args.share_gpu:  # NCCL refuses two ranks on one GPU
+        ctx.nccl = dist.new_group(backend="gloo" if args.dry_run else "nccl", timeout=timeout)
     for backend in phase["backends"]:
         if backend.startswith("nccl") and backend != "nccl_ce":  # nccl_ce: once set up
             ctx.groups[backend] = ctx.nccl

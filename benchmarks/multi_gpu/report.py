@@ -130,10 +130,15 @@ def format_table(report: dict[str, Any]) -> str:
                 continue
             bad = [k for k, c in row["checks"].items() if not c["ok"]]
             no_ref = [k for k, c in row["checks"].items() if not c.get("nccl_reference", True)]
+            if report.get("share_gpu"):
+                no_nccl = " (vs expected only: no NCCL with --share-gpu)"
+            elif no_ref:
+                no_nccl = f" (vs expected only, NCCL failed: {','.join(no_ref)})"
+            else:
+                no_nccl = ""
             lines.append(
                 f"correct {row['path']:<9} {row['dtype']:<9} vs NCCL: "
-                f"{'OK' if row['all_ok'] else 'FAIL ' + ','.join(bad)}"
-                + (f" (vs expected only, NCCL failed: {','.join(no_ref)})" if no_ref else "")
+                f"{'OK' if row['all_ok'] else 'FAIL ' + ','.join(bad)}{no_nccl}"
             )
     elif corr is not None:
         lines.append(f"correctness: {str(corr)[:300]}")
