@@ -59,6 +59,23 @@ def test_dry_run_retries_without_the_backend_whose_rank_died(tmp_path):
     assert (tmp_path / "table.txt").read_text().rstrip().splitlines()[-1].startswith("elapsed")
 
 
+@pytest.mark.timeout(200)
+def test_dry_run_with_a_shared_gpu_runs_every_freescale_path_and_no_nccl(tmp_path):
+    argv = ["--dry-run", "--share-gpu", "--out", str(tmp_path), "--rounds", "1"]
+    done = _run("multi_gpu_vs_nccl.py", *argv, "--max-bytes", "512", timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "multi_gpu_vs_nccl.json").read_text())
+    assert list(report["phases"]) == ["main"]  # the NCCL-only phase is left out
+    main = report["phases"]["main"]
+    assert main["completed"] and main["backends"] == ["fs_ipc", "fs_direct", "fs_staged"]
+    rows = main["sections"]["sweep"]["result"]["rows"]
+    assert rows and all(r["correct"] for r in rows)
+    assert {r["backend"] for r in rows} == {"fs_ipc", "fs_direct", "fs_staged"}
+    assert all(row["all_ok"] for row in main["sections"]["correctness"]["result"]["rows"])
+    assert report["embed"]["status"].startswith("not run")
+    assert "no NCCL with --share-gpu" in (tmp_path / "table.txt").read_text()
+
+
 def test_every_mode_sits_between_windows_alone_in_an_order_that_depends_on_the_seed_only():
     calls: list[str] = []
     times = {ALONE: 10.0, CONTROL: 10.0, "a": 11.0, "b": 12.0}
