@@ -1253,6 +1253,22 @@ def one_element_strided_tensors() -> int:
     return 3
 
 
+def a_peer_that_never_calls() -> str:
+    """Rank 0 calls an AllGather on a group with a 2 s timeout that no other rank calls;
+    returns its error (empty on the other ranks)."""
+    group = freescale_group(2)
+    message = ""
+    if dist.get_rank() == 0:
+        try:
+            dist.all_gather_into_tensor(
+                torch.empty(dist.get_world_size()), torch.ones(1), group=group
+            )
+        except Exception as err:
+            message = str(err)
+    dist.barrier(group=gloo_group())
+    return message
+
+
 def mismatched_shared_options(field: str, value: Any) -> tuple[str, float]:
     """Creates a freescale group where rank 1 alone sets ``field`` to ``value`` (an options
     field, or ``wire_version``: as if it ran another version); returns the error its creation

@@ -137,6 +137,14 @@ def test_destroy_leaves_no_threads(local_groups):
         assert result["left"] == []
 
 
+def test_a_timeout_says_which_peers_never_sent_a_header(local_groups):
+    # Told apart from data that stopped coming: those peers did not call this collective.
+    group = local_groups.get(2, backend="freescale", setup=SETUP, init_timeout_s=60)
+    message, other = group.run(ranks.a_peer_that_never_calls, timeout_s=60)
+    assert "did not finish within 2 s; no header yet from rank 1" in message, message
+    assert "no data" not in message and other == ""
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [

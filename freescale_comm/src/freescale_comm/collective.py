@@ -953,11 +953,16 @@ class Collective:
     def _expire_locked(self) -> None:
         if self.finished:
             return
-        waiting = sorted({t.peer for t in self._posted if not t.send} | set(self._outbox_from))
+        receiving = [t for t in self._posted if not t.send]
+        # A missing header: the peer has not called this collective (or called another).
+        unheard = sorted({t.peer for t in receiving if t.sub == 0} | set(self._outbox_from))
+        waiting = sorted({t.peer for t in receiving if t.sub != 0} - set(unheard))
         unsent = sorted({t.peer for t in self._posted + self._unposted if t.send})
         if self._pipeline is not None:
             waiting, unsent = self._pipeline.waiting_peers()
         parts = [f"did not finish within {self.group.timeout_s:g} s"]
+        if unheard:
+            parts.append(f"no header yet from {self.group.describe_peers(unheard)}")
         if waiting:
             parts.append(f"no data yet from {self.group.describe_peers(waiting)}")
         if unsent:
