@@ -273,7 +273,10 @@ def _overlap_combo(
             calls.pop(backend, None)
             continue
         once_ms = max(per_rank) * 1e3
-        counts[backend] = max(2, min(5000, math.ceil(1.3 * (window_ms + preroll_ms) / once_ms) + 1))
+        count = max(2, min(5000, math.ceil(1.3 * (window_ms + preroll_ms) / once_ms) + 1))
+        # The same on every rank: ``preroll_ms`` is each rank's own, and a rank that called one
+        # collective more than its peers waited out the group timeout.
+        counts[backend] = max(allgather(ctx, count))
     samples: dict[str, list[float]] = {m: [] for m in (ALONE, *calls, CONTROL)}
     comm_s: dict[str, list[float]] = {m: [] for m in calls}
 
