@@ -443,6 +443,28 @@ def a_thread_preempted_before_its_start(elements: int) -> dict[str, list[float]]
     return gathered
 
 
+def all_gather_single_is_own() -> tuple[bool, list[str]]:
+    """``dist.all_gather_single`` (torch 2.13's name for ``all_gather_into_tensor``): whether it
+    gathered every rank's piece, and the own collectives it ran (none: it went to Gloo)."""
+    from freescale_comm import process_group
+
+    own = process_group.ProcessGroupFreescale._own
+    ran: list[str] = []
+
+    def recording(self: Any, plan: Any, opts: Any) -> Any:
+        ran.append(plan.signature.op)
+        return own(self, plan, opts)
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = torch.empty(n * 3)
+    process_group.ProcessGroupFreescale._own = recording
+    try:
+        dist.all_gather_single(out, torch.full((3,), float(rank)))
+    finally:
+        process_group.ProcessGroupFreescale._own = own
+    return torch.equal(out, torch.arange(n).float().repeat_interleave(3)), ran
+
+
 def functional_and_compile(use_compile: bool) -> list[float]:
     """Functional collectives (they reach the coalesced entry points) and torch.compile."""
     import torch.distributed._functional_collectives as funcol

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.comm import ranks
 from tests.comm.conftest import SETUP
@@ -89,6 +90,12 @@ def test_collectives_of_two_threads_start_in_the_order_they_are_numbered(fs_grou
     n = fs_group.spec.world_size
     want = {"first": [float(r) for r in range(n)], "second": [float(r) for r in range(n)]}
     assert fs_group.run(ranks.a_thread_preempted_before_its_start, elements) == [want] * n
+
+
+@pytest.mark.skipif(not hasattr(torch.distributed, "all_gather_single"), reason="torch 2.13's API")
+def test_all_gather_single_takes_the_own_all_gather(fs_group):
+    n = fs_group.spec.world_size
+    assert fs_group.run(ranks.all_gather_single_is_own) == [(True, ["all_gather_into_tensor"])] * n
 
 
 def test_functional_collectives_and_compile(local_groups):
