@@ -128,7 +128,9 @@ class GroupContext:
         # leave at once (``retire``): they hold the caller's tensors.
         self._inflight: list[Collective] = []
         self._inflight_lock = threading.Lock()
-        self._launch_lock = threading.RLock()  # an abort's callbacks may run in the launcher
+        # Reentrant: callbacks chained to futures in C++ run where a future completes, also
+        # inside ``launch``, and may start collectives.
+        self._launch_lock = threading.RLock()
         self._cuda: dict[int, CudaSupport] = {}
         self._ipc: dict[int, IpcPath] = {}
         self._closed = False
@@ -624,10 +626,13 @@ class GroupContext:
         # data, which a peer calling in number order never receives (the rings deliver in
         # order), and would take the outbox and IPC numbers out of order.
         with self._launch_lock:
-            op.seq = self.next_seq()
             try:
                 for earlier in self.inflight():
-                    earlier.poll_final()  # the CUDA ones whose end event completed since
+                    # The CUDA ones whose end event completed since. Callbacks that C++
+                    # chained to their futures run here and may start collectives: numbered
+                    # after them, this one still starts in number order.
+                    earlier.poll_final()
+                op.seq = self.next_seq()
                 op.start()
             except Exception as err:
                 # This rank took the collective's sequence number, its peers never see its
