@@ -1275,6 +1275,58 @@ def one_element_strided_tensors() -> int:
     return 3
 
 
+def a_failed_start_beside_a_chained_callback() -> dict[str, Any]:
+    """Rank 0: an async AllGather X whose ``collect_all`` chain starts a collective of the group
+    from the thread that completes X (C++ runs chained callbacks there: the engine); meanwhile
+    another thread's collective fails to start after 1 s (a CUDA driver error, simulated), and
+    its rank aborts the group. Rank 1 calls X after 0.3 s. Returns what each party saw."""
+    from freescale_comm import collective
+
+    group = freescale_group(20)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if rank != 0:
+        time.sleep(0.3)
+        dist.all_gather_into_tensor(torch.empty(n), torch.ones(1), group=group)
+        return {}
+    chained: list[str] = []
+
+    def callback(_: Any) -> None:
+        try:
+            dist.all_gather_into_tensor(
+                torch.empty(n), torch.ones(1), group=group, async_op=True
+            ).wait()
+        except Exception as err:
+            chained.append(type(err).__name__)
+
+    work = dist.all_gather_into_tensor(torch.empty(n), torch.ones(1), group=group, async_op=True)
+    chain = torch.futures.collect_all([work.get_future()]).then(callback)
+    start = collective.Collective.start
+    failed: list[str] = []
+
+    def failing_start(self: Any) -> None:
+        if threading.current_thread().name == "failing":
+            time.sleep(1.0)
+            raise RuntimeError("CUDA driver call failed (simulated)")
+        start(self)
+
+    def failing() -> None:
+        try:
+            dist.all_gather_into_tensor(torch.empty(n), torch.ones(1), group=group)
+        except Exception as err:
+            failed.append(str(err))
+
+    collective.Collective.start = failing_start
+    try:
+        thread = threading.Thread(target=failing, name="failing", daemon=True)
+        thread.start()
+        thread.join(15)
+    finally:
+        collective.Collective.start = start
+    with contextlib.suppress(Exception):
+        chain.wait()
+    return {"failing_thread_done": not thread.is_alive(), "failed": failed, "chained": chained}
+
+
 def a_peer_that_never_calls() -> str:
     """Rank 0 calls an AllGather on a group with a 2 s timeout that no other rank calls;
     returns its error (empty on the other ranks)."""

@@ -137,6 +137,21 @@ def test_destroy_leaves_no_threads(local_groups):
         assert result["left"] == []
 
 
+def test_a_collective_that_cannot_start_aborts_beside_a_chained_callback():
+    # The abort ran under the group's launch lock and waited for a collective that the engine
+    # thread was completing, whose callback chained by collect_all waited for the launch lock:
+    # every group of the process stopped.
+    group = LocalGroup(2, backend="freescale", setup=SETUP, init_timeout_s=30)
+    try:
+        group.start()
+        seen, _ = group.run(ranks.a_failed_start_beside_a_chained_callback, timeout_s=60)
+    finally:
+        group.close()
+    assert seen["failing_thread_done"], seen
+    assert len(seen["failed"]) == 1 and "could not start" not in seen["failed"][0], seen
+    assert "simulated" in seen["failed"][0] and len(seen["chained"]) <= 1, seen
+
+
 def test_a_timeout_says_which_peers_never_sent_a_header(local_groups):
     # Told apart from data that stopped coming: those peers did not call this collective.
     group = local_groups.get(2, backend="freescale", setup=SETUP, init_timeout_s=60)

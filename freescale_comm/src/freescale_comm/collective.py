@@ -962,7 +962,9 @@ class Collective:
             waiting, unsent = self._pipeline.waiting_peers()
         parts = [f"did not finish within {self.group.timeout_s:g} s"]
         if unheard:
-            parts.append(f"no header yet from {self.group.describe_peers(unheard)}")
+            # Sub 0 carries the header, or after a bad digest the size tables (``_diagnose``).
+            what = "size table" if self._phase == "diagnose" else "header"
+            parts.append(f"no {what} yet from {self.group.describe_peers(unheard)}")
         if waiting:
             parts.append(f"no data yet from {self.group.describe_peers(waiting)}")
         if unsent:

@@ -128,9 +128,7 @@ class GroupContext:
         # leave at once (``retire``): they hold the caller's tensors.
         self._inflight: list[Collective] = []
         self._inflight_lock = threading.Lock()
-        # Reentrant: callbacks chained to futures in C++ run where a future completes, also
-        # inside ``launch``, and may start collectives.
-        self._launch_lock = threading.RLock()
+        self._launch_lock = threading.Lock()  # ``launch``
         self._cuda: dict[int, CudaSupport] = {}
         self._ipc: dict[int, IpcPath] = {}
         self._closed = False
@@ -626,26 +624,29 @@ class GroupContext:
         # data, which a peer calling in number order never receives (the rings deliver in
         # order), and would take the outbox and IPC numbers out of order.
         with self._launch_lock:
+            for earlier in self.inflight():
+                earlier.poll_final()  # the CUDA ones whose end event completed since
+            op.seq = self.next_seq()
             try:
-                for earlier in self.inflight():
-                    # The CUDA ones whose end event completed since. Callbacks that C++
-                    # chained to their futures run here and may start collectives: numbered
-                    # after them, this one still starts in number order.
-                    earlier.poll_final()
-                op.seq = self.next_seq()
                 op.start()
             except Exception as err:
-                # This rank took the collective's sequence number, its peers never see its
-                # messages: they would wait out the group timeout, and every later collective
-                # would pair the wrong calls. The group is told now (an error of the caller's
-                # own arguments under validate=False, a CUDA driver call that failed, a full
-                # /dev/shm).
-                if self.broken is None:
-                    self.abort(f"rank {self.rank}: {op.label} could not start: {err}")
-                raise
-            with self._inflight_lock:
-                self._inflight = [c for c in self._inflight if not c.finished]
-                self._inflight.append(op)
+                failure: Exception | None = err
+            else:
+                failure = None
+                with self._inflight_lock:
+                    self._inflight = [c for c in self._inflight if not c.finished]
+                    self._inflight.append(op)
+        if failure is not None:
+            # This rank took the collective's sequence number, its peers never see its
+            # messages: they would wait out the group timeout, and every later collective
+            # would pair the wrong calls. The group is told now (an error of the caller's own
+            # arguments under validate=False, a CUDA driver call that failed, a full /dev/shm).
+            # Outside the lock: the abort fails the collectives in flight under their locks,
+            # and a thread finishing one of them may run callbacks (chained in C++) that start
+            # a collective of this group.
+            if self.broken is None:
+                self.abort(f"rank {self.rank}: {op.label} could not start: {failure}")
+            raise failure
         may_drive = caller_waits and (not op.on_cuda or _cuda_device() == op.plan.cuda_index)
         if not (may_drive and self.engine.claim(op)):
             self.engine.submit(op)
