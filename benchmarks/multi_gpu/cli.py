@@ -128,9 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             report["cuda_device_count"] = torch.cuda.device_count()
-            if torch.cuda.device_count() < (1 if args.share_gpu else args.nprocs):
+            need = 1 if args.share_gpu else args.nprocs
+            if torch.cuda.device_count() < need:
                 report["error"] = (
-                    f"{args.nprocs} ranks need {args.nprocs} GPUs, {torch.cuda.device_count()} seen"
+                    f"{args.nprocs} ranks need {need} GPU(s), {torch.cuda.device_count()} seen"
                 )
         except Exception as err:
             report["error"] = describe_error(err)
