@@ -33,8 +33,11 @@ def run_setup(ctx: Ctx, deadline: float) -> dict[str, Any]:
             if j != ctx.dev.index
         }
         try:
-            backend = ctx.nccl._get_backend(torch.device("cuda"))
-            info["nccl_build"] = ".".join(map(str, backend.get_build_nccl_version()))
+            if ctx.nccl is None:
+                info["nccl_build"] = "no NCCL group (--share-gpu)"
+            else:
+                backend = ctx.nccl._get_backend(torch.device("cuda"))
+                info["nccl_build"] = ".".join(map(str, backend.get_build_nccl_version()))
         except Exception as err:
             info["nccl_build"] = f"unknown ({type(err).__name__})"
         try:
