@@ -1327,6 +1327,32 @@ def a_failed_start_beside_a_chained_callback() -> dict[str, Any]:
     return {"failing_thread_done": not thread.is_alive(), "failed": failed, "chained": chained}
 
 
+def a_collect_all_callback_that_waits() -> tuple[str, bool]:
+    """Rank 1 chains, with ``collect_all``, a callback that calls a synchronous AllGather to an
+    async one's future before rank 0 has called that one (so C++ runs the callback on the
+    engine thread). Returns the chain's error (rank 1) and whether the group still gathers."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+
+    def waits(_: Any) -> None:
+        dist.all_gather_into_tensor(torch.empty(n), torch.ones(1))
+
+    message = ""
+    if rank == 0:
+        dist.barrier(group=gloo_group())
+        dist.all_gather_into_tensor(torch.empty(n), torch.ones(1))
+    else:
+        work = dist.all_gather_into_tensor(torch.empty(n), torch.ones(1), async_op=True)
+        chain = torch.futures.collect_all([work.get_future()]).then(waits)
+        dist.barrier(group=gloo_group())
+        try:
+            chain.wait()
+        except Exception as err:
+            message = str(err)
+    out = torch.empty(n)
+    dist.all_gather_into_tensor(out, torch.full((1,), float(rank)))
+    return message, torch.equal(out, torch.arange(n).float())
+
+
 def a_peer_that_never_calls() -> str:
     """Rank 0 calls an AllGather on a group with a 2 s timeout that no other rank calls;
     returns its error (empty on the other ranks)."""

@@ -152,6 +152,14 @@ def test_a_collective_that_cannot_start_aborts_beside_a_chained_callback():
     assert "simulated" in seen["failed"][0] and len(seen["chained"]) <= 1, seen
 
 
+def test_a_collect_all_callback_that_waits_for_a_collective_raises_at_once(fs_group):
+    # It runs on the engine thread, which alone would progress the collective: the rank hung
+    # until the group timeout.
+    per_rank = fs_group.run(ranks.a_collect_all_callback_that_waits)
+    assert all(still_gathers for _, still_gathers in per_rank), per_rank
+    assert "torch.futures.collect_all" in per_rank[1][0], per_rank
+
+
 def test_a_timeout_says_which_peers_never_sent_a_header(local_groups):
     # Told apart from data that stopped coming: those peers did not call this collective.
     group = local_groups.get(2, backend="freescale", setup=SETUP, init_timeout_s=60)

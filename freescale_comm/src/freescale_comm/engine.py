@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from freescale_comm.errors import FreescaleError
+
 if TYPE_CHECKING:
     from freescale_comm.transport import Transport
 
@@ -148,6 +150,18 @@ class Engine:
             self._cond.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join()
+
+    def refuse_wait_here(self, what: str) -> None:
+        """Raises if the calling thread is the engine thread, which runs the callbacks that
+        ``torch.futures.collect_all`` chains in C++: a wait for a collective there would hang
+        until the group timeout, since nothing else progresses it."""
+        if threading.current_thread() is self._thread:
+            raise FreescaleError(
+                f"{what}: a collective cannot be waited for in a callback chained with "
+                "torch.futures.collect_all, which runs on freescale's engine thread (nothing "
+                "else would progress the collective); attach it to each collective's future "
+                "instead (then / add_done_callback run on the group's callback thread)"
+            )
 
     def submit(self, op: Op) -> None:
         """Hands an op whose first requests are posted to the thread that completes it."""

@@ -21,8 +21,8 @@ callbacks attached to it in Python run through the group's ``CallbackRunner``:
 Each runs as a callback of a private torch future that the runner completes when its turn
 comes, so errors reach ``then``'s future as torch's own ``then`` reports them. Callbacks that
 C++ attaches (``torch.futures.collect_all`` over these futures, and callbacks on its result)
-run in the completing thread, as torch's do: on the engine thread, where a callback must not
-wait for a collective.
+run in the completing thread, as torch's do: on the engine thread, where a wait for a
+collective raises at once (``Engine.refuse_wait_here``).
 """
 
 from __future__ import annotations

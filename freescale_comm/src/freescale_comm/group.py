@@ -623,6 +623,8 @@ class GroupContext:
         # before another and started after it would send behind that later collective's early
         # data, which a peer calling in number order never receives (the rings deliver in
         # order), and would take the outbox and IPC numbers out of order.
+        if caller_waits:  # before the number is taken: no peer ever sees this collective
+            self.engine.refuse_wait_here(f"freescale {op.name} (group {self.group_id})")
         with self._launch_lock:
             for earlier in self.inflight():
                 earlier.poll_final()  # the CUDA ones whose end event completed since

@@ -48,6 +48,7 @@ class FreescaleWork(dist.Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         op = self._op
+        op.group.engine.refuse_wait_here(op.label)
         if op.on_cuda:
             return self._wait_stream(timeout)
         return self._wait_done(timeout)
@@ -112,4 +113,5 @@ class FreescaleWork(dist.Work):
         return self._op.plan.result
 
     def synchronize(self) -> None:
+        self._op.group.engine.refuse_wait_here(self._op.label)
         self._wait_done(None)
