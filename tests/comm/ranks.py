@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -431,15 +432,12 @@ def a_thread_preempted_before_its_start(elements: int) -> dict[str, list[float]]
             time.sleep(0.5)
         launch(self, op, caller_waits)
 
-    group_module.GroupContext.launch = preempted_once
-    try:
+    with mock.patch.object(group_module.GroupContext, "launch", preempted_once):
         first = threading.Thread(target=call, args=("first",))
         first.start()
         preempted.wait(10)
         call("second")
         first.join(120)
-    finally:
-        group_module.GroupContext.launch = launch
     return gathered
 
 
@@ -457,11 +455,8 @@ def all_gather_single_is_own() -> tuple[bool, list[str]]:
 
     rank, n = dist.get_rank(), dist.get_world_size()
     out = torch.empty(n * 3)
-    process_group.ProcessGroupFreescale._own = recording
-    try:
+    with mock.patch.object(process_group.ProcessGroupFreescale, "_own", recording):
         dist.all_gather_single(out, torch.full((3,), float(rank)))
-    finally:
-        process_group.ProcessGroupFreescale._own = own
     return torch.equal(out, torch.arange(n).float().repeat_interleave(3)), ran
 
 
@@ -1315,13 +1310,10 @@ def a_failed_start_beside_a_chained_callback() -> dict[str, Any]:
         except Exception as err:
             failed.append(str(err))
 
-    collective.Collective.start = failing_start
-    try:
+    with mock.patch.object(collective.Collective, "start", failing_start):
         thread = threading.Thread(target=failing, name="failing", daemon=True)
         thread.start()
         thread.join(15)
-    finally:
-        collective.Collective.start = start
     with contextlib.suppress(Exception):
         chain.wait()
     return {"failing_thread_done": not thread.is_alive(), "failed": failed, "chained": chained}
@@ -1378,18 +1370,15 @@ def mismatched_shared_options(field: str, value: Any) -> tuple[str, float]:
     other = dist.get_rank() == 1
     wire = field == "wire_version"
     options = FreescaleOptions(**({field: value} if other and not wire else {}))
-    own_version = directory.WIRE_VERSION
+    version = value if other and wire else directory.WIRE_VERSION
     started = time.monotonic()
     try:
-        if other and wire:
-            directory.WIRE_VERSION = value
-        dist.new_group(backend="freescale", timeout=timedelta(seconds=60), pg_options=options)
+        with mock.patch.object(directory, "WIRE_VERSION", version):
+            dist.new_group(backend="freescale", timeout=timedelta(seconds=60), pg_options=options)
     except FreescaleValidationError as err:
         message, took = str(err), time.monotonic() - started
     else:
         raise AssertionError("a group whose ranks' options differ was created")
-    finally:
-        directory.WIRE_VERSION = own_version
     out = torch.empty(dist.get_world_size())
     dist.all_gather_into_tensor(out, torch.tensor([1.0]))
     return message, took

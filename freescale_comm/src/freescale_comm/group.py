@@ -158,7 +158,8 @@ class GroupContext:
         # before its entry is published; once the directory has seen every entry, every key a
         # liveness poll reads exists (a ``multi_get`` of a missing key would wait for it).
         self._keys = keys
-        directory.start(keys, root_store(store), rank, directory.setup_agreement(options.shared()))
+        agreement = directory.setup_agreement(options.shared())
+        directory.start(keys, root_store(store), rank, agreement)
         wait = timedelta(seconds=self.timeout_s)
         self.liveness = Liveness(
             keys, rank, size, options.heartbeat_s, options.dead_after_s, self.abort
@@ -168,7 +169,7 @@ class GroupContext:
             keys, rank, size, host, self.transport.address, wait, process_identity()
         )
         self.group_id = self.directory.group_id
-        self._check_shared_options()
+        self._check_agreement(agreement)
         self.liveness.watch_processes(
             {p: who for p, who in self.directory.host_processes.items() if p != rank}
         )
@@ -183,12 +184,11 @@ class GroupContext:
             options.idle_wait, len(self.directory.same_host), self._cores
         )
 
-    def _check_shared_options(self) -> None:
+    def _check_agreement(self, mine: str) -> None:
         """Fails set-up on every rank where some rank's options that every rank must share, or
-        its wire version, differ from rank 0's: its collectives would otherwise time out, fail
-        obscurely or return wrong data."""
+        its wire version (``mine``: ``directory.setup_agreement``), differ from rank 0's: its
+        collectives would otherwise time out, fail obscurely or return wrong data."""
         first = self.directory.first_rank_agreement
-        mine = directory.setup_agreement(self.options.shared())
         if self._agree("shared_options", mine == first):
             return
         raise FreescaleValidationError(
