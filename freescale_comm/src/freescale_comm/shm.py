@@ -838,9 +838,9 @@ class Hub:
                 self.links.remove(link)
 
     def remove(self, link: Link) -> None:
+        """Detaches ``link`` (if still attached) and closes it."""
+        self.detach(link)
         with self.lock:
-            if link in self.links:
-                self.links.remove(link)
             link.close()
             self._reclaim()
 
