@@ -1319,30 +1319,45 @@ def a_failed_start_beside_a_chained_callback() -> dict[str, Any]:
     return {"failing_thread_done": not thread.is_alive(), "failed": failed, "chained": chained}
 
 
-def a_collect_all_callback_that_waits() -> tuple[str, bool]:
-    """Rank 1 chains, with ``collect_all``, a callback that calls a synchronous AllGather to an
-    async one's future before rank 0 has called that one (so C++ runs the callback on the
-    engine thread). Returns the chain's error (rank 1) and whether the group still gathers."""
+def a_collect_all_callback_that_waits() -> tuple[str, float, str]:
+    """Every rank chains, with ``collect_all``, a callback that calls a synchronous AllGather to
+    an async AllGather's future on a group with a 20 s timeout: rank 0 once that future is done
+    (C++ runs the callback at once, in rank 0's thread, where its collective starts), the others
+    before rank 0 has called it (C++ runs it on their engine thread). Returns the error that
+    reached the chain (or the async AllGather), the seconds it took after rank 0's call, and
+    the error of a later AllGather of the group."""
+    group = freescale_group(20)
     rank, n = dist.get_rank(), dist.get_world_size()
 
     def waits(_: Any) -> None:
-        dist.all_gather_into_tensor(torch.empty(n), torch.ones(1))
+        dist.all_gather_into_tensor(torch.empty(n), torch.ones(1), group=group)
 
     message = ""
-    if rank == 0:
-        dist.barrier(group=gloo_group())
-        dist.all_gather_into_tensor(torch.empty(n), torch.ones(1))
-    else:
-        work = dist.all_gather_into_tensor(torch.empty(n), torch.ones(1), async_op=True)
+    if rank != 0:
+        work = dist.all_gather_into_tensor(
+            torch.empty(n), torch.ones(1), group=group, async_op=True
+        )
         chain = torch.futures.collect_all([work.get_future()]).then(waits)
-        dist.barrier(group=gloo_group())
-        try:
-            chain.wait()
-        except Exception as err:
-            message = str(err)
-    out = torch.empty(n)
-    dist.all_gather_into_tensor(out, torch.full((1,), float(rank)))
-    return message, torch.equal(out, torch.arange(n).float())
+    dist.barrier(group=gloo_group())
+    began = time.monotonic()
+    try:
+        if rank == 0:
+            work = dist.all_gather_into_tensor(
+                torch.empty(n), torch.ones(1), group=group, async_op=True
+            )
+            work.wait()
+            chain = torch.futures.collect_all([work.get_future()]).then(waits)
+        chain.wait()
+    except Exception as err:
+        message = str(err)
+    elapsed = time.monotonic() - began
+    later = ""
+    try:
+        dist.all_gather_into_tensor(torch.empty(n), torch.ones(1), group=group)
+    except Exception as err:
+        later = str(err)
+    dist.barrier(group=gloo_group())
+    return message, elapsed, later
 
 
 def a_peer_that_never_calls() -> str:

@@ -152,12 +152,16 @@ def test_a_collective_that_cannot_start_aborts_beside_a_chained_callback():
     assert "simulated" in seen["failed"][0] and len(seen["chained"]) <= 1, seen
 
 
-def test_a_collect_all_callback_that_waits_for_a_collective_raises_at_once(fs_group):
-    # It runs on the engine thread, which alone would progress the collective: the rank hung
-    # until the group timeout.
+def test_a_collect_all_callback_that_waits_for_a_collective_raises_on_every_rank(fs_group):
+    # On the engine thread, which alone would progress the collective, the wait hung the rank
+    # until the group timeout; a rank whose callback ran in its own thread instead (its future
+    # was done when the callback was attached) waited that long for peers that had refused.
     per_rank = fs_group.run(ranks.a_collect_all_callback_that_waits)
-    assert all(still_gathers for _, still_gathers in per_rank), per_rank
-    assert "torch.futures.collect_all" in per_rank[1][0], per_rank
+    for message, elapsed, later in per_rank:
+        assert "torch.futures.collect_all" in message, per_rank
+        assert elapsed < 10, per_rank  # the group timeout is 20 s
+        assert "aborted" in later, per_rank
+    assert "the group is aborted on every rank" in per_rank[1][0], per_rank
 
 
 def test_a_timeout_says_which_peers_never_sent_a_header(local_groups):

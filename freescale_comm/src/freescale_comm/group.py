@@ -623,8 +623,8 @@ class GroupContext:
         # before another and started after it would send behind that later collective's early
         # data, which a peer calling in number order never receives (the rings deliver in
         # order), and would take the outbox and IPC numbers out of order.
-        if caller_waits:  # before the number is taken: no peer ever sees this collective
-            self.engine.refuse_wait_here(f"freescale {op.name} (group {self.group_id})")
+        if caller_waits:  # before the number is taken
+            self.refuse_wait_on_engine_thread(f"freescale {op.name} (group {self.group_id})")
         with self._launch_lock:
             for earlier in self.inflight():
                 earlier.poll_final()  # the CUDA ones whose end event completed since
@@ -652,6 +652,31 @@ class GroupContext:
         may_drive = caller_waits and (not op.on_cuda or _cuda_device() == op.plan.cuda_index)
         if not (may_drive and self.engine.claim(op)):
             self.engine.submit(op)
+
+    def refuse_wait_on_engine_thread(self, what: str) -> None:
+        """Raises, and aborts the group, if the calling thread is the engine thread.
+
+        C++ runs the callbacks that ``torch.futures.collect_all`` chains where the last future
+        completes: on the engine thread, where a wait would hang until the group timeout, or
+        on the thread that attached the callback once every future is done, where the same
+        callback's collective runs. Which one is timing, so ranks can disagree: the group is
+        aborted, so that the peers raise as well instead of waiting for (or pairing with the
+        next call) a collective this rank never starts.
+        """
+        try:
+            self.engine.refuse_wait_here(what)
+        except FreescaleError as err:
+            refused = FreescaleError(f"{err}; the group is aborted on every rank")
+            if self.broken is None:
+                reason = f"rank {self.rank}: {err}"
+                with contextlib.suppress(Exception):  # the store's host may be gone
+                    self.liveness.abort(reason)  # the peers know within one poll
+                # The rest of the abort fails the collectives in flight under their locks, one
+                # of which this thread may hold while it completes that collective's future.
+                threading.Thread(
+                    target=self.abort, args=(reason,), name="freescale-comm-abort", daemon=True
+                ).start()
+            raise refused from None
 
     def inflight(self) -> list[Collective]:
         """The collectives started and not finished (and failed ones until the next call)."""

@@ -48,7 +48,7 @@ class FreescaleWork(dist.Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         op = self._op
-        op.group.engine.refuse_wait_here(op.label)
+        op.group.refuse_wait_on_engine_thread(op.label)
         if op.on_cuda:
             return self._wait_stream(timeout)
         return self._wait_done(timeout)
@@ -113,5 +113,5 @@ class FreescaleWork(dist.Work):
         return self._op.plan.result
 
     def synchronize(self) -> None:
-        self._op.group.engine.refuse_wait_here(self._op.label)
+        self._op.group.refuse_wait_on_engine_thread(self._op.label)
         self._wait_done(None)
