@@ -1360,6 +1360,27 @@ def a_collect_all_callback_that_waits() -> tuple[str, float, str]:
     return message, elapsed, later
 
 
+def a_collect_all_callback_that_waits_for_its_own_collective() -> tuple[bool, bool]:
+    """Every rank chains, with ``collect_all``, a callback that waits for the very AllGather
+    whose future it follows (rank 0 calls it after the others have chained, so C++ runs their
+    callbacks on the engine thread). Returns whether the chain and a later AllGather succeeded.
+    """
+    group = freescale_group(20)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        dist.barrier(group=gloo_group())
+    work = dist.all_gather_into_tensor(torch.empty(n), torch.ones(1), group=group, async_op=True)
+    chain = torch.futures.collect_all([work.get_future()]).then(
+        lambda _: (work.wait(), work.synchronize())
+    )
+    if rank != 0:
+        dist.barrier(group=gloo_group())
+    chained = chain.wait() == (True, None)
+    out = torch.empty(n)
+    dist.all_gather_into_tensor(out, torch.full((1,), float(rank)), group=group)
+    return chained, torch.equal(out, torch.arange(n).float())
+
+
 def a_peer_that_never_calls() -> str:
     """Rank 0 calls an AllGather on a group with a 2 s timeout that no other rank calls;
     returns its error (empty on the other ranks)."""

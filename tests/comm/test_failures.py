@@ -164,6 +164,14 @@ def test_a_collect_all_callback_that_waits_for_a_collective_raises_on_every_rank
     assert "the group is aborted on every rank" in per_rank[1][0], per_rank
 
 
+def test_a_collect_all_callback_may_wait_for_the_collective_it_follows(fs_group):
+    # That collective is finished there, but its event is set only once the callbacks return.
+    assert (
+        fs_group.run(ranks.a_collect_all_callback_that_waits_for_its_own_collective)
+        == [(True, True)] * fs_group.spec.world_size
+    )
+
+
 def test_a_timeout_says_which_peers_never_sent_a_header(local_groups):
     # Told apart from data that stopped coming: those peers did not call this collective.
     group = local_groups.get(2, backend="freescale", setup=SETUP, init_timeout_s=60)

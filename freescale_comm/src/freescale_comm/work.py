@@ -48,10 +48,25 @@ class FreescaleWork(dist.Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         op = self._op
+        if self._finished_on_engine_thread():
+            if op.on_cuda:
+                self._wait_on_stream()
+            return True
         op.group.refuse_wait_on_engine_thread(op.label)
         if op.on_cuda:
             return self._wait_stream(timeout)
         return self._wait_done(timeout)
+
+    def _finished_on_engine_thread(self) -> bool:
+        """True (or the collective's error) for a finished collective waited for on the engine
+        thread: a callback that C++ chained to its future (``collect_all``) runs while the
+        engine completes it, before its event is set, which a wait would wait for."""
+        op = self._op
+        if not (op.finished and op.group.engine.is_engine_thread()):
+            return False
+        if op.error is not None:
+            raise op.error
+        return True
 
     def _bound(self, timeout: timedelta | None) -> tuple[float, bool]:
         """The wait's limit in seconds, and whether it is the caller's (shorter) one."""
@@ -86,10 +101,13 @@ class FreescaleWork(dist.Work):
         # thread waits for them (and frees the buffers) while the caller goes on.
         op.group.engine.drive(op, until, op.sealed.is_set)
         self._block(op.sealed, limit, short, until)
+        self._wait_on_stream()
+        return True
+
+    def _wait_on_stream(self) -> None:
         from freescale_comm.cuda import current_stream  # CPU-only processes never import it
 
-        current_stream(op.plan.cuda_index).wait_event(op.final)
-        return True
+        current_stream(self._op.plan.cuda_index).wait_event(self._op.final)
 
     def _unclaim(self) -> FreescaleWork:
         self._op.group.engine.hand_over(self._op)
@@ -113,5 +131,7 @@ class FreescaleWork(dist.Work):
         return self._op.plan.result
 
     def synchronize(self) -> None:
+        if self._finished_on_engine_thread():
+            return
         self._op.group.refuse_wait_on_engine_thread(self._op.label)
         self._wait_done(None)
