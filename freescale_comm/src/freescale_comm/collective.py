@@ -142,6 +142,7 @@ class Collective:
         self._future: CollectiveFuture | None = None
         self._future_lock = threading.Lock()
         self._outcome: tuple[bool, Any] | None = None
+        self._completing_in: int | None = None  # the thread completing the future, meanwhile
         self._lock = threading.Lock()
         self._abort_reason: str | None = None
         self._phase = "header"
@@ -233,8 +234,18 @@ class Collective:
             future = self._future
         if future is not None:
             # No Python callback runs here (on the engine thread, under the collective's
-            # lock): the group's callback thread runs them (``futures``).
-            future.complete(ok, value)
+            # lock): the group's callback thread runs them (``futures``). Those C++ chained
+            # (``collect_all``) do run here, before ``event`` is set.
+            self._completing_in = threading.get_ident()
+            try:
+                future.complete(ok, value)
+            finally:
+                self._completing_in = None
+
+    def completing_here(self) -> bool:
+        """Whether the calling thread is completing this collective's future (and so runs
+        the callbacks C++ chained to it): its outcome is set, its ``event`` not yet."""
+        return self._completing_in == threading.get_ident()
 
     @property
     def label(self) -> str:
@@ -992,8 +1003,8 @@ class Collective:
     def _fail_locked(self, reason: str, kind: str) -> None:
         if self.finished:
             return
+        self.error = _ERRORS[kind](f"{self.label}: {reason}")  # first: seen with ``finished``
         self.finished = True
-        self.error = _ERRORS[kind](f"{self.label}: {reason}")
         self._headers = []
         self._release_outboxes()
         # The buffers (and the staging slots still held) of the cancelled requests stay

@@ -151,14 +151,11 @@ class Engine:
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
-    def is_engine_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
     def refuse_wait_here(self, what: str) -> None:
         """Raises if the calling thread is the engine thread, which runs the callbacks that
         ``torch.futures.collect_all`` chains in C++: a wait for a collective there would hang
         until the group timeout, since nothing else progresses it."""
-        if self.is_engine_thread():
+        if threading.current_thread() is self._thread:
             raise FreescaleError(
                 f"{what}: a collective cannot be waited for in a callback chained with "
                 "torch.futures.collect_all, which runs on freescale's engine thread (nothing "

@@ -48,7 +48,7 @@ class FreescaleWork(dist.Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         op = self._op
-        if self._finished_on_engine_thread():
+        if self._completing_here():
             if op.on_cuda:
                 self._wait_on_stream()
             return True
@@ -57,12 +57,12 @@ class FreescaleWork(dist.Work):
             return self._wait_stream(timeout)
         return self._wait_done(timeout)
 
-    def _finished_on_engine_thread(self) -> bool:
-        """True (or the collective's error) for a finished collective waited for on the engine
-        thread: a callback that C++ chained to its future (``collect_all``) runs while the
-        engine completes it, before its event is set, which a wait would wait for."""
+    def _completing_here(self) -> bool:
+        """True (or the collective's error) where the calling thread is completing the
+        collective's future: a callback that C++ chained to it (``collect_all``) runs there,
+        on the engine or a CUDA watcher thread, before the event a wait waits for is set."""
         op = self._op
-        if not (op.finished and op.group.engine.is_engine_thread()):
+        if not op.completing_here():
             return False
         if op.error is not None:
             raise op.error
@@ -131,7 +131,7 @@ class FreescaleWork(dist.Work):
         return self._op.plan.result
 
     def synchronize(self) -> None:
-        if self._finished_on_engine_thread():
+        if self._completing_here():
             return
         self._op.group.refuse_wait_on_engine_thread(self._op.label)
         self._wait_done(None)
