@@ -11,6 +11,7 @@ import contextlib
 import errno
 import functools
 import gc
+import itertools
 import logging
 import os
 import random
@@ -68,14 +69,21 @@ def cuda_group(
     with ``FreescaleOptions(**options)``; ``host``: the host identity the group sees."""
     device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
     torch.cuda.set_device(device)
+    with _pretend_host(host):
+        group = freescale_group(timeout_s, **options)
+    return device, group
+
+
+@contextlib.contextmanager
+def _pretend_host(host: str | None) -> Iterator[None]:
+    """The host identity groups made meanwhile see (None: the real one)."""
     if host is not None:
         os.environ["FREESCALE_HOST_ID"] = host
     try:
-        group = freescale_group(timeout_s, **options)
+        yield
     finally:
         if host is not None:
             del os.environ["FREESCALE_HOST_ID"]
-    return device, group
 
 
 def make_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -202,6 +210,96 @@ def run_random_cases(
                     dist.all_to_all_single(ref, flat_in.contiguous(), recv, send, group=gloo)
                     _same(out, ref, what + " vs gloo")
     return cases
+
+
+def concurrent_random_cases(
+    seed: int, rounds: int, threads: int, max_elements: int, hosts: int = 1
+) -> int:
+    """Rounds of 1-6 AllGathers and AllToAlls in flight at once (async, waited for in a random
+    order, some through a callback on their future), up to ``max_elements`` per rank (either
+    side of the eager, early-send and host-read limits), from ``threads`` threads, each with
+    two freescale groups of its own: every rank, and the ranks of its parity (a group's
+    collectives must start in one order on every rank, so no two threads share one). The
+    ranks are spread over ``hosts`` pretend hosts. Every result is checked against the one
+    computed here. Returns the collectives checked."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    halves = [list(range(parity, n, 2)) for parity in (0, 1)] if n > 2 else []
+    groups: list[list[tuple[Any, list[int]]]] = []
+    with _pretend_host(f"soak-host-{rank * hosts // n}" if hosts > 1 else None):
+        for _ in range(threads):
+            mine = [(freescale_group(60), list(range(n)))]
+            for members in halves:  # every rank makes both
+                half = dist.new_group(members, backend="freescale", timeout=timedelta(seconds=60))
+                if rank in members:
+                    mine.append((half, members))
+            groups.append(mine)
+    sizes = sorted({0, 1, 7, 2049, 16_400, 70_000, 300_000, max_elements})
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.uint8]
+    checked = [0] * threads
+    failures: list[str] = []
+
+    def issue(
+        group: Any, members: list[int], rng: random.Random, case: int
+    ) -> tuple[Any, torch.Tensor, Any, str]:
+        size, me = len(members), members.index(rank)
+        dtype = rng.choice(dtypes)
+        elements = rng.choice(sizes)
+        what = f"case {case} on {members} {dtype} {elements}"
+        seed_of = functools.partial(_tensor_seed, seed, case)
+        if rng.random() < 0.5:
+            inputs = [make_tensor((elements,), dtype, seed_of(r)) for r in range(size)]
+            out = torch.empty(size * elements, dtype=dtype)
+            work = dist.all_gather_into_tensor(out, inputs[me], group=group, async_op=True)
+            return work, out, torch.cat(inputs), "all_gather " + what
+        # splits[r][j]: the elements member r sends to member j, around elements / size each
+        # (n x n draws of one number each whatever the group's size, so that the draws of
+        # ranks in groups of different sizes stay alike).
+        most = 2 * elements // size + 1
+        grid = [[int(rng.random() * (most + 1)) for _ in range(n)] for _ in range(n)]
+        splits = [row[:size] for row in grid[:size]]
+        inputs = [
+            [make_tensor((splits[r][j],), dtype, seed_of(r, j)) for j in range(size)]
+            for r in range(size)
+        ]
+        recv = [splits[j][me] for j in range(size)]
+        out = torch.empty(sum(recv), dtype=dtype)
+        work = dist.all_to_all_single(
+            out, torch.cat(inputs[me]), recv, splits[me], group=group, async_op=True
+        )
+        return work, out, torch.cat([inputs[j][me] for j in range(size)]), "all_to_all " + what
+
+    def worker(index: int) -> None:
+        rng = random.Random(seed * 101 + index)  # the same draws on every rank
+        case = index << 20
+        try:
+            for _ in range(rounds):
+                # Every rank draws the same choice; a half group is the one of this rank's parity.
+                group, members = groups[index][rng.randrange(len(groups[index]))]
+                in_flight = []
+                for _ in range(rng.randint(1, 6)):
+                    in_flight.append(issue(group, members, rng, case))
+                    case += 1
+                rng.shuffle(in_flight)
+                for work, out, want, what in in_flight:
+                    if rng.random() < 0.3:
+                        out = work.get_future().then(lambda f: f.value()[0]).wait()
+                    else:
+                        work.wait()
+                    _same(out, want, what)
+                    checked[index] += 1
+        except Exception as err:
+            failures.append(f"thread {index}: {type(err).__name__}: {err}")
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join()
+    if failures:
+        raise AssertionError("; ".join(failures))
+    for group, _ in itertools.chain(*groups):
+        dist.destroy_process_group(group)
+    return sum(checked)
 
 
 def delegated_ops() -> list[float]:

@@ -41,3 +41,10 @@ def test_one_element_tensors_with_any_stride(fs_group):
     # A one-element tensor is contiguous whatever its stride; Gloo takes it, so must we.
     n = fs_group.spec.world_size
     assert fs_group.run(ranks.one_element_strided_tensors, timeout_s=60) == [3] * n
+
+
+def test_collectives_in_flight_from_threads_on_subgroups_and_two_hosts(fs_group):
+    # Up to 6 at once per thread, waited for in a random order, sizes either side of every
+    # path's limit, over UCX between the pretend hosts and the rings within each.
+    checked = fs_group.run(ranks.concurrent_random_cases, 5, 25, 2, 1_200_000, 2, timeout_s=180)
+    assert len(set(checked)) == 1 and checked[0] > 2 * 25, checked
