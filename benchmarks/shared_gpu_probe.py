@@ -13,10 +13,14 @@ Two ranks on GPU 0 (two CUDA contexts, which the GPU time-slices), a Gloo group 
    (``cuStreamWriteValue32`` / ``cuStreamWaitValue32``, the CPU never waits; with and without
    an 8-byte device-to-device copy per hop), and with the CPU polling the flag and only then
    queueing the copy out (``cpu_polled``).
+3. ``exchange``: the pattern of a 2-rank small collective, both ranks sending at once and then
+   waiting for the other's message (8 bytes out through the shared page, 8 bytes in): 200 back
+   to back per mode, GPU flags or CPU polled; and one at a time after a barrier (median of 50,
+   until the rank's stream is done).
 
 Writes ``shared_gpu_probe.json`` under ``--out`` and prints a table.
 
-    python3 benchmarks/shared_gpu_probe.py --out $OUT [--rounds 4]    # the GPU machine
+    python3 benchmarks/shared_gpu_probe.py --out $OUT [--rounds 4] [--parts messages]  # GPU machine
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ MIB = 1 << 20
 MATMULS = 48
 PEER_OPS = 26  # per window, about one per staged AllToAll of 64 MiB
 HOPS = 200
+EXCHANGES_ONCE = 50
 _PAGE = 1 << 16
 _MEMCPY_SRC_ACCESS_ORDER_STREAM = 0x1
 _MEM_LOCATION_TYPE_DEVICE = 0x1
@@ -222,7 +227,31 @@ def _hop() -> dict[str, Any]:
             cu.wait_value32(handle, flags[peer], i, 0)  # GEQ
         cu.memcpy_async(buffer.data_ptr(), data[peer], 8, handle)
 
+    def exchange(i: int, cpu_polled: bool) -> None:
+        send(i, False)
+        receive(i, cpu_polled)
+
     results: dict[str, list[float]] = {}
+    for mode in ["exchange_gpu_flags", "exchange_cpu_polled"] * 2:
+        words[:64] = 0
+        torch.cuda.synchronize()
+        dist.barrier()
+        began = time.perf_counter()
+        for i in range(1, HOPS + 1):
+            exchange(i, mode == "exchange_cpu_polled")
+        stream.synchronize()
+        results.setdefault(mode, []).append(round((time.perf_counter() - began) * 1e6 / HOPS, 1))
+    for mode in ["exchange_once_gpu_flags", "exchange_once_cpu_polled"]:
+        words[:64] = 0
+        single = []
+        for i in range(1, EXCHANGES_ONCE + 1):
+            torch.cuda.synchronize()
+            dist.barrier()
+            began = time.perf_counter()
+            exchange(i, mode == "exchange_once_cpu_polled")
+            stream.synchronize()
+            single.append((time.perf_counter() - began) * 1e6)
+        results[mode] = [round(statistics.median(single), 1)]
     for mode in ["gpu_flags", "gpu_flags_dtod", "cpu_polled"] * 2:
         words[:64] = 0
         torch.cuda.synchronize()
@@ -243,30 +272,40 @@ def _hop() -> dict[str, Any]:
     return results
 
 
-def _rank(rounds: int) -> dict[str, Any]:
+def _rank(rounds: int, parts: list[str]) -> dict[str, Any]:
     import torch
 
     torch.cuda.set_device(0)
-    return {"peer_work": _peer_work(rounds), "hop_us": _hop()}
+    report: dict[str, Any] = {}
+    if "peer_work" in parts:
+        report["peer_work"] = _peer_work(rounds)
+    if "messages" in parts:
+        report["hop_us"] = _hop()
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument(
+        "--parts", nargs="+", choices=["peer_work", "messages"], default=["peer_work", "messages"]
+    )
     args = parser.parse_args(argv)
     spec = GroupSpec(2, "gloo", device="cuda", threads=None)
-    ranks = run_ranks(spec, _rank, args.rounds, timeout_s=300)
+    ranks = run_ranks(spec, _rank, args.rounds, args.parts, timeout_s=300)
     report = {"rounds": args.rounds, "ranks": ranks}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "shared_gpu_probe.json").write_text(json.dumps(report, indent=1))
-    work = ranks[0]["peer_work"]
-    print(f"matmul alone {work['matmul_alone_ms_median']:.3f} ms; rank 1's work beside it:")
-    for mode, pct in work["slowdown_pct"].items():
-        low, high = work["slowdown_pct_range"][mode]
-        print(f"  {mode:<30} {pct:+6.1f}%  (rounds {low:+.1f} to {high:+.1f})")
-    for mode, hops in ranks[0]["hop_us"].items():
-        print(f"hop {mode:<16} {' / '.join(f'{h:.1f}' for h in hops)} us")
+    if "peer_work" in args.parts:
+        work = ranks[0]["peer_work"]
+        print(f"matmul alone {work['matmul_alone_ms_median']:.3f} ms; rank 1's work beside it:")
+        for mode, pct in work["slowdown_pct"].items():
+            low, high = work["slowdown_pct_range"][mode]
+            print(f"  {mode:<30} {pct:+6.1f}%  (rounds {low:+.1f} to {high:+.1f})")
+    for mode, hops in ranks[0].get("hop_us", {}).items():
+        slower = [max(a, b) for a, b in zip(hops, ranks[1]["hop_us"][mode], strict=True)]
+        print(f"{mode:<26} {' / '.join(f'{h:.1f}' for h in slower)} us (slower rank)")
     return 0
 
 
