@@ -51,6 +51,7 @@ def _run(script: str, *argv: str, timeout: float) -> subprocess.CompletedProcess
             "--out",
         ),
         ("comm_host_profile.py", ["--calls", "20", "--blocks", "1", "--profile"], "--json"),
+        ("host_copy_bandwidth.py", ["--read-mib", "1", "--copy-mib", "1"], "--json"),
         ("embed_gpu.py", ["--device", "cpu", "--backend", "gloo", "--quick"], "--out"),
     ],
 )

@@ -1,0 +1,105 @@
+"""How fast this machine copies host memory: the bound of large CPU collectives on few cores.
+
+1. ``process_vm_readv`` (what ``freescale_comm`` reads a large message with) from another
+   process into this one, one core: median GB/s of 30 reads per size.
+2. Copies of ``--copy-mib`` (beyond the cache) in 1, 2 and 4 processes at once for 2 s each:
+   the machine's aggregate copy bandwidth, which ranks sharing its cores split.
+
+    python benchmarks/host_copy_bandwidth.py [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from freescale_comm.shm import read_process
+
+MIB = 1 << 20
+READS = 30
+COPY_S = 2.0
+
+
+def _hold(size: int, addresses: Any, release: Any) -> None:
+    source = np.ones(size, dtype=np.uint8)
+    addresses.put(source.ctypes.data)
+    release.wait(60)
+
+
+def _read_rate(size: int) -> float:
+    addresses, release = mp.Queue(), mp.Event()
+    holder = mp.Process(target=_hold, args=(size, addresses, release), daemon=True)
+    holder.start()
+    try:
+        remote = addresses.get(timeout=30)
+        local = np.empty(size, dtype=np.uint8)
+        times = []
+        for _ in range(READS + 1):
+            began = time.perf_counter()
+            failed = read_process(holder.pid, local.ctypes.data, remote, size)
+            times.append(time.perf_counter() - began)
+            if failed is not None:
+                raise RuntimeError(f"process_vm_readv failed: {failed}")
+        return size / statistics.median(times[1:]) / 1e9
+    finally:
+        release.set()
+        holder.join(10)
+
+
+def _copy(size: int, start: Any, rates: Any) -> None:
+    source = np.ones(size, dtype=np.uint8)
+    target = np.empty_like(source)
+    np.copyto(target, source)  # pages touched before the clock starts
+    start.wait(60)
+    copies, began = 0, time.perf_counter()
+    while time.perf_counter() - began < COPY_S:
+        np.copyto(target, source)
+        copies += 1
+    rates.put(copies * size / (time.perf_counter() - began) / 1e9)
+
+
+def _aggregate_copy_rate(size: int, processes: int) -> float:
+    start, rates = mp.Event(), mp.Queue()
+    workers = [mp.Process(target=_copy, args=(size, start, rates)) for _ in range(processes)]
+    for worker in workers:
+        worker.start()
+    time.sleep(1.0)  # every worker allocated and touched its pages
+    start.set()
+    total = sum(rates.get(timeout=60) for _ in workers)
+    for worker in workers:
+        worker.join(10)
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--read-mib", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--copy-mib", type=int, default=64)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+    report: dict[str, Any] = {
+        "read_gbps": {mib: round(_read_rate(mib * MIB), 1) for mib in args.read_mib},
+        "copy_mib": args.copy_mib,
+        "aggregate_copy_gbps": {
+            n: round(_aggregate_copy_rate(args.copy_mib * MIB, n), 1) for n in (1, 2, 4)
+        },
+    }
+    for mib, rate in report["read_gbps"].items():
+        print(f"process_vm_readv of {mib} MiB, one core: {rate} GB/s")
+    for n, rate in report["aggregate_copy_gbps"].items():
+        print(f"copies of {args.copy_mib} MiB in {n} processes at once: {rate} GB/s in all")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
