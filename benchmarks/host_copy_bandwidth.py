@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
+from multiprocessing.synchronize import Barrier as BarrierType
+from multiprocessing.synchronize import Event as EventType
 from typing import Any
 
 import numpy as np
@@ -27,13 +30,15 @@ READS = 30
 COPY_S = 2.0
 
 
-def _hold(size: int, addresses: Any, release: Any) -> None:
+def _hold(size: int, addresses: mp.Queue, release: EventType) -> None:
+    """Holds ``size`` bytes for another process to read, and sends their address."""
     source = np.ones(size, dtype=np.uint8)
     addresses.put(source.ctypes.data)
     release.wait(60)
 
 
 def _read_rate(size: int) -> float:
+    """GB/s of ``process_vm_readv`` of ``size`` bytes from a child process, median of reads."""
     addresses, release = mp.Queue(), mp.Event()
     holder = mp.Process(target=_hold, args=(size, addresses, release), daemon=True)
     holder.start()
@@ -41,7 +46,7 @@ def _read_rate(size: int) -> float:
         remote = addresses.get(timeout=30)
         local = np.empty(size, dtype=np.uint8)
         times = []
-        for _ in range(READS + 1):
+        for _ in range(READS + 1):  # the first faults the pages in
             began = time.perf_counter()
             failed = read_process(holder.pid, local.ctypes.data, remote, size)
             times.append(time.perf_counter() - began)
@@ -53,7 +58,8 @@ def _read_rate(size: int) -> float:
         holder.join(10)
 
 
-def _copy(size: int, start: Any, rates: Any) -> None:
+def _copy(size: int, start: BarrierType, rates: mp.Queue) -> None:
+    """Copies ``size`` bytes over and over for ``COPY_S`` once every worker is ready."""
     source = np.ones(size, dtype=np.uint8)
     target = np.empty_like(source)
     np.copyto(target, source)  # pages touched before the clock starts
@@ -66,12 +72,11 @@ def _copy(size: int, start: Any, rates: Any) -> None:
 
 
 def _aggregate_copy_rate(size: int, processes: int) -> float:
-    start, rates = mp.Event(), mp.Queue()
+    """GB/s of ``processes`` processes copying ``size`` bytes each at once, summed."""
+    start, rates = mp.Barrier(processes), mp.Queue()
     workers = [mp.Process(target=_copy, args=(size, start, rates)) for _ in range(processes)]
     for worker in workers:
         worker.start()
-    time.sleep(1.0)  # every worker allocated and touched its pages
-    start.set()
     total = sum(rates.get(timeout=60) for _ in workers)
     for worker in workers:
         worker.join(10)
@@ -85,12 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     report: dict[str, Any] = {
+        "load_avg_1m_at_start": os.getloadavg()[0],
         "read_gbps": {mib: round(_read_rate(mib * MIB), 1) for mib in args.read_mib},
         "copy_mib": args.copy_mib,
         "aggregate_copy_gbps": {
             n: round(_aggregate_copy_rate(args.copy_mib * MIB, n), 1) for n in (1, 2, 4)
         },
     }
+    report["load_avg_1m_at_end"] = os.getloadavg()[0]
     for mib, rate in report["read_gbps"].items():
         print(f"process_vm_readv of {mib} MiB, one core: {rate} GB/s")
     for n, rate in report["aggregate_copy_gbps"].items():

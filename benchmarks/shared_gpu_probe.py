@@ -8,15 +8,15 @@ Two ranks on GPU 0 (two CUDA contexts, which the GPU time-slices), a Gloo group 
    32 MiB (copy engines over PCIe); a cross-stream event wait on a copy still running and event
    records; a device-to-device ``cudaMemcpyAsync`` of 32 MiB and of 4 KiB; the 4 KiB copy
    through ``cuMemcpyBatchAsync`` with ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``.
-2. ``hop``: one-way latency between the two contexts, 200 round trips of an 8-byte message
-   through a page of shared page-locked memory: queued up front with GPU-side flags
-   (``cuStreamWriteValue32`` / ``cuStreamWaitValue32``, the CPU never waits; with and without
-   an 8-byte device-to-device copy per hop), and with the CPU polling the flag and only then
-   queueing the copy out (``cpu_polled``).
-3. ``exchange``: the pattern of a 2-rank small collective, both ranks sending at once and then
-   waiting for the other's message (8 bytes out through the shared page, 8 bytes in): 200 back
-   to back per mode, GPU flags or CPU polled; and one at a time after a barrier (median of 50,
-   until the rank's stream is done).
+2. ``messages`` (parts 2 and 3): one-way latency between the two contexts, 200 round trips
+   of an 8-byte message through a page of shared page-locked memory: queued up front with
+   GPU-side flags (``cuStreamWriteValue32`` / ``cuStreamWaitValue32``, the CPU never waits;
+   with and without an 8-byte device-to-device copy per hop), and with the CPU polling the
+   flag and only then queueing the copy out (``cpu_polled``).
+3. Exchanges, the pattern of a 2-rank small collective: both ranks send at once, then wait for
+   the other's message (8 bytes out through the shared page, 8 bytes in); 200 back to back
+   per mode, GPU flags or CPU polled, and one at a time after a barrier (median of 50, until
+   the rank's stream is done; the barrier's skew between the ranks is in it).
 
 Writes ``shared_gpu_probe.json`` under ``--out`` and prints a table.
 
@@ -178,8 +178,9 @@ def _peer_work(rounds: int) -> dict[str, Any]:
     }
 
 
-def _hop() -> dict[str, Any]:
-    """Part 2 on this rank: microseconds per one-way hop, by mode (two runs each)."""
+def _messages() -> dict[str, Any]:
+    """Parts 2 and 3 on this rank: microseconds per one-way hop and per exchange, by mode (two
+    runs each; one figure, the median of single exchanges, for the ``exchange_once`` modes)."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -231,31 +232,36 @@ def _hop() -> dict[str, Any]:
         send(i, False)
         receive(i, cpu_polled)
 
-    results: dict[str, list[float]] = {}
-    for mode in ["exchange_gpu_flags", "exchange_cpu_polled"] * 2:
-        words[:64] = 0
+    def fresh_flags() -> None:
+        # Only once both ranks' streams are done: a peer's wait that has not yet seen the last
+        # flag would never see it after a reset.
         torch.cuda.synchronize()
         dist.barrier()
+        words[:64] = 0
+        dist.barrier()
+
+    hops: dict[str, list[float]] = {}
+    exchanges: dict[str, list[float]] = {}
+    for mode in ["exchange_gpu_flags", "exchange_cpu_polled"] * 2:
+        fresh_flags()
         began = time.perf_counter()
         for i in range(1, HOPS + 1):
             exchange(i, mode == "exchange_cpu_polled")
         stream.synchronize()
-        results.setdefault(mode, []).append(round((time.perf_counter() - began) * 1e6 / HOPS, 1))
+        exchanges.setdefault(mode, []).append(round((time.perf_counter() - began) * 1e6 / HOPS, 1))
     for mode in ["exchange_once_gpu_flags", "exchange_once_cpu_polled"]:
-        words[:64] = 0
+        fresh_flags()
         single = []
         for i in range(1, EXCHANGES_ONCE + 1):
             torch.cuda.synchronize()
-            dist.barrier()
+            dist.barrier()  # its skew between the ranks (tens of µs) is in the figure
             began = time.perf_counter()
             exchange(i, mode == "exchange_once_cpu_polled")
             stream.synchronize()
             single.append((time.perf_counter() - began) * 1e6)
-        results[mode] = [round(statistics.median(single), 1)]
+        exchanges[mode] = [round(statistics.median(single), 1)]
     for mode in ["gpu_flags", "gpu_flags_dtod", "cpu_polled"] * 2:
-        words[:64] = 0
-        torch.cuda.synchronize()
-        dist.barrier()
+        fresh_flags()
         began = time.perf_counter()
         for i in range(1, HOPS + 1):
             if rank == 0:
@@ -265,11 +271,11 @@ def _hop() -> dict[str, Any]:
                 receive(i, mode == "cpu_polled")
                 send(i, mode == "gpu_flags_dtod")
         stream.synchronize()
-        results.setdefault(mode, []).append(
-            round((time.perf_counter() - began) * 1e6 / HOPS / 2, 1)
-        )
+        hops.setdefault(mode, []).append(round((time.perf_counter() - began) * 1e6 / HOPS / 2, 1))
+    torch.cuda.synchronize()
+    dist.barrier()
     torch.cuda.cudart().cudaHostUnregister(page)
-    return results
+    return {"hop_us": hops, "exchange_us": exchanges}
 
 
 def _rank(rounds: int, parts: list[str]) -> dict[str, Any]:
@@ -280,7 +286,7 @@ def _rank(rounds: int, parts: list[str]) -> dict[str, Any]:
     if "peer_work" in parts:
         report["peer_work"] = _peer_work(rounds)
     if "messages" in parts:
-        report["hop_us"] = _hop()
+        report.update(_messages())
     return report
 
 
@@ -303,9 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         for mode, pct in work["slowdown_pct"].items():
             low, high = work["slowdown_pct_range"][mode]
             print(f"  {mode:<30} {pct:+6.1f}%  (rounds {low:+.1f} to {high:+.1f})")
-    for mode, hops in ranks[0].get("hop_us", {}).items():
-        slower = [max(a, b) for a, b in zip(hops, ranks[1]["hop_us"][mode], strict=True)]
-        print(f"{mode:<26} {' / '.join(f'{h:.1f}' for h in slower)} us (slower rank)")
+    for key, unit in (("hop_us", "us per one-way hop"), ("exchange_us", "us per exchange")):
+        for mode, figures in ranks[0].get(key, {}).items():
+            slower = [max(a, b) for a, b in zip(figures, ranks[1][key][mode], strict=True)]
+            print(f"{mode:<26} {' / '.join(f'{f:.1f}' for f in slower)} {unit} (slower rank)")
     return 0
 
 

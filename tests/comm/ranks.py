@@ -76,14 +76,19 @@ def cuda_group(
 
 @contextlib.contextmanager
 def _pretend_host(host: str | None) -> Iterator[None]:
-    """The host identity groups made meanwhile see (None: the real one)."""
-    if host is not None:
-        os.environ["FREESCALE_HOST_ID"] = host
+    """The host identity groups made meanwhile see (None: the one set before)."""
+    if host is None:
+        yield
+        return
+    before = os.environ.get("FREESCALE_HOST_ID")
+    os.environ["FREESCALE_HOST_ID"] = host
     try:
         yield
     finally:
-        if host is not None:
+        if before is None:
             del os.environ["FREESCALE_HOST_ID"]
+        else:
+            os.environ["FREESCALE_HOST_ID"] = before
 
 
 def make_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -215,13 +220,24 @@ def run_random_cases(
 def concurrent_random_cases(
     seed: int, rounds: int, threads: int, max_elements: int, hosts: int = 1
 ) -> int:
-    """Rounds of 1-6 AllGathers and AllToAlls in flight at once (async, waited for in a random
-    order, some through a callback on their future), up to ``max_elements`` per rank (either
-    side of the eager, early-send and host-read limits), from ``threads`` threads, each with
-    two freescale groups of its own: every rank, and the ranks of its parity (a group's
-    collectives must start in one order on every rank, so no two threads share one). The
-    ranks are spread over ``hosts`` pretend hosts. Every result is checked against the one
-    computed here. Returns the collectives checked."""
+    """Collectives in flight at once from several threads, checked against local results.
+
+    Each round a thread issues 1-6 async AllGathers and AllToAlls on one of its groups and waits
+    for them in a random order, some through a ``then`` callback. Each thread has groups of its
+    own (a group's collectives must start in one order on every rank, so no two threads share
+    one): one of every rank and, with more than 2 ranks, one of the ranks of its parity.
+
+    Args:
+        seed: seeds the draws, which are the same on every rank.
+        rounds: rounds per thread.
+        threads: threads per rank.
+        max_elements: the largest AllGather piece per rank; AllToAll splits are drawn around
+            it divided among the peers, so a rank may send up to about twice it.
+        hosts: pretend hosts the ranks are spread over (``FREESCALE_HOST_ID``).
+
+    Returns:
+        The collectives checked on this rank.
+    """
     rank, n = dist.get_rank(), dist.get_world_size()
     halves = [list(range(parity, n, 2)) for parity in (0, 1)] if n > 2 else []
     groups: list[list[tuple[Any, list[int]]]] = []
