@@ -2,8 +2,9 @@
 
 1. ``process_vm_readv`` (what ``freescale_comm`` reads a large message with) from another
    process into this one, one core: median GB/s of 30 reads per size.
-2. Copies of ``--copy-mib`` (beyond the cache) in 1, 2 and 4 processes at once for 2 s each:
-   the machine's aggregate copy bandwidth, which ranks sharing its cores split.
+2. Reads (``process_vm_readv``, each of a process of its own) and plain copies of
+   ``--copy-mib`` (beyond the cache) in 1, 2 and 4 processes at once for 2 s each: the
+   machine's aggregate rates, which ranks sharing its cores split.
 
     python benchmarks/host_copy_bandwidth.py [--json FILE]
 """
@@ -31,9 +32,9 @@ COPY_S = 2.0
 
 
 def _hold(size: int, addresses: mp.Queue, release: EventType) -> None:
-    """Holds ``size`` bytes for another process to read, and sends their address."""
+    """Holds ``size`` bytes for another process to read, and sends its pid and their address."""
     source = np.ones(size, dtype=np.uint8)
-    addresses.put(source.ctypes.data)
+    addresses.put((os.getpid(), source.ctypes.data))
     release.wait(60)
 
 
@@ -43,7 +44,7 @@ def _read_rate(size: int) -> float:
     holder = mp.Process(target=_hold, args=(size, addresses, release), daemon=True)
     holder.start()
     try:
-        remote = addresses.get(timeout=30)
+        _, remote = addresses.get(timeout=30)
         local = np.empty(size, dtype=np.uint8)
         times = []
         for _ in range(READS + 1):  # the first faults the pages in
@@ -56,6 +57,48 @@ def _read_rate(size: int) -> float:
     finally:
         release.set()
         holder.join(10)
+
+
+def _read_loop(pid: int, remote: int, size: int, start: BarrierType, rates: mp.Queue) -> None:
+    """Reads ``size`` bytes of process ``pid`` over and over for ``COPY_S`` once every
+    reader is ready."""
+    local = np.ones(size, dtype=np.uint8)  # pages touched before the clock starts
+    read_process(pid, local.ctypes.data, remote, size)
+    start.wait(60)
+    reads, began = 0, time.perf_counter()
+    while time.perf_counter() - began < COPY_S:
+        read_process(pid, local.ctypes.data, remote, size)
+        reads += 1
+    rates.put(reads * size / (time.perf_counter() - began) / 1e9)
+
+
+def _aggregate_read_rate(size: int, processes: int) -> float:
+    """GB/s of ``processes`` readers at once, each reading ``size`` bytes of a holder of its
+    own with ``process_vm_readv``, summed."""
+    addresses, release = mp.Queue(), mp.Event()
+    holders = [
+        mp.Process(target=_hold, args=(size, addresses, release), daemon=True)
+        for _ in range(processes)
+    ]
+    for holder in holders:
+        holder.start()
+    try:
+        sources = [addresses.get(timeout=30) for _ in holders]
+        start, rates = mp.Barrier(processes), mp.Queue()
+        readers = [
+            mp.Process(target=_read_loop, args=(pid, remote, size, start, rates))
+            for pid, remote in sources
+        ]
+        for reader in readers:
+            reader.start()
+        total = sum(rates.get(timeout=60) for _ in readers)
+        for reader in readers:
+            reader.join(10)
+        return total
+    finally:
+        release.set()
+        for holder in holders:
+            holder.join(10)
 
 
 def _copy(size: int, start: BarrierType, rates: mp.Queue) -> None:
@@ -93,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         "load_avg_1m_at_start": os.getloadavg()[0],
         "read_gbps": {mib: round(_read_rate(mib * MIB), 1) for mib in args.read_mib},
         "copy_mib": args.copy_mib,
+        "aggregate_read_gbps": {
+            n: round(_aggregate_read_rate(args.copy_mib * MIB, n), 1) for n in (1, 2, 4)
+        },
         "aggregate_copy_gbps": {
             n: round(_aggregate_copy_rate(args.copy_mib * MIB, n), 1) for n in (1, 2, 4)
         },
@@ -100,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     report["load_avg_1m_at_end"] = os.getloadavg()[0]
     for mib, rate in report["read_gbps"].items():
         print(f"process_vm_readv of {mib} MiB, one core: {rate} GB/s")
+    for n, rate in report["aggregate_read_gbps"].items():
+        print(f"process_vm_readv of {args.copy_mib} MiB in {n} processes at once: {rate} GB/s")
     for n, rate in report["aggregate_copy_gbps"].items():
         print(f"copies of {args.copy_mib} MiB in {n} processes at once: {rate} GB/s in all")
     if args.json:
