@@ -18,6 +18,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from multiprocessing.synchronize import Barrier as BarrierType
 from multiprocessing.synchronize import Event as EventType
 from typing import Any
@@ -59,17 +60,47 @@ def _read_rate(size: int) -> float:
         holder.join(10)
 
 
-def _read_loop(pid: int, remote: int, size: int, start: BarrierType, rates: mp.Queue) -> None:
-    """Reads ``size`` bytes of process ``pid`` over and over for ``COPY_S`` once every
-    reader is ready."""
-    local = np.ones(size, dtype=np.uint8)  # pages touched before the clock starts
-    read_process(pid, local.ctypes.data, remote, size)
+def _repeat(step: Callable[[], None], size: int, start: BarrierType, rates: mp.Queue) -> None:
+    """Runs ``step``, which moves ``size`` bytes, over and over for ``COPY_S`` once every
+    worker is ready, and sends its GB/s."""
+    step()  # pages touched before the clock starts
     start.wait(60)
-    reads, began = 0, time.perf_counter()
+    steps, began = 0, time.perf_counter()
     while time.perf_counter() - began < COPY_S:
-        read_process(pid, local.ctypes.data, remote, size)
-        reads += 1
-    rates.put(reads * size / (time.perf_counter() - began) / 1e9)
+        step()
+        steps += 1
+    rates.put(steps * size / (time.perf_counter() - began) / 1e9)
+
+
+def _at_once(worker: Callable[..., None], arguments: list[tuple[Any, ...]]) -> float:
+    """Runs one ``worker(*args, start, rates)`` process per entry at once; their GB/s summed."""
+    start, rates = mp.Barrier(len(arguments)), mp.Queue()
+    workers = [mp.Process(target=worker, args=(*args, start, rates)) for args in arguments]
+    for process in workers:
+        process.start()
+    total = sum(rates.get(timeout=60) for _ in workers)
+    for process in workers:
+        process.join(10)
+    return total
+
+
+def _read(pid: int, remote: int, size: int, start: BarrierType, rates: mp.Queue) -> None:
+    """Reads ``size`` bytes of process ``pid`` at ``remote`` (``_repeat``)."""
+    local = np.empty(size, dtype=np.uint8)
+
+    def step() -> None:
+        failed = read_process(pid, local.ctypes.data, remote, size)
+        if failed is not None:
+            raise RuntimeError(f"process_vm_readv failed: {failed}")
+
+    _repeat(step, size, start, rates)
+
+
+def _copy(size: int, start: BarrierType, rates: mp.Queue) -> None:
+    """Copies ``size`` bytes within this process (``_repeat``)."""
+    source = np.ones(size, dtype=np.uint8)
+    target = np.empty_like(source)
+    _repeat(lambda: np.copyto(target, source), size, start, rates)
 
 
 def _aggregate_read_rate(size: int, processes: int) -> float:
@@ -84,46 +115,16 @@ def _aggregate_read_rate(size: int, processes: int) -> float:
         holder.start()
     try:
         sources = [addresses.get(timeout=30) for _ in holders]
-        start, rates = mp.Barrier(processes), mp.Queue()
-        readers = [
-            mp.Process(target=_read_loop, args=(pid, remote, size, start, rates))
-            for pid, remote in sources
-        ]
-        for reader in readers:
-            reader.start()
-        total = sum(rates.get(timeout=60) for _ in readers)
-        for reader in readers:
-            reader.join(10)
-        return total
+        return _at_once(_read, [(pid, remote, size) for pid, remote in sources])
     finally:
         release.set()
         for holder in holders:
             holder.join(10)
 
 
-def _copy(size: int, start: BarrierType, rates: mp.Queue) -> None:
-    """Copies ``size`` bytes over and over for ``COPY_S`` once every worker is ready."""
-    source = np.ones(size, dtype=np.uint8)
-    target = np.empty_like(source)
-    np.copyto(target, source)  # pages touched before the clock starts
-    start.wait(60)
-    copies, began = 0, time.perf_counter()
-    while time.perf_counter() - began < COPY_S:
-        np.copyto(target, source)
-        copies += 1
-    rates.put(copies * size / (time.perf_counter() - began) / 1e9)
-
-
 def _aggregate_copy_rate(size: int, processes: int) -> float:
     """GB/s of ``processes`` processes copying ``size`` bytes each at once, summed."""
-    start, rates = mp.Barrier(processes), mp.Queue()
-    workers = [mp.Process(target=_copy, args=(size, start, rates)) for _ in range(processes)]
-    for worker in workers:
-        worker.start()
-    total = sum(rates.get(timeout=60) for _ in workers)
-    for worker in workers:
-        worker.join(10)
-    return total
+    return _at_once(_copy, [(size,)] * processes)
 
 
 def main(argv: list[str] | None = None) -> int:
