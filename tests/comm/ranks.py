@@ -1485,11 +1485,11 @@ def a_collect_all_callback_that_waits_for_its_own_collective() -> tuple[bool, bo
         dist.barrier(group=gloo_group())
     work = dist.all_gather_into_tensor(torch.empty(n), torch.ones(1), group=group, async_op=True)
     chain = torch.futures.collect_all([work.get_future()]).then(
-        lambda _: (work.wait(), work.synchronize())
+        lambda _: (work.wait(), work.synchronize(), work.is_completed(), work.is_success())
     )
     if rank != 0:
         dist.barrier(group=gloo_group())
-    chained = chain.wait() == (True, None)
+    chained = chain.wait() == (True, None, True, True)
     out = torch.empty(n)
     dist.all_gather_into_tensor(out, torch.full((1,), float(rank)), group=group)
     return chained, torch.equal(out, torch.arange(n).float())

@@ -114,11 +114,15 @@ class FreescaleWork(dist.Work):
         self._op.poll_final()
         return self
 
+    def _done(self) -> bool:
+        # In the thread completing it (a callback chained in C++), before its event is set.
+        return self._op.event.is_set() or self._op.completing_here()
+
     def is_completed(self) -> bool:
-        return self._unclaim()._op.event.is_set()
+        return self._unclaim()._done()
 
     def is_success(self) -> bool:
-        return self._unclaim()._op.event.is_set() and self._op.error is None
+        return self._unclaim()._done() and self._op.error is None
 
     def exception(self) -> BaseException | None:
         return self._unclaim()._op.error
