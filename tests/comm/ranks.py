@@ -850,18 +850,17 @@ def ring_cases(
 
     rank, n = dist.get_rank(), dist.get_world_size()
     before = _ring_state()
-    os.environ["FREESCALE_HOST_ID"] = f"test-host-{rank * hosts // n}"
     warnings = _Recorded()
     logging.getLogger("freescale_comm.group").addHandler(warnings)
     try:
         with (
+            _pretend_host(f"test-host-{rank * hosts // n}"),
             _shm_full_for_ring_from((no_ring_from or {}).get(rank)),
             _shm_full_for("-box" if no_outbox_on == rank else None),
             _reads_refused(reads_refused_on == rank),
         ):
             group = freescale_group(60, **options)
     finally:
-        del os.environ["FREESCALE_HOST_ID"]
         logging.getLogger("freescale_comm.group").removeHandler(warnings)
     during = _ring_state()
     deadline = time.monotonic() + 5

@@ -32,8 +32,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from freescale_comm.errors import FreescaleError
-
 if TYPE_CHECKING:
     from freescale_comm.transport import Transport
 
@@ -151,17 +149,10 @@ class Engine:
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
-    def refuse_wait_here(self, what: str) -> None:
-        """Raises if the calling thread is the engine thread, which runs the callbacks that
-        ``torch.futures.collect_all`` chains in C++: a wait for a collective there would hang
-        until the group timeout, since nothing else progresses it."""
-        if threading.current_thread() is self._thread:
-            raise FreescaleError(
-                f"{what}: a collective cannot be waited for in a callback chained with "
-                "torch.futures.collect_all, which runs on freescale's engine thread (nothing "
-                "else would progress the collective); attach it to each collective's future "
-                "instead (then / add_done_callback run on the group's callback thread)"
-            )
+    def is_engine_thread(self) -> bool:
+        """Whether the caller is the engine thread, which alone progresses collectives (and
+        runs the callbacks that ``torch.futures.collect_all`` chains in C++)."""
+        return threading.current_thread() is self._thread
 
     def submit(self, op: Op) -> None:
         """Hands an op whose first requests are posted to the thread that completes it."""

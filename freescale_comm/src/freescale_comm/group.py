@@ -663,20 +663,21 @@ class GroupContext:
         aborted, so that the peers raise as well instead of waiting for (or pairing with the
         next call) a collective this rank never starts.
         """
-        try:
-            self.engine.refuse_wait_here(what)
-        except FreescaleError as err:
-            refused = FreescaleError(f"{err}; the group is aborted on every rank")
-            if self.broken is None:
-                reason = f"rank {self.rank}: {err}"
-                with contextlib.suppress(Exception):  # the store's host may be gone
-                    self.liveness.abort(reason)  # the peers know within one poll
-                # The rest of the abort fails the collectives in flight under their locks, one
-                # of which this thread may hold while it completes that collective's future.
-                threading.Thread(
-                    target=self.abort, args=(reason,), name="freescale-comm-abort", daemon=True
-                ).start()
-            raise refused from None
+        if not self.engine.is_engine_thread():
+            return
+        error = (
+            f"{what}: a collective cannot be waited for in a callback chained with "
+            "torch.futures.collect_all, which runs on freescale's engine thread (nothing else "
+            "would progress the collective); attach it to each collective's future instead "
+            "(then / add_done_callback run on the group's callback thread)"
+        )
+        if self.broken is None:
+            # The peers read the abort key within one poll; here the liveness watch then
+            # aborts the group on the engine thread (``on_failure``), outside the lock of the
+            # collective this thread may be completing.
+            with contextlib.suppress(Exception):  # the store's host may be gone
+                self.liveness.abort(f"rank {self.rank}: {error}")
+        raise FreescaleError(f"{error}; the group is aborted on every rank")
 
     def inflight(self) -> list[Collective]:
         """The collectives started and not finished (and failed ones until the next call)."""
