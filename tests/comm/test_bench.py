@@ -8,6 +8,7 @@ import pytest
 
 from freescale_comm.bench import BenchConfig
 from freescale_comm.cli import main
+from freescale_comm.info import transparent_huge_pages
 
 
 def test_backends_by_device_and_gpu_count():
@@ -51,6 +52,24 @@ def test_small_sweep_is_correct_and_reported(tmp_path, capsys):
     ]
     assert all(r["correct"] for r in report["rows"])
     assert "fs/gloo" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(
+    transparent_huge_pages() not in ("always", "madvise"), reason="the kernel offers no huge pages"
+)
+@pytest.mark.parametrize("huge_pages", [False, True])
+def test_huge_pages_back_the_ranks_tensors_only_when_asked(tmp_path, huge_pages):
+    flag = ["--huge-pages"] if huge_pages else []
+    argv = ["bench", "--min-bytes", "4M", "--max-bytes", "4M", "--ops", "all_to_all"]
+    argv += ["--blocks", "1", "--warmup", "1", "--target-s", "0.01", "--out", str(tmp_path)]
+    assert main(argv + flag) == 0
+    report = json.loads((tmp_path / "comm_bench.json").read_text())["reports"][0]
+    (row,) = report["rows"]
+    assert row["correct"]
+    assert report["config"]["huge_pages"] is huge_pages
+    # "always" gives huge pages without asking; "madvise" only to torch's asking.
+    asked_or_always = huge_pages or report["host"]["transparent_hugepage"] == "always"
+    assert (row["anon_huge_pages_kib"] > 0) is asked_or_always
 
 
 @pytest.mark.parametrize("value", ["0", "1", "2,0", "x", ""])

@@ -59,6 +59,9 @@ class BenchConfig:
         threads: torch intra-op threads per rank; 0 leaves torch's default (one per core), as
             a training process has it: forcing one thread hid a cost of the backend that users
             saw (its large own-piece copy ran on torch's threads; ``CHANGELOG.md``).
+        huge_pages: every rank's torch backs CPU tensors of 2 MiB and more with transparent
+            huge pages (``THP_MEM_ALLOC_ENABLE=1``; both backends' tensors). A peer that reads a
+            large tensor (freescale's one-host path) then pins one page per 2 MiB, not 512.
     """
 
     world_size: int = 2
@@ -73,6 +76,7 @@ class BenchConfig:
     env: dict[str, str] = field(default_factory=dict)
     device: str = "cpu"
     threads: int = 0
+    huge_pages: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 2:
@@ -127,6 +131,18 @@ def _bench_rank(config: BenchConfig, progress: bool) -> list[dict[str, Any]]:
         points, desc=f"comm bench, {config.world_size} ranks", disable=not shown, leave=False
     )
     return [_measure(config, op, size, {n: groups[n] for n in names}, gloo) for op, size in bar]
+
+
+def _anon_huge_pages_kib() -> int:
+    """This process's anonymous memory in transparent huge pages, KiB (0 where unknown)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def _calls(
@@ -201,6 +217,7 @@ def _measure(
         "world_size": n,
         "calls_per_block": count,
         "correct": correct,
+        "anon_huge_pages_kib": _anon_huge_pages_kib(),  # this rank's, its tensors alive
     }
     per_block = {
         name: slowest[index * config.blocks : (index + 1) * config.blocks]
@@ -249,6 +266,7 @@ def run_bench(
     import torch
 
     import freescale_comm
+    from freescale_comm.info import transparent_huge_pages
     from freescale_comm.options import FreescaleOptions
     from freescale_comm.transport import ucx_version
 
@@ -257,7 +275,7 @@ def run_bench(
         config.world_size,
         "freescale",
         init_timeout_s=120.0,
-        env=config.env,
+        env={**config.env, "THP_MEM_ALLOC_ENABLE": "1"} if config.huge_pages else config.env,
         setup="freescale_comm:register",
         threads=config.threads or None,
         device=config.device,
@@ -284,6 +302,7 @@ def run_bench(
             "load_avg_1m_at_start": load_at_start,
             "load_avg_1m_at_end": os.getloadavg()[0],
             "gpus": gpus,
+            "transparent_hugepage": transparent_huge_pages(),
         },
         "rows": payload,
     }

@@ -91,6 +91,12 @@ def _parser() -> Parser:
         help="torch intra-op threads per rank (0: torch's default, as in training)",
     )
     bench.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="ranks' torch backs tensors of 2 MiB and more with transparent huge pages "
+        "(THP_MEM_ALLOC_ENABLE=1, both backends)",
+    )
+    bench.add_argument(
         "--out",
         type=Path,
         default=Path("out/comm_bench"),
@@ -128,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             target_s=args.target_s,
             device=args.device,
             threads=args.threads,
+            huge_pages=args.huge_pages,
         )
         report = run_bench(config, progress=True)
         reports.append(report)

@@ -70,6 +70,19 @@ def gpu_info() -> list[dict[str, Any]]:
     return gpus
 
 
+def transparent_huge_pages() -> str:
+    """The kernel's transparent huge page mode: ``always``, ``madvise``, ``never`` or
+    ``unknown``. torch backs CPU tensors of 2 MiB and more with huge pages where its
+    ``THP_MEM_ALLOC_ENABLE=1`` is set and the mode is not ``never``."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return "unknown"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else "unknown"
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -126,6 +139,8 @@ def collect() -> dict[str, Any]:
         "options": FreescaleOptions.from_env().__dict__,
         "host_identity": host_identity(),
         "rings": rings_supported() or "yes",
+        "transparent_huge_pages": transparent_huge_pages(),
+        "torch_huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1",
     }
     if torch.cuda.is_available():
         version = torch.cuda.nccl.version()
@@ -167,12 +182,28 @@ def format_info(info: dict[str, Any]) -> str:
     elif opts["host_path"] == "shm":
         rule = "peers on this host: shared-memory rings (host_path=shm); other hosts: UCX"
     else:
+        above = (
+            "read by the receiver from the sender's memory above (UCX where the kernel "
+            "refuses such reads)"
+            if opts["host_reads"]
+            else "UCX above (host_reads=False)"
+        )
         rule = (
             f"peers on this host: shared-memory rings for messages <= {opts['shm_max_bytes']} B"
-            ", UCX above (host_path=auto: the faster path per size, "
+            f", {above} (host_path=auto: the faster path per size, "
             "benchmarks/comm_host_paths.py); other hosts: UCX"
         )
     lines.append(f"host bytes: {rule}")
+    if info["torch_huge_pages"] and info["transparent_huge_pages"] != "never":
+        pages = "2 MiB pages for tensors of 2 MiB and more (THP_MEM_ALLOC_ENABLE=1)"
+    elif info["torch_huge_pages"]:
+        pages = "4 KiB pages: THP_MEM_ALLOC_ENABLE=1, but the kernel's huge pages are off"
+    else:
+        pages = (
+            "4 KiB pages (THP_MEM_ALLOC_ENABLE=1 gives tensors of 2 MiB and more 2 MiB "
+            "pages, which a peer reads with less work)"
+        )
+    lines.append(f"torch CPU tensors: {pages}; kernel huge pages: {info['transparent_huge_pages']}")
     for k, row in enumerate(info.get("paths", [])):  # sorted by rank: its first row
         if "waits" in row and (k == 0 or info["paths"][k - 1]["rank"] != row["rank"]):
             lines.append(f"  rank {row['rank']}, waiting for its peers: {row['waits']}")
