@@ -9,7 +9,9 @@ tensors are on each rank's GPU, a block ends when its GPU work has, and the vari
 compared with the first one (Gloo has no CUDA AllToAll). Two variants with the same
 options (``--variant a --variant b``) measure the noise of the method itself: the ratio of two
 identical groups. Unlike the bench it leaves torch's thread settings alone unless ``--threads``
-is given (a training process runs with torch's default, one intra-op thread per core).
+is given (a training process runs with torch's default, one intra-op thread per core). The
+ranks inherit the environment: ``THP_MEM_ALLOC_ENABLE=1`` gives their tensors of 2 MiB and more
+huge pages, as ``freescale comm bench --huge-pages`` does (the JSON records it).
 
     python benchmarks/comm_alternating.py [--ranks 2] [--threads N] [--device cpu|cuda]
         [--hosts N] [--sizes 8,4096,16M]
@@ -30,6 +32,7 @@ from typing import Any
 from freescale_comm import FreescaleOptions
 from freescale_comm._freescale_args import byte_size_list
 from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
+from freescale_comm.info import transparent_huge_pages
 from freescale_comm.options import _parse
 from freescale_comm.shm import HOST_ENV
 
@@ -187,6 +190,9 @@ def main() -> None:
             report = {
                 "args": {**vars(args), "variant": [(n, repr(o)) for n, o in args.variant]},
                 "load_avg_1m": os.getloadavg()[0],
+                # torch's huge pages for the ranks' tensors of 2 MiB and more, and the kernel's
+                "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
+                "transparent_huge_pages": transparent_huge_pages(),
                 "rows": rows,
             }
             json.dump(report, f, indent=2)
