@@ -1,16 +1,17 @@
 """Where the CPU of a large freescale AllToAll between ranks of one host goes: the copy, or the
 kernel pinning the sender's pages for it.
 
-Local ranks run back-to-back ``all_to_all_single`` calls of ``--size`` bytes on CPU tensors
-(freescale only: every rank reads its peers' pieces from their memory). Each rank prints its
-wall time, user and system CPU per call. With ``--perf`` a system-wide ``perf record`` samples
-the middle of the run, and the samples are split into the kernel's copy of the bytes, the page
-pinning (page-table walks, reference counts), libc's copies (the rank's own piece) and the
-Python interpreter. Run it with and without ``THP_MEM_ALLOC_ENABLE=1`` (torch's 2 MiB pages for
-tensors of 2 MiB and more) to see what huge pages change.
+Local ranks (torch's default thread count, as ``freescale comm bench``) run back-to-back
+``all_to_all_single`` calls of ``--size`` bytes on CPU tensors (freescale only: every rank reads
+its peers' pieces from their memory). Each rank prints its wall time, user and system CPU per
+call. With ``--perf`` rank 0 samples every CPU with ``perf record -a`` over the middle half of
+its timed loop, and the samples are split into the kernel's copy of the bytes, its pinning of
+the sender's pages (page-table walks, reference counts), libc's copies (the rank's own piece)
+and the Python interpreter. Run it with and without ``THP_MEM_ALLOC_ENABLE=1`` (torch asks for
+huge pages for its tensors of 2 MiB and more) to see what huge pages change.
 
     [THP_MEM_ALLOC_ENABLE=1] python benchmarks/host_reads_profile.py [--ranks 4] [--size 16M]
-        [--calls 5000] [--perf]   (perf needs root or perf_event_paranoid <= -1)
+        [--calls 4000] [--perf]   (perf needs root or perf_event_paranoid <= -1)
 """
 
 from __future__ import annotations
@@ -19,16 +20,15 @@ import argparse
 import os
 import re
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
 from freescale_comm._freescale_args import byte_size, int_at_least
 from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
+from freescale_comm.info import transparent_huge_pages
 
-# Kernel symbols of pinning the sender's pages for process_vm_readv (Linux 6.x).
+# Kernel functions of pinning a process's pages for process_vm_readv (get_user_pages, Linux 6.x).
 PINNING = {
     "__get_user_pages",
     "follow_page_pte",
@@ -38,59 +38,69 @@ PINNING = {
     "vm_normal_page",
     "__pte_offset_map_lock",
     "___pte_offset_map",
-    "pte_val",
     "vma_pgtable_walk_end",
     "try_grab_folio",
     "gup_put_folio",
     "unpin_user_pages",
-    "mod_node_page_state",
-    "__rcu_read_lock",
-    "__rcu_read_unlock",
 }
 SHARES = {
     "kernel copy": lambda sym, dso: sym in ("_copy_to_iter", "copy_page_to_iter"),
     "page pinning": lambda sym, dso: sym in PINNING,
     "libc copy": lambda sym, dso: dso.startswith("libc") and "mem" in sym,
     "python": lambda sym, dso: dso.startswith("libpython"),
-    "idle": lambda sym, dso: "halt" in sym or sym.startswith("cpuidle") or "idle" in sym,
+    "idle": lambda sym, dso: "halt" in sym or "idle" in sym,
 }
+WARMUP_CALLS = 20
 
 
-def _rank(args: argparse.Namespace) -> tuple[float, float, float]:
-    """Back-to-back AllToAlls; (wall, user CPU, system CPU) per call, seconds."""
+def _rank(args: argparse.Namespace) -> dict[str, Any]:
+    """Back-to-back AllToAlls: wall time, user and system CPU per call (seconds); rank 0 with
+    ``--perf`` also returns perf's report of the middle half of the loop."""
     import torch
     import torch.distributed as dist
 
     inp = torch.rand(args.size // 4)
     out = torch.empty_like(inp)
-    for _ in range(20):
-        dist.all_to_all_single(out, inp)
+    for _ in range(2):  # the first pass pays for connections and pages; the second is timed
+        start = time.perf_counter()
+        for _ in range(WARMUP_CALLS):
+            dist.all_to_all_single(out, inp)
+    per_call = (time.perf_counter() - start) / WARMUP_CALLS
+    perf = None
+    if args.perf and dist.get_rank() == 0:
+        span = per_call * args.calls
+        folder = tempfile.mkdtemp()
+        data = os.path.join(folder, "perf.data")
+        command = f"sleep {span / 4:.3f} && exec perf record -a -o {data} -- sleep {span / 2:.3f}"
+        perf = subprocess.Popen(["sh", "-c", command], stderr=subprocess.PIPE, text=True)
     dist.barrier()
     start, cpu = time.perf_counter(), os.times()
     for _ in range(args.calls):
         dist.all_to_all_single(out, inp)
     wall, end = time.perf_counter() - start, os.times()
-    user, system = end.user - cpu.user, end.system - cpu.system
-    return wall / args.calls, user / args.calls, system / args.calls
-
-
-def _perf_shares(seconds: float, delay_s: float) -> dict[str, float]:
-    """Samples every CPU for ``seconds`` after ``delay_s``; the percentage of samples per share."""
-    time.sleep(delay_s)
-    with tempfile.TemporaryDirectory() as tmp:
-        data = os.path.join(tmp, "perf.data")
-        subprocess.run(
-            ["perf", "record", "-a", "-o", data, "--", "sleep", str(seconds)],
-            check=True,
-            capture_output=True,
-        )
-        report = subprocess.run(
+    result: dict[str, Any] = {
+        "wall": wall / args.calls,
+        "user": (end.user - cpu.user) / args.calls,
+        "system": (end.system - cpu.system) / args.calls,
+    }
+    if perf is not None:
+        _, errors = perf.communicate()
+        if perf.returncode != 0:
+            raise RuntimeError(f"perf record failed ({perf.returncode}): {errors.strip()}")
+        result["perf_report"] = subprocess.run(
             ["perf", "report", "-i", data, "--no-children", "--sort", "dso,sym", "--stdio"],
             check=True,
             capture_output=True,
             text=True,
         ).stdout
-    shares = dict.fromkeys(SHARES, 0.0)
+        os.remove(data)
+        os.rmdir(folder)
+    return result
+
+
+def shares(report: str) -> dict[str, float]:
+    """The percentage of perf's samples in each of ``SHARES``."""
+    found = dict.fromkeys(SHARES, 0.0)
     for line in report.splitlines():
         match = re.match(r"\s*([\d.]+)%\s+(\S+)\s+\[.\]\s+(\S+)", line)
         if not match:
@@ -98,40 +108,38 @@ def _perf_shares(seconds: float, delay_s: float) -> dict[str, float]:
         percent, dso, sym = float(match[1]), match[2], match[3]
         for name, belongs in SHARES.items():
             if belongs(sym, dso):
-                shares[name] += percent
+                found[name] += percent
                 break
-    return shares
+    return found
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int_at_least(2), default=4)
     parser.add_argument("--size", type=byte_size, default="16M", help="bytes per rank")
-    parser.add_argument("--calls", type=int_at_least(1), default=5000)
+    parser.add_argument("--calls", type=int_at_least(1), default=4000)
     parser.add_argument("--perf", action="store_true", help="sample the run with perf")
     args = parser.parse_args()
-    spec = GroupSpec(args.ranks, "freescale", init_timeout_s=120, setup="freescale_comm:register")
-    shares: dict[str, Any] = {}
-    if args.perf:
-        # The middle of the run: after the ranks start and warm up, before they end.
-        sampler = threading.Thread(target=lambda: shares.update(_perf_shares(4.0, 8.0)))
-        sampler.start()
+    spec = GroupSpec(
+        args.ranks, "freescale", init_timeout_s=120, setup="freescale_comm:register", threads=None
+    )
     try:
         rows = run_ranks(spec, _rank, args, timeout_s=1800)
     except RankFailure as failure:
         raise SystemExit(f"a rank failed: {failure}") from None
-    if args.perf:
-        sampler.join()
-    pages = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
-    print(f"AllToAll of {args.size} B, {args.ranks} ranks, torch huge pages: {pages}")
-    for rank, (wall, user, system) in enumerate(rows):
+    asks = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
+    print(
+        f"AllToAll of {args.size} B, {args.ranks} ranks; THP_MEM_ALLOC_ENABLE={asks}, kernel "
+        f"huge pages: {transparent_huge_pages()}"
+    )
+    for rank, row in enumerate(rows):
         print(
-            f"  rank {rank}: {wall * 1e3:.2f} ms per call, CPU user {user * 1e3:.2f} "
-            f"system {system * 1e3:.2f} ms"
+            f"  rank {rank}: {row['wall'] * 1e3:.2f} ms per call, CPU user "
+            f"{row['user'] * 1e3:.2f} system {row['system'] * 1e3:.2f} ms"
         )
-    if shares:
-        print("  perf samples: " + ", ".join(f"{k} {v:.1f}%" for k, v in shares.items()))
-    sys.stdout.flush()
+    if args.perf:
+        found = shares(rows[0]["perf_report"])
+        print("  perf samples: " + ", ".join(f"{k} {v:.1f}%" for k, v in found.items()))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import pytest
 
 from freescale_comm.bench import BenchConfig
 from freescale_comm.cli import main
-from freescale_comm.info import transparent_huge_pages
+from freescale_comm.info import page_rule, transparent_huge_pages
 
 
 def test_backends_by_device_and_gpu_count():
@@ -55,10 +55,14 @@ def test_small_sweep_is_correct_and_reported(tmp_path, capsys):
 
 
 @pytest.mark.skipif(
-    transparent_huge_pages() not in ("always", "madvise"), reason="the kernel offers no huge pages"
+    transparent_huge_pages() in ("never", "unknown"), reason="the kernel offers no huge pages"
 )
 @pytest.mark.parametrize("huge_pages", [False, True])
-def test_huge_pages_back_the_ranks_tensors_only_when_asked(tmp_path, huge_pages):
+def test_huge_pages_are_asked_for_the_ranks_tensors_only_with_the_flag(
+    tmp_path, monkeypatch, huge_pages
+):
+    # The flag alone decides, whatever the launching environment says.
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0" if huge_pages else "1")
     flag = ["--huge-pages"] if huge_pages else []
     argv = ["bench", "--min-bytes", "4M", "--max-bytes", "4M", "--ops", "all_to_all"]
     argv += ["--blocks", "1", "--warmup", "1", "--target-s", "0.01", "--out", str(tmp_path)]
@@ -67,9 +71,22 @@ def test_huge_pages_back_the_ranks_tensors_only_when_asked(tmp_path, huge_pages)
     (row,) = report["rows"]
     assert row["correct"]
     assert report["config"]["huge_pages"] is huge_pages
-    # "always" gives huge pages without asking; "madvise" only to torch's asking.
-    asked_or_always = huge_pages or report["host"]["transparent_hugepage"] == "always"
-    assert (row["anon_huge_pages_kib"] > 0) is asked_or_always
+    # torch's madvise marks the mapping whatever the kernel then finds free.
+    assert row["pages"]["advised"] is huge_pages
+
+
+@pytest.mark.parametrize(
+    ("torch_asks", "mode", "says"),
+    [
+        (True, "madvise", "huge pages for the 2 MiB-aligned stretches"),
+        (False, "madvise", "4 KiB pages (kernel: madvise; THP_MEM_ALLOC_ENABLE=1 gives"),
+        (False, "always", "huge pages wherever the kernel has them free"),
+        (True, "never", "4 KiB pages (the kernel's transparent huge pages are off)"),
+        (True, "unknown", "its mode is unknown"),
+    ],
+)
+def test_info_names_the_pages_of_torchs_tensors(torch_asks, mode, says):
+    assert says in page_rule(torch_asks, mode)
 
 
 @pytest.mark.parametrize("value", ["0", "1", "2,0", "x", ""])

@@ -85,7 +85,8 @@ class GroupSpec:
         init_timeout_s: bound on joining the group and on its collectives (its ``timeout``).
         env: environment variables set in each rank before it joins its group (after torch's
             import in the fork server: a variable torch reads at import needs
-            ``FREESCALE_RANK_START=spawn``).
+            ``FREESCALE_RANK_START=spawn``; one it reads at its first CPU allocation, such as
+            ``THP_MEM_ALLOC_ENABLE``, takes effect as long as the fork server allocates none).
         setup: optional ``"module:function"`` each rank calls before creating its group (e.g.
             ``"freescale_comm:register"``).
         threads: torch intra-op threads per rank (``OMP_NUM_THREADS`` too); ``None``: torch's

@@ -59,9 +59,10 @@ class BenchConfig:
         threads: torch intra-op threads per rank; 0 leaves torch's default (one per core), as
             a training process has it: forcing one thread hid a cost of the backend that users
             saw (its large own-piece copy ran on torch's threads; ``CHANGELOG.md``).
-        huge_pages: every rank's torch backs CPU tensors of 2 MiB and more with transparent
-            huge pages (``THP_MEM_ALLOC_ENABLE=1``; both backends' tensors). A peer that reads a
-            large tensor (freescale's one-host path) then pins one page per 2 MiB, not 512.
+        huge_pages: every rank's torch asks the kernel for transparent huge pages for its CPU
+            tensors of 2 MiB and more (``THP_MEM_ALLOC_ENABLE=1``, both backends' tensors;
+            off sets it to 0): their 2 MiB-aligned stretches then lie in 2 MiB pages, which a
+            peer's read (freescale's one-host path) pins in one step instead of 512.
     """
 
     world_size: int = 2
@@ -133,16 +134,28 @@ def _bench_rank(config: BenchConfig, progress: bool) -> list[dict[str, Any]]:
     return [_measure(config, op, size, {n: groups[n] for n in names}, gloo) for op, size in bar]
 
 
-def _anon_huge_pages_kib() -> int:
-    """This process's anonymous memory in transparent huge pages, KiB (0 where unknown)."""
+def _pages_of(address: int) -> dict[str, Any]:
+    """The memory mapping of this process that holds ``address``: whether it was advised for
+    transparent huge pages (``hg`` in its ``VmFlags``: torch's ``madvise``, whatever the
+    kernel then finds free) and how many KiB of it lie in huge pages now; ``None`` values
+    where ``/proc/self/smaps`` does not say."""
+    found: dict[str, Any] = {"advised": None, "huge_kib": None}
+    inside = False
     try:
-        with open("/proc/self/smaps_rollup") as f:
+        with open("/proc/self/smaps") as f:
             for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1])
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):  # "start-end perms ...": a mapping
+                    start, _, end = head.partition("-")
+                    inside = int(start, 16) <= address < int(end, 16)
+                elif inside and head == "AnonHugePages:":
+                    found["huge_kib"] = int(line.split()[1])
+                elif inside and head == "VmFlags:":
+                    found["advised"] = "hg" in line.split()[1:]
+                    return found
     except OSError:
         pass
-    return 0
+    return found
 
 
 def _calls(
@@ -217,7 +230,8 @@ def _measure(
         "world_size": n,
         "calls_per_block": count,
         "correct": correct,
-        "anon_huge_pages_kib": _anon_huge_pages_kib(),  # this rank's, its tensors alive
+        # Where rank 0's large CPU tensors lie: those of the row's size are allocated alike.
+        "pages": _pages_of(want.data_ptr()),
     }
     per_block = {
         name: slowest[index * config.blocks : (index + 1) * config.blocks]
@@ -275,7 +289,9 @@ def run_bench(
         config.world_size,
         "freescale",
         init_timeout_s=120.0,
-        env={**config.env, "THP_MEM_ALLOC_ENABLE": "1"} if config.huge_pages else config.env,
+        # torch reads it once, at its first CPU allocation: ranks set it before any (the fork
+        # server that starts them allocates no tensor).
+        env={**config.env, "THP_MEM_ALLOC_ENABLE": "1" if config.huge_pages else "0"},
         setup="freescale_comm:register",
         threads=config.threads or None,
         device=config.device,
@@ -302,7 +318,7 @@ def run_bench(
             "load_avg_1m_at_start": load_at_start,
             "load_avg_1m_at_end": os.getloadavg()[0],
             "gpus": gpus,
-            "transparent_hugepage": transparent_huge_pages(),
+            "transparent_huge_pages": transparent_huge_pages(),
         },
         "rows": payload,
     }

@@ -93,8 +93,8 @@ def _parser() -> Parser:
     bench.add_argument(
         "--huge-pages",
         action="store_true",
-        help="ranks' torch backs tensors of 2 MiB and more with transparent huge pages "
-        "(THP_MEM_ALLOC_ENABLE=1, both backends)",
+        help="ranks' torch asks for transparent huge pages for its CPU tensors of 2 MiB and "
+        "more (THP_MEM_ALLOC_ENABLE=1, both backends; 0 without the flag)",
     )
     bench.add_argument(
         "--out",

@@ -72,8 +72,7 @@ def gpu_info() -> list[dict[str, Any]]:
 
 def transparent_huge_pages() -> str:
     """The kernel's transparent huge page mode: ``always``, ``madvise``, ``never`` or
-    ``unknown``. torch backs CPU tensors of 2 MiB and more with huge pages where its
-    ``THP_MEM_ALLOC_ENABLE=1`` is set and the mode is not ``never``."""
+    ``unknown`` (``page_rule`` says what it means for torch's tensors)."""
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             text = f.read()
@@ -81,6 +80,27 @@ def transparent_huge_pages() -> str:
         return "unknown"
     start, end = text.find("["), text.find("]")
     return text[start + 1 : end] if 0 <= start < end else "unknown"
+
+
+def page_rule(torch_asks: bool, mode: str) -> str:
+    """Which pages torch's CPU tensors of this environment get, given ``THP_MEM_ALLOC_ENABLE``
+    (``torch_asks``) and the kernel's transparent huge page ``mode``. A peer's read of a large
+    tensor pins a huge page in one step and a 4 KiB page per step."""
+    if mode == "never":
+        return "4 KiB pages (the kernel's transparent huge pages are off)"
+    if mode == "always":
+        return "huge pages wherever the kernel has them free (transparent huge pages: always)"
+    if mode == "madvise" and torch_asks:
+        return (
+            "huge pages for the 2 MiB-aligned stretches of tensors of 2 MiB and more "
+            "(THP_MEM_ALLOC_ENABLE=1, kernel: madvise)"
+        )
+    if mode == "madvise":
+        return (
+            "4 KiB pages (kernel: madvise; THP_MEM_ALLOC_ENABLE=1 gives tensors of 2 MiB and more "
+            "huge pages, which a peer's read of a large tensor pins with far less work)"
+        )
+    return "4 KiB pages unless the kernel has transparent huge pages (its mode is unknown)"
 
 
 def _text(value: Any) -> str:
@@ -183,27 +203,20 @@ def format_info(info: dict[str, Any]) -> str:
         rule = "peers on this host: shared-memory rings (host_path=shm); other hosts: UCX"
     else:
         above = (
-            "read by the receiver from the sender's memory above (UCX where the kernel "
-            "refuses such reads)"
+            "above that read by the receiver from the sender's memory, or UCX where the "
+            "kernel refuses such reads"
             if opts["host_reads"]
             else "UCX above (host_reads=False)"
         )
         rule = (
             f"peers on this host: shared-memory rings for messages <= {opts['shm_max_bytes']} B"
-            f", {above} (host_path=auto: the faster path per size, "
-            "benchmarks/comm_host_paths.py); other hosts: UCX"
+            f", {above}; host_path=auto: the faster path per size, "
+            "benchmarks/comm_host_paths.py; other hosts: UCX"
         )
     lines.append(f"host bytes: {rule}")
-    if info["torch_huge_pages"] and info["transparent_huge_pages"] != "never":
-        pages = "2 MiB pages for tensors of 2 MiB and more (THP_MEM_ALLOC_ENABLE=1)"
-    elif info["torch_huge_pages"]:
-        pages = "4 KiB pages: THP_MEM_ALLOC_ENABLE=1, but the kernel's huge pages are off"
-    else:
-        pages = (
-            "4 KiB pages (THP_MEM_ALLOC_ENABLE=1 gives tensors of 2 MiB and more 2 MiB "
-            "pages, which a peer reads with less work)"
-        )
-    lines.append(f"torch CPU tensors: {pages}; kernel huge pages: {info['transparent_huge_pages']}")
+    lines.append(
+        f"torch CPU tensors: {page_rule(info['torch_huge_pages'], info['transparent_huge_pages'])}"
+    )
     for k, row in enumerate(info.get("paths", [])):  # sorted by rank: its first row
         if "waits" in row and (k == 0 or info["paths"][k - 1]["rank"] != row["rank"]):
             lines.append(f"  rank {row['rank']}, waiting for its peers: {row['waits']}")
