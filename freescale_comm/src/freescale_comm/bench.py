@@ -173,7 +173,9 @@ def _calls(
     host = torch.rand(count, generator=torch.Generator().manual_seed(rank))
     data = host.to(device)
     want = torch.empty(elements)
-    collective = dist.all_gather_into_tensor if op == "all_gather" else dist.all_to_all_single
+    # torch 2.13 names it all_gather_single (the old name warns there); 2.11 has the old one.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    collective = gather if op == "all_gather" else dist.all_to_all_single
     collective(want, host, group=gloo)
 
     def make(name: str) -> Callable[[], None]:
