@@ -10,8 +10,9 @@ compared with the first one (Gloo has no CUDA AllToAll). Two variants with the s
 options (``--variant a --variant b``) measure the noise of the method itself: the ratio of two
 identical groups. Unlike the bench it leaves torch's thread settings alone unless ``--threads``
 is given (a training process runs with torch's default, one intra-op thread per core). The
-ranks inherit the environment: ``THP_MEM_ALLOC_ENABLE=1`` gives their tensors of 2 MiB and more
-huge pages, as ``freescale comm bench --huge-pages`` does (the JSON records it).
+ranks inherit the environment: with ``THP_MEM_ALLOC_ENABLE=1`` their torch asks for huge pages
+for tensors of 2 MiB and more, as ``freescale comm bench --huge-pages`` does (the JSON records
+the variable).
 
     python benchmarks/comm_alternating.py [--ranks 2] [--threads N] [--device cpu|cuda]
         [--hosts N] [--sizes 8,4096,16M]
@@ -190,7 +191,7 @@ def main() -> None:
             report = {
                 "args": {**vars(args), "variant": [(n, repr(o)) for n, o in args.variant]},
                 "load_avg_1m": os.getloadavg()[0],
-                # torch's huge pages for the ranks' tensors of 2 MiB and more, and the kernel's
+                # whether torch asked for huge pages for the ranks' large tensors; the kernel's
                 "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
                 "transparent_huge_pages": transparent_huge_pages(),
                 "rows": rows,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import time
@@ -51,6 +52,7 @@ SHARES = {
     "idle": lambda sym, dso: "halt" in sym or "idle" in sym,
 }
 WARMUP_CALLS = 20
+MIN_PERF_S = 2.0  # perf takes a good part of a second to start sampling
 
 
 def _rank(args: argparse.Namespace) -> dict[str, Any]:
@@ -65,37 +67,60 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
         start = time.perf_counter()
         for _ in range(WARMUP_CALLS):
             dist.all_to_all_single(out, inp)
-    per_call = (time.perf_counter() - start) / WARMUP_CALLS
+    span = (time.perf_counter() - start) / WARMUP_CALLS * args.calls
+    if args.perf and span / 2 < MIN_PERF_S:  # every rank decides alike: none starts the loop
+        raise SystemExit(
+            f"--perf: the loop would last about {span:.1f} s, and perf needs at least "
+            f"{2 * MIN_PERF_S:.0f} s of it; give more --calls"
+        )
+    folder = tempfile.mkdtemp() if args.perf and dist.get_rank() == 0 else None
     perf = None
-    if args.perf and dist.get_rank() == 0:
-        span = per_call * args.calls
-        folder = tempfile.mkdtemp()
-        data = os.path.join(folder, "perf.data")
-        command = f"sleep {span / 4:.3f} && exec perf record -a -o {data} -- sleep {span / 2:.3f}"
-        perf = subprocess.Popen(["sh", "-c", command], stderr=subprocess.PIPE, text=True)
-    dist.barrier()
-    start, cpu = time.perf_counter(), os.times()
-    for _ in range(args.calls):
-        dist.all_to_all_single(out, inp)
-    wall, end = time.perf_counter() - start, os.times()
-    result: dict[str, Any] = {
-        "wall": wall / args.calls,
-        "user": (end.user - cpu.user) / args.calls,
-        "system": (end.system - cpu.system) / args.calls,
-    }
-    if perf is not None:
-        _, errors = perf.communicate()
-        if perf.returncode != 0:
-            raise RuntimeError(f"perf record failed ({perf.returncode}): {errors.strip()}")
-        result["perf_report"] = subprocess.run(
-            ["perf", "report", "-i", data, "--no-children", "--sort", "dso,sym", "--stdio"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-        os.remove(data)
-        os.rmdir(folder)
-    return result
+    try:
+        dist.barrier()
+        if folder is not None:
+            # sh waits a quarter of the loop, then becomes perf (the values as its arguments).
+            perf = subprocess.Popen(
+                [
+                    "sh",
+                    "-c",
+                    'sleep "$1" && exec perf record -a -o "$2" -- sleep "$3"',
+                    "sh",
+                    f"{span / 4:.3f}",
+                    os.path.join(folder, "perf.data"),
+                    f"{span / 2:.3f}",
+                ],
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        start, cpu = time.perf_counter(), os.times()
+        for _ in range(args.calls):
+            dist.all_to_all_single(out, inp)
+        wall, end = time.perf_counter() - start, os.times()
+        result: dict[str, Any] = {
+            "wall": wall / args.calls,
+            "user": (end.user - cpu.user) / args.calls,
+            "system": (end.system - cpu.system) / args.calls,
+        }
+        if perf is not None:
+            _, errors = perf.communicate(timeout=span + 60)
+            if perf.returncode != 0:
+                raise RuntimeError(f"perf record failed ({perf.returncode}): {errors.strip()}")
+            if wall < 3 * span / 4:
+                print(f"warning: the loop ended ({wall:.1f} s) before perf's window did")
+            data = os.path.join(folder, "perf.data")
+            result["perf_report"] = subprocess.run(
+                ["perf", "report", "-i", data, "--no-children", "--sort", "dso,sym", "--stdio"],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+        return result
+    finally:
+        if perf is not None and perf.poll() is None:
+            perf.kill()
+            perf.wait()
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def shares(report: str) -> dict[str, float]:
@@ -140,6 +165,8 @@ def main() -> None:
     if args.perf:
         found = shares(rows[0]["perf_report"])
         print("  perf samples: " + ", ".join(f"{k} {v:.1f}%" for k, v in found.items()))
+        if found["idle"] > 5:
+            print("  warning: the cores idled in perf's window; the shares are not the loop's")
 
 
 if __name__ == "__main__":

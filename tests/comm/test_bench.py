@@ -72,14 +72,15 @@ def test_huge_pages_are_asked_for_the_ranks_tensors_only_with_the_flag(
     assert row["correct"]
     assert report["config"]["huge_pages"] is huge_pages
     # torch's madvise marks the mapping whatever the kernel then finds free.
-    assert row["pages"]["advised"] is huge_pages
+    assert row["pages"]["input"]["advised"] is huge_pages
+    assert row["pages"]["output"]["advised"] is huge_pages
 
 
 @pytest.mark.parametrize(
     ("torch_asks", "mode", "says"),
     [
         (True, "madvise", "huge pages for the 2 MiB-aligned stretches"),
-        (False, "madvise", "4 KiB pages (kernel: madvise; THP_MEM_ALLOC_ENABLE=1 gives"),
+        (False, "madvise", "4 KiB pages (kernel: madvise; with THP_MEM_ALLOC_ENABLE=1 torch asks"),
         (False, "always", "huge pages wherever the kernel has them free"),
         (True, "never", "4 KiB pages (the kernel's transparent huge pages are off)"),
         (True, "unknown", "its mode is unknown"),
@@ -87,6 +88,26 @@ def test_huge_pages_are_asked_for_the_ranks_tensors_only_with_the_flag(
 )
 def test_info_names_the_pages_of_torchs_tensors(torch_asks, mode, says):
     assert says in page_rule(torch_asks, mode)
+
+
+@pytest.mark.parametrize(
+    ("global_mode", "size_mode", "mode"),
+    [
+        ("always [madvise] never", "always [inherit] madvise never", "madvise"),
+        ("always [madvise] never", "always inherit madvise [never]", "never"),
+        ("[always] madvise never", None, "always"),
+        (None, None, "unknown"),
+    ],
+)
+def test_the_huge_page_mode_of_2_mib_pages_overrides_the_global_one(
+    tmp_path, global_mode, size_mode, mode
+):
+    if global_mode is not None:
+        (tmp_path / "enabled").write_text(global_mode + "\n")
+    if size_mode is not None:
+        (tmp_path / "hugepages-2048kB").mkdir()
+        (tmp_path / "hugepages-2048kB" / "enabled").write_text(size_mode + "\n")
+    assert transparent_huge_pages(str(tmp_path)) == mode
 
 
 @pytest.mark.parametrize("value", ["0", "1", "2,0", "x", ""])

@@ -61,8 +61,9 @@ class BenchConfig:
             saw (its large own-piece copy ran on torch's threads; ``CHANGELOG.md``).
         huge_pages: every rank's torch asks the kernel for transparent huge pages for its CPU
             tensors of 2 MiB and more (``THP_MEM_ALLOC_ENABLE=1``, both backends' tensors;
-            off sets it to 0): their 2 MiB-aligned stretches then lie in 2 MiB pages, which a
-            peer's read (freescale's one-host path) pins in one step instead of 512.
+            off sets it to 0): their 2 MiB-aligned stretches first touched after that lie in
+            2 MiB pages, which a peer's read (freescale's one-host path) pins in one step
+            instead of 512. Rows record what the tensors got (``pages``).
     """
 
     world_size: int = 2
@@ -137,8 +138,9 @@ def _bench_rank(config: BenchConfig, progress: bool) -> list[dict[str, Any]]:
 def _pages_of(address: int) -> dict[str, Any]:
     """The memory mapping of this process that holds ``address``: whether it was advised for
     transparent huge pages (``hg`` in its ``VmFlags``: torch's ``madvise``, whatever the
-    kernel then finds free) and how many KiB of it lie in huge pages now; ``None`` values
-    where ``/proc/self/smaps`` does not say."""
+    kernel then finds free) and how many KiB of the whole mapping lie in huge pages now
+    (memory touched before the advice keeps its 4 KiB pages); ``None`` values where
+    ``/proc/self/smaps`` does not say."""
     found: dict[str, Any] = {"advised": None, "huge_kib": None}
     inside = False
     try:
@@ -160,9 +162,9 @@ def _pages_of(address: int) -> dict[str, Any]:
 
 def _calls(
     op: str, size: int, groups: dict[str, Any], device: str, gloo: Any
-) -> tuple[int, dict[str, Callable[[], None]], dict[str, Any], Any]:
-    """Per backend: the call of ``op`` at ``size`` and its output; the element count, and the
-    expected output (Gloo's result on CPU copies of the same data)."""
+) -> tuple[int, dict[str, Callable[[], None]], dict[str, Any], Any, Any]:
+    """Per backend: the call of ``op`` at ``size`` and its output; the element count, the
+    expected output (Gloo's result on CPU copies of the same data) and the input."""
     import torch
     import torch.distributed as dist
 
@@ -181,7 +183,7 @@ def _calls(
     def make(name: str) -> Callable[[], None]:
         return lambda: collective(out[name], data, group=groups[name])
 
-    return elements, {name: make(name) for name in groups}, out, want
+    return elements, {name: make(name) for name in groups}, out, want, data
 
 
 def _measure(
@@ -192,7 +194,7 @@ def _measure(
 
     n = dist.get_world_size()
     names = list(groups)
-    elements, calls, out, want = _calls(op, size, groups, config.device, gloo)
+    elements, calls, out, want, data = _calls(op, size, groups, config.device, gloo)
 
     def done() -> None:
         if config.device == "cuda":
@@ -232,8 +234,13 @@ def _measure(
         "world_size": n,
         "calls_per_block": count,
         "correct": correct,
-        # Where rank 0's large CPU tensors lie: those of the row's size are allocated alike.
-        "pages": _pages_of(want.data_ptr()),
+        # The pages a peer's read pins (the input) and the reads write (freescale's output).
+        "pages": {
+            "input": _pages_of(data.data_ptr()),
+            "output": _pages_of(out[names[0]].data_ptr()),
+        }
+        if config.device == "cpu"
+        else None,
     }
     per_block = {
         name: slowest[index * config.blocks : (index + 1) * config.blocks]

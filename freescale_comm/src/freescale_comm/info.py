@@ -70,16 +70,25 @@ def gpu_info() -> list[dict[str, Any]]:
     return gpus
 
 
-def transparent_huge_pages() -> str:
-    """The kernel's transparent huge page mode: ``always``, ``madvise``, ``never`` or
-    ``unknown`` (``page_rule`` says what it means for torch's tensors)."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            text = f.read()
-    except OSError:
-        return "unknown"
-    start, end = text.find("["), text.find("]")
-    return text[start + 1 : end] if 0 <= start < end else "unknown"
+_THP = "/sys/kernel/mm/transparent_hugepage"
+
+
+def transparent_huge_pages(root: str = _THP) -> str:
+    """The kernel's transparent huge page mode for 2 MiB pages: ``always``, ``madvise``,
+    ``never`` or ``unknown`` (``page_rule`` says what it means for torch's tensors). Since
+    Linux 6.8 the mode of each page size may override the global one, which it inherits
+    unless set."""
+    for path in (f"{root}/hugepages-2048kB/enabled", f"{root}/enabled"):
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError:
+            continue
+        start, end = text.find("["), text.find("]")
+        mode = text[start + 1 : end] if 0 <= start < end else "unknown"
+        if mode != "inherit":
+            return mode
+    return "unknown"
 
 
 def page_rule(torch_asks: bool, mode: str) -> str:
@@ -92,13 +101,14 @@ def page_rule(torch_asks: bool, mode: str) -> str:
         return "huge pages wherever the kernel has them free (transparent huge pages: always)"
     if mode == "madvise" and torch_asks:
         return (
-            "huge pages for the 2 MiB-aligned stretches of tensors of 2 MiB and more "
-            "(THP_MEM_ALLOC_ENABLE=1, kernel: madvise)"
+            "huge pages for the 2 MiB-aligned stretches of tensors of 2 MiB and more, where "
+            "first touched after torch's advice (THP_MEM_ALLOC_ENABLE=1, kernel: madvise)"
         )
     if mode == "madvise":
         return (
-            "4 KiB pages (kernel: madvise; THP_MEM_ALLOC_ENABLE=1 gives tensors of 2 MiB and more "
-            "huge pages, which a peer's read of a large tensor pins with far less work)"
+            "4 KiB pages (kernel: madvise; with THP_MEM_ALLOC_ENABLE=1 torch asks for huge "
+            "pages for tensors of 2 MiB and more, whose 2 MiB-aligned stretches a peer's read "
+            "then pins with far less work)"
         )
     return "4 KiB pages unless the kernel has transparent huge pages (its mode is unknown)"
 
