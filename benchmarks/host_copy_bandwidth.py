@@ -32,6 +32,13 @@ READS = 30
 COPY_S = 2.0
 
 
+def _read_all(pid: int, local: int, remote: int, size: int) -> None:
+    """``read_process``, raising where it fails."""
+    failed = read_process(pid, local, remote, size)
+    if failed is not None:
+        raise RuntimeError(f"process_vm_readv failed: {failed}")
+
+
 def _hold(size: int, addresses: mp.Queue, release: EventType) -> None:
     """Holds ``size`` bytes for another process to read, and sends its pid and their address."""
     source = np.ones(size, dtype=np.uint8)
@@ -50,10 +57,8 @@ def _read_rate(size: int) -> float:
         times = []
         for _ in range(READS + 1):  # the first faults the pages in
             began = time.perf_counter()
-            failed = read_process(holder.pid, local.ctypes.data, remote, size)
+            _read_all(holder.pid, local.ctypes.data, remote, size)
             times.append(time.perf_counter() - began)
-            if failed is not None:
-                raise RuntimeError(f"process_vm_readv failed: {failed}")
         return size / statistics.median(times[1:]) / 1e9
     finally:
         release.set()
@@ -87,13 +92,7 @@ def _at_once(worker: Callable[..., None], arguments: list[tuple[Any, ...]]) -> f
 def _read(pid: int, remote: int, size: int, start: BarrierType, rates: mp.Queue) -> None:
     """Reads ``size`` bytes of process ``pid`` at ``remote`` (``_repeat``)."""
     local = np.empty(size, dtype=np.uint8)
-
-    def step() -> None:
-        failed = read_process(pid, local.ctypes.data, remote, size)
-        if failed is not None:
-            raise RuntimeError(f"process_vm_readv failed: {failed}")
-
-    _repeat(step, size, start, rates)
+    _repeat(lambda: _read_all(pid, local.ctypes.data, remote, size), size, start, rates)
 
 
 def _copy(size: int, start: BarrierType, rates: mp.Queue) -> None:

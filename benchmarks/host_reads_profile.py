@@ -67,8 +67,11 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
         start = time.perf_counter()
         for _ in range(WARMUP_CALLS):
             dist.all_to_all_single(out, inp)
-    span = (time.perf_counter() - start) / WARMUP_CALLS * args.calls
-    if args.perf and span / 2 < MIN_PERF_S:  # every rank decides alike: none starts the loop
+    # Rank 0's estimate on every rank, so that all decide alike whether the loop runs.
+    span_of_rank0 = torch.tensor([(time.perf_counter() - start) / WARMUP_CALLS * args.calls])
+    dist.broadcast(span_of_rank0, src=0)
+    span = float(span_of_rank0)
+    if args.perf and span / 2 < MIN_PERF_S:
         raise SystemExit(
             f"--perf: the loop would last about {span:.1f} s, and perf needs at least "
             f"{2 * MIN_PERF_S:.0f} s of it; give more --calls"

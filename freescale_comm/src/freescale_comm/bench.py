@@ -135,26 +135,28 @@ def _bench_rank(config: BenchConfig, progress: bool) -> list[dict[str, Any]]:
     return [_measure(config, op, size, {n: groups[n] for n in names}, gloo) for op, size in bar]
 
 
-def _pages_of(address: int) -> dict[str, Any]:
-    """The memory mapping of this process that holds ``address``: whether it was advised for
-    transparent huge pages (``hg`` in its ``VmFlags``: torch's ``madvise``, whatever the
-    kernel then finds free) and how many KiB of the whole mapping lie in huge pages now
-    (memory touched before the advice keeps its 4 KiB pages); ``None`` values where
-    ``/proc/self/smaps`` does not say."""
-    found: dict[str, Any] = {"advised": None, "huge_kib": None}
-    inside = False
+def _pages_of(addresses: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """Per name, the memory mapping of this process that holds its address: whether it was
+    advised for transparent huge pages (``hg`` in its ``VmFlags``: torch's ``madvise``,
+    whatever the kernel then finds free) and how many KiB of the whole mapping lie in huge
+    pages now (memory touched before the advice keeps its 4 KiB pages); ``None`` values where
+    ``/proc/self/smaps`` does not say. One pass over the file."""
+    found = {name: {"advised": None, "huge_kib": None} for name in addresses}
+    inside: list[str] = []
     try:
         with open("/proc/self/smaps") as f:
             for line in f:
                 head = line.split(maxsplit=1)[0]
                 if "-" in head and not head.endswith(":"):  # "start-end perms ...": a mapping
                     start, _, end = head.partition("-")
-                    inside = int(start, 16) <= address < int(end, 16)
+                    low, high = int(start, 16), int(end, 16)
+                    inside = [name for name, at in addresses.items() if low <= at < high]
                 elif inside and head == "AnonHugePages:":
-                    found["huge_kib"] = int(line.split()[1])
+                    for name in inside:
+                        found[name]["huge_kib"] = int(line.split()[1])
                 elif inside and head == "VmFlags:":
-                    found["advised"] = "hg" in line.split()[1:]
-                    return found
+                    for name in inside:
+                        found[name]["advised"] = "hg" in line.split()[1:]
     except OSError:
         pass
     return found
@@ -235,10 +237,7 @@ def _measure(
         "calls_per_block": count,
         "correct": correct,
         # The pages a peer's read pins (the input) and the reads write (freescale's output).
-        "pages": {
-            "input": _pages_of(data.data_ptr()),
-            "output": _pages_of(out[names[0]].data_ptr()),
-        }
+        "pages": _pages_of({"input": data.data_ptr(), "output": out[names[0]].data_ptr()})
         if config.device == "cpu"
         else None,
     }
