@@ -1,12 +1,15 @@
-"""Shared-memory rings against UCX for host bytes between ranks of one host (CPU tensors).
+"""The host paths of CPU bytes between ranks of one host, against each other and Gloo.
 
-Two groups over the same local ranks, one with ``host_path="shm"`` and one with
-``host_path="ucx"``, and a Gloo group; per size, blocks of back-to-back ``all_to_all_single`` /
-``all_gather_into_tensor`` calls of the three alternate in the same processes (so that a load
-that comes and goes hits all of them alike); the figure is the median over blocks of the slower
-rank's time per call. ``auto``'s ``shm_max_bytes`` comes from where the rings stop winning.
+One freescale group per ``--paths`` entry over the same local ranks, and a Gloo group; per size,
+blocks of back-to-back ``all_to_all_single`` / ``all_gather_into_tensor`` calls of each alternate
+in the same processes (so that a load that comes and goes hits all of them alike); the figure is
+the median over blocks of the slower rank's time per call. The paths: ``shm`` (every message
+through the shared-memory rings: two copies through slots that stay in cache), ``reads``
+(``auto`` with every message read from the sender's memory: one copy, the sender's pages pinned
+by the kernel) and ``ucx`` (UCX: shared memory, then cross-memory attach); ``auto`` is the
+default, which switches from the rings to reads above ``shm_max_bytes``.
 
-    python benchmarks/comm_host_paths.py [--ranks 2] [--blocks 7] [--out DIR]
+    python benchmarks/comm_host_paths.py [--ranks 2] [--paths shm,reads] [--blocks 7] [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from freescale_comm._freescale_args import byte_size
 from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
 
 
@@ -28,19 +32,15 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
     import torch.distributed as dist
 
-    from freescale_comm import FreescaleOptions
-
     rank = dist.get_rank()
+    # torch 2.13 names it all_gather_single (the old name warns there); 2.11 has the old one.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     timeout = timedelta(seconds=120)
-    groups = {
-        "shm": dist.new_group(
-            backend="freescale", timeout=timeout, pg_options=FreescaleOptions(host_path="shm")
-        ),
-        "ucx": dist.new_group(
-            backend="freescale", timeout=timeout, pg_options=FreescaleOptions(host_path="ucx")
-        ),
-        "gloo": None,
+    groups: dict[str, Any] = {
+        name: dist.new_group(backend="freescale", timeout=timeout, pg_options=PATHS[name]())
+        for name in args.paths
     }
+    groups["gloo"] = None
     n = args.ranks
     rows = []
     size = args.min_bytes
@@ -58,7 +58,7 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                 out = torch.empty(n * elements)
 
                 def call(g: Any, out: torch.Tensor = out, inp: torch.Tensor = inp) -> None:
-                    dist.all_gather_into_tensor(out, inp, group=g)
+                    gather(out, inp, group=g)
 
             for g in groups.values():
                 for _ in range(3):
@@ -66,7 +66,7 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
             dist.barrier()
             start = time.perf_counter()
             for _ in range(3):
-                call(groups["ucx"])
+                call(groups[args.paths[0]])
             per = (time.perf_counter() - start) / 3
             t = torch.tensor([per])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -90,22 +90,46 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                 row[f"{name}_us"] = statistics.median(blocks) * 1e6
             rows.append(row)
             if rank == 0:
-                print(
-                    f"{op:<11}{elements * 4:>10} B/peer  shm {row['shm_us']:9.1f} us  "
-                    f"ucx {row['ucx_us']:9.1f} us  gloo {row['gloo_us']:9.1f} us  "
-                    f"shm/ucx {row['shm_us'] / row['ucx_us']:.2f}",
-                    flush=True,
+                cells = "  ".join(f"{name} {row[f'{name}_us']:9.1f} us" for name in names)
+                first = row[f"{names[0]}_us"]
+                ratios = "  ".join(
+                    f"{name}/{names[0]} {row[f'{name}_us'] / first:.2f}" for name in names[1:]
                 )
+                print(f"{op:<11}{elements * 4:>10} B/peer  {cells}  {ratios}", flush=True)
         size *= args.factor
     return rows
+
+
+def _options(**fields: Any) -> Any:
+    from freescale_comm import FreescaleOptions
+
+    return FreescaleOptions(**fields)
+
+
+# Each path as the options of its group (built in the ranks: the options import torch).
+PATHS = {
+    "shm": lambda: _options(host_path="shm"),
+    "reads": lambda: _options(host_path="auto", shm_max_bytes=0),
+    "auto": lambda: _options(host_path="auto"),
+    "ucx": lambda: _options(host_path="ucx"),
+}
+
+
+def _path_names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(PATHS))
+    if not names or unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"paths are distinct names out of {sorted(PATHS)}")
+    return names
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--paths", type=_path_names, default=["shm", "reads"])
     parser.add_argument("--blocks", type=int, default=7)
-    parser.add_argument("--min-bytes", type=int, default=8)
-    parser.add_argument("--max-bytes", type=int, default=16 << 20)
+    parser.add_argument("--min-bytes", type=byte_size, default=8, help="per peer, e.g. 256K")
+    parser.add_argument("--max-bytes", type=byte_size, default=16 << 20)
     parser.add_argument("--factor", type=int, default=4)
     parser.add_argument("--target-s", type=float, default=0.03)
     parser.add_argument("--out", type=Path)

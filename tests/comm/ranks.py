@@ -1025,7 +1025,7 @@ def read_counted_past_early_data(per_peer_kib: int, piece_kib: int, rounds: int)
     """
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    group = freescale_group(10, host_path="auto", shm_outbox_bytes=0)
+    group = freescale_group(10, host_path="auto", shm_max_bytes=512 << 10, shm_outbox_bytes=0)
     rows, piece = (per_peer_kib << 10) // 4, (piece_kib << 10) // 4
     for k in range(rounds):
         x = torch.full((n * rows,), float(rank + k))
@@ -1046,6 +1046,27 @@ def read_counted_past_early_data(per_peer_kib: int, piece_kib: int, rounds: int)
     reads = {row["peer"]: row["ring_reads"] for row in group.paths()}
     dist.destroy_process_group(group)
     return reads
+
+
+def ring_limit_by_pages(torch_asks_by_rank: list[str]) -> str:
+    """A group under ``shm_max_bytes=-1`` whose ranks see ``THP_MEM_ALLOC_ENABLE`` as given per
+    rank (read at set-up); returns the path host bytes take to the next rank, after checking
+    that an AllToAll whose pieces are above 512 KiB arrives."""
+    import os
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    os.environ["THP_MEM_ALLOC_ENABLE"] = torch_asks_by_rank[rank]
+    try:
+        group = freescale_group(10, host_path="auto")
+    finally:
+        del os.environ["THP_MEM_ALLOC_ENABLE"]
+    rows = (1 << 20) // 4
+    out = torch.empty(n * rows)
+    dist.all_to_all_single(out, torch.full((n * rows,), float(rank)), group=group)
+    _same(out, torch.arange(n, dtype=torch.float32).repeat_interleave(rows), "AllToAll")
+    path = next(row["path"] for row in group.paths() if row["peer"] == (rank + 1) % n)
+    dist.destroy_process_group(group)
+    return path
 
 
 def ring_gathers_only_even_pieces() -> list[str]:
@@ -1214,8 +1235,8 @@ def an_internal_error_on_one_rank() -> str:
 def die_during_collective(victim: int, delay_s: float, per_peer: int = 256) -> float:
     """Every rank runs AllToAlls back to back; the victim exits after ``delay_s``, most likely
     in the middle of one (its peers may be reading its memory); the survivors' collective must
-    raise (they re-raise it). ``per_peer``: float32 elements for each peer (1 KiB: the rings;
-    1 MiB and more: read from the sender's memory)."""
+    raise (they re-raise it). ``per_peer``: float32 elements for each peer (the rings, or read
+    from the sender's memory above ``shm_max_bytes``)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     dist.barrier()
     if rank == victim:

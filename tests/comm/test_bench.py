@@ -8,7 +8,7 @@ import pytest
 
 from freescale_comm.bench import BenchConfig
 from freescale_comm.cli import main
-from freescale_comm.info import page_rule, transparent_huge_pages
+from freescale_comm.info import page_rule, tensors_get_huge_pages, transparent_huge_pages
 
 
 def test_backends_by_device_and_gpu_count():
@@ -88,6 +88,21 @@ def test_huge_pages_are_asked_for_the_ranks_tensors_only_with_the_flag(
 )
 def test_info_names_the_pages_of_torchs_tensors(torch_asks, mode, says):
     assert says in page_rule(torch_asks, mode)
+
+
+@pytest.mark.parametrize(
+    ("torch_asks", "mode", "huge"),
+    [
+        (False, "always", True),
+        (True, "always", True),
+        (True, "madvise", True),
+        (False, "madvise", False),
+        (True, "never", False),
+        (True, "unknown", False),
+    ],
+)
+def test_which_tensors_get_huge_pages(torch_asks, mode, huge):
+    assert tensors_get_huge_pages(torch_asks, mode) is huge
 
 
 @pytest.mark.parametrize(

@@ -84,12 +84,15 @@ def test_a_peer_dying_during_set_up_fails_it_within_the_timeout_and_leaves_nothi
     assert found and float(found.group(1)) < 15, report  # the group timeout is 5 s
 
 
-@pytest.mark.parametrize("per_peer", [256, 1 << 18, 1 << 20], ids=["rings", "reads", "large-reads"])
+@pytest.mark.parametrize(
+    ("per_peer", "shm_max_bytes"),
+    [(256, "-1"), (1 << 20, "0x100000000"), (1 << 18, "0x80000"), (1 << 20, "0x80000")],
+    ids=["rings", "large-rings", "reads", "large-reads"],
+)
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_killed_peer_makes_every_survivor_raise(world_size, per_peer):
-    group = LocalGroup(
-        world_size, backend="freescale", setup=SETUP, init_timeout_s=20, env=FAST_FAILURE_ENV
-    )
+def test_killed_peer_makes_every_survivor_raise(world_size, per_peer, shm_max_bytes):
+    env = {**FAST_FAILURE_ENV, "FREESCALE_SHM_MAX_BYTES": shm_max_bytes}
+    group = LocalGroup(world_size, backend="freescale", setup=SETUP, init_timeout_s=20, env=env)
     try:
         group.start()
         pids = group.pids
@@ -106,9 +109,9 @@ def test_killed_peer_makes_every_survivor_raise(world_size, per_peer):
     assert "timeout" not in report.split("---")[0]
     # Detected by heartbeat (3 s) or abort, well inside the 20 s group timeout.
     assert elapsed < 15, report
-    # Its messages took the shared-memory rings (1 KiB per peer), or were read from its memory
-    # (1 and 4 MiB; host_path=auto: through UCX's cross-memory attach, a read of a process
-    # killed meanwhile aborted the reader); the segments were unlinked once mapped, so the dead
+    # Its messages took the shared-memory rings (1 KiB and 4 MiB per peer), or were read from
+    # its memory (1 and 4 MiB; through UCX's cross-memory attach, a read of a process killed
+    # meanwhile aborted the reader); the segments were unlinked once mapped, so the dead
     # process left nothing in /dev/shm (counted for this group's processes: tests running
     # beside it make theirs).
     mine = tuple(f"freescale-ring-{pid}-" for pid in pids)

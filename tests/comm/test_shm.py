@@ -15,7 +15,9 @@ import torch
 
 from freescale_comm import shm
 from freescale_comm.errors import FreescaleError
+from freescale_comm.info import tensors_get_huge_pages, transparent_huge_pages
 from tests.comm import ranks
+from tests.comm.conftest import SETUP
 
 # Rings a rank maps per same-host peer: host bytes each way, and where CUDA is, staging rings.
 _RINGS_PER_PEER = 4 if torch.cuda.is_available() else 2
@@ -205,6 +207,21 @@ def test_a_later_collectives_early_data_never_overtakes_an_earlier_ones(fs_group
     assert got == ["ok"] * n
 
 
+@pytest.mark.parametrize("torch_asks", [["1", "1"], ["1", "0"], ["0", "0"]], ids=str)
+def test_the_rings_carry_every_size_unless_every_ranks_tensors_get_huge_pages(
+    local_groups, torch_asks
+):
+    # By the kernel's mode here: where torch's tensors get huge pages on both ranks, messages
+    # above 512 KiB are read from the sender's memory; else the rings carry every size.
+    mode = transparent_huge_pages()
+    huge = all(tensors_get_huge_pages(asks == "1", mode) for asks in torch_asks)
+    want = "shm <= 524288 B, read from the sender's memory above" if huge else "shm"
+    paths = local_groups.get(2, backend="freescale", setup=SETUP, init_timeout_s=60).run(
+        ranks.ring_limit_by_pages, torch_asks, timeout_s=60
+    )
+    assert paths == [want, want]
+
+
 def test_a_read_is_counted_done_past_a_later_collectives_early_data(fs_group):
     n = fs_group.spec.world_size
     reads = fs_group.run(ranks.read_counted_past_early_data, 2048, 300, 200, timeout_s=120)
@@ -275,7 +292,11 @@ def test_info_says_which_path_each_pair_takes(capsys):
     assert main(["info", "--ranks", "2"]) == 0
     out = capsys.readouterr().out
     assert "host identity: " in out
-    assert "rank 0 -> 1: shm <= 524288 B, read from the sender's memory above  (same host" in out
+    # The rings' limit follows the pages of torch's tensors (``shm_max_bytes=-1``).
+    if tensors_get_huge_pages():
+        assert "rank 0 -> 1: shm <= 524288 B, read from the sender's memory above  (same" in out
+    else:
+        assert "rank 0 -> 1: shm  (same host; rings at every size: 4 KiB pages" in out
     assert "rank 1 -> 0: shm" in out
     # And the path of CUDA bytes (no staging rings without CUDA: UCX's device path or pipeline).
     assert "    CUDA bytes: " in out

@@ -49,6 +49,10 @@ logger = logging.getLogger(__name__)
 _EAGER_ROOM_BYTES = 4 << 20
 # Data messages up to this size leave with the headers over the rings (``sends_early``).
 _EARLY_BYTES = 1 << 20
+# The rings' largest message under ``shm_max_bytes=-1``: where torch's tensors get huge pages
+# (reads above it), and where they do not.
+READ_ABOVE_BYTES = 512 << 10
+EVERY_SIZE = 1 << 62
 
 
 def root_store(store: dist.Store) -> dist.Store:
@@ -209,6 +213,8 @@ class GroupContext:
         self._no_rings: dict[int, str] = {}
         self._ipc_peers: frozenset[int] = frozenset()
         self._all_on_staging_rings = False
+        self.ring_max_bytes = EVERY_SIZE if options.host_path == "shm" else options.shm_max_bytes
+        self.ring_max_why = f"shm_max_bytes={options.shm_max_bytes}"
         self.outboxes = None
         # Why a peer on this host is not reached by outbox (where ``shm_outbox_bytes`` > 0).
         self._no_outboxes = "not every pair on a host shares rings"
@@ -218,6 +224,8 @@ class GroupContext:
         if options.host_path == "ucx" or size == 1:
             self._no_rings = dict.fromkeys(local, f"host_path={options.host_path}")
             return
+        if options.host_path == "auto" and options.shm_max_bytes == -1:
+            self._choose_ring_max_bytes()
         if unsupported is not None:
             local_ok: list[int] = []
             self._no_rings = dict.fromkeys(local, unsupported)
@@ -257,6 +265,21 @@ class GroupContext:
         if options.shm_outbox_bytes > 0:
             self._setup_outboxes(local if unsupported is None else [], links)
 
+    def _choose_ring_max_bytes(self) -> None:
+        """``shm_max_bytes=-1``: the largest message the rings carry, by the pages of torch's
+        CPU tensors, the same on every rank (``benchmarks/comm_host_paths.py``). A read of a
+        larger message pins each page of the sender it reads: cheap for huge pages, where it
+        beats the rings' two copies; with 4 KiB pages the rings, whose slots stay in the cache,
+        are as fast or faster at every size."""
+        from freescale_comm.info import tensors_get_huge_pages
+
+        if self._agree("huge_pages", tensors_get_huge_pages()):
+            self.ring_max_bytes = READ_ABOVE_BYTES
+            self.ring_max_why = "torch's CPU tensors get huge pages on every rank"
+        else:
+            self.ring_max_bytes = EVERY_SIZE
+            self.ring_max_why = "4 KiB pages for torch's CPU tensors on some rank"
+
     def _setup_outboxes(self, local: list[int], links: dict[int, Any]) -> None:
         """The outboxes (``outbox``) between this rank and ``local``, the peers on its host
         it can share memory with. Every rank of the group calls it; the group uses outboxes
@@ -292,9 +315,8 @@ class GroupContext:
             self._hub.watch(boxes)
             if self.eager_per_peer > 0:
                 share = self.options.shm_outbox_bytes // peers - Signature.size(self.size) - 64
-                if self.options.host_path == "auto":
-                    # Larger pieces move faster as UCX's one copy than as the outbox's two.
-                    share = min(share, self.options.shm_max_bytes)
+                # Larger pieces move faster as reads (one copy) than in the outbox (two).
+                share = min(share, self.ring_max_bytes)
                 self.outbox_eager_per_peer = max(self.eager_per_peer, share)
         elif boxes is not None:
             boxes.close()
@@ -348,7 +370,7 @@ class GroupContext:
             if not isinstance(buffer, np.ndarray):
                 return self.post_ucx(peer, buffer, tag, send)
             nbytes = self._header_room if sub == 0 else len(buffer)
-            if self.options.host_path == "shm" or nbytes <= self.options.shm_max_bytes:
+            if nbytes <= self.ring_max_bytes:
                 return self._hub.post(link, buffer, tag, send)
             # Larger: read by the receiver from the sender's memory where that direction
             # allows it (both sides know: ``shm.open_links``), else UCX.
@@ -389,7 +411,7 @@ class GroupContext:
         as a message sent after the verdict would be."""
         if self._links[peer] is None or nbytes > _EARLY_BYTES:
             return False
-        return self.options.host_path == "shm" or nbytes <= self.options.shm_max_bytes
+        return nbytes <= self.ring_max_bytes
 
     def holds_back_early_sends(self, seq: int) -> bool:
         """Whether an earlier collective than ``seq`` may still post data to the host rings.
@@ -428,16 +450,16 @@ class GroupContext:
             if self._links[peer] is not None:
                 if options.host_path == "shm":
                     path, why = "shm", "same host; host_path=shm"
-                elif options.shm_max_bytes >= 1 << 40:
-                    path, why = "shm", "same host; host_path=auto: rings at every size"
+                elif self.ring_max_bytes >= EVERY_SIZE:
+                    path, why = "shm", f"same host; rings at every size: {self.ring_max_why}"
                 else:
                     host = self._links[peer].host
                     above = {
                         (True, True): "read from the sender's memory",
                         (False, False): "ucx",
                     }.get((host.reads_out, host.reads_in), "read one way, ucx the other")
-                    path = f"shm <= {options.shm_max_bytes} B, {above} above"
-                    why = "same host; host_path=auto (the faster path per size)"
+                    path = f"shm <= {self.ring_max_bytes} B, {above} above"
+                    why = f"same host; host_path=auto, by size: {self.ring_max_why}"
                     if not options.host_reads:
                         why += "; host_reads=False"
                     elif above != "read from the sender's memory":

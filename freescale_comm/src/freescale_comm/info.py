@@ -6,6 +6,7 @@ import os
 import re
 from typing import Any
 
+from freescale_comm.group import READ_ABOVE_BYTES
 from freescale_comm.options import FreescaleOptions
 from freescale_comm.shm import host_identity, rings_supported
 from freescale_comm.transport import Transport, ucx_version
@@ -113,6 +114,18 @@ def page_rule(torch_asks: bool, mode: str) -> str:
     return "4 KiB pages unless the kernel has transparent huge pages (its mode is unknown)"
 
 
+def tensors_get_huge_pages(torch_asks: bool | None = None, mode: str | None = None) -> bool:
+    """Whether torch's large CPU tensors in this process get transparent huge pages: the
+    kernel gives them to every large mapping (``always``), or to those torch advises (its
+    tensors of 2 MiB and more, ``THP_MEM_ALLOC_ENABLE=1``, under ``madvise``). Defaults: this
+    process's environment and the kernel's mode."""
+    if torch_asks is None:
+        torch_asks = os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1"
+    if mode is None:
+        mode = transparent_huge_pages()
+    return mode == "always" or (mode == "madvise" and torch_asks)
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -218,9 +231,22 @@ def format_info(info: dict[str, Any]) -> str:
             if opts["host_reads"]
             else "UCX above (host_reads=False)"
         )
-        rule = (
-            f"peers on this host: shared-memory rings for messages <= {opts['shm_max_bytes']} B"
-            f", {above}; host_path=auto: the faster path per size, "
+        limit = opts["shm_max_bytes"]
+        if limit == -1:  # the group's choice (``GroupContext._choose_ring_max_bytes``)
+            huge = tensors_get_huge_pages(info["torch_huge_pages"], info["transparent_huge_pages"])
+            limit = READ_ABOVE_BYTES if huge else None
+            by_pages = (
+                "; shm_max_bytes=-1: by the pages of torch's CPU tensors, 512 KiB where every "
+                "rank's get huge pages, else every size"
+            )
+        else:
+            by_pages = ""
+        if limit is None:
+            rule = "peers on this host: shared-memory rings at every size"
+        else:
+            rule = f"peers on this host: shared-memory rings for messages <= {limit} B, {above}"
+        rule += (
+            f"{by_pages}; host_path=auto: the faster path per size, "
             "benchmarks/comm_host_paths.py; other hosts: UCX"
         )
     lines.append(f"host bytes: {rule}")

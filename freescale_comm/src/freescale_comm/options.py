@@ -84,7 +84,12 @@ class FreescaleOptions:
             take UCX. Ranks on other hosts always use UCX. Same on every rank.
             ``FREESCALE_HOST_PATH``; the host identity is ``FREESCALE_HOST_ID`` (default:
             hostname and boot id).
-        shm_max_bytes: ``auto`` sends messages up to this size through the rings. Same on
+        shm_max_bytes: ``auto`` sends messages up to this size through the rings (and folds
+            CPU pieces up to it into the headers, ``shm_outbox_bytes``). -1 (the default): by
+            the pages of torch's CPU tensors (``info.tensors_get_huge_pages``): where every
+            rank's get huge pages, 512 KiB (a read of a larger message pins the sender's pages
+            cheaply, and beats the rings' two copies); else every size (a read pins each 4 KiB
+            page, and the rings, whose slots stay in the cache, are as fast or faster). Same on
             every rank. ``FREESCALE_SHM_MAX_BYTES``.
         host_reads: under ``auto``, a larger message is read by its receiver straight from
             the sender's memory (``process_vm_readv``: one copy, as UCX's cross-memory attach,
@@ -131,7 +136,7 @@ class FreescaleOptions:
     cuda_path: CudaPath = "auto"
     staging_pool_bytes: int = 64 << 20
     host_path: HostPath = "auto"
-    shm_max_bytes: int = 512 << 10
+    shm_max_bytes: int = -1
     host_reads: bool = True
     shm_slot_bytes: int = 256 << 10
     shm_pool_bytes: int = 4 << 20
@@ -163,8 +168,10 @@ class FreescaleOptions:
                 or not math.isfinite(value)
             ):
                 raise ValueError(f"FreescaleOptions.{item.name} must be a finite number")
-        if min(self.ring_threshold_bytes, self.shm_max_bytes) < 0:
-            raise ValueError("ring_threshold_bytes and shm_max_bytes must be >= 0")
+        if self.ring_threshold_bytes < 0:
+            raise ValueError("ring_threshold_bytes must be >= 0")
+        if self.shm_max_bytes < -1:
+            raise ValueError("shm_max_bytes must be >= 0, or -1 (by the pages of the tensors)")
         if self.chunk_bytes <= 0:
             raise ValueError("chunk_bytes must be > 0")
         if self.eager_bytes < 0:
