@@ -50,9 +50,9 @@ _EAGER_ROOM_BYTES = 4 << 20
 # Data messages up to this size leave with the headers over the rings (``sends_early``).
 _EARLY_BYTES = 1 << 20
 # The rings' largest message under ``shm_max_bytes=-1``: where torch's tensors get huge pages
-# (reads above it), and where they do not.
+# (reads above it), and where they do not (no host message is that large).
 READ_ABOVE_BYTES = 512 << 10
-EVERY_SIZE = 1 << 62
+EVERY_SIZE = 1 << 40
 
 
 def root_store(store: dist.Store) -> dist.Store:

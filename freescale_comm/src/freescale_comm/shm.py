@@ -12,9 +12,11 @@ receiver's verdict on its collective, which needs no message behind it (a second
 ``Channel.unstall``, lets it out first). A header (sub 0) that arrives before its receive is
 copied out into a buffer of its own.
 
-A host message above ``shm_max_bytes`` (``host_path="auto"``) does not go through the slots:
-its sender posts one slot naming where the bytes lie in its memory, and the receiver, once its
-receive is posted, reads them straight into it with ``process_vm_readv`` (one copy, as UCX's
+A host message above the rings' limit (``host_path="auto"``; ``shm_max_bytes``, by default
+512 KiB where every rank's torch CPU tensors get huge pages, else none: ``GroupContext``) does
+not go through the slots: its sender posts one slot naming where the bytes lie in its memory,
+and the receiver, once its receive is posted, reads them straight into it with
+``process_vm_readv`` (one copy, as UCX's
 cross-memory attach), then counts the descriptor done in the ring's control block, which
 completes the sends in the order they were posted. The count is not a slot: an answer queued
 in the reader's own ring behind data it sent early for a later collective would wait for a
