@@ -62,8 +62,9 @@ class BenchConfig:
         huge_pages: every rank's torch asks the kernel for transparent huge pages for its CPU
             tensors of 2 MiB and more (``THP_MEM_ALLOC_ENABLE=1``, both backends' tensors;
             off sets it to 0): their 2 MiB-aligned stretches first touched after that lie in
-            2 MiB pages, which a peer's read (freescale's one-host path) pins in one step
-            instead of 512. Rows record what the tensors got (``pages``).
+            2 MiB pages, which a peer's read pins in one step instead of 512; so freescale's
+            one-host path reads messages above 512 KiB instead of carrying them through the
+            rings (``shm_max_bytes=-1``). Rows record what the tensors got (``pages``).
     """
 
     world_size: int = 2
@@ -236,7 +237,8 @@ def _measure(
         "world_size": n,
         "calls_per_block": count,
         "correct": correct,
-        # The pages a peer's read pins (the input) and the reads write (freescale's output).
+        # The pages a peer's read pins (the input) and the reads or rings write (freescale's
+        # output).
         "pages": _pages_of({"input": data.data_ptr(), "output": out[names[0]].data_ptr()})
         if config.device == "cpu"
         else None,
