@@ -25,6 +25,7 @@ from typing import Any
 
 from freescale_comm._freescale_args import byte_size
 from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
+from freescale_comm.info import transparent_huge_pages
 
 
 def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -144,6 +145,8 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         report = {
             "args": {k: str(v) for k, v in vars(args).items()},
+            "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
+            "transparent_huge_pages": transparent_huge_pages(),
             "rows": rows,
             "load_avg_1m_at_end": os.getloadavg()[0],
         }

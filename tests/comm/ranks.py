@@ -1048,25 +1048,34 @@ def read_counted_past_early_data(per_peer_kib: int, piece_kib: int, rounds: int)
     return reads
 
 
-def ring_limit_by_pages(torch_asks_by_rank: list[str]) -> str:
-    """A group under ``shm_max_bytes=-1`` whose ranks see ``THP_MEM_ALLOC_ENABLE`` as given per
-    rank (read at set-up); returns the path host bytes take to the next rank, after checking
-    that an AllToAll whose pieces are above 512 KiB arrives."""
+def ring_limit_by_pages(mode: str, torch_asks_by_rank: list[str]) -> tuple[str, int]:
+    """A group under ``shm_max_bytes=-1`` whose ranks see the kernel's huge page ``mode`` and
+    ``THP_MEM_ALLOC_ENABLE`` as given per rank (both read at set-up), then an AllToAll of
+    1 MiB per peer, checked. Returns the path host bytes take to the next rank and how many
+    messages this rank read from its peers' memory."""
     import os
+    from unittest import mock
 
     rank, n = dist.get_rank(), dist.get_world_size()
+    before = os.environ.get("THP_MEM_ALLOC_ENABLE")
     os.environ["THP_MEM_ALLOC_ENABLE"] = torch_asks_by_rank[rank]
     try:
-        group = freescale_group(10, host_path="auto")
+        with mock.patch("freescale_comm.info.transparent_huge_pages", return_value=mode):
+            group = freescale_group(10, host_path="auto")
     finally:
-        del os.environ["THP_MEM_ALLOC_ENABLE"]
+        if before is None:
+            del os.environ["THP_MEM_ALLOC_ENABLE"]
+        else:
+            os.environ["THP_MEM_ALLOC_ENABLE"] = before
     rows = (1 << 20) // 4
     out = torch.empty(n * rows)
     dist.all_to_all_single(out, torch.full((n * rows,), float(rank)), group=group)
     _same(out, torch.arange(n, dtype=torch.float32).repeat_interleave(rows), "AllToAll")
-    path = next(row["path"] for row in group.paths() if row["peer"] == (rank + 1) % n)
+    paths = group.paths()
+    path = next(row["path"] for row in paths if row["peer"] == (rank + 1) % n)
+    reads = sum(row["ring_reads"] for row in paths)
     dist.destroy_process_group(group)
-    return path
+    return path, reads
 
 
 def ring_gathers_only_even_pieces() -> list[str]:

@@ -110,10 +110,10 @@ def test_killed_peer_makes_every_survivor_raise(world_size, per_peer, shm_max_by
     # Detected by heartbeat (3 s) or abort, well inside the 20 s group timeout.
     assert elapsed < 15, report
     # Its messages took the shared-memory rings (1 KiB and 4 MiB per peer), or were read from
-    # its memory (1 and 4 MiB; through UCX's cross-memory attach, a read of a process killed
-    # meanwhile aborted the reader); the segments were unlinked once mapped, so the dead
-    # process left nothing in /dev/shm (counted for this group's processes: tests running
-    # beside it make theirs).
+    # its memory by the survivors (1 and 4 MiB; UCX's cross-memory attach, which the reads
+    # replace, aborted a reader of a process killed meanwhile); the segments were unlinked once
+    # mapped, so the dead process left nothing in /dev/shm (counted for this group's processes:
+    # tests running beside it make theirs).
     mine = tuple(f"freescale-ring-{pid}-" for pid in pids)
     assert [f for f in os.listdir("/dev/shm") if f.startswith(mine)] == []
     assert f"rank {world_size - 1}" in report.split("survivor")[1]

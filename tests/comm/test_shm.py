@@ -15,7 +15,7 @@ import torch
 
 from freescale_comm import shm
 from freescale_comm.errors import FreescaleError
-from freescale_comm.info import tensors_get_huge_pages, transparent_huge_pages
+from freescale_comm.info import tensors_get_huge_pages
 from tests.comm import ranks
 from tests.comm.conftest import SETUP
 
@@ -207,19 +207,28 @@ def test_a_later_collectives_early_data_never_overtakes_an_earlier_ones(fs_group
     assert got == ["ok"] * n
 
 
-@pytest.mark.parametrize("torch_asks", [["1", "1"], ["1", "0"], ["0", "0"]], ids=str)
+@pytest.mark.parametrize(
+    ("mode", "torch_asks", "huge"),
+    [
+        ("madvise", ["1", "1"], True),
+        ("madvise", ["1", "0"], False),
+        ("madvise", ["0", "0"], False),
+        ("always", ["0", "0"], True),
+        ("never", ["1", "1"], False),
+    ],
+    ids=["madvise-both-ask", "madvise-one-asks", "madvise-none-asks", "always", "never"],
+)
 def test_the_rings_carry_every_size_unless_every_ranks_tensors_get_huge_pages(
-    local_groups, torch_asks
+    local_groups, mode, torch_asks, huge
 ):
-    # By the kernel's mode here: where torch's tensors get huge pages on both ranks, messages
-    # above 512 KiB are read from the sender's memory; else the rings carry every size.
-    mode = transparent_huge_pages()
-    huge = all(tensors_get_huge_pages(asks == "1", mode) for asks in torch_asks)
-    want = "shm <= 524288 B, read from the sender's memory above" if huge else "shm"
-    paths = local_groups.get(2, backend="freescale", setup=SETUP, init_timeout_s=60).run(
-        ranks.ring_limit_by_pages, torch_asks, timeout_s=60
+    # Where torch's tensors get huge pages on both ranks, messages above 512 KiB are read from
+    # the sender's memory (the AllToAll's 1 MiB pieces: one read per rank); else the rings
+    # carry every size, even where one rank alone gets them.
+    want = ("shm <= 524288 B, read from the sender's memory above", 1) if huge else ("shm", 0)
+    got = local_groups.get(2, backend="freescale", setup=SETUP, init_timeout_s=60).run(
+        ranks.ring_limit_by_pages, mode, torch_asks, timeout_s=60
     )
-    assert paths == [want, want]
+    assert got == [want, want]
 
 
 def test_a_read_is_counted_done_past_a_later_collectives_early_data(fs_group):
@@ -294,8 +303,10 @@ def test_info_says_which_path_each_pair_takes(capsys):
     assert "host identity: " in out
     # The rings' limit follows the pages of torch's tensors (``shm_max_bytes=-1``).
     if tensors_get_huge_pages():
+        assert "host bytes: peers on this host: shared-memory rings for messages <= 524288 B" in out
         assert "rank 0 -> 1: shm <= 524288 B, read from the sender's memory above  (same" in out
     else:
+        assert "host bytes: peers on this host: shared-memory rings at every size" in out
         assert "rank 0 -> 1: shm  (same host; rings at every size: 4 KiB pages" in out
     assert "rank 1 -> 0: shm" in out
     # And the path of CUDA bytes (no staging rings without CUDA: UCX's device path or pipeline).

@@ -32,7 +32,7 @@ from freescale_comm.engine import Engine, yields_when_idle
 from freescale_comm.errors import FreescaleError, FreescaleValidationError
 from freescale_comm.futures import CallbackRunner
 from freescale_comm.liveness import Liveness, process_identity
-from freescale_comm.options import FreescaleOptions
+from freescale_comm.options import EVERY_SIZE, READ_ABOVE_BYTES, FreescaleOptions
 from freescale_comm.transport import MAX_GROUP_SIZE, SEQ_BITS, SUB_BITS, Transport, make_tag
 from freescale_comm.validation import Signature
 
@@ -49,10 +49,6 @@ logger = logging.getLogger(__name__)
 _EAGER_ROOM_BYTES = 4 << 20
 # Data messages up to this size leave with the headers over the rings (``sends_early``).
 _EARLY_BYTES = 1 << 20
-# The rings' largest message under ``shm_max_bytes=-1``: where torch's tensors get huge pages
-# (reads above it), and where they do not (no host message is that large).
-READ_ABOVE_BYTES = 512 << 10
-EVERY_SIZE = 1 << 40
 
 
 def root_store(store: dist.Store) -> dist.Store:
@@ -213,8 +209,11 @@ class GroupContext:
         self._no_rings: dict[int, str] = {}
         self._ipc_peers: frozenset[int] = frozenset()
         self._all_on_staging_rings = False
+        # The largest message the rings carry (none without rings); -1 is resolved below.
         self.ring_max_bytes = EVERY_SIZE if options.host_path == "shm" else options.shm_max_bytes
         self.ring_max_why = f"shm_max_bytes={options.shm_max_bytes}"
+        if options.host_path == "ucx" or size == 1:
+            self.ring_max_bytes, self.ring_max_why = 0, "no rings"
         self.outboxes = None
         # Why a peer on this host is not reached by outbox (where ``shm_outbox_bytes`` > 0).
         self._no_outboxes = "not every pair on a host shares rings"
@@ -269,8 +268,9 @@ class GroupContext:
         """``shm_max_bytes=-1``: the largest message the rings carry, by the pages of torch's
         CPU tensors, the same on every rank (``benchmarks/comm_host_paths.py``). A read of a
         larger message pins each page of the sender it reads: cheap for huge pages, where it
-        beats the rings' two copies; with 4 KiB pages the rings, whose slots stay in the cache,
-        are as fast or faster at every size."""
+        beats the rings' two copies from a few MiB; with 4 KiB pages the rings, whose slots
+        stay in the cache, measured as fast or faster on 4 ranks of 2 cores and within about
+        20% either way on 2."""
         from freescale_comm.info import tensors_get_huge_pages
 
         if self._agree("huge_pages", tensors_get_huge_pages()):

@@ -6,8 +6,7 @@ import os
 import re
 from typing import Any
 
-from freescale_comm.group import READ_ABOVE_BYTES
-from freescale_comm.options import FreescaleOptions
+from freescale_comm.options import READ_ABOVE_BYTES, FreescaleOptions
 from freescale_comm.shm import host_identity, rings_supported
 from freescale_comm.transport import Transport, ucx_version
 

@@ -12,20 +12,19 @@ receiver's verdict on its collective, which needs no message behind it (a second
 ``Channel.unstall``, lets it out first). A header (sub 0) that arrives before its receive is
 copied out into a buffer of its own.
 
-A host message above the rings' limit (``host_path="auto"``; ``shm_max_bytes``, by default
-512 KiB where every rank's torch CPU tensors get huge pages, else none: ``GroupContext``) does
-not go through the slots: its sender posts one slot naming where the bytes lie in its memory,
-and the receiver, once its receive is posted, reads them straight into it with
-``process_vm_readv`` (one copy, as UCX's
-cross-memory attach), then counts the descriptor done in the ring's control block, which
-completes the sends in the order they were posted. The count is not a slot: an answer queued
-in the reader's own ring behind data it sent early for a later collective would wait for a
-receive the sender posts only once this send completed. A sender that died makes the read fail
-with an error, which fails the collective (UCX aborted the reading process there). Where the
-kernel refuses the read (ptrace restrictions: it is probed at set-up, per direction; under
-Yama's ``ptrace_scope`` 1 each process first allows it, ``allow_reads_by_peers``), those
-messages take UCX. A send still unread when its channel closes keeps its buffer until the
-reader counts it, closes its side or exits (``Hub`` holds it).
+A host message above the rings' limit (``host_path="auto"``; ``shm_max_bytes``, by default 512 KiB
+where every rank's torch CPU tensors get huge pages, else none: ``GroupContext``) does not go
+through the slots: its sender posts one slot naming where the bytes lie in its memory, and the
+receiver, once its receive is posted, reads them straight into it with ``process_vm_readv`` (one
+copy, as UCX's cross-memory attach), then counts the descriptor done in the ring's control block,
+which completes the sends in the order they were posted. The count is not a slot: an answer queued
+in the reader's own ring behind data it sent early for a later collective would wait for a receive
+the sender posts only once this send completed. A sender that died makes the read fail with an
+error, which fails the collective (UCX aborted the reading process there). Where the kernel refuses
+the read (ptrace restrictions: it is probed at set-up, per direction; under Yama's ``ptrace_scope``
+1 each process first allows it, ``allow_reads_by_peers``), those messages take UCX. A send still
+unread when its channel closes keeps its buffer until the reader counts it, closes its side or exits
+(``Hub`` holds it).
 
 Segments are unlinked as soon as both sides have mapped them (their memory dies with the
 processes); a segment that a crash left between creation and that point is named after its
