@@ -7,6 +7,8 @@ import json
 import pytest
 
 from freescale_embed.train import cli
+from freescale_embed.train import job as _job
+from freescale_embed.train.config import auto_mode
 
 _SMALL = [
     "--steps", "6", "--batch-size", "8", "--max-history", "32", "--users", "256",
@@ -21,6 +23,11 @@ def test_freescale_train_runs_both_runs_side_by_side_and_draws_them(tmp_path, ca
     assert "loss curves of baseline and freescale: agree" in printed
     summaries = json.loads((out / "summary.json").read_text())
     assert [s["run"]["name"] for s in summaries] == ["baseline", "freescale"]
+    # FreeScale's mode is auto: prioritized only where each rank has a core to spare.
+    mode, why = auto_mode(_job._usable_cores(), 2, 1)
+    assert summaries[1]["run"]["mode"] == mode and summaries[1]["mode_auto"] == why
+    assert summaries[0]["mode_auto"] is None
+    assert f"freescale: mode auto chose {mode} ({why})" in printed
     for summary in summaries:
         assert summary["steps"] == 6 and len(summary["losses"]) == 6
         assert summary["eval_users"] == 32
@@ -38,9 +45,23 @@ def test_prioritized_mode_trains_the_same_bits_as_sync(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
+    ("cores", "local_ranks", "threads", "mode"),
+    [(2, 2, 1, "sync"), (3, 2, 1, "sync"), (4, 2, 1, "prioritized"), (16, 2, 1, "prioritized"),
+     (8, 2, 4, "sync"), (10, 2, 4, "prioritized"), (1, 1, 1, "sync")],
+)  # fmt: skip
+def test_auto_mode_is_prioritized_only_with_a_spare_core_per_rank(
+    cores, local_ranks, threads, mode
+):
+    chosen, why = auto_mode(cores, local_ranks, threads)
+    assert chosen == mode
+    assert f"{cores} cores for {local_ranks} local ranks of {threads} torch threads" in why
+
+
+@pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--world-size", "0"], "world_size must be >= 1"),
+        (["--runs", "gloo:fbs:eager"], "mode must be one of"),
         (["--batch-size", "7"], "must split evenly over 2 ranks"),
         (["--runs", "gloo:lpt:sync"], "policy must be one of"),
         (["--items", "64"], "num_items (64) must exceed"),

@@ -12,6 +12,7 @@ from freescale_embed.train.config import (
     BASELINE,
     DATASETS,
     FREESCALE,
+    MODES,
     POLICIES,
     RunConfig,
     TrainConfig,
@@ -26,9 +27,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="freescale train",
         description=(
             "Trains a SASRec-style next-item model twice on the same data: the baseline (Gloo, "
-            "no balancing, sync embeddings) and FreeScale (balancing, prioritized embeddings, "
-            "the freescale backend), and prints them side by side. Starts its own local ranks, "
-            "or runs under torchrun. `freescale train report DIR` draws a finished run."
+            "no balancing, sync embeddings) and FreeScale (balancing, prioritized embeddings "
+            "where each rank has a spare core, the freescale backend), and prints them side by "
+            "side. Starts its own local ranks, or runs under torchrun. `freescale train report "
+            "DIR` draws a finished run."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -72,7 +74,13 @@ def _parser() -> argparse.ArgumentParser:
     add("--checkpoint-dir", default=None, help="save each run at its end; resume from it")
     add("--backend", default=FREESCALE.backend, help="FreeScale run's backend")
     add("--policy", choices=POLICIES, default=FREESCALE.policy, help="FreeScale run's balancing")
-    add("--mode", choices=("sync", "prioritized"), default=FREESCALE.mode, help="its embeddings")
+    add(
+        "--mode",
+        choices=MODES,
+        default=FREESCALE.mode,
+        help="its embeddings; auto: prioritized where every rank has a core to spare for its "
+        "background thread, else sync (the same bits)",
+    )
     add(
         "--runs",
         default="baseline,freescale",

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from freescale_embed.pipeline import (
     resident_bytes,
 )
 from freescale_embed.pipeline_telemetry import StepReport
-from freescale_embed.train.config import RunConfig, TrainConfig
+from freescale_embed.train.config import RunConfig, TrainConfig, auto_mode
 from freescale_embed.train.data import Data
 
 _EVAL_BATCH = 64
@@ -41,6 +42,31 @@ def _group(backend: str, timeout: timedelta) -> dist.ProcessGroup:
     if backend == "freescale":
         import freescale_comm  # noqa: F401  (registers the backend)
     return dist.new_group(backend=backend, timeout=timeout)
+
+
+def _usable_cores() -> int:
+    """The cores this process may use: freescale_comm's count (affinity mask capped by a cgroup
+    CPU quota) where it is installed, else the affinity mask."""
+    try:
+        from freescale_comm.cpu import usable_cores
+    except ImportError:
+        return len(os.sched_getaffinity(0))
+    return usable_cores()
+
+
+def _chosen_mode(run: RunConfig, config: TrainConfig) -> tuple[RunConfig, str | None]:
+    """``run`` with ``mode="auto"`` resolved (``auto_mode``), the same on every rank:
+    prioritized only where every host leaves each of its ranks a spare core. Returns the run
+    and why auto chose its mode (``None`` for an explicit mode)."""
+    if run.mode != "auto":
+        return run, None
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    mode, why = auto_mode(_usable_cores(), local_ranks, config.threads)
+    everywhere = torch.tensor([mode == "prioritized"], dtype=torch.int32)
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+    if mode == "prioritized" and not everywhere.item():
+        mode, why = "sync", "some rank has no spare core for prioritized mode's background thread"
+    return replace(run, mode=mode), why
 
 
 def _progress_bar(total: int | None, name: str, enabled: bool) -> Any:
@@ -63,6 +89,7 @@ def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dic
     if device.type == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
+    run, mode_why = _chosen_mode(run, config)
     group = _group(run.backend, timeout)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # runs share the process: peaks per run
@@ -142,6 +169,7 @@ def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dic
     dist.destroy_process_group(group)
     summary = summarize(run, config, reports, quality)
     summary["balancing"] = balancing
+    summary["mode_auto"] = mode_why
     summary["host_start_mb"] = host_start / 1e6
     if rank == 0:
         (folder / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

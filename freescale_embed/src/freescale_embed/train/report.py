@@ -19,10 +19,16 @@ def loss_agreement(a: Sequence[float], b: Sequence[float]) -> float:
     return max(abs(x - y) / max(abs(x), abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
 
+def _run_cell(summary: dict[str, Any]) -> str:
+    run = summary["run"]
+    auto = " (auto)" if summary.get("mode_auto") else ""
+    return f"{run['backend']} / {run['policy']} / {run['mode']}{auto}"
+
+
 def table(summaries: Sequence[dict[str, Any]]) -> str:
     """The runs side by side, one column per run, and whether their loss curves agree."""
     rows = [
-        ("backend / policy / mode", lambda s: "{backend} / {policy} / {mode}".format(**s["run"])),
+        ("backend / policy / mode", _run_cell),
         ("step time, median (ms)", lambda s: f"{s['step_ms']:.1f}"),
         ("step time, p90 (ms)", lambda s: f"{s['step_p90_ms']:.1f}"),
         ("slowest rank's compute (ms)", lambda s: f"{s['compute_ms']:.1f}"),
@@ -56,6 +62,12 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
         return "  ".join(str(v).ljust(w) for v, w in zip(values, widths, strict=True))
 
     text = [line(header), line(["-" * w for w in widths]), *[line(c) for c in cells]]
+    for summary in summaries:
+        if summary.get("mode_auto"):
+            text.append(
+                f"{summary['run']['name']}: mode auto chose {summary['run']['mode']} "
+                f"({summary['mode_auto']})"
+            )
     base = summaries[0]
     for other in summaries[1:]:
         difference = loss_agreement(base["losses"], other["losses"])
