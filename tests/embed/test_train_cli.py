@@ -54,7 +54,7 @@ def test_auto_mode_is_prioritized_only_with_a_spare_core_per_rank(
 ):
     chosen, why = auto_mode(cores, local_ranks, threads)
     assert chosen == mode
-    assert f"{cores} cores for {local_ranks} local ranks of {threads} torch threads" in why
+    assert f"{cores} cores, {local_ranks} local ranks, torch threads per rank: {threads}" in why
 
 
 @pytest.mark.parametrize(

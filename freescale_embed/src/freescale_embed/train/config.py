@@ -124,10 +124,10 @@ def auto_mode(cores: int, local_ranks: int, threads: int) -> tuple[str, str]:
     step 14.5–14.7 ms prioritized, 12.8–12.9 sync, the baseline's 13.6–13.8). Returns the mode
     and why."""
     needed = local_ranks * (threads + 1)
-    why = f"{cores} cores for {local_ranks} local ranks of {threads} torch threads each"
+    why = f"{cores} cores, {local_ranks} local ranks, torch threads per rank: {threads}"
     if cores >= needed:
-        return "prioritized", f"{why}: a spare core per rank for its background thread"
-    return "sync", f"{why}: prioritized mode's background thread would need {needed}"
+        return "prioritized", f"{why}; a spare core per rank for its background thread"
+    return "sync", f"{why}; prioritized mode's background threads would need {needed} cores"
 
 
 def check_run(run: RunConfig) -> None:
