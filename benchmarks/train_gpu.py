@@ -76,7 +76,7 @@ ABLATION = ",".join(
         "gloo:none:prioritized",
         "freescale:none:sync",
         "gloo:fbs:prioritized",
-        "freescale",
+        "freescale:fbs:prioritized",
     ]
 )
 

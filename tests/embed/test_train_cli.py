@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
+import torch.distributed as dist
 
 from freescale_embed.train import cli
 from freescale_embed.train import job as _job
-from freescale_embed.train.config import auto_mode
+from freescale_embed.train.config import FREESCALE, TrainConfig, auto_mode
 
 _SMALL = [
     "--steps", "6", "--batch-size", "8", "--max-history", "32", "--users", "256",
@@ -55,6 +57,23 @@ def test_auto_mode_is_prioritized_only_with_a_spare_core_per_rank(
     chosen, why = auto_mode(cores, local_ranks, threads)
     assert chosen == mode
     assert f"{cores} cores, {local_ranks} local ranks, torch threads per rank: {threads}" in why
+
+
+def test_auto_resolves_by_this_hosts_cores_and_an_explicit_mode_stays(monkeypatch):
+    # A world of one: the agreement is this rank's own choice; LOCAL_WORLD_SIZE counts the
+    # host's ranks as torchrun sets it.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for cores, mode in ((16, "prioritized"), (4, "prioritized"), (3, "sync")):
+            monkeypatch.setattr(_job, "_usable_cores", lambda cores=cores: cores)
+            run, why = _job._chosen_mode(FREESCALE, TrainConfig())
+            assert (run.mode, why) == auto_mode(cores, 2, 1)
+            assert run.mode == mode and run.name == FREESCALE.name
+        explicit = replace(FREESCALE, mode="prioritized")
+        assert _job._chosen_mode(explicit, TrainConfig()) == (explicit, None)
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(

@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=MODES,
         default=FREESCALE.mode,
         help="its embeddings; auto: prioritized where every rank has a core to spare for its "
-        "background thread, else sync (the same bits)",
+        "background thread, else sync (bitwise the same where balancing partitions alike)",
     )
     add(
         "--runs",

@@ -22,7 +22,8 @@ class RunConfig:
         policy: balancing policy, ``none`` for no balancer.
         mode: embedding mode, ``sync``, ``prioritized`` or ``auto`` (``auto_mode``: prioritized
             where every rank has a core to spare for its background thread, else sync; both
-            train the same bits, and the summary names the mode that ran and why).
+            train the same bits where balancing partitions alike, and the summary names the mode
+            that ran and why).
     """
 
     name: str
@@ -121,8 +122,9 @@ def auto_mode(cores: int, local_ranks: int, threads: int) -> tuple[str, str]:
     ``local_ranks`` a core beside its ``threads`` torch threads, else sync. Prioritized mode
     moves the lookup, the updates and the prefetch to a background thread per rank; without a
     core of its own that thread takes the training thread's (on 2 cores, 2 ranks: FreeScale's
-    step 14.5–14.7 ms prioritized, 12.8–12.9 sync, the baseline's 13.6–13.8). Returns the mode
-    and why."""
+    step 14.4–14.7 ms prioritized, 12.8–13.8 sync, the baseline's 13.6–13.8). A heuristic: it
+    counts neither the balancer's thread nor a backend's own threads, and only its sync side
+    was measured at the threshold. Returns the mode and why."""
     needed = local_ranks * (threads + 1)
     why = f"{cores} cores, {local_ranks} local ranks, torch threads per rank: {threads}"
     if cores >= needed:

@@ -50,16 +50,21 @@ def _usable_cores() -> int:
     try:
         from freescale_comm.cpu import usable_cores
     except ImportError:
-        return len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity"):
+            return len(os.sched_getaffinity(0))
+        return os.cpu_count() or 1
     return usable_cores()
 
 
 def _chosen_mode(run: RunConfig, config: TrainConfig) -> tuple[RunConfig, str | None]:
     """``run`` with ``mode="auto"`` resolved (``auto_mode``), the same on every rank:
     prioritized only where every host leaves each of its ranks a spare core. Returns the run
-    and why auto chose its mode (``None`` for an explicit mode)."""
+    and why this rank's host chose its mode (``None`` for an explicit mode; the summary keeps
+    rank 0's)."""
     if run.mode != "auto":
         return run, None
+    # torchrun sets LOCAL_WORLD_SIZE; freescale train's own ranks are all on this host. Another
+    # launcher spanning hosts overcounts them, which errs towards sync.
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     mode, why = auto_mode(_usable_cores(), local_ranks, config.threads)
     everywhere = torch.tensor([mode == "prioritized"], dtype=torch.int32)
