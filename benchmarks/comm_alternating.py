@@ -33,7 +33,7 @@ from typing import Any
 from freescale_comm import FreescaleOptions
 from freescale_comm._freescale_args import byte_size_list
 from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
-from freescale_comm.info import transparent_huge_pages
+from freescale_comm.info import page_settings
 from freescale_comm.options import _parse
 from freescale_comm.shm import HOST_ENV
 
@@ -191,9 +191,7 @@ def main() -> None:
             report = {
                 "args": {**vars(args), "variant": [(n, repr(o)) for n, o in args.variant]},
                 "load_avg_1m": os.getloadavg()[0],
-                # whether torch asked for huge pages for the ranks' large tensors; the kernel's
-                "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
-                "transparent_huge_pages": transparent_huge_pages(),
+                **page_settings(),
                 "rows": rows,
             }
             json.dump(report, f, indent=2)

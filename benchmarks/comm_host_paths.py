@@ -23,9 +23,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from freescale_comm import FreescaleOptions
 from freescale_comm._freescale_args import byte_size
 from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
-from freescale_comm.info import transparent_huge_pages
+from freescale_comm.info import page_settings
 
 
 def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -38,7 +39,9 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     timeout = timedelta(seconds=120)
     groups: dict[str, Any] = {
-        name: dist.new_group(backend="freescale", timeout=timeout, pg_options=PATHS[name]())
+        name: dist.new_group(
+            backend="freescale", timeout=timeout, pg_options=FreescaleOptions(**PATHS[name])
+        )
         for name in args.paths
     }
     groups["gloo"] = None
@@ -101,18 +104,12 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _options(**fields: Any) -> Any:
-    from freescale_comm import FreescaleOptions
-
-    return FreescaleOptions(**fields)
-
-
-# Each path as the options of its group (built in the ranks: the options import torch).
-PATHS = {
-    "shm": lambda: _options(host_path="shm"),
-    "reads": lambda: _options(host_path="auto", shm_max_bytes=0),
-    "auto": lambda: _options(host_path="auto"),
-    "ucx": lambda: _options(host_path="ucx"),
+# Each path as the options of its group.
+PATHS: dict[str, dict[str, Any]] = {
+    "shm": {"host_path": "shm"},
+    "reads": {"host_path": "auto", "shm_max_bytes": 0},
+    "auto": {"host_path": "auto"},
+    "ucx": {"host_path": "ucx"},
 }
 
 
@@ -145,8 +142,7 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         report = {
             "args": {k: str(v) for k, v in vars(args).items()},
-            "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
-            "transparent_huge_pages": transparent_huge_pages(),
+            **page_settings(),
             "rows": rows,
             "load_avg_1m_at_end": os.getloadavg()[0],
         }

@@ -29,6 +29,7 @@ from typing import Any
 from freescale_comm._freescale_args import byte_size, int_at_least
 from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
 from freescale_comm.info import transparent_huge_pages
+from freescale_comm.options import READ_ABOVE_BYTES
 
 # Kernel functions of pinning a process's pages for process_vm_readv (get_user_pages, Linux 6.x).
 PINNING = {
@@ -156,7 +157,7 @@ def main() -> None:
         init_timeout_s=120,
         setup="freescale_comm:register",
         threads=None,
-        env={"FREESCALE_SHM_MAX_BYTES": str(512 << 10)},
+        env={"FREESCALE_SHM_MAX_BYTES": str(READ_ABOVE_BYTES)},
     )
     try:
         rows = run_ranks(spec, _rank, args, timeout_s=1800)

@@ -1053,20 +1053,12 @@ def ring_limit_by_pages(mode: str, torch_asks_by_rank: list[str]) -> tuple[str, 
     ``THP_MEM_ALLOC_ENABLE`` as given per rank (both read at set-up), then an AllToAll of
     1 MiB per peer, checked. Returns the path host bytes take to the next rank and how many
     messages this rank read from its peers' memory."""
-    import os
-    from unittest import mock
-
     rank, n = dist.get_rank(), dist.get_world_size()
-    before = os.environ.get("THP_MEM_ALLOC_ENABLE")
-    os.environ["THP_MEM_ALLOC_ENABLE"] = torch_asks_by_rank[rank]
-    try:
-        with mock.patch("freescale_comm.info.transparent_huge_pages", return_value=mode):
-            group = freescale_group(10, host_path="auto")
-    finally:
-        if before is None:
-            del os.environ["THP_MEM_ALLOC_ENABLE"]
-        else:
-            os.environ["THP_MEM_ALLOC_ENABLE"] = before
+    with (
+        mock.patch.dict(os.environ, {"THP_MEM_ALLOC_ENABLE": torch_asks_by_rank[rank]}),
+        mock.patch("freescale_comm.info.transparent_huge_pages", return_value=mode),
+    ):
+        group = freescale_group(10, host_path="auto")
     rows = (1 << 20) // 4
     out = torch.empty(n * rows)
     dist.all_to_all_single(out, torch.full((n * rows,), float(rank)), group=group)

@@ -32,7 +32,7 @@ from freescale_comm.engine import Engine, yields_when_idle
 from freescale_comm.errors import FreescaleError, FreescaleValidationError
 from freescale_comm.futures import CallbackRunner
 from freescale_comm.liveness import Liveness, process_identity
-from freescale_comm.options import EVERY_SIZE, READ_ABOVE_BYTES, FreescaleOptions
+from freescale_comm.options import EVERY_SIZE, FreescaleOptions, rings_limit_by_pages
 from freescale_comm.transport import MAX_GROUP_SIZE, SEQ_BITS, SUB_BITS, Transport, make_tag
 from freescale_comm.validation import Signature
 
@@ -209,11 +209,6 @@ class GroupContext:
         self._no_rings: dict[int, str] = {}
         self._ipc_peers: frozenset[int] = frozenset()
         self._all_on_staging_rings = False
-        # The largest message the rings carry (none without rings); -1 is resolved below.
-        self.ring_max_bytes = EVERY_SIZE if options.host_path == "shm" else options.shm_max_bytes
-        self.ring_max_why = f"shm_max_bytes={options.shm_max_bytes}"
-        if options.host_path == "ucx" or size == 1:
-            self.ring_max_bytes, self.ring_max_why = 0, "no rings"
         self.outboxes = None
         # Why a peer on this host is not reached by outbox (where ``shm_outbox_bytes`` > 0).
         self._no_outboxes = "not every pair on a host shares rings"
@@ -222,9 +217,9 @@ class GroupContext:
         # are wanted depends only on the options, which are the same on every rank.
         if options.host_path == "ucx" or size == 1:
             self._no_rings = dict.fromkeys(local, f"host_path={options.host_path}")
+            self.ring_max_bytes, self.ring_max_why = 0, "no rings"
             return
-        if options.host_path == "auto" and options.shm_max_bytes == -1:
-            self._choose_ring_max_bytes()
+        self.ring_max_bytes, self.ring_max_why = self._ring_limit()
         if unsupported is not None:
             local_ok: list[int] = []
             self._no_rings = dict.fromkeys(local, unsupported)
@@ -264,21 +259,27 @@ class GroupContext:
         if options.shm_outbox_bytes > 0:
             self._setup_outboxes(local if unsupported is None else [], links)
 
-    def _choose_ring_max_bytes(self) -> None:
-        """``shm_max_bytes=-1``: the largest message the rings carry, by the pages of torch's
-        CPU tensors, the same on every rank (``benchmarks/comm_host_paths.py``). A read of a
-        larger message pins each page of the sender it reads: cheap for huge pages, where it
-        beats the rings' two copies from a few MiB; with 4 KiB pages the rings, whose slots
+    def _ring_limit(self) -> tuple[int, str]:
+        """The largest message the rings carry, and why. ``shm_max_bytes=-1``: by the pages of
+        torch's CPU tensors, the same on every rank (``benchmarks/comm_host_paths.py``). A read
+        of a larger message pins each page of the sender it reads: cheap for huge pages, where
+        it beats the rings' two copies from a few MiB; with 4 KiB pages the rings, whose slots
         stay in the cache, measured as fast or faster on 4 ranks of 2 cores and within about
         20% either way on 2."""
         from freescale_comm.info import tensors_get_huge_pages
 
-        if self._agree("huge_pages", tensors_get_huge_pages()):
-            self.ring_max_bytes = READ_ABOVE_BYTES
-            self.ring_max_why = "torch's CPU tensors get huge pages on every rank"
-        else:
-            self.ring_max_bytes = EVERY_SIZE
-            self.ring_max_why = "4 KiB pages for torch's CPU tensors on some rank"
+        options = self.options
+        if options.host_path == "shm":
+            return EVERY_SIZE, "host_path=shm"
+        if options.shm_max_bytes != -1:
+            return options.shm_max_bytes, f"shm_max_bytes={options.shm_max_bytes}"
+        huge = self._agree("huge_pages", tensors_get_huge_pages())
+        why = (
+            "torch's CPU tensors get huge pages on every rank"
+            if huge
+            else "4 KiB pages for torch's CPU tensors on some rank"
+        )
+        return rings_limit_by_pages(huge), why
 
     def _setup_outboxes(self, local: list[int], links: dict[int, Any]) -> None:
         """The outboxes (``outbox``) between this rank and ``local``, the peers on its host

@@ -6,7 +6,7 @@ import os
 import re
 from typing import Any
 
-from freescale_comm.options import READ_ABOVE_BYTES, FreescaleOptions
+from freescale_comm.options import EVERY_SIZE, FreescaleOptions, rings_limit_by_pages
 from freescale_comm.shm import host_identity, rings_supported
 from freescale_comm.transport import Transport, ucx_version
 
@@ -113,13 +113,28 @@ def page_rule(torch_asks: bool, mode: str) -> str:
     return "4 KiB pages unless the kernel has transparent huge pages (its mode is unknown)"
 
 
+def torch_asks_for_huge_pages() -> bool:
+    """Whether this process's torch advises huge pages for its CPU tensors of 2 MiB and more
+    (``THP_MEM_ALLOC_ENABLE=1``)."""
+    return os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1"
+
+
+def page_settings() -> dict[str, str]:
+    """What decides the pages of local ranks' tensors, for a benchmark's report: the
+    environment's ``THP_MEM_ALLOC_ENABLE`` (ranks inherit it) and the kernel's mode."""
+    return {
+        "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
+        "transparent_huge_pages": transparent_huge_pages(),
+    }
+
+
 def tensors_get_huge_pages(torch_asks: bool | None = None, mode: str | None = None) -> bool:
     """Whether torch's large CPU tensors in this process get transparent huge pages: the
     kernel gives them to every large mapping (``always``), or to those torch advises (its
     tensors of 2 MiB and more, ``THP_MEM_ALLOC_ENABLE=1``, under ``madvise``). Defaults: this
     process's environment and the kernel's mode."""
     if torch_asks is None:
-        torch_asks = os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1"
+        torch_asks = torch_asks_for_huge_pages()
     if mode is None:
         mode = transparent_huge_pages()
     return mode == "always" or (mode == "madvise" and torch_asks)
@@ -182,7 +197,7 @@ def collect() -> dict[str, Any]:
         "host_identity": host_identity(),
         "rings": rings_supported() or "yes",
         "transparent_huge_pages": transparent_huge_pages(),
-        "torch_huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1",
+        "torch_huge_pages": torch_asks_for_huge_pages(),
     }
     if torch.cuda.is_available():
         version = torch.cuda.nccl.version()
@@ -230,17 +245,15 @@ def format_info(info: dict[str, Any]) -> str:
             if opts["host_reads"]
             else "UCX above (host_reads=False)"
         )
-        limit = opts["shm_max_bytes"]
-        if limit == -1:  # the group's choice (``GroupContext._choose_ring_max_bytes``)
+        limit, by_pages = opts["shm_max_bytes"], ""
+        if limit == -1:  # the group's choice (``GroupContext._ring_limit``), as this rank sees it
             huge = tensors_get_huge_pages(info["torch_huge_pages"], info["transparent_huge_pages"])
-            limit = READ_ABOVE_BYTES if huge else None
+            limit = rings_limit_by_pages(huge)
             by_pages = (
                 "; shm_max_bytes=-1: by the pages of torch's CPU tensors, 512 KiB where every "
                 "rank's get huge pages, else every size"
             )
-        else:
-            by_pages = ""
-        if limit is None:
+        if limit >= EVERY_SIZE:
             rule = "peers on this host: shared-memory rings at every size"
         else:
             rule = f"peers on this host: shared-memory rings for messages <= {limit} B, {above}"

@@ -27,6 +27,14 @@ _ENV_PREFIX = "FREESCALE_"
 # (reads above it), and where they do not (no host message is that large).
 READ_ABOVE_BYTES = 512 << 10
 EVERY_SIZE = 1 << 40
+
+
+def rings_limit_by_pages(huge_pages: bool) -> int:
+    """The rings' largest message under ``shm_max_bytes=-1``, given whether every rank's torch
+    CPU tensors get huge pages."""
+    return READ_ABOVE_BYTES if huge_pages else EVERY_SIZE
+
+
 HOST_ENV = "FREESCALE_HOST_ID"  # the host identity (``shm.host_identity``), not a field
 # What both sides of a message must agree on: whether headers are exchanged, what travels
 # inside them, the algorithm and its chunks, and the path each kind of bytes takes.
