@@ -134,3 +134,33 @@ def reinit_twice(rounds: int) -> list[float]:
                 raise AssertionError(f"all_to_all after re-init: {got.tolist()}")
         sums.append(float(out.sum()))
     return sums
+
+
+def busy_but_alive(pause: str, seconds: float, hosts: int) -> list[float]:
+    """A freescale subgroup judging heartbeats after 1 s of silence (its ranks on ``hosts``
+    pretend hosts), then one rank busy for ``seconds`` without beating on its own:
+    ``late_new_group``, rank 0 waits in the store for rank 1's late ``new_group`` (the
+    heartbeat's requests queued behind that wait on a shared connection); ``gil``, rank 0 holds
+    the GIL in one C call (no Python thread of it runs). The AllGather after must work. Returns
+    it."""
+    import ctypes
+
+    from freescale_comm import FreescaleOptions
+    from freescale_comm.options import HOST_ENV
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    os.environ[HOST_ENV] = f"busy-host-{rank * hosts // n}"
+    options = FreescaleOptions(heartbeat_s=0.2, dead_after_s=1.0)
+    group = dist.new_group(backend="freescale", timeout=timedelta(seconds=60), pg_options=options)
+    del os.environ[HOST_ENV]
+    out = torch.empty(n)
+    dist.all_gather_into_tensor(out, torch.tensor([float(rank)]), group=group)
+    if pause == "late_new_group":
+        if rank == 1:
+            time.sleep(seconds)
+        dist.destroy_process_group(dist.new_group(backend="gloo"))
+    elif rank == 0:
+        ctypes.PyDLL(None).sleep(int(seconds))  # libc's sleep, called with the GIL held
+    dist.all_gather_into_tensor(out, torch.tensor([float(rank + 1)]), group=group)
+    dist.destroy_process_group(group)
+    return out.tolist()

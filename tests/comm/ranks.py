@@ -1098,7 +1098,7 @@ def ring_gathers_only_even_pieces() -> list[str]:
     try:
         group_of("ring" if rank == 0 else "direct")
     except FreescaleValidationError as err:
-        errors.append(str(err).split("; ", 1)[1])
+        errors.append(str(err).split("differ between ranks: ", 1)[1])
     return errors
 
 
@@ -1130,6 +1130,11 @@ def new_user_mistakes() -> list[str]:
         ),
         # all_gather_coalesced with one output list too few.
         lambda: dist.all_gather_coalesced([[torch.empty(1)]] * (n - 1), [torch.ones(1)]),
+        # An expand()ed output on rank 0: its elements are one memory location (an internal
+        # error that aborted the group, before).
+        lambda: dist.all_to_all_single(
+            torch.empty(1).expand(n) if rank == 0 else torch.empty(n), torch.ones(n)
+        ),
     ]
     for _ in range(2):  # the plan cache keeps a shape seen twice
         dist.all_to_all_single(torch.empty(n), torch.ones(n))
@@ -1144,6 +1149,11 @@ def new_user_mistakes() -> list[str]:
     out = torch.empty(n)
     dist.all_gather_into_tensor(out, torch.tensor([float(rank)]))
     _same(out, torch.arange(n, dtype=torch.float32), "after the mistakes")
+    # Not a mistake: a strided output that requires grad is written as Gloo writes it, outside
+    # autograd (its copy back from the staging buffer raised, and aborted the group, before).
+    leaf = torch.zeros(2, n, requires_grad=True)
+    dist.all_to_all_single(leaf.t(), torch.full((n, 2), float(rank)))
+    _same(leaf.detach(), torch.arange(n, dtype=torch.float32).expand(2, n), "a leaf's view")
     return messages
 
 

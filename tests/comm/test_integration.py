@@ -56,8 +56,11 @@ def test_all_gather_coalesced_of_one_rank_matches_gloo(local_groups):
 
 def test_the_ring_all_gather_is_chosen_alike_on_every_rank(fs_group4):
     errors = fs_group4.run(ranks.ring_gathers_only_even_pieces, timeout_s=90)
-    assert all(len(e) == 1 and "rank 0 has" in e[0] and "allgather='ring'" in e[0] for e in errors)
-    assert all("this rank has" in e[0] and "allgather='direct'" in e[0] for e in errors[1:])
+    # Every rank names every rank that differs from rank 0, and how.
+    differing = [f"rank {r} has allgather='direct' where rank 0 has 'ring'" for r in (1, 2, 3)]
+    assert all(len(e) == 1 and all(d in e[0] for d in differing) for e in errors), errors
+    assert "(this rank has" not in errors[0][0]
+    assert all("(this rank has" in e[0] for e in errors[1:]), errors
 
 
 def test_subgroups(fs_group4):

@@ -422,3 +422,17 @@ def test_reinitialisation_from_the_same_store():
         assert group.run(liveness_ranks.reinit_twice, 3, timeout_s=60) == [[5.0, 5.0]] * 2
     finally:
         group.close()
+
+
+@pytest.mark.parametrize(
+    ("pause", "hosts"),
+    [
+        # Before: its peer's watcher declared rank 0 dead after 1 s; the group was aborted.
+        ("late_new_group", 2),  # heartbeats alone judge a peer on another host
+        ("gil", 1),  # a peer on this host whose process runs is not dead
+    ],
+)
+def test_a_rank_busy_longer_than_dead_after_s_is_not_declared_dead(local_groups, pause, hosts):
+    group = local_groups.get(2, setup=SETUP, init_timeout_s=60)
+    results = group.run(liveness_ranks.busy_but_alive, pause, 3.0, hosts, timeout_s=60)
+    assert results == [[1.0, 2.0]] * 2, results

@@ -381,9 +381,16 @@ def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
 
 
 class _Builder:
-    """Collects a plan's pieces and the first local argument error."""
+    """Collects a plan's pieces and the first local argument error (``tensors``: every tensor
+    of the call; ``outputs``: those written)."""
 
-    def __init__(self, op: str, world_size: int, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        op: str,
+        world_size: int,
+        tensors: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor] = (),
+    ) -> None:
         self.op = op
         self.n = world_size
         self.error = ""
@@ -402,6 +409,8 @@ class _Builder:
                 self.fail("got a negative or conjugate view; resolve_neg() / resolve_conj() it")
         if self.device.type not in ("cpu", "cuda"):
             self.fail(f"got a tensor on {self.device}; the backend handles cpu and cuda")
+        if any(_shares_elements(t) for t in outputs):
+            self.fail("got an output whose elements share memory (an expand()ed view)")
 
     def fail(self, message: str) -> None:
         if not self.error:
@@ -451,6 +460,13 @@ class _Builder:
             send_layout=send_layout,
             recv_layouts=list(recv_layouts),
         )
+
+
+def _shares_elements(tensor: torch.Tensor) -> bool:
+    """Whether several elements of ``tensor`` are one memory location (a stride of 0 over more
+    than one element): no result could be written into it."""
+    sizes_and_strides = zip(tensor.shape, tensor.stride(), strict=True)
+    return any(stride == 0 and size > 1 for size, stride in sizes_and_strides)
 
 
 def _pieces(data: Bytes, sizes: Sequence[int]) -> list[Bytes]:
@@ -531,7 +547,7 @@ def _build_all_to_all_single(
     input_split_sizes: Sequence[int],
 ) -> Plan:
     """Plan of ``all_to_all_single``: rows of dim 0 split by peer (empty splits: even)."""
-    b = _Builder(op, world_size, [output, input])
+    b = _Builder(op, world_size, [output, input], [output])
     splits = []
     for name, tensor, given in (
         ("input", input, input_split_sizes),
@@ -585,7 +601,7 @@ def _build_all_to_all(
     inputs: Sequence[torch.Tensor],
 ) -> Plan:
     """Plan of ``all_to_all`` (lists): ``inputs[p]`` goes to peer p, ``outputs[p]`` from it."""
-    b = _Builder(op, world_size, [*outputs, *inputs])
+    b = _Builder(op, world_size, [*outputs, *inputs], outputs)
     if len(outputs) != world_size or len(inputs) != world_size:
         b.fail(f"needs {world_size} inputs and outputs, got {len(inputs)} and {len(outputs)}")
         return Plan(b.signature(1, [], []), result=list(outputs))
@@ -615,8 +631,8 @@ def _build_all_gather(
     problem: str | None = None,
 ) -> Plan:
     """Plan of one or more list AllGathers: ``outputs[k][p]`` receives rank p's ``inputs[k]``."""
-    b = _Builder(op, world_size, [*inputs, *(t for slots in outputs for t in slots)])
     result = [t for slots in outputs for t in slots]
+    b = _Builder(op, world_size, [*inputs, *result], result)
     if problem:
         b.fail(problem)
     if len(outputs) != len(inputs):
@@ -641,7 +657,7 @@ def _build_all_gather_into_tensor(
     options: FreescaleOptions,
 ) -> Plan:
     """Plan of one or more AllGathers into single tensors of ``world_size`` times the input."""
-    b = _Builder(op, world_size, [*inputs, *outputs])
+    b = _Builder(op, world_size, [*inputs, *outputs], outputs)
     if len(outputs) != len(inputs):
         b.fail(f"got {len(inputs)} inputs but {len(outputs)} outputs")
     for output, tensor in zip(outputs, inputs, strict=False):

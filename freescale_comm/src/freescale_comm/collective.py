@@ -872,8 +872,9 @@ class Collective:
             else:
                 self._seal(self._streams.d2h, self._cuda.d2h_watch)
             return True
-        for dst, src in self.plan.copy_back:
-            dst.copy_(src)
+        with torch.no_grad():  # into the output's memory, as the own bytes went: not autograd's
+            for dst, src in self.plan.copy_back:
+                dst.copy_(src)
         self._finish()
         return True
 
@@ -891,7 +892,7 @@ class Collective:
             if event is not None:
                 stream.wait_event(event)
         if self.plan.copy_back:
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), torch.no_grad():
                 for dst, src in self.plan.copy_back:
                     dst.copy_(src, non_blocking=True)  # strided outputs: a copy kernel
         self.final = torch.cuda.Event(blocking=True)

@@ -21,6 +21,7 @@ compute k.
 from __future__ import annotations
 
 import math
+import re
 import struct
 import threading
 from datetime import timedelta
@@ -41,6 +42,31 @@ def setup_agreement(shared_options: str) -> str:
     """What every rank's set-up must find equal to rank 0's: the wire version and the options
     every rank must share (``FreescaleOptions.shared``)."""
     return f"wire_version={WIRE_VERSION}, {shared_options}"
+
+
+def agreement_differences(agreements: list[str], shown: int = 4) -> str:
+    """Which ranks' ``setup_agreement`` differs from rank 0's (``agreements[0]``), and in which
+    fields: "rank 1 has eager_bytes=16 where rank 0 has 65536; ..." (the first ``shown`` such
+    ranks)."""
+    first = _agreement_fields(agreements[0])
+    notes = []
+    for rank, text in enumerate(agreements):
+        fields = _agreement_fields(text)
+        changed = [name for name in {**first, **fields} if fields.get(name) != first.get(name)]
+        if changed:
+            notes.append(
+                f"rank {rank} has "
+                + ", ".join(f"{name}={fields.get(name, '?')}" for name in changed)
+                + " where rank 0 has "
+                + ", ".join(f"{first.get(name, '?')}" for name in changed)
+            )
+    more = len(notes) - shown
+    return "; ".join(notes[:shown]) + (f"; and {more} more ranks" if more > 0 else "")
+
+
+def _agreement_fields(text: str) -> dict[str, str]:
+    """``setup_agreement``'s text as name -> value text."""
+    return dict(re.findall(r"(\w+)=(.*?)(?=, \w+=|$)", text))
 
 
 def block_size(size: int) -> int:

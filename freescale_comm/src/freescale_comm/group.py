@@ -31,7 +31,7 @@ from freescale_comm.cpu import usable_cores
 from freescale_comm.engine import Engine, yields_when_idle
 from freescale_comm.errors import FreescaleError, FreescaleValidationError
 from freescale_comm.futures import CallbackRunner
-from freescale_comm.liveness import Liveness, process_identity
+from freescale_comm.liveness import Liveness, own_connection, process_identity
 from freescale_comm.options import EVERY_SIZE, FreescaleOptions, rings_limit_by_pages
 from freescale_comm.transport import MAX_GROUP_SIZE, SEQ_BITS, SUB_BITS, Transport, make_tag
 from freescale_comm.validation import Signature
@@ -162,7 +162,7 @@ class GroupContext:
         directory.start(keys, root_store(store), rank, agreement)
         wait = timedelta(seconds=self.timeout_s)
         self.liveness = Liveness(
-            keys, rank, size, options.heartbeat_s, options.dead_after_s, self.abort
+            own_connection(keys), rank, size, options.heartbeat_s, options.dead_after_s, self.abort
         )
         host = shm.host_identity()
         self.directory = directory.Directory(
@@ -194,9 +194,27 @@ class GroupContext:
         raise FreescaleValidationError(
             f"freescale group {self.group_id}, rank {self.rank}: FreescaleOptions fields that "
             "must be the same on every rank, or the freescale_comm wire versions, differ "
-            f"between ranks; rank 0 has {first}"
-            + ("; so does this rank" if mine == first else f"; this rank has {mine}")
+            f"between ranks: {self._agreement_differences(mine)}"
+            + ("" if mine == first else f" (this rank has {mine})")
         )
+
+    def _agreement_differences(self, mine: str) -> str:
+        """Which ranks differ from rank 0, and where (``directory.agreement_differences``):
+        every rank publishes its agreement, rank 0 reads them all and publishes the summary
+        (O(N) store reads, only when set-up fails). Rank 0's own agreement if that exchange
+        does not finish in time."""
+        keys, wait = self._keys, timedelta(seconds=self.timeout_s)
+        keys.set(f"shared_options/{self.rank}", mine)
+        try:
+            if self.rank == 0:
+                every = [f"shared_options/{r}" for r in range(self.size)]
+                keys.wait(every, wait)
+                agreements = [bytes(v).decode() for v in keys.multi_get(every)]
+                keys.set("shared_options/differences", directory.agreement_differences(agreements))
+            keys.wait(["shared_options/differences"], wait)
+            return keys.get("shared_options/differences").decode()
+        except RuntimeError:  # torch's store errors (a peer gone since)
+            return f"rank 0 has {self.directory.first_rank_agreement}"
 
     def _setup_host_paths(self) -> None:
         """Sets up the shared-memory rings with the peers on this host."""

@@ -12,7 +12,16 @@ one more period. The store serves N ``add`` per ``heartbeat_s`` and N ``multi_ge
 
 Peers on this host are also watched by their process (``watch_processes``): a poll that finds
 one gone (exited, or a zombie; its pid reused by another process counts as gone) reports it
-at once, without waiting ``dead_after_s``, as a broken connection does for Gloo.
+at once, without waiting ``dead_after_s``, as a broken connection does for Gloo. A silent peer
+whose process still runs is not reported: its heartbeat is Python, which waits while another of
+its threads holds the GIL in one long call (a stopped process is reported as elsewhere; a peer
+that runs but never calls is the collective timeout's case, as for Gloo). Peers on other hosts
+have only their heartbeats: ``dead_after_s`` must outlast any one call there that holds the GIL.
+
+The heartbeat and the polls use a connection to the store of their own (``own_connection``):
+on the caller's, they would wait behind a request another thread blocks in (a ``wait`` for a
+late peer's ``new_group``, a checkpoint barrier), and the engine thread, which also moves the
+data, with them.
 
 Coverage: on a ring of successors, the live rank just before any run of dead (or stopped) ranks
 watches one of them, so a death is seen while any rank lives, also when the watcher of a rank
@@ -56,6 +65,15 @@ def watched_ranks(rank: int, size: int, count: int = WATCHED) -> list[int]:
 
 def beat_key(rank: int) -> str:
     return f"hb/{rank}"
+
+
+def own_connection(store: Any) -> Any:
+    """``store`` over a connection of its own (``Store.clone``: same server, same prefixes), or
+    ``store`` itself where it cannot be cloned (a store implemented in Python)."""
+    try:
+        return store.clone()
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return store
 
 
 class Liveness:
@@ -197,11 +215,25 @@ class Liveness:
             seen, since = self._seen[peer]
             if raw != seen:
                 self._seen[peer] = (bytes(raw), now)
-            elif now - since > self.dead_after_s:
+            elif now - since > self.dead_after_s and not self._runs_on_this_host(peer):
                 silent.append(peer)
         if silent and self.dead is None:
-            self.dead = f"{self.describe(silent)}: its process died or is stopped"
+            self.dead = (
+                f"{self.describe(silent)}: its process died or is stopped, or held Python's GIL "
+                f"for longer than dead_after_s ({self.dead_after_s:g} s)"
+            )
             self.abort(f"rank {self.rank}: {self.dead}")
+
+    def _runs_on_this_host(self, peer: int) -> bool:
+        """Whether ``peer`` is a process of this host that runs (not stopped): its silence is a
+        thread holding the GIL, not a death (module docstring)."""
+        watched = self._processes.get(peer)
+        if watched is None:
+            return False
+        try:
+            return process_state(watched[0]) not in (None, "T", "t")
+        except OSError:
+            return False  # unreadable now: heartbeats decide
 
     def abort(self, reason: str) -> str:
         """Writes the abort key unless a reason is there already; returns the reason that won."""
@@ -247,19 +279,30 @@ def process_identity() -> str:
     return f"{os.getpid()}/{namespace.st_dev}:{namespace.st_ino}/{started}"
 
 
-def process_start_time(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot: with the pid, its identity), or
-    None if it is gone or a zombie. Raises OSError where ``/proc`` cannot be read for another
-    reason (permissions, descriptors): that says nothing about the process."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """``/proc/<pid>/stat`` after the command's closing parenthesis (state first, start time
+    20th), or None if the process is gone or a zombie. Raises OSError where ``/proc`` cannot
+    be read for another reason (permissions, descriptors): that says nothing about it."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             fields = stat.read().rsplit(b")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    # After the command's closing parenthesis: state is field 3, starttime field 22.
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
+    return None if fields[0] in (b"Z", b"X") else fields
+
+
+def process_start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot: with the pid, its identity), or
+    None if it is gone or a zombie (``_stat_fields``)."""
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[19])
+
+
+def process_state(pid: int) -> str | None:
+    """Process ``pid``'s state letter (``R``, ``S``, ``D``; ``T``/``t``: stopped), or None if it
+    is gone or a zombie (``_stat_fields``)."""
+    fields = _stat_fields(pid)
+    return None if fields is None else fields[0].decode()
 
 
 def _gone(pid: int, started: int) -> bool:

@@ -37,7 +37,8 @@ def rings_limit_by_pages(huge_pages: bool) -> int:
 
 HOST_ENV = "FREESCALE_HOST_ID"  # the host identity (``shm.host_identity``), not a field
 # What both sides of a message must agree on: whether headers are exchanged, what travels
-# inside them, the algorithm and its chunks, and the path each kind of bytes takes.
+# inside them, the algorithm and its chunks, and the path each kind of bytes takes; and what
+# liveness watchers judge their neighbours by.
 SHARED_FIELDS = (
     "validate",
     "eager_bytes",
@@ -49,6 +50,8 @@ SHARED_FIELDS = (
     "shm_max_bytes",
     "shm_slot_bytes",
     "shm_outbox_bytes",
+    "heartbeat_s",
+    "dead_after_s",
 )
 
 
@@ -138,7 +141,9 @@ class FreescaleOptions:
         heartbeat_s: interval of the liveness heartbeat each process writes to the store.
             ``FREESCALE_HEARTBEAT_S``.
         dead_after_s: a peer whose heartbeat is older than this is reported dead and fails the
-            collectives waiting on it. ``FREESCALE_DEAD_AFTER_S``.
+            collectives waiting on it. A peer on this host is not while its process runs; on
+            other hosts this must outlast any one call that holds Python's GIL (``liveness``).
+            ``FREESCALE_DEAD_AFTER_S``.
     """
 
     validate: bool = True
