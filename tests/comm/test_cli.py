@@ -29,10 +29,19 @@ def test_bench_refuses_bad_values_in_one_line(argv, message, capsys, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_info_refuses_negative_ranks(capsys):
-    with pytest.raises(SystemExit):
-        cli.main(["info", "--ranks", "-1"])
-    assert "argument --ranks: must be at least 0" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ranks", "-1"], "argument --ranks: must be at least 0"),
+        # Accepted before, and nothing shown: no pair.
+        (["--ranks", "1"], "--ranks: 0 (no ranks) or at least 2 (a pair to show)"),
+        # Ignored before.
+        (["--hosts", "2"], "--hosts (2) needs --ranks of at least as many"),
+        (["--ranks", "2", "--hosts", "3"], "--hosts (3) needs --ranks of at least as many"),
+    ],
+)
+def test_info_refuses_bad_values_in_one_line(argv, message, capsys):
+    assert_refused(cli.main, ["info", *argv], message, capsys)
 
 
 def test_help_names_the_collectives_the_bench_measures(capsys):

@@ -309,8 +309,10 @@ def test_info_says_which_path_each_pair_takes(capsys):
         assert "host bytes: peers on this host: shared-memory rings at every size" in out
         assert "rank 0 -> 1: shm  (same host; rings at every size: 4 KiB pages" in out
     assert "rank 1 -> 0: shm" in out
-    # And the path of CUDA bytes (no staging rings without CUDA: UCX's device path or pipeline).
+    # And the path of CUDA bytes: none where the ranks see no GPU (an IPC path was described).
     assert "    CUDA bytes: " in out
+    if not torch.cuda.is_available():
+        assert "    CUDA bytes: none: this process sees no CUDA device" in out
     # And how each rank waits for its peers (2 ranks: they outnumber the cores only on 1 core).
     waits = "yields its core, then sleeps" if usable_cores() < 2 else "sleeps"
     assert f"  rank 0, waiting for its peers: {waits} (idle_wait=auto; 2 ranks on this host" in out

@@ -27,12 +27,14 @@ def _parser() -> Parser:
     commands = parser.add_subparsers(dest="command", required=True)
     what = "UCX version and transports, GPUs, PCIe, NCCL"
     info = commands.add_parser("info", help=what, description=what)
+    info.set_defaults(parser=info)
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     info.add_argument(
         "--ranks",
         type=int_at_least(0),
         default=0,
-        help="also start this many local ranks and show the path of every pair (0: none)",
+        help="also start this many local ranks (at least 2) and show the path of every pair "
+        "(0: none)",
     )
     info.add_argument(
         "--hosts",
@@ -57,7 +59,11 @@ def _parser() -> Parser:
         help="comma-separated local rank counts, each >= 2, e.g. 2,4",
     )
     bench.add_argument(
-        "--min-bytes", type=byte_size, default="4K", help="smallest size: bytes one rank receives"
+        "--min-bytes",
+        type=byte_size,
+        default="4K",
+        help="smallest size: bytes one rank receives, in whole float32s per rank (at least one "
+        "each; the table shows the size measured)",
     )
     bench.add_argument("--max-bytes", type=byte_size, default="64M", help="largest size, up to 1G")
     bench.add_argument(
@@ -108,6 +114,10 @@ def _parser() -> Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "info":
+        if args.ranks == 1:
+            args.parser.error("--ranks: 0 (no ranks) or at least 2 (a pair to show)")
+        if args.hosts > max(args.ranks, 1) or (args.hosts and not args.ranks):
+            args.parser.error(f"--hosts ({args.hosts}) needs --ranks of at least as many")
         from freescale_comm.info import collect, format_info
 
         info = collect()

@@ -550,6 +550,8 @@ class GroupContext:
 
     def _cuda_path_of(self, peer: int) -> str:
         """How CUDA bytes travel to ``peer``, and why (``freescale comm info``)."""
+        if _cuda_device() is None:
+            return "none: this process sees no CUDA device"
         path = self.cuda_path()
         if path == "ipc" and peer in self.ipc_peers:
             from freescale_comm.ipc import MAILBOX_SLOT_BYTES
