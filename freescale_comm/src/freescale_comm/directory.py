@@ -121,6 +121,9 @@ class Directory:
         address: this process's UCX worker address.
         timeout: bound on the wait for every rank (a rank that died before joining).
         process: this process's identity for the ranks of its host (``host_processes``).
+        lookups: the keys the addresses are read from on use (by default ``keys``): a
+            connection of the group's own (``liveness.own_connection``) never waits behind a
+            request another thread of the process blocks in.
     """
 
     def __init__(
@@ -132,8 +135,9 @@ class Directory:
         address: bytes,
         timeout: timedelta,
         process: str = "",
+        lookups: Any = None,
     ) -> None:
-        self._keys = keys
+        self._lookups = keys if lookups is None else lookups
         self.rank, self.size, self.host = rank, size, host
         self._block = block_size(size)
         self._entries: dict[int, tuple[str, bytes]] = {rank: (host, address)}
@@ -166,7 +170,7 @@ class Directory:
         """``peer``'s host identity and UCX address (its block read from the store first use)."""
         found = self._entries.get(peer)
         if found is None:
-            raw = self._keys.get(self._block_key(peer))
+            raw = self._lookups.get(self._block_key(peer))
             first = peer - peer % self._block
             fields = [unpack(e) for e in unpack(bytes(raw))]
             with self._lock:

@@ -161,12 +161,13 @@ class GroupContext:
         agreement = directory.setup_agreement(options.shared())
         directory.start(keys, root_store(store), rank, agreement)
         wait = timedelta(seconds=self.timeout_s)
+        own = own_connection(keys)  # for the engine thread and lookups during collectives
         self.liveness = Liveness(
-            own_connection(keys), rank, size, options.heartbeat_s, options.dead_after_s, self.abort
+            own, rank, size, options.heartbeat_s, options.dead_after_s, self.abort
         )
         host = shm.host_identity()
         self.directory = directory.Directory(
-            keys, rank, size, host, self.transport.address, wait, process_identity()
+            keys, rank, size, host, self.transport.address, wait, process_identity(), own
         )
         self.group_id = self.directory.group_id
         self._check_agreement(agreement)

@@ -18,10 +18,10 @@ its threads holds the GIL in one long call (a stopped process is reported as els
 that runs but never calls is the collective timeout's case, as for Gloo). Peers on other hosts
 have only their heartbeats: ``dead_after_s`` must outlast any one call there that holds the GIL.
 
-The heartbeat and the polls use a connection to the store of their own (``own_connection``):
-on the caller's, they would wait behind a request another thread blocks in (a ``wait`` for a
-late peer's ``new_group``, a checkpoint barrier), and the engine thread, which also moves the
-data, with them.
+The heartbeat and the polls use a connection to the store of the group's own
+(``own_connection``; the directory's address lookups share it): on the caller's, they would
+wait behind a request another thread blocks in (a ``wait`` for a late peer's ``new_group``, a
+checkpoint barrier), and the engine thread, which also moves the data, with them.
 
 Coverage: on a ring of successors, the live rank just before any run of dead (or stopped) ranks
 watches one of them, so a death is seen while any rank lives, also when the watcher of a rank
