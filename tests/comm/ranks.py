@@ -1264,6 +1264,30 @@ def die_during_collective(victim: int, delay_s: float, per_peer: int = 256) -> f
     return time.monotonic() - start
 
 
+def die_during_collective_on_pretend_hosts(victim: int, delay_s: float, per_peer: int) -> float:
+    """``die_during_collective`` on a freescale subgroup whose ranks each look as if on a host
+    of their own (``FREESCALE_HOST_ID``, set before the process's first group makes its UCX
+    context): every pair's bytes take UCX within one machine."""
+    from freescale_comm.options import HOST_ENV
+
+    os.environ[HOST_ENV] = f"pretend-host-{dist.get_rank()}"
+    group = dist.new_group(backend="freescale", timeout=timedelta(seconds=20))
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    if rank == victim:
+        threading.Timer(delay_s, os._exit, (7,)).start()
+    start = time.monotonic()
+    x = torch.ones(n * per_peer)
+    try:
+        for _ in range(1_000_000):
+            dist.all_to_all_single(torch.empty_like(x), x, group=group)
+    except Exception as err:
+        raise RuntimeError(
+            f"survivor {rank} raised after {time.monotonic() - start:.1f} s: {err}"
+        ) from err
+    return time.monotonic() - start
+
+
 def die_while_a_group_is_set_up(victim: int, step: str) -> None:
     """The victim exits in the middle of a new group's set-up (``step``: joining its directory,
     making its rings, or its outbox); the others' ``new_group`` must raise within the group

@@ -120,6 +120,31 @@ def test_killed_peer_makes_every_survivor_raise(world_size, per_peer, shm_max_by
     assert f"rank {world_size - 1}" in report.split("survivor")[1]
 
 
+@pytest.mark.parametrize(("world_size", "per_peer"), [(2, 16 << 20), (4, 4 << 20)])
+def test_a_peer_killed_mid_transfer_between_pretend_hosts_makes_survivors_raise(
+    world_size, per_peer
+):
+    # Before: UCX read the large messages by cross-memory attach, and a read from the killed
+    # process aborted every survivor (SIGABRT in cma_ep.c).
+    group = LocalGroup(world_size, setup=SETUP, init_timeout_s=20, env=FAST_FAILURE_ENV)
+    try:
+        group.start()
+        with pytest.raises(RankFailure) as failure:
+            group.run(
+                ranks.die_during_collective_on_pretend_hosts,
+                world_size - 1,
+                1.5,
+                per_peer,
+                timeout_s=40,
+            )
+    finally:
+        group.close()
+    report = str(failure.value)
+    assert f"rank {world_size - 1}: died" in report
+    for survivor in range(world_size - 1):
+        assert f"survivor {survivor} raised after" in report, report
+
+
 @GLOO_GROUPS
 def test_destroy_frees_the_groups_context_at_once(local_groups):
     # Reference cycles kept it (and what it refers to) until the next garbage collection.

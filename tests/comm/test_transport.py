@@ -52,3 +52,16 @@ def test_cancelling_while_another_thread_progresses_does_not_deadlock():
     assert child.returncode == 0, child.stderr
     rounds = int(child.stdout.split()[-1])
     assert rounds >= 1000, f"only {rounds} rounds: too few to have raced the progress thread"
+
+
+def test_ucx_cross_memory_attach_is_left_out_where_the_host_identity_is_overridden(monkeypatch):
+    from freescale_comm.options import HOST_ENV
+    from freescale_comm.transport import context_config
+
+    monkeypatch.delenv(HOST_ENV, raising=False)
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    assert context_config() == {}
+    monkeypatch.setenv(HOST_ENV, "pretend-host-0")
+    assert context_config() == {"TLS": "^cma"}
+    monkeypatch.setenv("UCX_TLS", "tcp,cma")  # the user's choice stands
+    assert context_config() == {}

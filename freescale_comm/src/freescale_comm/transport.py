@@ -19,6 +19,7 @@ import threading
 from typing import Any
 
 from freescale_comm.errors import FreescaleError
+from freescale_comm.options import HOST_ENV
 
 # Tag layout (64 bits): group id | sequence number | source group rank | chunk.
 GROUP_BITS, SEQ_BITS, SRC_BITS, SUB_BITS = 16, 20, 12, 16
@@ -69,6 +70,20 @@ def ucx_version() -> str | None:
     return ".".join(str(part) for part in libucxx.get_ucx_version())
 
 
+def context_config() -> dict[str, str]:
+    """UCX options of the process's context (``UCX_*`` variables still apply).
+
+    Where this process's host identity is overridden (``FREESCALE_HOST_ID``: a test, or nodes
+    emulated on one machine), the "other hosts" it reaches by UCX may be this machine, where
+    UCX's cross-memory attach aborts the reading process when its peer dies mid-read (4 ranks,
+    64 MiB AllToAll, one killed: every survivor died of SIGABRT). A real other host never takes
+    that transport, so it is left out here too, unless ``UCX_TLS`` says otherwise.
+    """
+    if os.environ.get(HOST_ENV) and "UCX_TLS" not in os.environ:
+        return {"TLS": "^cma"}
+    return {}
+
+
 class Transport:
     """The process-wide UCX worker, its progress thread and the endpoints to peer workers.
 
@@ -87,7 +102,9 @@ class Transport:
 
         self._array = Array
         ucx = self._ucx
-        self.context = ucx.UCXContext({}, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+        self.context = ucx.UCXContext(
+            context_config(), feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP)
+        )
         # No ucxx progress thread: the engine thread progresses the worker and sleeps in its
         # epoll (GIL released) while requests are in flight, so a message that arrives wakes the
         # very thread that completes the collective. That is what keeps small collectives close
