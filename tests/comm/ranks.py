@@ -1589,6 +1589,29 @@ def mismatched_shared_options(field: str, value: Any) -> tuple[str, float]:
     return message, took
 
 
+def options_refused_on_one_rank(how: str) -> tuple[str, float]:
+    """Creates a freescale group where rank 1 alone has options the backend refuses (``env``:
+    a ``FREESCALE_*`` value out of range; ``type``: ``pg_options`` of another type); returns
+    the error its creation raised here and how long it took, after checking the world group
+    still works."""
+    from freescale_comm import FreescaleValidationError
+
+    other = dist.get_rank() == 1
+    options: Any = {"shm_pool_bytes": 1} if other and how == "type" else None
+    variable = "FREESCALE_SHM_POOL_BYTES"
+    started = time.monotonic()
+    try:
+        with mock.patch.dict(os.environ, {variable: "65536"} if other and how == "env" else {}):
+            dist.new_group(backend="freescale", timeout=timedelta(seconds=60), pg_options=options)
+    except FreescaleValidationError as err:
+        message, took = str(err), time.monotonic() - started
+    else:
+        raise AssertionError("a group with refused options on one rank was created")
+    out = torch.empty(dist.get_world_size())
+    dist.all_gather_into_tensor(out, torch.tensor([1.0]))
+    return message, took
+
+
 def per_device_backend_strings() -> dict[str, Any]:
     """CPU AllGathers and AllToAlls over freescale groups made with per-device backend strings:
     for each, the results checked and how many the group ran itself; for a string naming a

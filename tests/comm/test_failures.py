@@ -232,6 +232,24 @@ def test_options_that_must_match_fail_set_up_on_every_rank(local_groups, field, 
     assert "(this rank has" in reports[1][0] and "(this rank has" not in reports[0][0]
 
 
+@pytest.mark.parametrize(
+    ("how", "why"),
+    [
+        ("env", "ValueError: shm_slot_bytes must be >= 4096 and shm_pool_bytes >= 2 slots"),
+        ("type", "TypeError: pg_options of the freescale backend must be a FreescaleOptions"),
+    ],
+)
+def test_options_refused_on_one_rank_fail_set_up_on_every_rank_at_once(local_groups, how, why):
+    # Before: that rank raised alone, and the others waited for it until the group timeout.
+    reports = local_groups.get(2).run(ranks.options_refused_on_one_rank, how, timeout_s=60)
+    assert f"invalid FreescaleOptions on this rank: {why}" in reports[1][0], reports[1][0]
+    if how == "env":
+        assert "(given: shm_pool_bytes=65536)" in reports[1][0]
+    assert "differ between ranks: rank 1 has invalid_options=" in reports[0][0], reports[0][0]
+    assert why in reports[0][0] and reports[0][0].endswith("where rank 0 has none")
+    assert all(took < 20 for _, took in reports), reports
+
+
 @pytest.mark.parametrize("host_path", ["auto", "ucx"])
 def test_an_exited_peer_on_the_host_is_reported_at_once(host_path):
     # Default liveness (dead after 10 s of silence): a peer of this host is also watched by

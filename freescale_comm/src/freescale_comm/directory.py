@@ -38,10 +38,12 @@ _LENGTH = struct.Struct("<I")
 WIRE_VERSION = 1
 
 
-def setup_agreement(shared_options: str) -> str:
+def setup_agreement(shared_options: str, invalid_options: str | None = None) -> str:
     """What every rank's set-up must find equal to rank 0's: the wire version and the options
-    every rank must share (``FreescaleOptions.shared``)."""
-    return f"wire_version={WIRE_VERSION}, {shared_options}"
+    every rank must share (``FreescaleOptions.shared``), and, where this rank refused its own
+    options, why (no rank's set-up may then succeed: it cannot agree with them all)."""
+    refused = "" if invalid_options is None else f", invalid_options={invalid_options!r}"
+    return f"wire_version={WIRE_VERSION}, {shared_options}{refused}"
 
 
 def agreement_differences(agreements: list[str], shown: int = 4) -> str:
@@ -56,17 +58,21 @@ def agreement_differences(agreements: list[str], shown: int = 4) -> str:
         if changed:
             notes.append(
                 f"rank {rank} has "
-                + ", ".join(f"{name}={fields.get(name, '?')}" for name in changed)
+                + ", ".join(f"{name}={fields.get(name, 'none')}" for name in changed)
                 + " where rank 0 has "
-                + ", ".join(f"{first.get(name, '?')}" for name in changed)
+                + ", ".join(f"{first.get(name, 'none')}" for name in changed)
             )
     more = len(notes) - shown
     return "; ".join(notes[:shown]) + (f"; and {more} more ranks" if more > 0 else "")
 
 
 def _agreement_fields(text: str) -> dict[str, str]:
-    """``setup_agreement``'s text as name -> value text."""
-    return dict(re.findall(r"(\w+)=(.*?)(?=, \w+=|$)", text))
+    """``setup_agreement``'s text as name -> value text (a refusal, last, is free text)."""
+    head, refused, why = text.partition(", invalid_options=")
+    fields = dict(re.findall(r"(\w+)=(.*?)(?=, \w+=|$)", head))
+    if refused:
+        fields["invalid_options"] = why
+    return fields
 
 
 def block_size(size: int) -> int:

@@ -104,6 +104,7 @@ class GroupContext:
         size: int,
         timeout: timedelta,
         options: FreescaleOptions,
+        invalid_options: str | None = None,
     ) -> None:
         if size > MAX_GROUP_SIZE:
             raise FreescaleError(f"groups of more than {MAX_GROUP_SIZE} ranks are not supported")
@@ -142,14 +143,14 @@ class GroupContext:
         self.engine = Engine.acquire(self.transport, cuda_device)
         self.callbacks = CallbackRunner(cuda_device)  # of the futures (``futures``)
         try:
-            self._set_up(store, keys)
+            self._set_up(store, keys, invalid_options)
         except BaseException:
             # A peer that died or stalled during set-up (every store wait is bounded by the
             # group timeout), /dev/shm full, ...: what this rank acquired is given back.
             self.close()
             raise
 
-    def _set_up(self, store: dist.Store, keys: dist.Store) -> None:
+    def _set_up(self, store: dist.Store, keys: dist.Store, invalid_options: str | None) -> None:
         """Directory, liveness, the paths within the host (``__init__``)."""
         from freescale_comm import shm
 
@@ -158,7 +159,7 @@ class GroupContext:
         # before its entry is published; once the directory has seen every entry, every key a
         # liveness poll reads exists (a ``multi_get`` of a missing key would wait for it).
         self._keys = keys
-        agreement = directory.setup_agreement(options.shared())
+        agreement = directory.setup_agreement(options.shared(), invalid_options)
         directory.start(keys, root_store(store), rank, agreement)
         wait = timedelta(seconds=self.timeout_s)
         own = own_connection(keys)  # for the engine thread and lookups during collectives
@@ -170,7 +171,7 @@ class GroupContext:
             keys, rank, size, host, self.transport.address, wait, process_identity(), own
         )
         self.group_id = self.directory.group_id
-        self._check_agreement(agreement)
+        self._check_agreement(agreement, invalid_options)
         self.liveness.watch_processes(
             {p: who for p, who in self.directory.host_processes.items() if p != rank}
         )
@@ -185,18 +186,25 @@ class GroupContext:
             options.idle_wait, len(self.directory.same_host), self._cores
         )
 
-    def _check_agreement(self, mine: str) -> None:
+    def _check_agreement(self, mine: str, invalid_options: str | None) -> None:
         """Fails set-up on every rank where some rank's options that every rank must share, or
-        its wire version (``mine``: ``directory.setup_agreement``), differ from rank 0's: its
-        collectives would otherwise time out, fail obscurely or return wrong data."""
+        its wire version (``mine``: ``directory.setup_agreement``), differ from rank 0's, or
+        where some rank's options were refused (``invalid_options``): its collectives would
+        otherwise time out, fail obscurely or return wrong data."""
         first = self.directory.first_rank_agreement
-        if self._agree("shared_options", mine == first):
+        if self._agree("shared_options", mine == first and invalid_options is None):
             return
+        differences = self._agreement_differences(mine)
+        here = f"freescale group {self.group_id}, rank {self.rank}"
+        if invalid_options is not None:
+            raise FreescaleValidationError(
+                f"{here}: invalid FreescaleOptions on this rank: {invalid_options} (its group "
+                "fails on every rank)"
+            )
         raise FreescaleValidationError(
-            f"freescale group {self.group_id}, rank {self.rank}: FreescaleOptions fields that "
-            "must be the same on every rank, or the freescale_comm wire versions, differ "
-            f"between ranks: {self._agreement_differences(mine)}"
-            + ("" if mine == first else f" (this rank has {mine})")
+            f"{here}: FreescaleOptions fields that must be the same on every rank, the "
+            "freescale_comm wire versions, or whether a rank refused its options, differ "
+            f"between ranks: {differences}" + ("" if mine == first else f" (this rank has {mine})")
         )
 
     def _agreement_differences(self, mine: str) -> str:

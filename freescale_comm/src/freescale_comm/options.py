@@ -229,7 +229,11 @@ class FreescaleOptions:
             if raw is None:
                 continue
             values[item.name] = _parse(raw, type(getattr(defaults, item.name)), item.name)
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as err:
+            given = ", ".join(f"{name}={value!r}" for name, value in values.items())
+            raise ValueError(f"{err} (given: {given})") from None
 
 
 _warned: set[str] = set()

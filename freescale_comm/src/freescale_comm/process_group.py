@@ -101,6 +101,8 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         size: number of ranks in the group.
         timeout: bound on every collective of the group.
         options: how data moves (``FreescaleOptions``).
+        invalid_options: why this rank's options were refused, if they were (``options`` are
+            then the defaults): the set-up fails on every rank, naming this one.
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         size: int,
         timeout: timedelta,
         options: FreescaleOptions,
+        invalid_options: str | None = None,
     ) -> None:
         super().__init__(rank, size)
         self.options = options
@@ -141,7 +144,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
                 group._register_backend(device, kind, backend)
             group._set_default_backend(default)
         try:
-            self._ctx = GroupContext(store, keys, rank, size, timeout, options)
+            self._ctx = GroupContext(store, keys, rank, size, timeout, options, invalid_options)
         except BaseException:
             for delegate in self._delegates:  # their threads would outlive the failed set-up
                 delegate.shutdown()
@@ -451,14 +454,23 @@ def create_process_group(backend_options: Any, pg_options: Any) -> ProcessGroupF
         pg_options: the ``pg_options`` given to ``init_process_group`` / ``new_group``: None or a
             ``FreescaleOptions``.
     """
-    if pg_options is not None and not isinstance(pg_options, FreescaleOptions):
-        raise TypeError(
-            f"pg_options of the freescale backend must be a FreescaleOptions, got {pg_options!r}"
-        )
+    try:
+        if pg_options is not None and not isinstance(pg_options, FreescaleOptions):
+            raise TypeError(
+                "pg_options of the freescale backend must be a FreescaleOptions, got "
+                f"{pg_options!r}"
+            )
+        options, invalid = FreescaleOptions.from_env(pg_options), None
+    except (TypeError, ValueError) as err:
+        # Raised here, on this rank alone, it would leave the others waiting for it in the
+        # set-up until the group timeout: the set-up goes on with the defaults and fails on
+        # every rank, naming this one (``GroupContext``).
+        options, invalid = FreescaleOptions(), f"{type(err).__name__}: {err}"
     return ProcessGroupFreescale(
         backend_options.store,
         backend_options.group_rank,
         backend_options.group_size,
         backend_options.timeout,
-        FreescaleOptions.from_env(pg_options),
+        options,
+        invalid,
     )
