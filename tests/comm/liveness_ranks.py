@@ -164,3 +164,52 @@ def busy_but_alive(pause: str, seconds: float, hosts: int) -> list[float]:
     dist.all_gather_into_tensor(out, torch.tensor([float(rank + 1)]), group=group)
     dist.destroy_process_group(group)
     return out.tolist()
+
+
+def outlive_the_store(stall_s: float) -> dict[str, object]:
+    """Rank 0 hosts the job's store and leaves it (its part of the job done) once the pair
+    {1, 2} made a freescale group judging liveness after 1 s. The pair then runs AllGathers for
+    3 s (they must work: no peer died), then rank 2 stalls ``stall_s`` before its next call:
+    rank 1's call must fail once it has waited 1 s, since without the store it cannot tell a
+    dead peer. Returns, per rank, the calls that worked and the error."""
+    from freescale_comm import FreescaleOptions
+    from freescale_comm._local_ranks import local_rank, store_port
+
+    rank = local_rank()
+    launcher = dist.TCPStore(
+        "127.0.0.1", store_port(), is_master=False, timeout=timedelta(seconds=30)
+    )
+    server = None
+    if rank == 0:
+        server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        launcher.set("job_store_port", str(server.port))
+    port = int(launcher.get("job_store_port"))
+    job = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=job, rank=rank, world_size=3)
+    options = FreescaleOptions(heartbeat_s=0.2, dead_after_s=1.0)
+    pair = dist.new_group([1, 2], backend="freescale", pg_options=options)
+    if rank == 0:
+        while launcher.add("pair_ready", 0) < 2:  # a non-member's new_group does not wait
+            time.sleep(0.01)
+        dist.destroy_process_group()
+        del job, server  # the store's server goes with the last reference
+        launcher.set("store_gone", "1")
+        return {"calls": 0, "error": None}
+    launcher.add("pair_ready", 1)
+    launcher.wait(["store_gone"])
+    out = torch.empty(2)
+    calls, error = 0, None
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < 3.0:
+            dist.all_gather_into_tensor(out, torch.tensor([float(rank)]), group=pair)
+            calls += 1
+        launcher.add("pair_done", 1)
+        while launcher.add("pair_done", 0) < 2:  # the same number of calls on both ranks
+            time.sleep(0.01)
+        if rank == 2:
+            time.sleep(stall_s)
+        dist.all_gather_into_tensor(out, torch.tensor([float(rank)]), group=pair)
+    except RuntimeError as err:
+        error = str(err)
+    return {"calls": calls, "error": error}

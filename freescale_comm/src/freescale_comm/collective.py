@@ -124,7 +124,8 @@ class Collective:
         self.name = name
         self.plan = plan
         self.seq = 0  # numbered by ``GroupContext.launch``, in the order collectives start
-        self.deadline = time.monotonic() + group.timeout_s
+        self.started = time.monotonic()
+        self.deadline = self.started + group.timeout_s
         self.finished = False
         self.error: FreescaleError | None = None
         self.event = _Done()

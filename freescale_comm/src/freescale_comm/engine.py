@@ -66,6 +66,7 @@ class Op(Protocol):
     """What the engine needs from a collective in flight."""
 
     group: GroupHealth
+    started: float  # time.monotonic() at its call
     deadline: float
     finished: bool
     needs_engine: bool  # False: only its CUDA end event is left (``Collective.poll_final``)
@@ -87,7 +88,7 @@ class Op(Protocol):
 class GroupHealth(Protocol):
     """A group's liveness check: returns why its collectives cannot finish, or None."""
 
-    def health_error(self) -> str | None: ...
+    def health_error(self, waited_s: float) -> str | None: ...
 
 
 class Watch(Protocol):
@@ -313,13 +314,8 @@ class Engine:
                 self._idle(ops, time.monotonic() - idle_since)
 
     def _check_health(self, ops: list[Op]) -> None:
-        seen: dict[int, str | None] = {}
+        now = time.monotonic()
         for op in ops:
-            key = id(op.group)
-            if key not in seen:
-                try:
-                    seen[key] = op.group.health_error()
-                except Exception as err:
-                    seen[key] = f"the c10d store is unreachable ({err})"
-            if seen[key] is not None:
-                op.fail(seen[key], "peer")
+            error = op.group.health_error(now - op.started)
+            if error is not None:
+                op.fail(error, "peer")

@@ -747,11 +747,18 @@ class GroupContext:
         self._graveyard.append((plan, pinned))
 
     # ----------------------------------------------------------------- health
-    def health_error(self) -> str | None:
-        """Why this group's collectives cannot finish (abort or a silent peer), or None.
+    def health_error(self, waited_s: float) -> str | None:
+        """Why a collective of this group that has waited ``waited_s`` cannot finish (abort, a
+        silent peer; or, once it has waited ``dead_after_s``, a store unreachable that long:
+        this rank cannot see its peers' deaths then), or None.
 
         What the engine thread's last liveness poll found: no store request here."""
-        return self.liveness.error()
+        error = self.liveness.error()
+        if error is None and waited_s > self.liveness.dead_after_s:
+            silence = self.liveness.store_silence(time.monotonic())
+            if silence is not None:
+                error = f"{silence}, and this collective has waited {waited_s:.0f} s"
+        return error
 
     @property
     def broken(self) -> str | None:

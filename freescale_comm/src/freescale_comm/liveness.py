@@ -122,6 +122,7 @@ class Liveness:
         self.aborted: str | None = None  # the abort key's reason, once set
         self.dead: str | None = None  # what this rank's own watch found
         self.store_error: str | None = None  # the last poll failed (cleared by the next one)
+        self._store_down_since: float | None = None  # since the first of those failures
         self._store_failures = 0  # store requests failed in a row
         # Same-host peers: rank -> (pid, start time), checked locally at every poll.
         self._processes: dict[int, tuple[int, int]] = {}
@@ -148,9 +149,12 @@ class Liveness:
                 asked = True
             if asked:
                 self.store_error = None
+                self._store_down_since = None
                 self._store_failures = 0
         except Exception as err:  # the store's host may be the process that died
             self.store_error = f"the c10d store is unreachable ({err})"
+            if self._store_down_since is None:
+                self._store_down_since = now
             # A store whose host is gone fails every request, and torch logs each failure
             # with a stack trace: the retries grow apart while the failures last.
             self._store_failures += 1
@@ -242,12 +246,26 @@ class Liveness:
         return self.aborted
 
     def error(self) -> str | None:
-        """Why the group's collectives cannot finish, as far as the last poll knows, or None."""
+        """Why the group's collectives cannot finish, as far as the last poll knows, or None.
+        An unreachable store is not such a reason by itself (``store_silence``)."""
         if self.dead is not None:
             return self.dead
         if self.aborted is not None:
             return f"the group was aborted by {self.aborted}"
-        return self.store_error
+        return None
+
+    def store_silence(self, now: float) -> str | None:
+        """Why this rank cannot tell whether its peers live, where the store has failed every
+        request for longer than ``dead_after_s``, or None. Its host may have finished its part
+        of the job (the peers' collectives still move their data) or died with it: only a
+        collective that waits that long as well should fail for it (``GroupContext``)."""
+        since = self._store_down_since
+        if since is None or now - since <= self.dead_after_s:
+            return None
+        return (
+            f"the c10d store has been unreachable for {now - since:.0f} s "
+            f"({self.store_error}), so this rank cannot tell whether its peers live"
+        )
 
     def silence(self, peer: int) -> float | None:
         """Seconds the watched ``peer``'s counter has stood still (None: not watched here)."""
