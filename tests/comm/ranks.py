@@ -1135,6 +1135,10 @@ def new_user_mistakes() -> list[str]:
         lambda: dist.all_to_all_single(
             torch.empty(1).expand(n) if rank == 0 else torch.empty(n), torch.ones(n)
         ),
+        # A sparse output on rank 0 (its strides, asked for, raised on that rank alone).
+        lambda: dist.all_to_all_single(
+            torch.eye(n).to_sparse_csr() if rank == 0 else torch.empty(n, n), torch.ones(n, n)
+        ),
     ]
     for _ in range(2):  # the plan cache keeps a shape seen twice
         dist.all_to_all_single(torch.empty(n), torch.ones(n))

@@ -35,7 +35,7 @@ def test_bad_inputs_fail_on_every_rank_before_data_moves(fs_group):
 def test_new_user_mistakes_fail_on_every_rank_at_once(fs_group):
     per_rank = fs_group.run(ranks.new_user_mistakes, timeout_s=30)
     for messages in per_rank:
-        assert len(messages) == 8
+        assert len(messages) == 9
         # At once: well inside the group timeout (60 s), not after it.
         assert all(float(m.split(" ", 1)[0]) < 5 for m in messages), messages
         for m in messages[:2]:
@@ -47,6 +47,7 @@ def test_new_user_mistakes_fail_on_every_rank_at_once(fs_group):
         assert "rank 0: all_to_all_single got a negative or conjugate view" in messages[5]
         assert "needs one output list per rank" in messages[6], messages[6]
         assert "rank 0: all_to_all_single got an output whose elements share memory" in messages[7]
+        assert "rank 0: all_to_all_single got a torch.sparse_csr tensor; only dense" in messages[8]
 
 
 @pytest.mark.parametrize(

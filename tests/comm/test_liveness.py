@@ -233,6 +233,12 @@ class _FailingStore:
             raise RuntimeError("store gone")
         return [b""] + [b"1"] * (len(keys) - 1)
 
+    def compare_set(self, key, expected, desired):
+        if not self.up:
+            raise RuntimeError("store gone")
+        self.written = desired
+        return desired
+
 
 def test_the_store_retry_period_stays_bounded_however_long_the_store_is_gone():
     # The period doubled without bound: after 1,024 failures (8.5 h) it overflowed and the
@@ -457,3 +463,35 @@ def test_a_group_outlives_the_store_until_a_collective_waits_past_dead_after_s()
     # Rank 1 waited for the stalled rank 2 without a store to tell it whether rank 2 lives.
     error = results[1]["error"]
     assert "the c10d store has been unreachable for" in error and "has waited" in error, error
+
+
+def test_a_peer_process_gone_is_reported_while_the_store_is_down():
+    # The process check ran inside the store's poll: with the store down it never ran, and a
+    # same-host peer's exit went unreported (its collectives waited for the group timeout).
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 10
+        while liveness.process_start_time(child.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        namespace = liveness.process_identity().split("/")[1]
+        started = liveness.process_start_time(child.pid)
+        store = _FailingStore()
+        told: list[str] = []
+        live = liveness.Liveness(store, 0, 3, 0.1, 1.0, on_failure=told.append)
+        live.watch_processes({1: f"{child.pid}/{namespace}/{started}"})
+        store.up = False
+        child.kill()
+        child.wait()
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            live.tick(time.monotonic())
+            time.sleep(0.02)
+        assert told == [f"rank 1: its process on this host (pid {child.pid}) has exited"]
+        # The abort key could not be written; it is, once the store answers again.
+        assert not hasattr(store, "written")
+        store.up = True
+        live.tick(live.next_due)
+        assert store.written == f"rank 0: {told[0]}".encode()
+    finally:
+        child.kill()
+        child.wait()

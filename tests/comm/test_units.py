@@ -57,6 +57,11 @@ def test_options_from_env_and_explicit_values(monkeypatch):
     ]:
         with pytest.raises(ValueError, match=says):
             FreescaleOptions(**{field: value})
+    # A whole number of seconds and the same from the environment are one setting on every rank
+    # (they compare as text at set-up: 30 against 30.0 failed it).
+    monkeypatch.setenv("FREESCALE_DEAD_AFTER_S", "30")
+    assert "dead_after_s=30.0" in FreescaleOptions.from_env().shared()
+    assert "dead_after_s=30.0" in FreescaleOptions(dead_after_s=30).shared()
 
 
 def test_a_misspelt_option_variable_is_warned_of(monkeypatch, caplog):

@@ -246,9 +246,10 @@ class PlanCache:
         spans = []
         for t in tensors:
             if (
-                not (t.is_cpu or (self._ipc_fits is not None and t.is_cuda))
+                t.layout != torch.strided  # first: other layouts have no is_contiguous
+                or t.is_nested
+                or not (t.is_cpu or (self._ipc_fits is not None and t.is_cuda))
                 or not t.is_contiguous()
-                or t.layout != torch.strided
                 or _unreadable(t)  # refused by the builder, every time
             ):
                 return None
@@ -463,8 +464,11 @@ class _Builder:
 
 
 def _shares_elements(tensor: torch.Tensor) -> bool:
-    """Whether several elements of ``tensor`` are one memory location (a stride of 0 over more
-    than one element): no result could be written into it."""
+    """Whether several elements of a dense ``tensor`` are one memory location (a stride of 0
+    over more than one element): no result could be written into it. Other layouts, refused
+    before, have no strides; an empty tensor receives nothing."""
+    if tensor.layout != torch.strided or tensor.is_nested or tensor.numel() == 0:
+        return False
     sizes_and_strides = zip(tensor.shape, tensor.stride(), strict=True)
     return any(stride == 0 and size > 1 for size, stride in sizes_and_strides)
 

@@ -211,8 +211,9 @@ class GroupContext:
         """Which ranks differ from rank 0, and where (``directory.agreement_differences``):
         every rank publishes its agreement, rank 0 reads them all and publishes the summary
         (O(N) store reads, only when set-up fails). Rank 0's own agreement if that exchange
-        does not finish in time."""
-        keys, wait = self._keys, timedelta(seconds=self.timeout_s)
+        does not finish within 10 s: a rank of an older version, or one that died since, never
+        takes part, and the set-up must fail at once all the same."""
+        keys, wait = self._keys, timedelta(seconds=min(self.timeout_s, 10.0))
         keys.set(f"shared_options/{self.rank}", mine)
         try:
             if self.rank == 0:

@@ -33,6 +33,7 @@ the watcher of a dead rank may be idle while the others wait for that rank.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -124,22 +125,33 @@ class Liveness:
         self.store_error: str | None = None  # the last poll failed (cleared by the next one)
         self._store_down_since: float | None = None  # since the first of those failures
         self._store_failures = 0  # store requests failed in a row
-        # Same-host peers: rank -> (pid, start time), checked locally at every poll.
+        # Same-host peers: rank -> (pid, start time), checked in /proc every poll period, on a
+        # schedule of its own: no store request, so also while the store is down.
         self._processes: dict[int, tuple[int, int]] = {}
+        self._next_check = now + self.poll_s
+        # An abort this rank could not write (the store was down): written once it answers.
+        self._unwritten_abort: str | None = None
         self.beat()
 
     @property
     def next_due(self) -> float:
         # Once the abort key is read there is nothing left to poll for.
-        return min(self._next_beat, self._next_poll if self.aborted is None else math.inf)
+        check = self._next_check if self._processes and self.dead is None else math.inf
+        return min(self._next_beat, self._next_poll if self.aborted is None else math.inf, check)
 
     def beat(self) -> None:
         self.store.add(self._own_key, 1)
         self._next_beat = time.monotonic() + self.heartbeat_s
 
     def tick(self, now: float) -> None:
-        """Beats and polls as due (engine thread); a store error is remembered, not raised."""
+        """Checks the same-host peers' processes, beats and polls as due (engine thread); a
+        store error is remembered, not raised."""
+        if now >= self._next_check:
+            self._next_check = now + self.poll_s
+            self.check_processes()
         try:
+            if self._unwritten_abort is not None:
+                self.abort(self._unwritten_abort)
             asked = False
             if now >= self._next_beat:
                 self.beat()
@@ -197,14 +209,23 @@ class Liveness:
                 continue
         self._processes = watched
 
+    def check_processes(self) -> None:
+        """Reports a same-host peer whose process is gone (no store request: the abort key is
+        written now, or once the store answers)."""
+        if self.dead is not None:
+            return
+        gone = [p for p, (pid, started) in self._processes.items() if _gone(pid, started)]
+        if gone:
+            pids = ", ".join(str(self._processes[p][0]) for p in gone)
+            self.dead = f"{self.describe(gone)}: its process on this host (pid {pids}) has exited"
+            with contextlib.suppress(Exception):  # kept for the next tick (``abort``)
+                self.abort(f"rank {self.rank}: {self.dead}")
+
     def poll(self, now: float) -> None:
         """One request: the abort key and the watched counters (and the same-host peers'
         processes, without a request)."""
-        gone = [p for p, (pid, started) in self._processes.items() if _gone(pid, started)]
-        if gone and self.dead is None:
-            pids = ", ".join(str(self._processes[p][0]) for p in gone)
-            self.dead = f"{self.describe(gone)}: its process on this host (pid {pids}) has exited"
-            self.abort(f"rank {self.rank}: {self.dead}")
+        self.check_processes()
+        if self.dead is not None:
             return
         values = self.store.multi_get(self._keys)
         if now - self._last_poll > _GAP_PERIODS * self.poll_s:
@@ -240,8 +261,15 @@ class Liveness:
             return False  # unreadable now: heartbeats decide
 
     def abort(self, reason: str) -> str:
-        """Writes the abort key unless a reason is there already; returns the reason that won."""
-        won = self.store.compare_set(ABORT_KEY, b"", reason.encode())
+        """Writes the abort key unless a reason is there already; returns the reason that won.
+        Where the store fails, raises, and the next tick writes it (the peers must learn of
+        it once the store is back, not wait for their timeout)."""
+        try:
+            won = self.store.compare_set(ABORT_KEY, b"", reason.encode())
+        except Exception:
+            self._unwritten_abort = reason
+            raise
+        self._unwritten_abort = None
         self.aborted = bytes(won).decode(errors="replace") or reason
         return self.aborted
 

@@ -186,6 +186,8 @@ class FreescaleOptions:
                 or not math.isfinite(value)
             ):
                 raise ValueError(f"FreescaleOptions.{item.name} must be a finite number")
+            if kind is float:  # 30 and 30.0 are one setting: ranks compare them as text
+                object.__setattr__(self, item.name, float(value))
         if self.ring_threshold_bytes < 0:
             raise ValueError("ring_threshold_bytes must be >= 0")
         if self.shm_max_bytes < -1:

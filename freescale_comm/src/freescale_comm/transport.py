@@ -77,7 +77,8 @@ def context_config() -> dict[str, str]:
     emulated on one machine), the "other hosts" it reaches by UCX may be this machine, where
     UCX's cross-memory attach aborts the reading process when its peer dies mid-read (4 ranks,
     64 MiB AllToAll, one killed: every survivor died of SIGABRT). A real other host never takes
-    that transport, so it is left out here too, unless ``UCX_TLS`` says otherwise.
+    that transport, so it is left out here too (for this host's UCX pairs as well: the context is
+    the process's), unless ``UCX_TLS`` says otherwise.
     """
     if os.environ.get(HOST_ENV) and "UCX_TLS" not in os.environ:
         return {"TLS": "^cma"}
