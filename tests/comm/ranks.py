@@ -1247,11 +1247,13 @@ def an_internal_error_on_one_rank() -> str:
     return message
 
 
-def die_during_collective(victim: int, delay_s: float, per_peer: int = 256) -> float:
+def die_during_collective(
+    victim: int, delay_s: float, per_peer: int = 256, group: Any = None
+) -> float:
     """Every rank runs AllToAlls back to back; the victim exits after ``delay_s``, most likely
     in the middle of one (its peers may be reading its memory); the survivors' collective must
     raise (they re-raise it). ``per_peer``: float32 elements for each peer (the rings, or read
-    from the sender's memory above ``shm_max_bytes``)."""
+    from the sender's memory above ``shm_max_bytes``); ``group``: the world's by default."""
     rank, n = dist.get_rank(), dist.get_world_size()
     dist.barrier()
     if rank == victim:
@@ -1260,7 +1262,7 @@ def die_during_collective(victim: int, delay_s: float, per_peer: int = 256) -> f
     x = torch.ones(n * per_peer)
     try:
         for _ in range(1_000_000):
-            dist.all_to_all_single(torch.empty_like(x), x)
+            dist.all_to_all_single(torch.empty_like(x), x, group=group)
     except Exception as err:
         raise RuntimeError(
             f"survivor {rank} raised after {time.monotonic() - start:.1f} s: {err}"
@@ -1276,20 +1278,7 @@ def die_during_collective_on_pretend_hosts(victim: int, delay_s: float, per_peer
 
     os.environ[HOST_ENV] = f"pretend-host-{dist.get_rank()}"
     group = dist.new_group(backend="freescale", timeout=timedelta(seconds=20))
-    rank, n = dist.get_rank(), dist.get_world_size()
-    dist.barrier()
-    if rank == victim:
-        threading.Timer(delay_s, os._exit, (7,)).start()
-    start = time.monotonic()
-    x = torch.ones(n * per_peer)
-    try:
-        for _ in range(1_000_000):
-            dist.all_to_all_single(torch.empty_like(x), x, group=group)
-    except Exception as err:
-        raise RuntimeError(
-            f"survivor {rank} raised after {time.monotonic() - start:.1f} s: {err}"
-        ) from err
-    return time.monotonic() - start
+    return die_during_collective(victim, delay_s, per_peer, group)
 
 
 def die_while_a_group_is_set_up(victim: int, step: str) -> None:

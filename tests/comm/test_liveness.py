@@ -147,17 +147,22 @@ class _CountedStore:
         return getattr(self._store, name)
 
 
+def _sleeping_child() -> tuple[subprocess.Popen, str, int]:
+    """A process that sleeps a minute, its PID namespace and start time (once /proc has it)."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    deadline = time.monotonic() + 10
+    while liveness.process_start_time(child.pid) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    namespace = liveness.process_identity().split("/")[1]
+    return child, namespace, liveness.process_start_time(child.pid)
+
+
 def test_only_processes_that_are_the_ones_published_are_watched(store):
     # A peer process is watched only if it is in this PID namespace and its start time, read
     # here, is the one it published (else, as in containers that share a host's /dev/shm but
     # not its PIDs, the pid would name another process); its exit is then found by a poll.
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child, namespace, started = _sleeping_child()
     try:
-        deadline = time.monotonic() + 10
-        while liveness.process_start_time(child.pid) is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        namespace = liveness.process_identity().split("/")[1]
-        started = liveness.process_start_time(child.pid)
         keys = _client(store)
         keys.set(liveness.ABORT_KEY, b"")
         for peer in (1, 2):  # the ranks rank 0 watches by heartbeat: alive
@@ -468,13 +473,8 @@ def test_a_group_outlives_the_store_until_a_collective_waits_past_dead_after_s()
 def test_a_peer_process_gone_is_reported_while_the_store_is_down():
     # The process check ran inside the store's poll: with the store down it never ran, and a
     # same-host peer's exit went unreported (its collectives waited for the group timeout).
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child, namespace, started = _sleeping_child()
     try:
-        deadline = time.monotonic() + 10
-        while liveness.process_start_time(child.pid) is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        namespace = liveness.process_identity().split("/")[1]
-        started = liveness.process_start_time(child.pid)
         store = _FailingStore()
         told: list[str] = []
         live = liveness.Liveness(store, 0, 3, 0.1, 1.0, on_failure=told.append)
