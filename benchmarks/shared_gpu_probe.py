@@ -199,14 +199,14 @@ def _messages() -> dict[str, Any]:
     dist.barrier()
     if rank == 0:
         os.unlink(name)
-    words = np.frombuffer(memory, dtype=np.uint32)
+    words = np.frombuffer(memory, dtype=np.uint64)
     page = words.ctypes.data
     _register(page, _PAGE, "the probe's page")
     cu = driver()
     mapped = ctypes.c_uint64()
     cu.check(cu.host_get_device_pointer(ctypes.byref(mapped), ctypes.c_void_p(page), 0), "map")
-    flag_word = [0, 16]  # uint32 index of each rank's flag (separate cache lines)
-    flags = [mapped.value + 4 * w for w in flag_word]
+    flag_word = [0, 8]  # uint64 index of each rank's flag (separate cache lines)
+    flags = [mapped.value + 8 * w for w in flag_word]
     data = [page + 4096, page + 8192]
     me, peer = rank, 1 - rank
     buffer = torch.zeros(64, dtype=torch.uint8, device="cuda")
@@ -218,14 +218,14 @@ def _messages() -> dict[str, Any]:
         if dtod:
             cu.memcpy_async(other.data_ptr(), buffer.data_ptr(), 8, handle)
         cu.memcpy_async(data[me], buffer.data_ptr(), 8, handle)
-        cu.write_value32(handle, flags[me], i, 0)
+        cu.write_value64(handle, flags[me], i, 0)
 
     def receive(i: int, cpu_polled: bool) -> None:
         if cpu_polled:
             while words[flag_word[peer]] < i:
                 pass
         else:
-            cu.wait_value32(handle, flags[peer], i, 0)  # GEQ
+            cu.wait_value64(handle, flags[peer], i, 0)  # GEQ
         cu.memcpy_async(buffer.data_ptr(), data[peer], 8, handle)
 
     def exchange(i: int, cpu_polled: bool) -> None:
