@@ -1563,20 +1563,29 @@ def mismatched_shared_options(field: str, value: Any) -> tuple[str, float]:
     """Creates a freescale group where rank 1 alone sets ``field`` to ``value`` (an options
     field, or ``wire_version``: as if it ran another version); returns the error its creation
     raised here and how long it took, after checking the world group still works."""
-    from freescale_comm import FreescaleOptions, FreescaleValidationError, directory
+    from freescale_comm import FreescaleOptions, directory
 
     other = dist.get_rank() == 1
     wire = field == "wire_version"
     options = FreescaleOptions(**({field: value} if other and not wire else {}))
     version = value if other and wire else directory.WIRE_VERSION
+    with mock.patch.object(directory, "WIRE_VERSION", version):
+        return _refused_group(options, "a group whose ranks' options differ was created")
+
+
+def _refused_group(options: Any, created: str) -> tuple[str, float]:
+    """The validation error a freescale group's creation with ``options`` raises here and how
+    long it took (``created``: the assertion if it does not), after checking the world group
+    still works."""
+    from freescale_comm import FreescaleValidationError
+
     started = time.monotonic()
     try:
-        with mock.patch.object(directory, "WIRE_VERSION", version):
-            dist.new_group(backend="freescale", timeout=timedelta(seconds=60), pg_options=options)
+        dist.new_group(backend="freescale", timeout=timedelta(seconds=60), pg_options=options)
     except FreescaleValidationError as err:
         message, took = str(err), time.monotonic() - started
     else:
-        raise AssertionError("a group whose ranks' options differ was created")
+        raise AssertionError(created)
     out = torch.empty(dist.get_world_size())
     dist.all_gather_into_tensor(out, torch.tensor([1.0]))
     return message, took
@@ -1587,22 +1596,11 @@ def options_refused_on_one_rank(how: str) -> tuple[str, float]:
     a ``FREESCALE_*`` value out of range; ``type``: ``pg_options`` of another type); returns
     the error its creation raised here and how long it took, after checking the world group
     still works."""
-    from freescale_comm import FreescaleValidationError
-
     other = dist.get_rank() == 1
     options: Any = {"shm_pool_bytes": 1} if other and how == "type" else None
     variable = "FREESCALE_SHM_POOL_BYTES"
-    started = time.monotonic()
-    try:
-        with mock.patch.dict(os.environ, {variable: "65536"} if other and how == "env" else {}):
-            dist.new_group(backend="freescale", timeout=timedelta(seconds=60), pg_options=options)
-    except FreescaleValidationError as err:
-        message, took = str(err), time.monotonic() - started
-    else:
-        raise AssertionError("a group with refused options on one rank was created")
-    out = torch.empty(dist.get_world_size())
-    dist.all_gather_into_tensor(out, torch.tensor([1.0]))
-    return message, took
+    with mock.patch.dict(os.environ, {variable: "65536"} if other and how == "env" else {}):
+        return _refused_group(options, "a group with refused options on one rank was created")
 
 
 def per_device_backend_strings() -> dict[str, Any]:

@@ -160,7 +160,7 @@ def _sleeping_child() -> tuple[subprocess.Popen, str, int]:
 def test_only_processes_that_are_the_ones_published_are_watched(store):
     # A peer process is watched only if it is in this PID namespace and its start time, read
     # here, is the one it published (else, as in containers that share a host's /dev/shm but
-    # not its PIDs, the pid would name another process); its exit is then found by a poll.
+    # not its PIDs, the pid would name another process); its exit is then found by a check.
     child, namespace, started = _sleeping_child()
     try:
         keys = _client(store)
@@ -181,7 +181,7 @@ def test_only_processes_that_are_the_ones_published_are_watched(store):
         assert live.error() is None
         child.kill()
         child.wait()
-        live.poll(time.monotonic())
+        live.check_processes()
         assert live.error() == f"rank 1: its process on this host (pid {child.pid}) has exited"
     finally:
         child.kill()

@@ -222,11 +222,8 @@ class Liveness:
                 self.abort(f"rank {self.rank}: {self.dead}")
 
     def poll(self, now: float) -> None:
-        """One request: the abort key and the watched counters (and the same-host peers'
-        processes, without a request)."""
-        self.check_processes()
-        if self.dead is not None:
-            return
+        """One request: the abort key and the watched counters (the same-host peers'
+        processes are ``check_processes``'s, on a schedule of their own)."""
         values = self.store.multi_get(self._keys)
         if now - self._last_poll > _GAP_PERIODS * self.poll_s:
             self._seen = {p: (seen, now) for p, (seen, _) in self._seen.items()}

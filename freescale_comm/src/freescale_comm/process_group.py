@@ -454,18 +454,20 @@ def create_process_group(backend_options: Any, pg_options: Any) -> ProcessGroupF
         pg_options: the ``pg_options`` given to ``init_process_group`` / ``new_group``: None or a
             ``FreescaleOptions``.
     """
-    try:
-        if pg_options is not None and not isinstance(pg_options, FreescaleOptions):
-            raise TypeError(
-                "pg_options of the freescale backend must be a FreescaleOptions, got "
-                f"{pg_options!r}"
-            )
-        options, invalid = FreescaleOptions.from_env(pg_options), None
-    except (TypeError, ValueError) as err:
-        # Raised here, on this rank alone, it would leave the others waiting for it in the
-        # set-up until the group timeout: the set-up goes on with the defaults and fails on
-        # every rank, naming this one (``GroupContext``).
-        options, invalid = FreescaleOptions(), f"{type(err).__name__}: {err}"
+    # Options refused here, raised on this rank alone, would leave the others waiting for it in
+    # the set-up until the group timeout: the set-up goes on with the defaults and fails on
+    # every rank, naming this one (``GroupContext``).
+    options, invalid = FreescaleOptions(), None
+    if pg_options is not None and not isinstance(pg_options, FreescaleOptions):
+        invalid = (
+            f"TypeError: pg_options of the freescale backend must be a FreescaleOptions, got "
+            f"{pg_options!r}"
+        )
+    else:
+        try:
+            options = FreescaleOptions.from_env(pg_options)
+        except ValueError as err:
+            invalid = f"ValueError: {err}"
     return ProcessGroupFreescale(
         backend_options.store,
         backend_options.group_rank,
