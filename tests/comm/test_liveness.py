@@ -206,7 +206,7 @@ def test_a_store_whose_host_is_gone_is_retried_ever_less_often():
         # Not a failure by itself (its host may have finished its part of the job): one for
         # collectives that wait longer than dead_after_s (GroupContext.health_error).
         assert live.error() is None and "the c10d store is unreachable" in live.store_error
-        assert re.search(r"unreachable for \d+ s", live.store_silence(time.monotonic()))
+        assert re.search(r"unreachable for \d+ s", live.store_silence())
         # Retries 0.1, 0.2, 0.4, 0.8 and 1.6 s apart, not 60 beats and 60 polls.
         assert live.store.requests - start <= 6, live.store.requests - start
 
@@ -256,7 +256,32 @@ def test_the_store_retry_period_stays_bounded_however_long_the_store_is_gone():
         live.tick(now)
         assert 0 < live.next_due - now <= 30.0 + 1e-6
     assert live.error() is None
-    assert "the c10d store has been unreachable for" in live.store_silence(live.next_due)
+    assert "the c10d store has been unreachable for" in live.store_silence()
+
+
+def test_a_store_back_between_two_retries_fails_no_collective():
+    # The outage counted up to now: a store down for 8 s (retries 1, 2, 4 s apart, then 8) was
+    # back at 8 s, but from 10 s until the retry at 15 s every collective that had waited over
+    # dead_after_s (10 s) failed for it.
+    store = _FailingStore()
+    live = liveness.Liveness(store, 0, 3, 1.0, 10.0)
+    start = live.next_due
+    store.up = False
+    now = start
+    while now < start + 8:
+        live.tick(now)
+        now = live.next_due
+    store.up = True
+    assert now > start + 10  # the next retry comes after dead_after_s
+    assert live.store_silence() is None
+    live.tick(now)
+    assert live.store_silence() is None and live.store_error is None
+    # Down for good: the outage shows once a failed retry comes after dead_after_s.
+    store.up = False
+    for _ in range(6):
+        live.tick(now)
+        now = live.next_due
+    assert "the c10d store has been unreachable for" in live.store_silence()
 
 
 def test_every_rank_is_told_once_of_a_silent_rank_and_of_an_abort(store):

@@ -88,7 +88,7 @@ class Op(Protocol):
 class GroupHealth(Protocol):
     """A group's liveness check: returns why its collectives cannot finish, or None."""
 
-    def health_error(self, now: float, waited_s: float) -> str | None: ...
+    def health_error(self, waited_s: float) -> str | None: ...
 
 
 class Watch(Protocol):
@@ -316,6 +316,6 @@ class Engine:
     def _check_health(self, ops: list[Op]) -> None:
         now = time.monotonic()
         for op in ops:
-            error = op.group.health_error(now, now - op.started)
+            error = op.group.health_error(now - op.started)
             if error is not None:
                 op.fail(error, "peer")

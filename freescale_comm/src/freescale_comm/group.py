@@ -748,15 +748,15 @@ class GroupContext:
         self._graveyard.append((plan, pinned))
 
     # ----------------------------------------------------------------- health
-    def health_error(self, now: float, waited_s: float) -> str | None:
-        """Why a collective of this group that has waited ``waited_s`` by ``now`` cannot finish
+    def health_error(self, waited_s: float) -> str | None:
+        """Why a collective of this group that has waited ``waited_s`` cannot finish
         (abort, a silent peer; or, once it has waited ``dead_after_s``, a store unreachable that
         long: this rank cannot see its peers' deaths then), or None.
 
         What the engine thread's last liveness poll found: no store request here."""
         error = self.liveness.error()
         if error is None and waited_s > self.liveness.dead_after_s:
-            silence = self.liveness.store_silence(now)
+            silence = self.liveness.store_silence()
             if silence is not None:
                 error = f"{silence}, and this collective has waited {waited_s:.0f} s"
         return error

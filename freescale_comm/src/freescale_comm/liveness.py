@@ -124,6 +124,7 @@ class Liveness:
         self.dead: str | None = None  # what this rank's own watch found
         self.store_error: str | None = None  # the last poll failed (cleared by the next one)
         self._store_down_since: float | None = None  # since the first of those failures
+        self._store_failed_at = 0.0  # ... and the last one
         self._store_failures = 0  # store requests failed in a row
         # Same-host peers: rank -> (pid, start time), checked in /proc every poll period, on a
         # schedule of its own: no store request, so also while the store is down.
@@ -167,6 +168,7 @@ class Liveness:
             self.store_error = f"the c10d store is unreachable ({err})"
             if self._store_down_since is None:
                 self._store_down_since = now
+            self._store_failed_at = now
             # A store whose host is gone fails every request, and torch logs each failure
             # with a stack trace: the retries grow apart while the failures last.
             self._store_failures += 1
@@ -279,16 +281,23 @@ class Liveness:
             return f"the group was aborted by {self.aborted}"
         return None
 
-    def store_silence(self, now: float) -> str | None:
+    def store_silence(self) -> str | None:
         """Why this rank cannot tell whether its peers live, where the store has failed every
         request for longer than ``dead_after_s``, or None. Its host may have finished its part
         of the job (the peers' collectives still move their data) or died with it: only a
-        collective that waits that long as well should fail for it (``GroupContext``)."""
+        collective that waits that long as well should fail for it (``GroupContext``).
+
+        The outage counts up to the last failed request, not to ``now``: the retries grow
+        apart (up to ``_MAX_RETRY_S``), and a store that came back between two of them must
+        not fail collectives until the next one finds it back."""
         since = self._store_down_since
-        if since is None or now - since <= self.dead_after_s:
+        if since is None:
+            return None
+        known = self._store_failed_at - since
+        if known <= self.dead_after_s:
             return None
         return (
-            f"the c10d store has been unreachable for {now - since:.0f} s "
+            f"the c10d store has been unreachable for {known:.0f} s "
             f"({self.store_error}), so this rank cannot tell whether its peers live"
         )
 
