@@ -10,7 +10,8 @@ reported even if another fails:
    multi-chunk sizes, against the result computed locally; plus stream semantics: inputs
    produced and outputs consumed (and the input overwritten) on the caller's stream right
    around the call, with ~8 ms of matmuls queued before it (the call's CPU time is reported
-   beside the time until everything was done);
+   beside the time until everything was done), first on new allocations (which the IPC path
+   maps in the peer) and then on the same ones, synchronous and asynchronous;
 2. the profiler: CUDA kernels launched while the comm path runs (must be 0; memcpys are fine);
 3. the staged path's time at 64 and 256 MiB against each of its stages alone on the same bytes,
    both ranks at once as in the collective: D2H of the pieces for peers, their host exchange
@@ -208,7 +209,9 @@ def _stream_semantics(groups: dict[str, Any]) -> list[dict[str, Any]]:
         )
         x = torch.zeros(numel, device=dev)
         out = torch.full((numel,), -1.0, device=dev)
-        for async_op in (False, True):
+        # The first call on new allocations maps them in the peer (``ipc._PeerMaps``), which
+        # may wait for the GPU's queued work; a training loop pays it once per allocation.
+        for first_use, async_op in ((True, False), (False, False), (False, True)):
             out.fill_(-1.0)
             torch.cuda.synchronize()
             dist.barrier(group=groups["gloo"])
@@ -228,6 +231,7 @@ def _stream_semantics(groups: dict[str, Any]) -> list[dict[str, Any]]:
                 {
                     "path": path,
                     "async_op": async_op,
+                    "first_use": first_use,
                     "correct": bool(torch.equal(got, want)),
                     "call_ms": 1e3 * returned,
                     "done_ms": 1e3 * total,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import itertools
 import math
 import operator
@@ -139,9 +140,10 @@ class Plan:
         UCX reads device memory itself (the direct path, also for peers IPC does not reach)."""
         return self.staged or (self.ipc and not self.direct_peers)
 
-    @property
+    @functools.cached_property
     def cuda_index(self) -> int:
-        """The CUDA device of the outputs (the current device when there are none)."""
+        """The CUDA device of the outputs (the current device when there are none); asked for
+        several times per CUDA call."""
         for tensor in self.result:
             if tensor.is_cuda:
                 return tensor.device.index
