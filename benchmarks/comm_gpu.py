@@ -200,6 +200,9 @@ def _stream_semantics(groups: dict[str, Any]) -> list[dict[str, Any]]:
     results = []
     for path in ("ipc", "direct", "staged", "staged_ucx"):
         group = groups[path]
+        # The caching allocator's blocks go back to CUDA: x and out below are new allocations,
+        # not blocks of a segment the peer has mapped already.
+        torch.cuda.empty_cache()
         source = torch.arange(numel, device=dev, dtype=torch.float32) + rank * numel
         want = torch.cat(
             [

@@ -8,7 +8,7 @@ threads finish the last collective before the next call starts. A diagnostic of 
 find what a native hot path must replace, not a comparison (``comm_host_profile.py`` compares
 with Gloo, ``multi_gpu_vs_nccl.py`` with NCCL). A wrapper adds about a microsecond per call.
 
-    python benchmarks/comm_host_breakdown.py [--device cuda] [--calls 300] [--gap-us 0]
+    python benchmarks/comm_host_breakdown.py [--device cuda] [--calls 300] [--gap-us 0] [--no-steps]
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
     cuda = args.device == "cuda"
     spent: dict[str, int] = {}
     counts: dict[str, int] = {}
-    _wrap_steps(spent, counts, cuda)
+    if args.steps:
+        _wrap_steps(spent, counts, cuda)
     inp = torch.ones(2, device=args.device)  # 4 bytes per peer
     out = torch.empty_like(inp)
     for _ in range(50):
@@ -135,6 +136,12 @@ def main() -> None:
         default=0,
         help="sleep this long after each call, so that the background threads (engine, CUDA "
         "event watchers) finish the last collective before the next call starts",
+    )
+    parser.add_argument(
+        "--no-steps",
+        dest="steps",
+        action="store_false",
+        help="time the calls only, without wrapping the steps (what the wrappers add is left out)",
     )
     parser.add_argument("--json", help="write the figures here (default: print only)")
     args = parser.parse_args()

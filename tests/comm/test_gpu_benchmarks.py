@@ -129,3 +129,14 @@ def test_host_breakdown_times_every_step_of_a_cpu_collective_on_both_ranks(tmp_p
         assert steps["Collective._judge"]["runs_per_call"] == 1.0, steps
         outer = steps["ProcessGroupFreescale.all_to_all_single"]["us_per_call"]
         assert 0 < steps["Collective.start"]["us_per_call"] <= outer
+
+
+def test_host_breakdown_without_steps_times_the_calls_alone(tmp_path):
+    out = tmp_path / "calls.json"
+    done = _run(
+        "comm_host_breakdown.py", "--calls", "20", "--no-steps", "--json", str(out), timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    ranks = json.loads(out.read_text())["ranks"]
+    assert len(ranks) == 2
+    assert all(rank["steps"] == {} and rank["us_per_call"] > 0 for rank in ranks), ranks

@@ -395,37 +395,6 @@ def test_ipc_descriptors_round_trip_and_refuse_a_wrong_count():
     assert ipc.pieces_in(96 + 80 * 3 + 79) == 3 and ipc.pieces_in(0) == 0
 
 
-def test_ipc_flags_are_compared_as_the_gpu_compares_them():
-    from freescale_comm import ipc
-
-    top = (1 << 64) - 1
-    assert ipc.reached(7, 7) and ipc.reached(8, 7) and not ipc.reached(6, 7)
-    assert ipc.reached(3, top - 1) and not ipc.reached(top - 1, 3)  # across the wrap
-    assert ipc.reached(7 + ipc._RELEASE, 7)  # released flags let every wait pass
-
-
-def test_ipc_descriptors_are_checked_learnt_from_and_decoded_once():
-    from freescale_comm import ipc
-
-    mine, theirs = bytes(range(16)), bytes(range(1, 17))
-    mailbox = bytes(range(2, 66))
-    reader = ipc.DescriptorReader(mine, {0: 0, 5: 1})
-    start = ipc.slot_offset(1, 3)  # rank 5's slot 3 in this rank's mailbox
-    pushed = ipc.encode(theirs, mailbox, 3, [(bytes(64), start, 8), (bytes(64), start + 8, 4)])
-    got = reader.read(5, pushed, 2)
-    assert [(p.offset, p.nbytes) for p in got.pieces] == [(start, 8), (start + 8, 4)]
-    assert reader.read(5, pushed.copy(), 2) is got  # the same bytes: decoded once
-    assert reader.mailboxes == {5: mailbox} and not reader.shares_gpu
-    reader.read(0, ipc.encode(mine, bytes(64), -1, []), 0)  # no mailbox named: none learnt
-    assert reader.shares_gpu and reader.mailboxes == {5: mailbox}
-    for slot, offset in ((3, start + ipc.MAILBOX_SLOT_BYTES - 4), (2, start)):
-        outside = ipc.encode(theirs, mailbox, slot, [(bytes(64), offset, 8)])
-        with pytest.raises(FreescaleError, match="rank 5 names bytes outside its mailbox slot"):
-            reader.read(5, outside, 1)
-    with pytest.raises(FreescaleError, match="names 2 pieces, 1 expected"):
-        reader.read(5, pushed, 1)
-
-
 def test_device_bytes_slice_like_flat_bytes():
     from freescale_comm.algorithms import DeviceBytes, address
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import functools
 import itertools
 import math
 import operator
@@ -140,10 +139,9 @@ class Plan:
         UCX reads device memory itself (the direct path, also for peers IPC does not reach)."""
         return self.staged or (self.ipc and not self.direct_peers)
 
-    @functools.cached_property
+    @property
     def cuda_index(self) -> int:
-        """The CUDA device of the outputs (the current device when there are none); asked for
-        several times per CUDA call."""
+        """The CUDA device of the outputs (the current device when there are none)."""
         for tensor in self.result:
             if tensor.is_cuda:
                 return tensor.device.index

@@ -696,6 +696,8 @@ class Collective:
     def _read_descriptors(self, size: int) -> None:
         """IPC: where each peer's pieces for this rank lie (after the signature in its header),
         paired with this rank's receive buffers in message order."""
+        from freescale_comm.ipc import MAILBOX_SLOT_BYTES, MAILBOX_SLOTS, decode, slot_offset
+
         receives: dict[int, list[Any]] = {}
         for transfer in self.plan.transfers:
             if not transfer.send:
@@ -706,7 +708,9 @@ class Collective:
             if peer not in self.plan.ipc_peers:
                 continue
             buffers = receives.get(peer, [])
-            descriptor = path.descriptors.read(peer, self._headers[peer][size:], len(buffers))
+            descriptor = decode(self._headers[peer][size:], len(buffers))
+            path.shares_gpu |= descriptor.gpu == path.gpu
+            path.learn_mailbox(peer, descriptor.mailbox)
             pieces = descriptor.pieces
             for buffer, piece in zip(buffers, pieces, strict=True):
                 if piece.nbytes != len(buffer):  # validate=False lets mismatched sizes through
@@ -714,6 +718,12 @@ class Collective:
                         f"rank {peer} sends {piece.nbytes} bytes into a {len(buffer)}-byte receive"
                     )
             if descriptor.slot >= 0:
+                start = slot_offset(path.host_index(peer), descriptor.slot)
+                if descriptor.slot >= MAILBOX_SLOTS or any(
+                    p.offset < start or p.offset + p.nbytes > start + MAILBOX_SLOT_BYTES
+                    for p in pieces
+                ):
+                    raise FreescaleError(f"rank {peer} names bytes outside its mailbox slot")
                 self._pushed_in[peer] = (descriptor.slot, list(zip(buffers, pieces, strict=True)))
             elif buffers:
                 self._pulls[peer] = list(zip(buffers, pieces, strict=True))

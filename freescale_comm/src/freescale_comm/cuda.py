@@ -128,32 +128,20 @@ class _Driver:
         none: ``torch.cuda.set_device`` skips ``cudaSetDevice`` when the index already matches
         (device 0 in a fresh thread), and not every runtime call binds the context.
         """
-        local = self._local
-        try:  # a small collective binds twice: its per-thread state is made once
-            context, current, current_ref = local.contexts[device], local.current, local.ref
-        except (AttributeError, KeyError):
-            context, current, current_ref = self._thread_state(device)
-        self.check(self._get_current(current_ref), "cuCtxGetCurrent")
-        if current.value == context.value:
-            return None
-        self.check(self._set_current(context), "cuCtxSetCurrent")
-        return ctypes.c_void_p(current.value)
-
-    def _thread_state(self, device: int) -> tuple[ctypes.c_void_p, ctypes.c_void_p, Any]:
-        """The calling thread's ``bind`` state: ``device``'s primary context (retained), and
-        where ``cuCtxGetCurrent`` writes."""
-        local = self._local
-        contexts = local.__dict__.setdefault("contexts", {})
-        if "current" not in local.__dict__:
-            local.current = ctypes.c_void_p()
-            local.ref = ctypes.byref(local.current)
-        if device not in contexts:
+        contexts = self._local.__dict__.setdefault("contexts", {})
+        context = contexts.get(device)
+        if context is None:
             handle = ctypes.c_int()
             self.check(self._device_get(ctypes.byref(handle), device), "cuDeviceGet")
             context = ctypes.c_void_p()
             self.check(self._primary(ctypes.byref(context), handle), "cuDevicePrimaryCtxRetain")
             contexts[device] = context
-        return contexts[device], local.current, local.ref
+        current = ctypes.c_void_p()
+        self.check(self._get_current(ctypes.byref(current)), "cuCtxGetCurrent")
+        if current.value == context.value:
+            return None
+        self.check(self._set_current(context), "cuCtxSetCurrent")
+        return current
 
     def attribute(self, device: int, attribute: int) -> int:
         """``cuDeviceGetAttribute`` of a device ordinal."""

@@ -19,9 +19,6 @@ data moves without a kernel:
 6. the end event, which ``work.wait()`` makes the caller's stream wait for (with peers on other
    hosts, an event the collective's last copies wait for).
 
-A wait whose flag this CPU already sees met in the host page is not queued: it would pass at
-once (a small collective's pushes are mostly read, and its slot's last push long since).
-
 Flags live in the first page of the pair's host rings (``shm``), page-locked and mapped for the
 GPU in both processes: each rank writes only the flags of its outgoing ring and waits only on
 those of its incoming one, and both only grow (the collective's sequence number, compared
@@ -114,15 +111,7 @@ _READY, _DONE, _PUSHED, _CONSUMED = 16, 24, 20, 28
 MAILBOX_SLOTS = 4
 MAILBOX_SLOT_BYTES = 256 << 10
 _RELEASE = 1 << 30  # abort: flags set this far ahead let every queued wait pass
-_SIGN = 1 << 63  # of a flag's distance from a value, as the GPU compares them (int64)
 _MAPS_PER_PEER = 64
-_DESCRIPTORS_KEPT = 256  # decoded, and encoded pushes, per path (``IpcPath.read_descriptor``)
-
-
-def reached(flag: int, value: int) -> bool:
-    """Whether a 64-bit flag has reached ``value``, compared as ``cuStreamWaitValue64`` with
-    ``GEQ`` compares them: ``(int64)(flag - value) >= 0``, so counters may wrap around."""
-    return (flag - value) & _SIGN == 0
 
 
 def pieces_in(room: int) -> int:
@@ -181,49 +170,6 @@ def pushed_slot(message: np.ndarray) -> int:
         return -1
     slot = _COUNT.unpack(message[: _COUNT.size].tobytes())[2]
     return slot if 0 <= slot < MAILBOX_SLOTS else -1
-
-
-class DescriptorReader:
-    """Reads the peers' descriptors for one group's IPC path, and learns from them where each
-    peer's mailbox is and whether a peer shares this rank's GPU. A small collective's
-    descriptors repeat (one per mailbox slot): each is decoded and checked once
-    (``_DESCRIPTORS_KEPT`` at most, then forgotten).
-
-    Args:
-        gpu: this rank's GPU (UUID).
-        host_index: each rank's place among the ranks of this host (``IpcPath.host_index``).
-    """
-
-    def __init__(self, gpu: bytes, host_index: dict[int, int]) -> None:
-        self._gpu = gpu
-        self._host_index = host_index
-        self._read: dict[tuple[int, int, bytes], Descriptor] = {}
-        self.shares_gpu = False  # a peer's descriptor named this rank's GPU
-        self.mailboxes: dict[int, bytes] = {}  # the peers' mailboxes' handles, as learnt
-
-    def read(self, peer: int, message: np.ndarray, pieces: int) -> Descriptor:
-        """The descriptor at the start of ``message`` from ``peer``, which must name ``pieces``
-        pieces, and pushed ones inside the peer's slot of this rank's mailbox."""
-        raw = message[: _COUNT.size + pieces * _ENTRY.size].tobytes()
-        key = (peer, pieces, raw)
-        found = self._read.get(key)
-        if found is not None:
-            return found
-        descriptor = decode(message, pieces)
-        if descriptor.slot >= 0:
-            start = slot_offset(self._host_index[peer], descriptor.slot)
-            if descriptor.slot >= MAILBOX_SLOTS or any(
-                p.offset < start or p.offset + p.nbytes > start + MAILBOX_SLOT_BYTES
-                for p in descriptor.pieces
-            ):
-                raise FreescaleError(f"rank {peer} names bytes outside its mailbox slot")
-        self.shares_gpu |= descriptor.gpu == self._gpu
-        if descriptor.mailbox != _NO_HANDLE:  # mapped before the next collective is queued
-            self.mailboxes.setdefault(peer, descriptor.mailbox)
-        if len(self._read) >= _DESCRIPTORS_KEPT:
-            self._read.clear()
-        self._read[key] = descriptor
-        return descriptor
 
 
 class _Scratch:
@@ -310,7 +256,8 @@ class Export:
             for peer, e in entries.items()
         }
         for peer, (slot, places) in pushed.items():
-            self._descriptors[peer] = path.pushed_descriptor(slot, places)
+            pieces = [(_NO_HANDLE, offset, nbytes) for offset, nbytes in places]
+            self._descriptors[peer] = encode(self._gpu, self._mailbox, slot, pieces)
 
     def _locate(self, sends: dict[int, list[Any]]) -> dict[int, list[_Entry]]:
         """Per peer, (handle, offset, bytes) of each send; handle None: in the scratch
@@ -423,20 +370,11 @@ class _Flags:
             self.close()
             raise
         out, inc = bases
-        self._incoming = link.host.inc  # the peer's flags, as this CPU sees them (``met``)
         self.my_ready, self.my_done = out + 8 * _READY, out + 8 * _DONE
         self.peer_ready, self.peer_done = inc + 8 * _READY, inc + 8 * _DONE
         self.my_pushed, self.peer_pushed = out + 8 * _PUSHED, inc + 8 * _PUSHED
         self.my_consumed = [out + 8 * (_CONSUMED + slot) for slot in range(MAILBOX_SLOTS)]
         self.peer_consumed = [inc + 8 * (_CONSUMED + slot) for slot in range(MAILBOX_SLOTS)]
-
-    def met(self, index: int, value: int) -> bool:
-        """Whether the peer's flag ``index`` (of its outgoing ring) has reached ``value``
-        already, read from the host page the GPU writes it to: a wait for it would pass at once,
-        so none need be queued (a flag never goes back, and its write came after the copies
-        it orders, with a memory barrier)."""
-        ctrl = self._incoming.ctrl
-        return ctrl is not None and reached(int(ctrl[index]), value)
 
     def release(self, seq: int) -> None:
         """Sets every flag of the pair far past ``seq`` (CPU stores): queued waits pass."""
@@ -487,14 +425,13 @@ class IpcPath:
         # Every sender's slots, by place on the host (this rank's own go unused: simpler offsets).
         self.mailbox = _Scratch(device)
         self.mailbox.fit(len(host_ranks) * MAILBOX_SLOTS * MAILBOX_SLOT_BYTES)
-        self._pushed_descriptors: dict[tuple[int, tuple[Any, ...]], np.ndarray] = {}
+        self._mailbox_handles: dict[int, bytes] = {}  # the peers' mailboxes, as learned
         self._mailbox_at: dict[int, int] = {}  # ... and where they are mapped here
         self._pushes: collections.Counter[int] = collections.Counter()  # per peer
         self._slot_seq: dict[tuple[int, int], int] = {}  # (peer, slot): its last push's seq
         self._last_push = 0
         self._push_lock = threading.Lock()
         self.gpu = driver().device_uuid(device)
-        self.descriptors = DescriptorReader(self.gpu, self._host_index)
         self._last_seq = 0
         # IPC collectives started (``start``, call order) and not yet queued: queued in
         # sequence order, so that flags grow in stream order on every rank.
@@ -502,6 +439,10 @@ class IpcPath:
         # Failed collectives' mailbox slots still to free: (seq, {peer: slot}) (``free_slots``).
         self._unread: list[tuple[int, dict[int, int]]] = []
         self._order_lock = threading.Lock()
+        # A peer on this same GPU (time-sliced contexts): a queued wait for it spins through
+        # this context's time slice while the peer's context, which would meet it, cannot run;
+        # collectives are then queued one at a time (``ready``).
+        self.shares_gpu = False
         self._last_final: torch.cuda.Event | None = None
         self._watch = watch
         self._watched_final: torch.cuda.Event | None = None  # handed to ``watch`` by ``ready``
@@ -552,8 +493,7 @@ class IpcPath:
                     slot = self._pushes[peer] % MAILBOX_SLOTS
                     self._pushes[peer] += 1
                     previous = self._slot_seq.get((peer, slot))
-                    # The receiver has read the slot's last push (mostly long since).
-                    if previous is not None and not flags.met(_CONSUMED + slot, previous):
+                    if previous is not None:  # the receiver has read the slot's last push
                         _wait(cu, handle, flags.peer_consumed[slot], previous)
                     self._slot_seq[peer, slot] = seq
                     offset = slot_offset(self.host_index(self._rank), slot)
@@ -579,18 +519,11 @@ class IpcPath:
         """How many collectives pushed their sends into ``peer``'s mailbox."""
         return self._pushes[peer]
 
-    def pushed_descriptor(self, slot: int, places: list[tuple[int, int]]) -> np.ndarray:
-        """The descriptor of sends pushed into ``slot`` of a peer's mailbox at ``places``
-        ((offset, bytes) per send), encoded once per slot and sizes."""
-        key = (slot, tuple(places))
-        found = self._pushed_descriptors.get(key)
-        if found is None:
-            if len(self._pushed_descriptors) >= _DESCRIPTORS_KEPT:
-                self._pushed_descriptors.clear()
-            pieces = [(_NO_HANDLE, offset, nbytes) for offset, nbytes in places]
-            found = encode(self.gpu, self.mailbox.handle, slot, pieces)
-            self._pushed_descriptors[key] = found
-        return found
+    def learn_mailbox(self, peer: int, handle: bytes) -> None:
+        """A peer's mailbox, named in its descriptor: mapped before the next collective is
+        queued, pushed into from the call after that."""
+        if handle != _NO_HANDLE:
+            self._mailbox_handles.setdefault(peer, handle)
 
     def free_slots(self, seq: int, slots: dict[int, int]) -> None:
         """Frees the slots (by peer) that the peers pushed collective ``seq`` into, which
@@ -609,10 +542,7 @@ class IpcPath:
         if min(self._unqueued) != seq:
             return False
         final = self._last_final
-        # A peer on this same GPU (time-sliced contexts): a queued wait for it spins through
-        # this context's time slice while the peer's context, which would meet it, cannot run;
-        # collectives are then queued one at a time.
-        if not self.descriptors.shares_gpu or final is None or final.query():
+        if not self.shares_gpu or final is None or final.query():
             return True
         if self._watched_final is not final:  # nothing else need wake the waiting thread
             self._watched_final = final
@@ -688,7 +618,7 @@ class IpcPath:
                     (address(dst), maps.pointer(p.handle, stream, keep) + p.offset, p.nbytes)
                     for dst, p in pieces
                 ]
-            for peer, mailbox in self.descriptors.mailboxes.items():
+            for peer, mailbox in self._mailbox_handles.items():
                 if peer not in self._mailbox_at:
                     self._mailbox_at[peer] = _open(mailbox)
             handle = ctypes.c_void_p(stream.cuda_stream)
@@ -704,22 +634,19 @@ class IpcPath:
                 _copy(cu, address(dst), address(src), len(src), handle)
             for peer, (slot, pieces) in pushed_in.items():
                 flags = self._flags[peer]
-                if not flags.met(_PUSHED, seq):
-                    _wait(cu, handle, flags.peer_pushed, seq)
+                _wait(cu, handle, flags.peer_pushed, seq)
                 for dst, piece in pieces:
                     source = self.mailbox.pointer + piece.offset
                     _copy(cu, address(dst), source, piece.nbytes, handle)
                 _write(cu, handle, flags.my_consumed[slot], seq)
             for peer, copies in sources.items():
                 flags = self._flags[peer]
-                if not flags.met(_READY, seq):
-                    _wait(cu, handle, flags.peer_ready, seq)
+                _wait(cu, handle, flags.peer_ready, seq)
                 for dst, src, nbytes in copies:
                     _copy(cu, dst, src, nbytes, handle)
                 _write(cu, handle, flags.my_done, seq)
             for peer in export.readers:
-                if not self._flags[peer].met(_DONE, seq):
-                    _wait(cu, handle, self._flags[peer].peer_done, seq)
+                _wait(cu, handle, self._flags[peer].peer_done, seq)
         finally:
             cu.restore(replaced)
 
