@@ -1,6 +1,7 @@
 """The freescale backend's control plane at 64 to 4,096 emulated ranks, against one real c10d store.
 
-No data moves: every emulated rank is a real ``TCPStore`` client (its own connection) driving the
+No data moves: every emulated rank is a real ``TCPStore`` client (two connections, as in the
+backend: one for set-up, one of the group's own for liveness and address lookups) driving the
 backend's real control-plane code — group set-up (``directory``), liveness (``liveness``), and a
 collective's per-call host work (plan building, signature header, verdict) — while the store
 server runs in a process of its own, whose CPU time gives the store's busy fraction (the server is
@@ -205,11 +206,20 @@ class NewGroup:
         # The incarnation counter (one ``add``) on the real prefix store, then the group's keys.
         tally.add(1, 1, 32)
         group_store = dist.PrefixStore(f"bench/new/{size}", client)
-        keys = Counted(directory.incarnation_keys(group_store, size), tally)
+        group_keys = directory.incarnation_keys(group_store, size)
+        keys = Counted(group_keys, tally)
         directory.start(keys, root, rank, FreescaleOptions().shared())
-        self.liveness = liveness.Liveness(keys, rank, size, config.heartbeat_s, config.dead_after_s)
+        # As the backend: liveness and the address lookups on a connection of the group's own.
+        own = Counted(liveness.own_connection(group_keys), tally)
+        self.liveness = liveness.Liveness(own, rank, size, config.heartbeat_s, config.dead_after_s)
         self.directory = directory.Directory(
-            keys, rank, size, _host(rank), os.urandom(_ADDRESS_BYTES), timedelta(seconds=600)
+            keys,
+            rank,
+            size,
+            _host(rank),
+            os.urandom(_ADDRESS_BYTES),
+            timedelta(seconds=600),
+            lookups=own,
         )
         if len(self.directory.same_host) != min(_RANKS_PER_HOST, size - rank // 8 * 8):
             raise AssertionError(f"rank {rank} found {self.directory.same_host} on its host")
