@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "info":
         if args.ranks == 1:
             args.parser.error("--ranks: 0 (no ranks) or at least 2 (a pair to show)")
-        if args.hosts > max(args.ranks, 1) or (args.hosts and not args.ranks):
+        if args.hosts > args.ranks:
             args.parser.error(f"--hosts ({args.hosts}) needs --ranks of at least as many")
         from freescale_comm.info import collect, format_info
 
