@@ -4,18 +4,27 @@ Back-to-back 8-byte ``all_to_all_single`` calls (CPU or CUDA tensors) with the b
 steps wrapped: per call, the wall time spent inside each step (inclusive of the steps it calls,
 so the rows overlap) and how often it ran, for every rank. ``--gap-us`` sleeps after each call
 (the time per call then includes the sleep, the steps' times do not), so that the background
-threads finish the last collective before the next call starts. A diagnostic of this code, to
-find what a native hot path must replace, not a comparison (``comm_host_profile.py`` compares
-with Gloo, ``multi_gpu_vs_nccl.py`` with NCCL). A wrapper adds about a microsecond per call.
+threads finish the last collective before the next call starts. ``--blocks`` times the calls in
+that many blocks and reports each block's time per call beside the whole run's (how much one run
+spreads); ``--profile N`` runs them under ``cProfile`` on every rank and lists each rank's N
+functions of most own time (rank 0's printed; which functions a slower host runs slower). A
+diagnostic of this code, to find what a native hot path must replace, not a comparison
+(``comm_host_profile.py`` compares with Gloo, ``multi_gpu_vs_nccl.py`` with NCCL). A wrapper
+adds about a microsecond per call.
 
     python benchmarks/comm_host_breakdown.py [--device cuda] [--calls 300] [--gap-us 0] [--no-steps]
+        [--blocks 1] [--profile 0]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
+import io
 import json
+import pstats
+import statistics
 import time
 from typing import Any
 
@@ -107,11 +116,21 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
     spent.clear()
     counts.clear()
     gap_s = args.gap_us / 1e6
+    profiler = cProfile.Profile() if args.profile else None
+    block_us = []
+    block_calls = [len(part) for part in _split(args.calls, args.blocks)]
     start, cpu = time.perf_counter(), time.process_time()
-    for _ in range(args.calls):
-        dist.all_to_all_single(out, inp)
-        if gap_s:
-            time.sleep(gap_s)
+    if profiler is not None:
+        profiler.enable()
+    for calls in block_calls:
+        block_start = time.perf_counter()
+        for _ in range(calls):
+            dist.all_to_all_single(out, inp)
+            if gap_s:
+                time.sleep(gap_s)
+        block_us.append((time.perf_counter() - block_start) / calls * 1e6)
+    if profiler is not None:
+        profiler.disable()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     if cuda:
         torch.cuda.synchronize()
@@ -122,8 +141,25 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "us_per_call": wall / args.calls * 1e6,
         "process_cpu_us_per_call": cpu / args.calls * 1e6,
+        "block_us_per_call": block_us,
         "steps": steps,
+        "profile": _top_functions(profiler, args.profile) if profiler is not None else [],
     }
+
+
+def _split(calls: int, blocks: int) -> list[range]:
+    """``calls`` cut into ``blocks`` nearly equal blocks (no block is empty)."""
+    blocks = min(blocks, calls)
+    return [range(k * calls // blocks, (k + 1) * calls // blocks) for k in range(blocks)]
+
+
+def _top_functions(profiler: cProfile.Profile, count: int) -> list[str]:
+    """The ``count`` functions of most own time, as ``pstats`` prints them (one row each)."""
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).strip_dirs().sort_stats("tottime").print_stats(count)
+    rows = text.getvalue().splitlines()
+    header = next(k for k, row in enumerate(rows) if row.lstrip().startswith("ncalls"))
+    return [row for row in rows[header:] if row.strip()]
 
 
 def main() -> None:
@@ -143,6 +179,20 @@ def main() -> None:
         action="store_false",
         help="time the calls only, without wrapping the steps (what the wrappers add is left out)",
     )
+    parser.add_argument(
+        "--blocks",
+        type=int_at_least(1),
+        default=1,
+        help="time the calls in this many blocks and print each block's time per call",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int_at_least(0),
+        default=0,
+        metavar="N",
+        help="run the calls under cProfile on every rank and keep each rank's N functions of "
+        "most own time, rank 0's printed (profiling slows them: the times per call include it)",
+    )
     parser.add_argument("--json", help="write the figures here (default: print only)")
     args = parser.parse_args()
 
@@ -158,8 +208,17 @@ def main() -> None:
             f"--- rank {rank}: {report['us_per_call']:.1f} us per call, process CPU "
             f"{report['process_cpu_us_per_call']:.1f} us per call"
         )
+        blocks = report["block_us_per_call"]
+        if len(blocks) > 1:
+            print(
+                f"blocks of {args.calls // len(blocks)} calls: median "
+                f"{statistics.median(blocks):.1f} us per call, {min(blocks):.1f}-{max(blocks):.1f}"
+            )
         for label, step in report["steps"].items():
             print(f"{label:40s} {step['us_per_call']:8.1f} us  x{step['runs_per_call']:.2f}")
+    if ranks[0]["profile"]:
+        print("--- rank 0 under cProfile, by own time (tottime):")
+        print("\n".join(ranks[0]["profile"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "ranks": ranks}, f, indent=2)
