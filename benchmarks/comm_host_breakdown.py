@@ -1,19 +1,19 @@
-"""Where the host time of a small freescale collective goes, step by step (2 local ranks).
+"""Where the host time of a small freescale collective goes, step by step (2 or more local ranks).
 
-Back-to-back 8-byte ``all_to_all_single`` calls (CPU or CUDA tensors) with the backend's own
-steps wrapped: per call, the wall time spent inside each step (inclusive of the steps it calls,
-so the rows overlap) and how often it ran, for every rank. ``--gap-us`` sleeps after each call
-(the time per call then includes the sleep, the steps' times do not), so that the background
-threads finish the last collective before the next call starts. ``--blocks`` times the calls in
-that many blocks and reports each block's time per call beside the whole run's (how much one run
-spreads); ``--profile N`` runs them under ``cProfile`` on every rank and lists each rank's N
-functions of most own time (rank 0's printed; which functions a slower host runs slower). A
-diagnostic of this code, to find what a native hot path must replace, not a comparison
-(``comm_host_profile.py`` compares with Gloo, ``multi_gpu_vs_nccl.py`` with NCCL). A wrapper
-adds about a microsecond per call.
+Back-to-back ``all_to_all_single`` calls of 4 bytes per peer (CPU or CUDA tensors) with the
+backend's own steps wrapped: per call, the wall time spent inside each step (inclusive of the
+steps it calls, so the rows overlap) and how often it ran, for every rank. ``--gap-us`` sleeps
+after each call (the time per call then includes the sleep, the steps' times do not), so that
+the background threads finish the last collective before the next call starts. ``--blocks``
+times the calls in that many blocks and reports each block's time per call beside the whole
+run's (how much one run spreads); ``--profile N`` runs them under ``cProfile`` on every rank and
+lists each rank's N functions of most own time (rank 0's printed; which functions a slower host
+runs slower). A diagnostic of this code, to find what a native hot path must replace, not a
+comparison (``comm_host_profile.py`` compares with Gloo, ``multi_gpu_vs_nccl.py`` with NCCL). A
+wrapper adds about a microsecond per call.
 
-    python benchmarks/comm_host_breakdown.py [--device cuda] [--calls 300] [--gap-us 0] [--no-steps]
-        [--blocks 1] [--profile 0]
+    python benchmarks/comm_host_breakdown.py [--device cuda] [--ranks 2] [--calls 300]
+        [--gap-us 0] [--no-steps] [--blocks 1] [--profile 0]
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
     counts: dict[str, int] = {}
     if args.steps:
         _wrap_steps(spent, counts, cuda)
-    inp = torch.ones(2, device=args.device)  # 4 bytes per peer
+    inp = torch.ones(dist.get_world_size(), device=args.device)  # 4 bytes per peer
     out = torch.empty_like(inp)
     for _ in range(50):
         dist.all_to_all_single(out, inp)
@@ -165,6 +165,9 @@ def _top_functions(profiler: cProfile.Profile, count: int) -> list[str]:
 def main() -> None:
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--ranks", type=int_at_least(2), default=2, help="local ranks (on CUDA: all on GPU 0)"
+    )
     parser.add_argument("--calls", type=int_at_least(1), default=300, help="calls timed")
     parser.add_argument(
         "--gap-us",
@@ -197,7 +200,7 @@ def main() -> None:
     args = parser.parse_args()
 
     spec = GroupSpec(
-        2, "freescale", setup="freescale_comm:register", threads=None, device=args.device
+        args.ranks, "freescale", setup="freescale_comm:register", threads=None, device=args.device
     )
     try:
         ranks = run_ranks(spec, _rank, args, timeout_s=300)

@@ -142,13 +142,13 @@ def test_host_breakdown_without_steps_times_the_calls_alone(tmp_path):
     assert all(rank["steps"] == {} and rank["us_per_call"] > 0 for rank in ranks), ranks
 
 
-def test_host_breakdown_reports_blocks_and_a_profile(tmp_path):
+def test_host_breakdown_reports_blocks_and_a_profile_on_three_ranks(tmp_path):
     out = tmp_path / "blocks.json"
-    argv = ["--calls", "30", "--no-steps", "--blocks", "3", "--profile", "5", "--json", str(out)]
-    done = _run("comm_host_breakdown.py", *argv, timeout=120)
+    argv = ["--ranks", "3", "--calls", "30", "--no-steps", "--blocks", "3", "--profile", "5"]
+    done = _run("comm_host_breakdown.py", *argv, "--json", str(out), timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     ranks = json.loads(out.read_text())["ranks"]
-    assert all(len(rank["block_us_per_call"]) == 3 for rank in ranks), ranks
+    assert len(ranks) == 3 and all(len(rank["block_us_per_call"]) == 3 for rank in ranks), ranks
     for rank in ranks:  # each rank's 5 functions of most own time
         header, *rows = rank["profile"]
         assert header.split()[:2] == ["ncalls", "tottime"] and len(rows) == 5, rank["profile"]
