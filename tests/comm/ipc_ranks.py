@@ -136,6 +136,45 @@ def ipc_lagging_receiver_cases(seed: int) -> dict[str, Any]:
     return {"checked": checked}
 
 
+def ipc_mismatch_with_cpu_tensors_cases(seed: int) -> dict[str, Any]:
+    """A rank that passes CPU tensors where its peers pass CUDA ones (each rank in turn): every
+    rank fails the verdict, and the CPU rank frees the mailbox slots the others pushed into
+    although its own call is off the IPC path. Then ``2 * MAILBOX_SLOTS`` small CUDA calls
+    through every slot (a slot left unfreed held the sender's next push to it until the group
+    timeout). Returns how many were checked and how many mismatches raised."""
+    from freescale_comm import FreescaleValidationError, ipc
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev, group = cuda_group(timeout_s=20, cuda_path="ipc")
+
+    def call(k: int) -> None:
+        sent = [
+            make_tensor((8,), torch.float32, seed + 97 * k + 7 * r + 1000 * rank) for r in range(n)
+        ]
+        mine = [
+            make_tensor((8,), torch.float32, seed + 97 * k + 7 * rank + 1000 * j) for j in range(n)
+        ]
+        out = torch.full((8 * n,), -1.0, device=dev)
+        dist.all_to_all_single(out, torch.cat(mine).to(dev), group=group)
+        _same(out.cpu(), torch.cat(sent), f"call {k}")
+
+    call(0)  # names the mailboxes; pushes start with the next call
+    report = {"checked": 1, "mismatches": 0}
+    for cpu_rank in range(n):
+        device = "cpu" if rank == cpu_rank else dev
+        try:
+            out = torch.empty(8 * n, device=device)
+            dist.all_to_all_single(out, torch.ones(8 * n, device=device), group=group)
+        except FreescaleValidationError:
+            report["mismatches"] += 1
+        for k in range(2 * ipc.MAILBOX_SLOTS):
+            call(1 + k + 100 * cpu_rank)
+            report["checked"] += 1
+    torch.cuda.synchronize()
+    dist.destroy_process_group(group)
+    return report
+
+
 def ipc_late_sequence_cases(seed: int) -> dict[str, Any]:
     """Collectives numbered from past 2^31 on a new group, whose flags are all 0: a pulled
     collective whose sender's inputs come behind GPU work, then pushed ones. A 32-bit flag

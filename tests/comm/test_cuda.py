@@ -161,6 +161,14 @@ def test_ipc_mismatch_behind_a_lagging_receiver_frees_its_slot_in_order(fs_group
         assert report["checked"] == 3 * MAILBOX_SLOTS, report
 
 
+def test_ipc_mismatch_with_cpu_tensors_on_one_rank_frees_the_pushed_slots(fs_group):
+    from freescale_comm.ipc import MAILBOX_SLOTS
+
+    n = fs_group.spec.world_size
+    for report in fs_group.run(ipc_ranks.ipc_mismatch_with_cpu_tensors_cases, 8, timeout_s=120):
+        assert report == {"checked": 1 + 2 * MAILBOX_SLOTS * n, "mismatches": n}, report
+
+
 def test_ipc_flags_hold_past_two_to_the_31_collectives(fs_group):
     for report in fs_group.run(ipc_ranks.ipc_late_sequence_cases, 7, timeout_s=120):
         assert report["checked"] == 4, report

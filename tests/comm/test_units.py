@@ -24,6 +24,7 @@ from freescale_comm.validation import (
     judge,
     judge_table,
     layout,
+    names_ipc,
     verdict,
 )
 
@@ -165,6 +166,22 @@ def test_signature_round_trip_and_verdicts():
     assert Signature.decode(good[0].encode(2), 2).op == "all_to_all"  # from the table of ops
     other = _sig([0], [0], op="not_a_collective")
     assert Signature.decode(other.encode(1), 1).op.startswith("<unknown collective, code 0x")
+
+
+def test_a_header_says_whether_its_sender_took_the_ipc_path():
+    # Its messages to peers of its host then carry a descriptor, with a pushed mailbox slot
+    # that even a receiver off the IPC path must free after a bad verdict.
+    by_device = {
+        device: names_ipc(_sig([0, 8], [0, 8], device=device).encode(2))
+        for device in ("cpu", "cuda", "cuda-staged", "cuda-ipc+direct", "cuda-ipc+staged")
+    }
+    assert by_device == {
+        "cpu": False,
+        "cuda": False,
+        "cuda-staged": False,
+        "cuda-ipc+direct": True,
+        "cuda-ipc+staged": True,
+    }
 
 
 def test_a_message_split_differently_is_rejected():

@@ -51,7 +51,7 @@ from freescale_comm.errors import (
 )
 from freescale_comm.futures import CollectiveFuture
 from freescale_comm.transport import make_tag
-from freescale_comm.validation import NEEDS_TABLE, Signature, judge, judge_table
+from freescale_comm.validation import NEEDS_TABLE, Signature, judge, judge_table, names_ipc
 
 if TYPE_CHECKING:
     from freescale_comm.cuda import CopyStreams, CudaSupport
@@ -647,11 +647,8 @@ class Collective:
         g = self.group
         size = Signature.size(g.size)
         template = self.plan.template
-        if self.plan.ipc:  # freed unread if the verdict is bad (``_reject``)
-            from freescale_comm.ipc import pushed_slot
-
-            slots = {p: pushed_slot(self._headers[p][size:]) for p in self.plan.ipc_peers}
-            self._pushed_slots = {p: slot for p, slot in slots.items() if slot >= 0}
+        if g.options.validate or self.plan.ipc:  # freed unread if the verdict is bad
+            self._pushed_slots = self._slots_pushed_here(size)
         if not g.options.validate:  # IPC headers exchanged for their descriptors only
             problem = None
         elif template is not None:
@@ -692,6 +689,27 @@ class Collective:
         self._headers = []
         self._release_outboxes()
         self._phase = "ready"
+
+    def _slots_pushed_here(self, size: int) -> dict[int, int]:
+        """The slots of this rank's mailbox that the peers' pieces of this collective were
+        pushed into, by peer (``_reject`` frees them unread). Read from every peer of the host
+        whose header names the IPC path, whatever this rank's own call: a rank that passes CPU
+        tensors where its peers pass CUDA ones fails the verdict with them, and a slot left
+        unfreed would hold the sender's next push to it until the group timeout."""
+        from freescale_comm.ipc import pushed_slot
+
+        g = self.group
+        peers = self.plan.ipc_peers if self.plan.ipc else g.ipc_peers
+        if not peers or (not self.plan.ipc and g.mailbox_path() is None):
+            return {}  # no IPC collective yet: no peer knows this rank's mailbox
+        slots = {}
+        for peer in peers:
+            header = self._headers[peer]
+            if header is not None and names_ipc(header):
+                slot = pushed_slot(header[size:])
+                if slot >= 0:
+                    slots[peer] = slot
+        return slots
 
     def _read_descriptors(self, size: int) -> None:
         """IPC: where each peer's pieces for this rank lie (after the signature in its header),
@@ -757,7 +775,12 @@ class Collective:
         if self._early and any(t.send for t in self._posted):
             g.keep_alive(self.plan, self._pinned)
         if self._pushed_slots:
-            self._ipc.free_slots(self.seq, self._pushed_slots)
+            if self._ipc is not None:  # queued by ``done_with``, which ``_fail_locked`` calls
+                self._ipc.free_slots(self.seq, self._pushed_slots)
+            else:  # a call off the IPC path: the slots of the path the peers push into
+                path = self.group.mailbox_path()
+                path.free_slots(self.seq, self._pushed_slots)
+                path.done_with(self.seq, None)
         self._fail_locked(problem, "validation")
 
     def _start_data(self) -> None:

@@ -613,6 +613,11 @@ class GroupContext:
             path = self._ipc[device] = IpcPath(device, links, self.rank, host_ranks, watch)
         return path
 
+    def mailbox_path(self) -> IpcPath | None:
+        """The IPC path whose mailbox the peers of this host push into: the first one made
+        (a peer maps the first mailbox a descriptor names), or None before any."""
+        return next(iter(self._ipc.values()), None)
+
     def next_seq(self) -> int:
         seq = next(self._seq)
         if self._marked_seqs:

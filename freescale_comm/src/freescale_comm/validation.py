@@ -274,6 +274,16 @@ class _NeedsTable:
 
 
 NEEDS_TABLE = _NeedsTable()
+_IPC_DEVICE_CODES = frozenset(
+    code for name, code in DEVICE_CODES.items() if name.startswith("cuda-ipc")
+)
+
+
+def names_ipc(header: np.ndarray) -> bool:
+    """Whether an encoded header (``Signature.encode``) names the IPC path: the sender's
+    message to each peer of its host then carries a CUDA IPC descriptor behind it."""
+    device = int.from_bytes(header[16:24].tobytes(), "little", signed=True)  # the third int
+    return device in _IPC_DEVICE_CODES
 
 
 def judge(headers: Sequence[np.ndarray], world_size: int) -> str | _NeedsTable | None:
