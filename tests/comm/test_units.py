@@ -570,3 +570,29 @@ def test_a_failing_callback_fails_thens_future_as_torchs_then_does():
         raised.append((type(err.value), str(err.value).splitlines()[0]))
     assert raised[0] == raised[1], raised
     runner.close(timeout_s=5)
+
+
+def test_an_outbox_reads_its_peers_counters_again_after_raising_its_wake_flag():
+    # A peer that consumed between the first read and the flag's store read the flag as 0
+    # and sent no wake-up: the writer must see the counter on its second read, not sleep.
+    from freescale_comm import outbox
+
+    class _PeerCounters:  # the peer's control block: "consumed" moves after the first read
+        def __init__(self) -> None:
+            self.reads = 0
+
+        def __getitem__(self, index: int) -> int:
+            assert index == outbox._CONSUMED
+            self.reads += 1
+            return 3 if self.reads == 1 else 4
+
+    class _Segment:
+        def __init__(self, ctrl: Any) -> None:
+            self.ctrl = ctrl
+
+    boxes = outbox.Outboxes.__new__(outbox.Outboxes)
+    own = [0] * 3 * 8
+    peer = _PeerCounters()
+    boxes._own, boxes._peers, boxes._posted = _Segment(own), {1: _Segment(peer)}, 5
+    assert boxes.writable(6) and peer.reads == 2
+    assert own[outbox._WANTS_CONSUMED] == 0  # lowered again: no wake-up owed

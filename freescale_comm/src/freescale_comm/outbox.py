@@ -127,12 +127,22 @@ class Outboxes:
         collective is published and every peer has read this box's last contents."""
         if self._posted != seq - 1:
             return False
-        need = seq - 2
-        if all(s.ctrl[_CONSUMED] >= need for s in self._peers.values()):
+        if self._box_read(seq - 2):
             self._own.ctrl[_WANTS_CONSUMED] = 0
             return True
         self._own.ctrl[_WANTS_CONSUMED] = 1  # the peers wake this rank when they consume
+        # Read again after the flag's store: a peer that consumed after the first read may
+        # have read the flag before it was raised, and sent no wake-up (it stores its counter,
+        # fences, then reads the flag: one of the two sides sees the other).
+        shm.full_fence()
+        if self._box_read(seq - 2):
+            self._own.ctrl[_WANTS_CONSUMED] = 0
+            return True
         return False
+
+    def _box_read(self, seq: int) -> bool:
+        """Whether every peer has consumed collective ``seq`` (its box may be written)."""
+        return all(s.ctrl[_CONSUMED] >= seq for s in self._peers.values())
 
     def write(self, seq: int, messages: Sequence[tuple[int, Sequence[np.ndarray]]]) -> None:
         """Writes (peer, message parts) into box ``seq % 2`` and publishes it (``writable``
