@@ -1218,6 +1218,35 @@ def a_mistake_without_validation() -> str:
     return message
 
 
+def an_interrupt_while_a_collective_starts() -> str:
+    """A ``KeyboardInterrupt`` reaches rank 0 while its collective starts, after it took the
+    collective's outbox number and before it wrote its headers there: it raises that, and its
+    peers raise at once (the group is aborted) rather than wait out the group's 60 s timeout
+    for headers that never come. Returns the seconds and the error this rank saw."""
+    from freescale_comm import outbox
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = freescale_group(60, host_path="shm")
+    original = outbox.Outboxes.write
+
+    def interrupted(self: Any, seq: int, messages: Any) -> None:
+        raise KeyboardInterrupt
+
+    if rank == 0:
+        outbox.Outboxes.write = interrupted
+    start = time.monotonic()
+    try:
+        message = _error_after(
+            lambda: dist.all_to_all_single(torch.empty(n), torch.ones(n), group=group)
+        )
+    except KeyboardInterrupt:
+        message = f"{time.monotonic() - start:.3f} KeyboardInterrupt: during the call"
+    finally:
+        outbox.Outboxes.write = original
+    dist.destroy_process_group(group)
+    return message
+
+
 def an_internal_error_on_one_rank() -> str:
     """Rank 0 fails while its collective moves data (``_start_data`` raises, as a bug or the
     OS refusing memory would): it raises that error, and its peers, which wait for its data,

@@ -57,8 +57,14 @@ def test_new_user_mistakes_fail_on_every_rank_at_once(fs_group):
         (ranks.a_mistake_without_validation, "FreescaleValidationError", "could not start"),
         # An internal error while its data moves.
         (ranks.an_internal_error_on_one_rank, "FreescaleError", "injected"),
+        # An interrupt after it took the collective's outbox number, before it wrote there.
+        (
+            ranks.an_interrupt_while_a_collective_starts,
+            "KeyboardInterrupt",
+            "could not start: KeyboardInterrupt",
+        ),
     ],
-    ids=["mistake-without-validation", "internal-error"],
+    ids=["mistake-without-validation", "internal-error", "interrupt-while-starting"],
 )
 def test_a_failure_on_one_rank_fails_every_rank_at_once(fs_group, rank_fn, own_error, peers_see):
     per_rank = fs_group.run(rank_fn, timeout_s=60)

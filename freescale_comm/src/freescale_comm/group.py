@@ -689,8 +689,8 @@ class GroupContext:
             op.seq = self.next_seq()
             try:
                 op.start()
-            except Exception as err:
-                failure: Exception | None = err
+            except BaseException as err:  # an interrupt too: the number is taken all the same
+                failure: BaseException | None = err
             else:
                 failure = None
                 with self._inflight_lock:
@@ -700,12 +700,14 @@ class GroupContext:
             # This rank took the collective's sequence number, its peers never see its
             # messages: they would wait out the group timeout, and every later collective
             # would pair the wrong calls. The group is told now (an error of the caller's own
-            # arguments under validate=False, a CUDA driver call that failed, a full /dev/shm).
+            # arguments under validate=False, a CUDA driver call that failed, a full /dev/shm,
+            # a KeyboardInterrupt).
             # Outside the lock: the abort fails the collectives in flight under their locks,
             # and a thread finishing one of them may run callbacks (chained in C++) that start
             # a collective of this group.
             if self.broken is None:
-                self.abort(f"rank {self.rank}: {op.label} could not start: {failure}")
+                why = str(failure) or type(failure).__name__  # an interrupt has no text
+                self.abort(f"rank {self.rank}: {op.label} could not start: {why}")
             raise failure
         may_drive = caller_waits and (not op.on_cuda or _cuda_device() == op.plan.cuda_index)
         if not (may_drive and self.engine.claim(op)):
