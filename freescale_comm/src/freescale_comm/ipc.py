@@ -559,9 +559,11 @@ class IpcPath:
                     rest = self._unqueued - {seq}  # one step: ``started`` may add meanwhile
                     self._free_unread_before(min(rest) if rest else None)
             finally:  # a later collective must not wait for this one, whatever happened
+                if final is not None:
+                    # Before ``seq`` leaves the queue: a thread that finds the next one first
+                    # in line (``ready``) must see this one's end, not the one before.
+                    self._last_final = final
                 self._unqueued.discard(seq)
-        if final is not None:
-            self._last_final = final
 
     def _free_unread_before(self, first_unqueued: int | None) -> None:
         """Queues the "read" flag writes of the failed collectives' slots that come before
