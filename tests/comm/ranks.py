@@ -1218,6 +1218,36 @@ def a_mistake_without_validation() -> str:
     return message
 
 
+def ring_gather_then_all_to_all(validate: bool) -> str:
+    """Rank 0 issues a ring AllGather and an AllToAll asynchronously while the last rank is
+    late: the AllToAll's data to rank 1 must not go ahead of rank 0's forward of the last
+    rank's piece in their ring (a ring delivers in order, and rank 1 posts the AllToAll's
+    receive only after the AllGather). Returns "ok" or the error this rank saw."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = freescale_group(8, validate=validate, host_path="shm", allgather="ring")
+    piece = 1024
+    gathered, out = torch.empty(n * piece), torch.empty(n * 16)
+    try:
+        if rank == n - 1:
+            time.sleep(0.5)  # rank 0's forward of this rank's piece to rank 1 comes late
+        gather = dist.all_gather_into_tensor(
+            gathered, torch.full((piece,), float(rank)), group=group, async_op=rank == 0
+        )
+        scatter = dist.all_to_all_single(
+            out, torch.full((n * 16,), float(rank)), group=group, async_op=rank == 0
+        )
+        if rank == 0:
+            gather.wait()
+            scatter.wait()
+        _same(gathered, torch.arange(n).repeat_interleave(piece).float(), "the AllGather")
+        _same(out, torch.arange(n).repeat_interleave(16).float(), "the AllToAll")
+        result = "ok"
+    except Exception as err:
+        result = f"{type(err).__name__}: {err}"
+    dist.destroy_process_group(group)
+    return result
+
+
 def an_interrupt_while_a_collective_starts() -> str:
     """A ``KeyboardInterrupt`` reaches rank 0 while its collective starts, after it took the
     collective's outbox number and before it wrote its headers there: it raises that, and its

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.comm import ranks
 
 
@@ -48,3 +50,10 @@ def test_collectives_in_flight_from_threads_on_subgroups_and_two_hosts(fs_group)
     # path's limit, over UCX between the pretend hosts and the rings within each.
     checked = fs_group.run(ranks.concurrent_random_cases, 5, 25, 2, 1_200_000, 2, timeout_s=180)
     assert len(set(checked)) == 1 and checked[0] > 2 * 25, checked
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_a_later_collective_never_overtakes_an_earlier_ring_forward(fs_group4, validate):
+    # Without validation no header round orders the two: the AllToAll's data sat in the ring
+    # ahead of the AllGather's forward, which rank 1 waited for until the timeout.
+    assert fs_group4.run(ranks.ring_gather_then_all_to_all, validate, timeout_s=60) == ["ok"] * 4

@@ -147,6 +147,9 @@ class Collective:
         self._lock = threading.Lock()
         self._abort_reason: str | None = None
         self._phase = "header"
+        # Started without a header round (validate=False): no verdict waits for the peers to
+        # reach this collective, so its data waits for the earlier ones' (``_start_data``).
+        self._unheaded = False
         self._data_posted = False  # CPU: every message of the data phase posted (or queued)
         self._posted: list[Transfer] = []
         self._unposted: list[Transfer] = []
@@ -274,6 +277,7 @@ class Collective:
             self._post_headers()
         else:
             self._phase = "ready"
+            self._unheaded = True
         if self._posted:  # headers written to the outboxes only need no progress call
             g.transport.progress()
 
@@ -589,6 +593,11 @@ class Collective:
         if self._phase == "ready" and (
             (self._ipc is None or self._ipc_done is not None or self._ipc.ready(self.seq))
             and (self._ready is None or self.plan.gpu_ordered or self._ready.query())
+            # A ring delivers in order and holds data whose receive is not posted: this one's
+            # would sit ahead of an earlier one's forwards, which a peer still in that earlier
+            # collective waits for. With headers the verdict comes only once the peers have
+            # started this one, after the earlier one's receives.
+            and not (self._unheaded and self.group.holds_back_early_sends(self.seq))
         ):
             self._start_data()
             progressed = True
