@@ -201,6 +201,81 @@ def test_a_pair_that_disagrees_on_staging_rings_leaves_no_file():
                 os.unlink(f"/dev/shm/{name}")
 
 
+class _StoreThatFails:
+    """A real store whose ``set`` or ``get`` of one key raises, as a lost connection does."""
+
+    def __init__(self, store: Any, failing_set: str = "", failing_get: str = "") -> None:
+        self._store, self._set, self._get = store, failing_set, failing_get
+
+    def set(self, key: str, value: Any) -> None:
+        if key == self._set:
+            raise RuntimeError("the store's connection was lost")
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        if key == self._get:
+            raise RuntimeError("the store's connection was lost")
+        return self._store.get(key)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+@pytest.mark.parametrize("fails", ["set-ring", "get-answer", "set-outbox"])
+def test_a_store_failing_during_set_up_leaves_no_file(fails):
+    """The store fails while the rings or the outboxes are set up (3 ranks as threads): the
+    failing rank raises, and nothing of this process stays in /dev/shm once the others'
+    links are closed (a ring made before the failure, and a link already made, stayed)."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from freescale_comm import outbox
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=20))
+    failing = {
+        "set-ring": _StoreThatFails(store, failing_set="freescale/shm/1to0"),
+        "get-answer": _StoreThatFails(store, failing_get="freescale/shm_ok/2to0"),
+        "set-outbox": _StoreThatFails(store, failing_set="freescale/box/0"),
+    }[fails]
+    made: dict[int, Any] = {}
+
+    def rank(r: int) -> None:
+        peers = [p for p in range(3) if p != r]
+        try:
+            if fails == "set-outbox":
+                made[r] = outbox.open_outboxes(
+                    failing if r == 0 else store, shm.Hub.get(), {}, r, 3, [0, 1, 2], 4096, 5
+                )
+            else:
+                made[r] = shm.open_links(failing if r == 0 else store, r, peers, 4, 4096, 5)
+        except Exception as err:
+            made[r] = err
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    mine = f"freescale-ring-{os.getpid()}-"
+    try:
+        assert isinstance(made[0], RuntimeError), made[0]
+        for r in (1, 2):  # the others finish set-up or fail waiting for rank 0, then close
+            if fails == "set-outbox":
+                if isinstance(made[r], tuple) and made[r][0] is not None:
+                    made[r][0].close()
+            elif isinstance(made[r], tuple):
+                for link in made[r][0].values():
+                    shm.Hub.get().remove(link)
+        assert not [name for name in _ring_files() if name.startswith(mine)]
+    finally:
+        for name in _ring_files():
+            if name.startswith(mine):
+                os.unlink(f"/dev/shm/{name}")
+
+
 def test_a_later_collectives_early_data_never_overtakes_an_earlier_ones(fs_group):
     n = fs_group.spec.world_size
     got = fs_group.run(ranks.later_data_never_overtakes_earlier, 256, 2048, timeout_s=60)

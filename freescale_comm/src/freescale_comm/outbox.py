@@ -252,41 +252,33 @@ def open_outboxes(
     path = hub.segment_path("box")
     own: Segment | None = None
     problem = ""
-    try:
-        own = Segment(path, size, create=True)
-        store.set(f"freescale/box/{rank}", path)
-    except OSError as err:
-        store.set(f"freescale/box/{rank}", "")
-        problem = f"could not create an outbox in /dev/shm: {err}"
     peers: dict[int, Segment] = {}
-    try:  # bounded: a peer that died during set-up fails it within the group timeout
-        store.wait(
-            [f"freescale/box/{p}" for p in host_ranks if p != rank], timedelta(seconds=timeout_s)
-        )
-    except BaseException:
-        if own is not None:
-            own.close()
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        raise
-    for peer in host_ranks:
-        if peer == rank:
-            continue
-        theirs = store.get(f"freescale/box/{peer}").decode()
-        if not theirs:
-            problem = problem or f"rank {peer} could not create its outbox"
-            continue
-        try:
-            peers[peer] = Segment(theirs, size, create=False)
-        except (OSError, FreescaleError) as err:
-            problem = problem or f"could not map rank {peer}'s outbox: {err}"
-    # Every peer has mapped (or given up on) this segment once every rank reports: unlinked
-    # then, so that its memory goes with the processes whatever happens to them. A rank that
-    # failed reports too: the others wait for every rank here.
-    store.set(f"freescale/box_mapped/{rank}", "1")
     try:
-        store.wait([f"freescale/box_mapped/{p}" for p in host_ranks], timedelta(seconds=timeout_s))
-    except BaseException:
+        try:
+            own = Segment(path, size, create=True)
+        except OSError as err:
+            problem = f"could not create an outbox in /dev/shm: {err}"
+        store.set(f"freescale/box/{rank}", path if own is not None else "")
+        # Bounded: a peer that died during set-up fails it within the group timeout.
+        wait = timedelta(seconds=timeout_s)
+        store.wait([f"freescale/box/{p}" for p in host_ranks if p != rank], wait)
+        for peer in host_ranks:
+            if peer == rank:
+                continue
+            theirs = store.get(f"freescale/box/{peer}").decode()
+            if not theirs:
+                problem = problem or f"rank {peer} could not create its outbox"
+                continue
+            try:
+                peers[peer] = Segment(theirs, size, create=False)
+            except (OSError, FreescaleError) as err:
+                problem = problem or f"could not map rank {peer}'s outbox: {err}"
+        # Every peer has mapped (or given up on) this segment once every rank reports:
+        # unlinked then, so that its memory goes with the processes whatever happens to them.
+        # A rank that failed reports too: the others wait for every rank here.
+        store.set(f"freescale/box_mapped/{rank}", "1")
+        store.wait([f"freescale/box_mapped/{p}" for p in host_ranks], wait)
+    except BaseException:  # the store failed (or the wait timed out): nothing is kept
         for segment in (own, *peers.values()):
             if segment is not None:
                 segment.close()

@@ -983,29 +983,29 @@ def open_links(
     reads_in: dict[int, bool] = {}  # per peer: this rank reads its large messages
     mine: dict[int, list[Ring]] = {}
     failures: dict[int, str] = {}
-    for peer in peers:
-        made: list[Ring] = []
-        paths = [hub.segment_path(f"{peer}to{rank}")]
-        try:
-            made.append(Ring(paths[0], slots, slot_bytes, create=True))
-            if staging is not None:
-                paths.append(hub.segment_path(f"stage-{peer}to{rank}"))
-                made.append(Ring(paths[1], *staging, create=True, reserve=False))
-            mine[peer] = made
-            entry = "\n".join([hub.name.hex(), probe, *paths])
-            store.set(f"freescale/shm/{peer}to{rank}", entry)
-        except OSError as err:
-            for ring in made:
-                ring.close()
-            for path in paths:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-            store.set(f"freescale/shm/{peer}to{rank}", "")
-            failures[peer] = f"could not create a ring in {_SHM_DIR}: {err}"
     theirs: dict[int, tuple[list[Ring], bytes]] = {}
     links: dict[int, Link] = {}
     wait = timedelta(seconds=timeout_s)
     try:
+        for peer in peers:
+            made: list[Ring] = []
+            paths = [hub.segment_path(f"{peer}to{rank}")]
+            try:
+                made.append(Ring(paths[0], slots, slot_bytes, create=True))
+                if staging is not None:
+                    paths.append(hub.segment_path(f"stage-{peer}to{rank}"))
+                    made.append(Ring(paths[1], *staging, create=True, reserve=False))
+            except OSError as err:
+                for ring in made:
+                    ring.close()
+                for path in paths:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                store.set(f"freescale/shm/{peer}to{rank}", "")
+                failures[peer] = f"could not create a ring in {_SHM_DIR}: {err}"
+                continue
+            mine[peer] = made  # unlinked below if the store fails from here on
+            store.set(f"freescale/shm/{peer}to{rank}", "\n".join([hub.name.hex(), probe, *paths]))
         # Bounded: a peer that died during set-up fails it within the group timeout.
         store.wait([f"freescale/shm/{rank}to{peer}" for peer in peers], wait)
         for peer in peers:
@@ -1069,6 +1069,10 @@ def open_links(
                         os.unlink(channel.inc.path)
     except BaseException:
         for link in links.values():
+            for channel in (link.host, link.staging):
+                if channel is not None:  # this rank's own ring: its name goes too
+                    with contextlib.suppress(OSError):
+                        os.unlink(channel.inc.path)
             hub.remove(link)
         raise
     finally:
