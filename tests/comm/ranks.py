@@ -1248,6 +1248,70 @@ def ring_gather_then_all_to_all(validate: bool) -> str:
     return result
 
 
+def destroy_while_a_callback_starts_a_collective() -> dict[str, Any]:
+    """Each rank destroys a group while its collective is still in flight (rank 1 joins late)
+    and a callback chained to that collective with ``collect_all`` starts another one, as
+    the failure of the first runs it: the destroy must not wait for that collective, which
+    no thread would ever progress. Returns how long the destroy took and what the callback's
+    collective raised."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = freescale_group(30)
+    seen: dict[str, Any] = {}
+    if rank == 1:
+        time.sleep(1.0)
+    work = dist.all_to_all_single(torch.empty(n), torch.ones(n), group=group, async_op=True)
+
+    def start_another(_: Any) -> None:
+        try:
+            dist.all_to_all_single(torch.empty(n), torch.ones(n), group=group)
+            seen["callback"] = "no error"
+        except Exception as err:
+            seen["callback"] = f"{type(err).__name__}: {err}"
+
+    torch.futures.collect_all([work.get_future()]).add_done_callback(start_another)
+    if rank == 0:
+        time.sleep(0.2)
+    start = time.monotonic()
+    dist.destroy_process_group(group)
+    seen["destroy_s"] = time.monotonic() - start
+    dist.barrier()
+    return seen
+
+
+def wait_for_a_finished_work_in_a_chained_callback(rounds: int) -> list[str]:
+    """A callback chained with ``collect_all`` waits for works that are done, as
+    ``[w.wait() for w in works]`` does; it runs on the engine thread where the last of them
+    finishes there (rank 1 joins late). A wait for a finished work waits for nothing: it
+    must not be refused there. Returns, per round, what the callback and the next call saw."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = freescale_group(30)
+    seen = []
+    for _ in range(rounds):
+        done = dist.all_to_all_single(torch.empty(n), torch.ones(n), group=group, async_op=True)
+        done.wait()
+        if rank == 1:
+            time.sleep(0.2)
+        last = dist.all_to_all_single(torch.empty(n), torch.ones(n), group=group, async_op=True)
+
+        def wait_all(_: Any, works: tuple[Any, ...] = (done, last)) -> str:
+            try:
+                for work in works:
+                    work.wait()
+                return "ok"
+            except Exception as err:
+                return f"{type(err).__name__}: {err}"
+
+        waited = torch.futures.collect_all([done.get_future(), last.get_future()]).then(wait_all)
+        try:
+            dist.all_to_all_single(torch.empty(n), torch.ones(n), group=group)
+            after = "ok"
+        except Exception as err:
+            after = f"{type(err).__name__}: {err}"
+        seen.append(f"{waited.wait()} / {after}")
+    dist.destroy_process_group(group)
+    return seen
+
+
 def an_interrupt_while_a_collective_starts() -> str:
     """A ``KeyboardInterrupt`` reaches rank 0 while its collective starts, after it took the
     collective's outbox number and before it wrote its headers there: it raises that, and its

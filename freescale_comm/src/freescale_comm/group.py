@@ -681,9 +681,11 @@ class GroupContext:
         # before another and started after it would send behind that later collective's early
         # data, which a peer calling in number order never receives (the rings deliver in
         # order), and would take the outbox and IPC numbers out of order.
+        self._refuse_if_closed(op)
         if caller_waits:  # before the number is taken
             self.refuse_wait_on_engine_thread(f"freescale {op.name} (group {self.group_id})")
         with self._launch_lock:
+            self._refuse_if_closed(op)  # ``close`` sets it under this lock
             for earlier in self.inflight():
                 earlier.poll_final()  # the CUDA ones whose end event completed since
             op.seq = self.next_seq()
@@ -712,6 +714,16 @@ class GroupContext:
         may_drive = caller_waits and (not op.on_cuda or _cuda_device() == op.plan.cuda_index)
         if not (may_drive and self.engine.claim(op)):
             self.engine.submit(op)
+
+    def _refuse_if_closed(self, op: Collective) -> None:
+        """Raises if the group is shut down: a collective started then (a callback the
+        shut-down runs as it fails the one it is chained to, a call after it) would never be
+        progressed, and the shut-down would wait for it until the group timeout."""
+        if self._closed:
+            raise FreescaleError(
+                f"freescale {op.name} (group {self.group_id}, rank {self.rank}): the process "
+                "group was shut down"
+            )
 
     def refuse_wait_on_engine_thread(self, what: str) -> None:
         """Raises, and aborts the group, if the calling thread is the engine thread.
@@ -796,9 +808,10 @@ class GroupContext:
 
     def close(self) -> None:
         """Fails what is still in flight, frees the CUDA side, gives back engine and transport."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._launch_lock:  # no collective starts after this (``launch``)
+            if self._closed:
+                return
+            self._closed = True
         for op in self.inflight():
             op.poll_final(awaited_too=True)  # done on the GPU, not yet polled: a success
             op.fail("the process group was shut down", "internal")

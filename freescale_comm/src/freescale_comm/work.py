@@ -48,8 +48,8 @@ class FreescaleWork(dist.Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         op = self._op
-        if self._completing_here():
-            if op.on_cuda:
+        if self._completing_here() or self._finished():
+            if op.on_cuda and op.final is not None:
                 self._wait_on_stream()
             return True
         op.group.refuse_wait_on_engine_thread(op.label)
@@ -63,6 +63,17 @@ class FreescaleWork(dist.Work):
         on the engine or a CUDA watcher thread, before the event a wait waits for is set."""
         op = self._op
         if not op.completing_here():
+            return False
+        if op.error is not None:
+            raise op.error
+        return True
+
+    def _finished(self) -> bool:
+        """True (or the collective's error) once it has finished: a wait then waits for
+        nothing, also on the engine thread (a callback chained with ``collect_all`` runs once
+        every collective it waits for is done)."""
+        op = self._op
+        if not op.event.is_set():
             return False
         if op.error is not None:
             raise op.error
@@ -135,7 +146,7 @@ class FreescaleWork(dist.Work):
         return self._op.plan.result
 
     def synchronize(self) -> None:
-        if self._completing_here():
+        if self._completing_here() or self._finished():
             return
         self._op.group.refuse_wait_on_engine_thread(self._op.label)
         self._wait_done(None)
