@@ -1312,6 +1312,40 @@ def wait_for_a_finished_work_in_a_chained_callback(rounds: int) -> list[str]:
     return seen
 
 
+def destroy_while_a_callback_runs() -> dict[str, Any]:
+    """A ``then`` callback sleeps 2 s when the group is destroyed: the destroy waits for it,
+    as Gloo's does, and leaves no callback thread. Each rank attaches it to a collective its
+    peer joins 0.3 s later (so it runs on the callback thread, not at once in ``then``).
+    Returns the destroy's seconds and whether the callback finished and its thread is left."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = freescale_group(30)
+    finished = threading.Event()
+
+    def slow(_: Any) -> None:
+        time.sleep(2.0)
+        finished.set()
+
+    works = []
+    for turn in range(n):  # rank ``turn`` calls first and attaches; the others join late
+        if rank != turn:
+            time.sleep(0.3)
+        works.append(
+            dist.all_to_all_single(torch.empty(n), torch.ones(n), group=group, async_op=True)
+        )
+        if rank == turn:
+            works[-1].get_future().then(slow)
+        works[-1].wait()
+    start = time.monotonic()
+    dist.destroy_process_group(group)
+    return {
+        "destroy_s": time.monotonic() - start,
+        "callback_finished": finished.is_set(),
+        "callback_thread_left": any(
+            t.name == "freescale-comm-callbacks" and t.is_alive() for t in threading.enumerate()
+        ),
+    }
+
+
 def an_interrupt_while_a_collective_starts() -> str:
     """A ``KeyboardInterrupt`` reaches rank 0 while its collective starts, after it took the
     collective's outbox number and before it wrote its headers there: it raises that, and its

@@ -294,3 +294,10 @@ def test_a_chained_callback_may_wait_for_works_that_are_done(fs_group):
     # On the engine thread such a wait was refused, and the refusal aborted the group.
     for seen in fs_group.run(ranks.wait_for_a_finished_work_in_a_chained_callback, 5):
         assert seen == ["ok / ok"] * 5, seen
+
+
+def test_a_destroy_waits_for_the_callbacks_still_running(fs_group):
+    # It gave them 1 s and left their thread running.
+    for seen in fs_group.run(ranks.destroy_while_a_callback_runs, timeout_s=60):
+        assert seen["callback_finished"] and not seen["callback_thread_left"], seen
+        assert seen["destroy_s"] < 10, seen

@@ -118,15 +118,18 @@ class CallbackRunner:
             if self._queue:
                 self._cond.notify()
 
-    def close(self, timeout_s: float) -> None:
+    def close(self, timeout_s: float) -> bool:
         """Runs what is left once its futures are done (the group fails what is in flight
-        first), then ends the thread; a callback still running after ``timeout_s`` is left."""
+        first), then ends the thread; a callback still running after ``timeout_s`` is left.
+        Returns whether the thread has ended (or is the calling one)."""
         with self._cond:
             self._closed = True
             self._cond.notify()
             thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout_s)
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(timeout_s)
+        return not thread.is_alive()
 
     def _start_locked(self) -> None:
         # Also after one ended: closed and drained, or killed by a callback's BaseException.

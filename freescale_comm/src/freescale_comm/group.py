@@ -817,7 +817,14 @@ class GroupContext:
             op.fail("the process group was shut down", "internal")
         with self._inflight_lock:
             self._inflight = []
-        self.callbacks.close(timeout_s=1.0)
+        # The callbacks still to run, as Gloo's destroy waits for them; a collective they
+        # start raises now (``launch``), so only the user's own code can outlast the timeout.
+        if not self.callbacks.close(timeout_s=self.timeout_s):
+            logger.warning(
+                "freescale: a callback of group %s still runs after %g s; its thread is left",
+                self.group_id,
+                self.timeout_s,
+            )
         self.engine.unwatch(self.liveness)
         self.engine.unwatch(self._sealed)
         # Both refer back to this context: without them it is freed with its last reference,
