@@ -21,10 +21,10 @@ callbacks attached to it in Python run through the group's ``CallbackRunner``:
 Each runs as a callback of a private torch future that the runner completes when its turn
 comes, so errors reach ``then``'s future as torch's own ``then`` reports them. Callbacks that
 C++ attaches (``torch.futures.collect_all`` over these futures, and callbacks on its result)
-run in the completing thread, as torch's do: on the engine thread, where ``Work.wait`` (and
-so a synchronous collective) raises at once and aborts the group
-(``GroupContext.refuse_wait_on_engine_thread``); a future's ``wait`` there, which C++ serves,
-still hangs until the group timeout.
+run in the completing thread, as torch's do: on the engine thread, where ``Work.wait`` for a
+collective not yet finished (and so a synchronous collective) raises at once and aborts the
+group (``GroupContext.refuse_wait_on_engine_thread``); a future's ``wait`` there, which C++
+serves, still hangs until the group timeout.
 """
 
 from __future__ import annotations
