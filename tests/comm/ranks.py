@@ -1123,10 +1123,11 @@ def new_user_mistakes() -> list[str]:
         lambda: dist.all_to_all_single(
             torch.empty(n), torch.ones(n), [1] * n, [1.5 if rank == 0 else 1] * n
         ),
-        # A lazily negated view, whose bytes are not its values, on rank 0 only; the shape is
-        # one the plan cache has seen (the checks must not be skipped there).
+        # A lazily negated view as the output, whose bytes would have to be written negated,
+        # on rank 0 only; the shape is one the plan cache has seen (the checks must not be
+        # skipped there). As an input it is sent from a resolved copy.
         lambda: dist.all_to_all_single(
-            torch.empty(n), torch._neg_view(torch.ones(n)) if rank == 0 else torch.ones(n)
+            torch._neg_view(torch.empty(n)) if rank == 0 else torch.empty(n), torch.ones(n)
         ),
         # all_gather_coalesced with one output list too few.
         lambda: dist.all_gather_coalesced([[torch.empty(1)]] * (n - 1), [torch.ones(1)]),
@@ -1346,6 +1347,60 @@ def destroy_while_a_callback_runs() -> dict[str, Any]:
             t.name == "freescale-comm-callbacks" and t.is_alive() for t in threading.enumerate()
         ),
     }
+
+
+def lazy_views_and_autograd_versions() -> dict[str, Any]:
+    """Inputs that are lazily negated views (their bytes are not their values) give Gloo's
+    results (torch's front end refuses conjugated complex inputs before any backend); every
+    output's autograd version grows at the call, as Gloo's does, so a backward through a
+    tensor saved before the collective overwrote it raises. Returns what differed from Gloo
+    (empty when nothing did) and each op's version bump."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ours, gloo = freescale_group(30), dist.new_group(backend="gloo")
+    base = (torch.arange(2.0 * n) + 1j * (rank + 1)).to(torch.complex64) * (rank + 1)
+    inputs = {"negative": base.conj().imag}  # is_neg(): its bytes are the imaginary parts
+    differ = []
+    for name, x in inputs.items():
+        for op in ("all_gather", "all_gather_into_tensor", "all_to_all_single"):
+            got = {}
+            for label, group in (("freescale", ours), ("gloo", gloo)):
+                if op == "all_gather":
+                    outs = [torch.empty_like(x.resolve_conj().resolve_neg()) for _ in range(n)]
+                    dist.all_gather(outs, x, group=group)
+                    got[label] = torch.cat(outs)
+                elif op == "all_gather_into_tensor":
+                    out = torch.empty(n * x.numel(), dtype=x.dtype)
+                    dist.all_gather_into_tensor(out, x, group=group)
+                    got[label] = out
+                else:
+                    out = torch.empty_like(x.resolve_conj().resolve_neg())
+                    dist.all_to_all_single(out, x, group=group)
+                    got[label] = out
+            if not torch.equal(got["freescale"], got["gloo"]):
+                differ.append(f"{op} of a {name} view")
+    bumps = {}
+    for op in ("all_gather", "all_gather_into_tensor", "all_to_all_single"):
+        buf = torch.arange(float(n)) + rank
+        before = buf._version
+        if op == "all_gather":
+            dist.all_gather(list(buf.chunk(n)), torch.ones(1), group=ours)
+        elif op == "all_gather_into_tensor":
+            dist.all_gather_into_tensor(buf, torch.ones(1), group=ours)
+        else:
+            dist.all_to_all_single(buf, torch.ones(n), group=ours)
+        bumps[op] = buf._version > before
+    weight = torch.ones(n, requires_grad=True)
+    buf = torch.arange(float(n)) + rank
+    loss = (weight * buf).sum()  # autograd saves buf
+    dist.all_gather_into_tensor(buf, torch.full((1,), 9.0), group=ours)
+    try:
+        loss.backward()
+        backward = "no error"
+    except RuntimeError as err:
+        backward = "modified by an inplace operation" if "inplace" in str(err) else str(err)
+    dist.destroy_process_group(ours)
+    dist.destroy_process_group(gloo)
+    return {"differ": differ, "bumps": bumps, "backward": backward}
 
 
 def an_interrupt_while_a_collective_starts() -> str:

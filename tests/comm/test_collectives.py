@@ -57,3 +57,12 @@ def test_a_later_collective_never_overtakes_an_earlier_ring_forward(fs_group4, v
     # Without validation no header round orders the two: the AllToAll's data sat in the ring
     # ahead of the AllGather's forward, which rank 1 waited for until the timeout.
     assert fs_group4.run(ranks.ring_gather_then_all_to_all, validate, timeout_s=60) == ["ok"] * 4
+
+
+def test_lazy_views_as_inputs_and_autograd_versions_of_outputs_match_gloo(fs_group):
+    # A negated view was refused as an input, and outputs kept their version: a backward
+    # through a tensor the collective overwrote silently used the new values.
+    for seen in fs_group.run(ranks.lazy_views_and_autograd_versions, timeout_s=120):
+        assert seen["differ"] == [], seen
+        assert all(seen["bumps"].values()), seen
+        assert seen["backward"] == "modified by an inplace operation", seen

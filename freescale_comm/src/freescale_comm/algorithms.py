@@ -371,6 +371,11 @@ def _unreadable(tensor: torch.Tensor) -> bool:
     return tensor.is_neg() or tensor.is_conj()
 
 
+def _resolved(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, or a copy holding its values where its bytes are not them."""
+    return tensor.resolve_conj().resolve_neg() if _unreadable(tensor) else tensor
+
+
 def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[:] = src`` for host bytes, on the calling thread (one memcpy).
 
@@ -406,8 +411,13 @@ class _Builder:
                 self.fail(f"mixes devices {self.device} and {tensor.device}")
             elif tensor.is_sparse or tensor.layout != torch.strided or tensor.is_nested:
                 self.fail(f"got a {tensor.layout} tensor; only dense tensors are supported")
-            elif _unreadable(tensor):
-                self.fail("got a negative or conjugate view; resolve_neg() / resolve_conj() it")
+            elif _unreadable(tensor) and any(tensor is output for output in outputs):
+                # An input is sent from a resolved copy (``source``); an output's bytes would
+                # have to be written negated or conjugated.
+                self.fail(
+                    "got a negative or conjugate view as an output; resolve_neg() / "
+                    "resolve_conj() it"
+                )
         if self.device.type not in ("cpu", "cuda"):
             self.fail(f"got a tensor on {self.device}; the backend handles cpu and cuda")
         if any(_shares_elements(t) for t in outputs):
@@ -418,13 +428,16 @@ class _Builder:
             self.error = f"{self.op} {message}"
 
     def source(self, tensor: torch.Tensor) -> Bytes:
-        """Flat bytes of an input (a contiguous copy first if it is strided)."""
+        """Flat bytes of an input (a contiguous copy first if it is strided, a resolved one if
+        it is a lazily negated or conjugated view, whose bytes are not its values)."""
+        tensor = _resolved(tensor)
         return flat_bytes(tensor if tensor.is_contiguous() else tensor.contiguous())
 
     def private_source(self, tensor: torch.Tensor) -> Bytes:
         """Flat bytes of a copy of an input that shares memory with an output (on CUDA a
         device-to-device copy on the caller's stream, so before the collective's ready point;
         on the host one memcpy on this thread, ``host_copy``)."""
+        tensor = _resolved(tensor)
         if tensor.is_cuda:
             return flat_bytes(tensor.clone(memory_format=torch.contiguous_format))
         copy = flat_bytes(torch.empty(tensor.shape, dtype=tensor.dtype))

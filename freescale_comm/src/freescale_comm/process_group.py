@@ -207,6 +207,9 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         elif path == "staged":
             plan.staged = True
             plan.signature = dataclasses.replace(plan.signature, device="cuda-staged")
+        # Written in place, as by an in-place op: autograd must see that saved tensors changed
+        # (Gloo's outputs get the same bump; a backward through a stale one raises).
+        torch.autograd.graph.increment_version(plan.result)
         op = Collective(self._ctx, plan.signature.op, plan)
         # c10d sets asyncOp=False when it will wait at once; C++ callers leave the default.
         self._ctx.launch(op, caller_waits=not getattr(opts, "asyncOp", True))
