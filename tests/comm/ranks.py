@@ -1403,6 +1403,36 @@ def lazy_views_and_autograd_versions() -> dict[str, Any]:
     return {"differ": differ, "bumps": bumps, "backward": backward}
 
 
+def timeout_set_after_creation() -> dict[str, Any]:
+    """torch's ``_set_pg_timeout`` reaches the group's own collectives: raised from 3 s to
+    30 s, an AllToAll that rank 1 joins 5 s late succeeds; lowered to 2 s, one it joins 6 s
+    late fails after about 2 s. Also ``split_group`` raises at once. Returns what each saw."""
+    from freescale_comm import FreescaleError
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = freescale_group(3)
+    seen: dict[str, Any] = {}
+    try:
+        group.split_group([0, 1])
+        seen["split"] = "no error"
+    except FreescaleError as err:
+        seen["split"] = str(err)
+    for name, timeout_s, late_s in (("raised", 30, 5.0), ("lowered", 2, 6.0)):
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
+        time.sleep(1.5)  # taken up within a second
+        dist.barrier()
+        if rank == 1:
+            time.sleep(late_s)
+        start = time.monotonic()
+        try:
+            dist.all_to_all_single(torch.empty(n), torch.ones(n), group=group)
+            seen[name] = "ok"
+        except Exception as err:
+            seen[name] = f"{type(err).__name__} after {time.monotonic() - start:.1f} s"
+    dist.barrier()
+    return seen
+
+
 def an_interrupt_while_a_collective_starts() -> str:
     """A ``KeyboardInterrupt`` reaches rank 0 while its collective starts, after it took the
     collective's outbox number and before it wrote its headers there: it raises that, and its

@@ -303,3 +303,14 @@ def test_a_destroy_waits_for_the_callbacks_still_running(fs_group):
     for seen in fs_group.run(ranks.destroy_while_a_callback_runs, timeout_s=60):
         assert seen["callback_finished"] and not seen["callback_thread_left"], seen
         assert seen["destroy_s"] < 10, seen
+
+
+def test_a_timeout_set_on_the_group_later_bounds_its_own_collectives(local_groups):
+    # _set_pg_timeout reached only the inner Gloo: raised, an own collective still failed at
+    # the old 3 s; lowered, it waited the old timeout. split_group crashed the process.
+    group = local_groups.get(2, backend="freescale", setup=SETUP, init_timeout_s=60)
+    rank0 = group.run(ranks.timeout_set_after_creation, timeout_s=90)[0]
+    assert "split_group is not supported" in rank0["split"], rank0
+    assert rank0["raised"] == "ok", rank0
+    assert rank0["lowered"].startswith("FreescaleTimeoutError after"), rank0
+    assert float(rank0["lowered"].split()[2]) < 4, rank0

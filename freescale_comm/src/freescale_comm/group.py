@@ -63,16 +63,24 @@ class _SealedDeadlines:
     no thread drives those. It finishes those whose event has completed (nothing else may
     poll them: the group's last call before an idle spell), and fails those past their
     deadline: a peer whose GPU never meets the collective's flags would otherwise hold this
-    rank's streams for ever, unreported."""
+    rank's streams for ever, unreported. Each tick also takes up a timeout set on the group
+    since (``refresh``)."""
 
     _PERIOD_S = 1.0
 
-    def __init__(self, inflight: Callable[[], list[Collective]]) -> None:
+    def __init__(
+        self, inflight: Callable[[], list[Collective]], refresh: Callable[[], None]
+    ) -> None:
         self._inflight = inflight
+        self._refresh = refresh
         self.next_due = time.monotonic() + self._PERIOD_S
 
     def tick(self, now: float) -> None:
         self.next_due = now + self._PERIOD_S
+        try:
+            self._refresh()
+        except Exception:  # the engine thread serves every group: it must live on
+            logger.exception("freescale: reading the group's timeout raised")
         for op in self._inflight():
             if op.finished or op.needs_engine:
                 continue
@@ -135,7 +143,9 @@ class GroupContext:
         self._closed = False
         self.liveness: Liveness | None = None
         self.outboxes: Any = None  # ``outbox.Outboxes`` with the peers on this host
-        self._sealed = _SealedDeadlines(self.inflight)
+        # Where the group's timeout is read again (``follow_timeout``).
+        self._timeout_source: Callable[[], timedelta] | None = None
+        self._sealed = _SealedDeadlines(self.inflight, self._refresh_timeout)
         self._links: list[Any] = [None] * size
         self._hub: Any = None
         self.transport = Transport.acquire()
@@ -613,6 +623,19 @@ class GroupContext:
             path = self._ipc[device] = IpcPath(device, links, self.rank, host_ranks, watch)
         return path
 
+    def follow_timeout(self, source: Callable[[], timedelta]) -> None:
+        """Reads the group's timeout from ``source`` each second from now on: torch's
+        ``_set_pg_timeout`` (torchtitan shortens the timeout after the first step) sets it on
+        the group's Gloo / NCCL backends only. Collectives started after a change get it."""
+        self._timeout_source = source
+
+    def _refresh_timeout(self) -> None:
+        source = self._timeout_source
+        if source is not None:
+            seconds = source().total_seconds()
+            if seconds > 0:
+                self.timeout_s = seconds
+
     def mailbox_path(self) -> IpcPath | None:
         """The IPC path whose mailbox the peers of this host push into: the first one made
         (a peer maps the first mailbox a descriptor names), or None before any."""
@@ -828,8 +851,10 @@ class GroupContext:
         self.engine.unwatch(self.liveness)
         self.engine.unwatch(self._sealed)
         # Both refer back to this context: without them it is freed with its last reference,
-        # not at the next garbage collection.
+        # not at the next garbage collection. The timeout's source holds the group's Gloo,
+        # whose threads end when it is freed.
         self._sealed = None
+        self._timeout_source = None
         if self.liveness is not None:
             self.liveness.forget_failure_handler()
         self.engine.release()

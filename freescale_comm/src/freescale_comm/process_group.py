@@ -149,6 +149,10 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             for delegate in self._delegates:  # their threads would outlive the failed set-up
                 delegate.shutdown()
             raise
+        # torch's _set_pg_timeout sets the timeout on the backends it knows (Gloo, NCCL),
+        # which every one of them holds: the group's own collectives take it from there.
+        if isinstance(getattr(getattr(gloo, "options", None), "_timeout", None), timedelta):
+            self._ctx.follow_timeout(lambda: gloo.options._timeout)
         self._rank_size = (rank, size)
         # The paths of CUDA bytes and the AllGather algorithm for them are the group's, fixed
         # at its creation: decided once here, not on every call.
@@ -177,6 +181,16 @@ class ProcessGroupFreescale(dist.ProcessGroup):
 
     def name(self) -> str:
         return BACKEND_NAME
+
+    def split_group(self, ranks: Sequence[int], *args: Any, **kwargs: Any) -> None:
+        """``dist.split_group`` (``init_device_mesh`` on a group bound to a device calls it):
+        refused. The base class would split the inner Gloo / NCCL into a group that runs every
+        collective there, and on a group without a store of its own it crashed the process."""
+        raise FreescaleError(
+            f"freescale group (rank {self.rank()} of {self.size()}): split_group is not "
+            "supported; make the subgroup with dist.new_group(ranks, backend='freescale') "
+            "(init_device_mesh splits only where init_process_group was given device_id)"
+        )
 
     def _rs(self) -> tuple[int, int]:
         return self._rank_size
