@@ -29,6 +29,23 @@ def _ring_files() -> list[str]:
     return [name for name in os.listdir("/dev/shm") if name.startswith("freescale-ring-")]
 
 
+def _this_process_files() -> list[str]:
+    mine = f"freescale-ring-{os.getpid()}-"
+    return [name for name in _ring_files() if name.startswith(mine)]
+
+
+def _in_threads(fn: Any, *per_thread_args: tuple[Any, ...]) -> None:
+    """Runs ``fn`` once per argument tuple, each in a thread of its own (ranks of one
+    process), and waits for them."""
+    import threading
+
+    threads = [threading.Thread(target=fn, args=args) for args in per_thread_args]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+
+
 def test_every_collective_over_the_rings_matches_gloo(fs_group):
     n = fs_group.spec.world_size
     options = {"host_path": "shm", "shm_outbox_bytes": 0, **_SMALL_RINGS}
@@ -165,7 +182,6 @@ def test_early_data_is_not_dropped_once_the_sequence_number_wraps(fs_group):
 def test_a_pair_that_disagrees_on_staging_rings_leaves_no_file():
     """One rank makes CUDA staging rings, its peer (no CUDA there) does not: the pair links
     without them, and neither ring's name stays in /dev/shm."""
-    import threading
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -177,28 +193,19 @@ def test_a_pair_that_disagrees_on_staging_rings_leaves_no_file():
     def rank(r: int, staging: tuple[int, int] | None) -> None:
         made[r] = shm.open_links(store, r, [1 - r], 4, 4096, 20, staging=staging)
 
-    threads = [
-        threading.Thread(target=rank, args=(0, (2, 4096))),
-        threading.Thread(target=rank, args=(1, None)),
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    mine = f"freescale-ring-{os.getpid()}-"
+    _in_threads(rank, (0, (2, 4096)), (1, None))
     try:
         for r in (0, 1):
             links, failures = made[r]
             assert list(links) == [1 - r] and not failures, made[r]
             assert links[1 - r].staging is None
-        assert not [name for name in _ring_files() if name.startswith(mine)]
+        assert not _this_process_files()
     finally:
         for r in made:
             for link in made[r][0].values():
                 shm.Hub.get().remove(link)
-        for name in _ring_files():
-            if name.startswith(mine):
-                os.unlink(f"/dev/shm/{name}")
+        for name in _this_process_files():
+            os.unlink(f"/dev/shm/{name}")
 
 
 class _StoreThatFails:
@@ -226,7 +233,6 @@ def test_a_store_failing_during_set_up_leaves_no_file(fails):
     """The store fails while the rings or the outboxes are set up (3 ranks as threads): the
     failing rank raises, and nothing of this process stays in /dev/shm once the others'
     links are closed (a ring made before the failure, and a link already made, stayed)."""
-    import threading
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -254,12 +260,7 @@ def test_a_store_failing_during_set_up_leaves_no_file(fails):
         except Exception as err:
             made[r] = err
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    mine = f"freescale-ring-{os.getpid()}-"
+    _in_threads(rank, (0,), (1,), (2,))
     try:
         assert isinstance(made[0], RuntimeError), made[0]
         for r in (1, 2):  # the others finish set-up or fail waiting for rank 0, then close
@@ -269,11 +270,10 @@ def test_a_store_failing_during_set_up_leaves_no_file(fails):
             elif isinstance(made[r], tuple):
                 for link in made[r][0].values():
                     shm.Hub.get().remove(link)
-        assert not [name for name in _ring_files() if name.startswith(mine)]
+        assert not _this_process_files()
     finally:
-        for name in _ring_files():
-            if name.startswith(mine):
-                os.unlink(f"/dev/shm/{name}")
+        for name in _this_process_files():
+            os.unlink(f"/dev/shm/{name}")
 
 
 def test_a_later_collectives_early_data_never_overtakes_an_earlier_ones(fs_group):
