@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from freescale_comm import bench, cli
 from tests.cli_refusals import assert_refused
@@ -42,6 +43,19 @@ def test_bench_refuses_bad_values_in_one_line(argv, message, capsys, tmp_path):
 )
 def test_info_refuses_bad_values_in_one_line(argv, message, capsys):
     assert_refused(cli.main, ["info", *argv], message, capsys)
+
+
+def test_bench_refuses_an_out_it_cannot_make_and_cuda_without_a_device(capsys, tmp_path):
+    # Both were found only once ranks ran: --out after the whole sweep, cuda as a traceback.
+    taken = tmp_path / "a_file"
+    taken.write_text("")
+    message = f"--out {taken}: cannot make the folder"
+    assert_refused(cli.main, ["bench", "--out", str(taken)], message, capsys)
+    if not torch.cuda.is_available():
+        message = "--device cuda: this machine has no CUDA device torch can use"
+        assert_refused(
+            cli.main, ["bench", "--device", "cuda", "--out", str(tmp_path)], message, capsys
+        )
 
 
 def test_help_names_the_collectives_the_bench_measures(capsys):

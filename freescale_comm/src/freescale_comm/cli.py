@@ -129,6 +129,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.min_bytes > args.max_bytes:
         args.parser.error(f"--min-bytes ({args.min_bytes}) exceeds --max-bytes ({args.max_bytes})")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            args.parser.error("--device cuda: this machine has no CUDA device torch can use")
+    try:  # before any rank starts: a sweep is minutes of work to lose at the end
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        args.parser.error(f"--out {args.out}: cannot make the folder ({err.strerror})")
     from freescale_comm.bench import BenchConfig, format_table, run_bench, write_report
 
     reports = []
