@@ -166,7 +166,10 @@ def main() -> None:
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
-        "--ranks", type=int_at_least(2), default=2, help="local ranks (on CUDA: all on GPU 0)"
+        "--ranks",
+        type=int_at_least(2),
+        default=2,
+        help="local ranks (on CUDA: rank r on GPU r %% the GPU count)",
     )
     parser.add_argument("--calls", type=int_at_least(1), default=300, help="calls timed")
     parser.add_argument(

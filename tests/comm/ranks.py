@@ -1320,7 +1320,12 @@ def destroy_while_a_callback_runs() -> dict[str, Any]:
     as Gloo's does, and leaves no callback thread. Each rank attaches it to a collective its
     peer joins 0.3 s later (so it runs on the callback thread, not at once in ``then``).
     Returns the destroy's seconds and whether the callback finished and its thread is left."""
+
+    def callback_threads() -> set[int]:
+        return {t.ident for t in threading.enumerate() if t.name == "freescale-comm-callbacks"}
+
     rank, n = dist.get_rank(), dist.get_world_size()
+    others = callback_threads()  # other groups' (the shared world group's, say)
     group = freescale_group(30)
     finished = threading.Event()
 
@@ -1343,9 +1348,7 @@ def destroy_while_a_callback_runs() -> dict[str, Any]:
     return {
         "destroy_s": time.monotonic() - start,
         "callback_finished": finished.is_set(),
-        "callback_thread_left": any(
-            t.name == "freescale-comm-callbacks" and t.is_alive() for t in threading.enumerate()
-        ),
+        "callback_thread_left": bool(callback_threads() - others),
     }
 
 

@@ -250,7 +250,7 @@ class PlanCache:
                 or t.is_nested
                 or not (t.is_cpu or (self._ipc_fits is not None and t.is_cuda))
                 or not t.is_contiguous()
-                or _unreadable(t)  # refused by the builder, every time
+                or _unreadable(t)  # sent from a resolved copy (an output is refused)
             ):
                 return None
             nbytes = t.nbytes

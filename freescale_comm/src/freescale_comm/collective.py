@@ -125,7 +125,10 @@ class Collective:
         self.plan = plan
         self.seq = 0  # numbered by ``GroupContext.launch``, in the order collectives start
         self.started = time.monotonic()
-        self.deadline = self.started + group.timeout_s
+        # The group's timeout at the start: one set later (``follow_timeout``) bounds the
+        # collectives started after it.
+        self.timeout_s = group.timeout_s
+        self.deadline = self.started + self.timeout_s
         self.finished = False
         self.error: FreescaleError | None = None
         self.event = _Done()
@@ -594,10 +597,13 @@ class Collective:
             (self._ipc is None or self._ipc_done is not None or self._ipc.ready(self.seq))
             and (self._ready is None or self.plan.gpu_ordered or self._ready.query())
             # A ring delivers in order and holds data whose receive is not posted: this one's
-            # would sit ahead of an earlier one's forwards, which a peer still in that earlier
-            # collective waits for. With headers the verdict comes only once the peers have
-            # started this one, after the earlier one's receives.
-            and not (self._unheaded and self.group.holds_back_early_sends(self.seq))
+            # host data would sit ahead of an earlier one's forwards, which a peer still in
+            # that earlier collective waits for. With headers the verdict comes only once the
+            # peers have started this one, after the earlier one's receives. (CUDA data is not
+            # held back, as in ``_post_early``: a CUDA collective may post until it is sealed.)
+            and not (
+                self._unheaded and not self.on_cuda and self.group.holds_back_early_sends(self.seq)
+            )
         ):
             self._start_data()
             progressed = True
@@ -656,8 +662,6 @@ class Collective:
         g = self.group
         size = Signature.size(g.size)
         template = self.plan.template
-        if g.options.validate or self.plan.ipc:  # freed unread if the verdict is bad
-            self._pushed_slots = self._slots_pushed_here(size)
         if not g.options.validate:  # IPC headers exchanged for their descriptors only
             problem = None
         elif template is not None:
@@ -670,6 +674,8 @@ class Collective:
                 good.add(table)
         else:
             problem = judge([h[:size] for h in self._headers], g.size)
+        if problem:  # the slots peers pushed into are freed unread; the headers go next
+            self._pushed_slots = self._slots_pushed_here(size)
         if problem is NEEDS_TABLE:
             self._diagnose()
             return
@@ -1005,7 +1011,7 @@ class Collective:
         unsent = sorted({t.peer for t in self._posted + self._unposted if t.send})
         if self._pipeline is not None:
             waiting, unsent = self._pipeline.waiting_peers()
-        parts = [f"did not finish within {self.group.timeout_s:g} s"]
+        parts = [f"did not finish within {self.timeout_s:g} s"]
         if unheard:
             # Sub 0 carries the header, or after a bad digest the size tables (``_diagnose``).
             what = "size table" if self._phase == "diagnose" else "header"

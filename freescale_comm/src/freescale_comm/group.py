@@ -829,8 +829,14 @@ class GroupContext:
         for path in list(self._ipc.values()):
             path.release()
 
-    def close(self) -> None:
-        """Fails what is still in flight, frees the CUDA side, gives back engine and transport."""
+    def close(self, wait_for_callbacks: bool = True) -> None:
+        """Fails what is still in flight, frees the CUDA side, gives back engine and transport.
+
+        Args:
+            wait_for_callbacks: wait up to the group timeout for the callbacks still running,
+                as Gloo's destroy does; else (an abort, which must return promptly) 1 s. The
+                engine thread, which serves every group, never waits longer than that.
+        """
         with self._launch_lock:  # no collective starts after this (``launch``)
             if self._closed:
                 return
@@ -842,11 +848,10 @@ class GroupContext:
             self._inflight = []
         # The callbacks still to run, as Gloo's destroy waits for them; a collective they
         # start raises now (``launch``), so only the user's own code can outlast the timeout.
-        if not self.callbacks.close(timeout_s=self.timeout_s):
+        patient = wait_for_callbacks and not self.engine.is_engine_thread()
+        if not self.callbacks.close(timeout_s=self.timeout_s if patient else 1.0):
             logger.warning(
-                "freescale: a callback of group %s still runs after %g s; its thread is left",
-                self.group_id,
-                self.timeout_s,
+                "freescale: a callback of group %s still runs; its thread is left", self.group_id
             )
         self.engine.unwatch(self.liveness)
         self.engine.unwatch(self._sealed)

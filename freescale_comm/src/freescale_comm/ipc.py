@@ -429,6 +429,10 @@ class IpcPath:
         self._mailbox_at: dict[int, int] = {}  # ... and where they are mapped here
         self._pushes: collections.Counter[int] = collections.Counter()  # per peer
         self._slot_seq: dict[tuple[int, int], int] = {}  # (peer, slot): its last push's seq
+        # (peer, slot): the largest "read" flag value queued for it. A slot freed for a failed
+        # collective off the IPC path is not held in call order (``free_slots``): a later
+        # collective's read may be queued first, and a flag must never go back.
+        self._read_queued: dict[tuple[int, int], int] = {}
         self._last_push = 0
         self._push_lock = threading.Lock()
         self.gpu = driver().device_uuid(device)
@@ -581,7 +585,9 @@ class IpcPath:
             handle = ctypes.c_void_p(self.stream.cuda_stream)
             for seq, slots in due:
                 for peer, slot in slots.items():
-                    _write(cu, handle, self._flags[peer].my_consumed[slot], seq)
+                    value = max(seq, self._read_queued.get((peer, slot), 0))
+                    self._read_queued[peer, slot] = value
+                    _write(cu, handle, self._flags[peer].my_consumed[slot], value)
         finally:
             cu.restore(replaced)
 
@@ -640,7 +646,10 @@ class IpcPath:
                 for dst, piece in pieces:
                     source = self.mailbox.pointer + piece.offset
                     _copy(cu, address(dst), source, piece.nbytes, handle)
-                _write(cu, handle, flags.my_consumed[slot], seq)
+                with self._order_lock:  # a free on another thread queues its flag apart
+                    value = max(seq, self._read_queued.get((peer, slot), 0))
+                    self._read_queued[peer, slot] = value
+                    _write(cu, handle, flags.my_consumed[slot], value)
             for peer, copies in sources.items():
                 flags = self._flags[peer]
                 _wait(cu, handle, flags.peer_ready, seq)

@@ -426,7 +426,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
     def abort(self) -> None:
         """Tells every rank the group is aborted, then shuts down like ``shutdown``."""
         self._ctx.abort(f"rank {self.rank()}: abort() was called")
-        self._ctx.close()
+        self._ctx.close(wait_for_callbacks=False)
 
 
 # The delegated collectives that ``PyProcessGroup`` (torch's trampoline) intercepts, under their

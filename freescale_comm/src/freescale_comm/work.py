@@ -81,7 +81,7 @@ class FreescaleWork(dist.Work):
 
     def _bound(self, timeout: timedelta | None) -> tuple[float, bool]:
         """The wait's limit in seconds, and whether it is the caller's (shorter) one."""
-        bound = self._op.group.timeout_s + _WAIT_SLACK_S
+        bound = self._op.timeout_s + _WAIT_SLACK_S
         short = timeout is not None and 0 < timeout.total_seconds() < bound
         return (timeout.total_seconds() if short else bound), short
 
