@@ -64,3 +64,21 @@ def test_help_names_the_collectives_the_bench_measures(capsys):
         cli.main(["bench", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "(default: all_gather,all_to_all)" in out and "(default: 64M)" in out
+
+
+def test_bench_refuses_more_threads_than_cores(capsys, tmp_path):
+    from freescale_comm.cpu import usable_cores
+
+    too_many = str(usable_cores() + 1)
+    message = f"--threads ({too_many}) exceeds the {usable_cores()} cores this may use"
+    assert_refused(
+        cli.main, ["bench", "--threads", too_many, "--out", str(tmp_path)], message, capsys
+    )
+
+
+@pytest.mark.parametrize("command", ["info", "bench"])
+def test_a_bad_option_in_the_environment_is_refused_in_one_line(command, capsys, monkeypatch):
+    # Each rank raised it as a traceback (bench: after the ranks started).
+    monkeypatch.setenv("FREESCALE_EAGER_BYTES", "abc")
+    message = "environment: FREESCALE_EAGER_BYTES='abc' is not a valid int"
+    assert_refused(cli.main, [command], message, capsys)

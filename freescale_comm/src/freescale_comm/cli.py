@@ -113,6 +113,12 @@ def _parser() -> Parser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from freescale_comm.options import FreescaleOptions
+
+    try:  # what every rank would read: refused here, not as a traceback from each rank
+        FreescaleOptions.from_env()
+    except ValueError as err:
+        args.parser.error(f"environment: {err}")
     if args.command == "info":
         if args.ranks == 1:
             args.parser.error("--ranks: 0 (no ranks) or at least 2 (a pair to show)")
@@ -129,6 +135,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.min_bytes > args.max_bytes:
         args.parser.error(f"--min-bytes ({args.min_bytes}) exceeds --max-bytes ({args.max_bytes})")
+    from freescale_comm.cpu import usable_cores
+
+    cores = usable_cores()  # 100000 threads per rank hung the ranks until the timeout
+    if args.threads > cores:
+        args.parser.error(f"--threads ({args.threads}) exceeds the {cores} cores this may use")
     if args.device == "cuda":
         import torch
 
