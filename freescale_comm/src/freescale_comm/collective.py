@@ -714,11 +714,10 @@ class Collective:
         from freescale_comm.ipc import pushed_slot
 
         g = self.group
-        peers = self.plan.ipc_peers if self.plan.ipc else g.ipc_peers
-        if not peers or (not self.plan.ipc and g.mailbox_path() is None):
+        if g.mailbox_path() is None:
             return {}  # no IPC collective yet: no peer knows this rank's mailbox
         slots = {}
-        for peer in peers:
+        for peer in g.ipc_peers:
             header = self._headers[peer]
             if header is not None and names_ipc(header):
                 slot = pushed_slot(header[size:])

@@ -585,11 +585,16 @@ class IpcPath:
             handle = ctypes.c_void_p(self.stream.cuda_stream)
             for seq, slots in due:
                 for peer, slot in slots.items():
-                    value = max(seq, self._read_queued.get((peer, slot), 0))
-                    self._read_queued[peer, slot] = value
-                    _write(cu, handle, self._flags[peer].my_consumed[slot], value)
+                    self._queue_read(cu, handle, peer, slot, seq)
         finally:
             cu.restore(replaced)
+
+    def _queue_read(self, cu: Any, stream: ctypes.c_void_p, peer: int, slot: int, seq: int) -> None:
+        """Queues "I have read what you pushed into ``slot`` for ``seq``" (``_order_lock``
+        held), never a value below one queued before for that slot."""
+        value = max(seq, self._read_queued.get((peer, slot), 0))
+        self._read_queued[peer, slot] = value
+        _write(cu, stream, self._flags[peer].my_consumed[slot], value)
 
     def enqueue(
         self,
@@ -647,9 +652,7 @@ class IpcPath:
                     source = self.mailbox.pointer + piece.offset
                     _copy(cu, address(dst), source, piece.nbytes, handle)
                 with self._order_lock:  # a free on another thread queues its flag apart
-                    value = max(seq, self._read_queued.get((peer, slot), 0))
-                    self._read_queued[peer, slot] = value
-                    _write(cu, handle, flags.my_consumed[slot], value)
+                    self._queue_read(cu, handle, peer, slot, seq)
             for peer, copies in sources.items():
                 flags = self._flags[peer]
                 _wait(cu, handle, flags.peer_ready, seq)

@@ -282,8 +282,8 @@ _IPC_DEVICE_CODES = frozenset(
 def names_ipc(header: np.ndarray) -> bool:
     """Whether an encoded header (``Signature.encode``) names the IPC path: the sender's
     message to each peer of its host then carries a CUDA IPC descriptor behind it."""
-    device = int.from_bytes(header[16:24].tobytes(), "little", signed=True)  # the third int
-    return device in _IPC_DEVICE_CODES
+    at = 8 * 2  # the device code: the third of the header's ints (``encode``)
+    return int.from_bytes(header[at : at + 8].tobytes(), "little", signed=True) in _IPC_DEVICE_CODES
 
 
 def judge(headers: Sequence[np.ndarray], world_size: int) -> str | _NeedsTable | None:
