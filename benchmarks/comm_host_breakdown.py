@@ -118,7 +118,7 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
     gap_s = args.gap_us / 1e6
     profiler = cProfile.Profile() if args.profile else None
     block_us = []
-    block_calls = [len(part) for part in _split(args.calls, args.blocks)]
+    block_calls = _block_sizes(args.calls, args.blocks)
     start, cpu = time.perf_counter(), time.process_time()
     if profiler is not None:
         profiler.enable()
@@ -147,10 +147,10 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _split(calls: int, blocks: int) -> list[range]:
+def _block_sizes(calls: int, blocks: int) -> list[int]:
     """``calls`` cut into ``blocks`` nearly equal blocks (no block is empty)."""
     blocks = min(blocks, calls)
-    return [range(k * calls // blocks, (k + 1) * calls // blocks) for k in range(blocks)]
+    return [(k + 1) * calls // blocks - k * calls // blocks for k in range(blocks)]
 
 
 def _top_functions(profiler: cProfile.Profile, count: int) -> list[str]:
