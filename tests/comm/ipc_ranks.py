@@ -10,12 +10,13 @@ import torch.distributed as dist
 from tests.comm.ranks import _same, cuda_group, make_tensor
 
 
-def ipc_mailbox_cases(seed: int) -> dict[str, Any]:
+def ipc_mailbox_cases(seed: int, lag_cycles: int = 0) -> dict[str, Any]:
     """Small sends pushed into the peers' mailboxes (once a first collective has named
     them): three times as many collectives in flight as a mailbox has slots, uneven splits,
     sends over a slot (pulled) in between, then a mismatch on every slot in turn (the slots
     freed unread) and more collectives after it, all against locally computed results.
-    Returns what the rank saw."""
+    ``lag_cycles``: the collectives in flight are all started while the GPU sleeps this long
+    (none of them queued, their pushes at once). Returns what the rank saw."""
     from freescale_comm import FreescaleValidationError, ipc
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -28,7 +29,8 @@ def ipc_mailbox_cases(seed: int) -> dict[str, Any]:
             return [[slot_floats + 7 * i + j for j in range(n)] for i in range(n)]
         return [[(k * 13 + 3 * i + j + seed) % 300 + 1 for j in range(n)] for i in range(n)]
 
-    def call(k: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    def prepare(k: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Call ``k``'s input and output on the GPU, and what it must receive."""
         splits = splits_of(k)
         piece_seed = seed + 97 * k
         sent = [
@@ -40,33 +42,47 @@ def ipc_mailbox_cases(seed: int) -> dict[str, Any]:
             for j in range(n)
         ]
         out = torch.full((sum(splits[r][rank] for r in range(n)),), -1.0, device=dev)
+        return k, torch.cat(mine).to(dev), out, torch.cat(sent)
+
+    def launch(
+        k: int, inp: torch.Tensor, out: torch.Tensor, want: torch.Tensor
+    ) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        splits = splits_of(k)
         work = dist.all_to_all_single(
-            out,
-            torch.cat(mine).to(dev),
-            [splits[r][rank] for r in range(n)],
-            splits[rank],
-            group=group,
-            async_op=True,
+            out, inp, [splits[r][rank] for r in range(n)], splits[rank], group=group, async_op=True
         )
-        return work, out, torch.cat(sent)
+        return work, out, want
+
+    def call(k: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        return launch(*prepare(k))
 
     report: dict[str, Any] = {"checked": 0, "mismatches": 0}
     work, out, want = call(4)  # pulled: it names the mailboxes, mapped before it is queued
     work.wait()
     _same(out.cpu(), want, "the first call")
     report["checked"] += 1
-    calls = [call(k) for k in range(3 * ipc.MAILBOX_SLOTS)]
+    prepared = [prepare(k) for k in range(3 * ipc.MAILBOX_SLOTS)]
+    if lag_cycles:
+        torch.cuda._sleep(lag_cycles)
+    calls = [launch(*p) for p in prepared]
     for k, (work, out, want) in enumerate(calls):
         work.wait()
         _same(out.cpu(), want, f"in flight #{k}")
         report["checked"] += 1
+    # Which of those pushed depends on when each receiver read its slots (an unread one is
+    # pulled); from here on every receiver has read a slot before it is pushed into again.
+    report["pushes_in_flight"] = [row["ipc_pushes"] for row in group.paths()]
     for _ in range(ipc.MAILBOX_SLOTS + 1):
+        torch.cuda.synchronize()  # the slots freed unread by the previous mismatch
+        dist.barrier(group=group)
         try:
             dist.all_to_all_single(
                 torch.empty(n * (2 + rank), device=dev), torch.empty(n * 2, device=dev), group=group
             )
         except FreescaleValidationError:
             report["mismatches"] += 1
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
     for k in range(2 * ipc.MAILBOX_SLOTS):
         work, out, want = call(100 + k)
         work.wait()

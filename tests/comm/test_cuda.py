@@ -138,20 +138,46 @@ def test_ipc_special_cases(world_size):
             assert all(p.startswith("ipc:") for p in report[f"paths_{validate}"]), report
 
 
-def test_ipc_pushes_small_sends_into_mailboxes(fs_group):
+def _check_mailbox_pushes(reports: list[dict], world_size: int) -> None:
     from freescale_comm.ipc import MAILBOX_SLOTS
 
     in_flight, after = range(3 * MAILBOX_SLOTS), range(100, 100 + 2 * MAILBOX_SLOTS)
-    # Every call but the first and those over a slot (each fifth) pushes; of the mismatches
-    # only rank 0's (the others' plans fail locally: they expect more bytes from themselves
-    # than they send, and send nothing), which every peer frees unread.
-    small = sum(1 for k in [*in_flight, *after] if k % 5 != 4)
-    reports = fs_group.run(ipc_ranks.ipc_mailbox_cases, 5, timeout_s=180)
+    small_in_flight = sum(1 for k in in_flight if k % 5 != 4)  # each fifth is over a slot
+    small_after = sum(1 for k in after if k % 5 != 4)
     for rank, report in enumerate(reports):
         assert report["checked"] == 1 + len(in_flight) + len(after), report
         assert report["mismatches"] == MAILBOX_SLOTS + 1, report
-        want = small + (MAILBOX_SLOTS + 1 if rank == 0 else 0)
-        assert report["pushes"] == [want] * (fs_group.spec.world_size - 1), (rank, report)
+        # In flight: the first call into each slot pushes, a later one only if its receiver
+        # has read the slot by then. After them every small call pushes, and of the
+        # mismatches only rank 0's (the others' plans fail locally: they expect more bytes
+        # from themselves than they send, and send nothing), which every peer frees unread.
+        for pushes in report["pushes_in_flight"]:
+            assert MAILBOX_SLOTS <= pushes <= small_in_flight, (rank, report)
+        later = small_after + (MAILBOX_SLOTS + 1 if rank == 0 else 0)
+        assert len(report["pushes"]) == world_size - 1, report
+        for pushes, before in zip(report["pushes"], report["pushes_in_flight"], strict=True):
+            assert pushes - before == later, (rank, report)
+
+
+def test_ipc_pushes_small_sends_into_mailboxes(fs_group):
+    reports = fs_group.run(ipc_ranks.ipc_mailbox_cases, 5, timeout_s=180)
+    _check_mailbox_pushes(reports, fs_group.spec.world_size)
+
+
+def test_ipc_pushes_with_one_hardware_queue():
+    # CUDA_DEVICE_MAX_CONNECTIONS=1 (as Megatron sets it): every stream of a process shares
+    # one hardware queue, so a GPU wait for a peer blocks all of that process's later work.
+    # A push that waited on the GPU for its receiver to read the slot could deadlock both
+    # ranks with a mailbox's worth of collectives in flight, started while the GPU sleeps
+    # (the second one is queued only once the first has run: on a shared GPU, one at a time).
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    group = LocalGroup(2, backend="freescale", setup=SETUP, init_timeout_s=60, env=env)
+    try:
+        group.start()
+        reports = group.run(ipc_ranks.ipc_mailbox_cases, 9, 400_000_000, timeout_s=180)
+    finally:
+        group.close()
+    _check_mailbox_pushes(reports, 2)
 
 
 def test_ipc_mismatch_behind_a_lagging_receiver_frees_its_slot_in_order(fs_group):

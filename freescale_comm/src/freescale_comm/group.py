@@ -734,7 +734,7 @@ class GroupContext:
                 why = str(failure) or type(failure).__name__  # an interrupt has no text
                 self.abort(f"rank {self.rank}: {op.label} could not start: {why}")
             raise failure
-        may_drive = caller_waits and (not op.on_cuda or _cuda_device() == op.plan.cuda_index)
+        may_drive = caller_waits and (not op.on_cuda or _current_device() == op.plan.cuda_index)
         if not (may_drive and self.engine.claim(op)):
             self.engine.submit(op)
 
@@ -893,6 +893,14 @@ def _staging_rings(options: FreescaleOptions, peers: int) -> tuple[int, int] | N
         return None
     chunk = options.chunk_bytes
     return max(2, min(64, options.staging_pool_bytes // 2 // (peers * chunk))), chunk
+
+
+def _current_device() -> int:
+    """The calling thread's current CUDA device (CUDA is initialised: a CUDA collective runs);
+    without ``torch.cuda.is_available``, which costs microseconds per call."""
+    import torch
+
+    return torch._C._cuda_getDevice()
 
 
 def _cuda_device() -> int | None:

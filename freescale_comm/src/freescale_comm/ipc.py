@@ -45,16 +45,18 @@ Small sends are pushed instead of pulled. Each rank keeps a mailbox, a device al
 with ``MAILBOX_SLOTS`` slots of ``MAILBOX_SLOT_BYTES`` per sender, whose handle every descriptor
 carries; once a rank has mapped a peer's mailbox, a send to that peer that fits a slot is copied
 into it at the call, before any header leaves, on the group's push stream (behind the caller's
-stream, and behind the receiver's flag that it has read the slot's previous content), followed by a
-"pushed" flag. (A stream of their own: a push may wait for the receiver's read of an earlier
-collective, which must not hold this rank's IPC stream behind it.) The receiver's queued collective
+stream), followed by a "pushed" flag, provided the CPU sees the receiver's flag that it has read
+the slot's previous content; a send to a slot not read yet is pulled instead. (No GPU waits for
+that flag: the receiver's GPU work that meets it may sit, in one hardware queue under
+``CUDA_DEVICE_MAX_CONNECTIONS=1``, behind its own wait of that kind, and both ranks would hang. A
+stream of their own, so that a push is not queued behind the IPC stream's waits for earlier
+collectives.) The receiver's queued collective
 waits for that flag and copies out of its own mailbox into the output, so the outputs are still
 written only after the verdict, but the copy between the processes overlaps the header exchange,
 and no GPU waits for another's verdict (a pull waits for the peer's queued "ready" and then the
 peer waits for the puller's "read"). A collective that fails its verdict frees the slots pushed
 to it unread with a "read" flag write on the IPC stream, queued once every earlier collective is
-(``done_with``): the failed push itself waited for the slot's previous push to be read, which an
-earlier collective still queued here may not have done yet, and a "read" flag must never go back.
+(``done_with``), so that a pair's flags are written in call order; a "read" flag never goes back.
 
 Memory that CUDA IPC cannot export (``expandable_segments``, virtual memory management) is copied
 into a scratch allocation of the group's own first, on the same stream. A peer's allocation is
@@ -374,7 +376,12 @@ class _Flags:
         self.peer_ready, self.peer_done = inc + 8 * _READY, inc + 8 * _DONE
         self.my_pushed, self.peer_pushed = out + 8 * _PUSHED, inc + 8 * _PUSHED
         self.my_consumed = [out + 8 * (_CONSUMED + slot) for slot in range(MAILBOX_SLOTS)]
-        self.peer_consumed = [inc + 8 * (_CONSUMED + slot) for slot in range(MAILBOX_SLOTS)]
+
+    def peer_read(self, slot: int, seq: int) -> bool:
+        """Whether the peer has read what this rank pushed into its ``slot`` for collective
+        ``seq`` (its GPU's "read" flag, seen by the CPU in the shared page)."""
+        ctrl = self._rings[1].ctrl
+        return ctrl is not None and int(ctrl[_CONSUMED + slot]) >= seq
 
     def release(self, seq: int) -> None:
         """Sets every flag of the pair far past ``seq`` (CPU stores): queued waits pass."""
@@ -484,6 +491,16 @@ class IpcPath:
         with self._push_lock:
             if seq <= self._last_push:  # started out of call order by another thread: pulled
                 return {}, None
+            # Sends to a slot the receiver has not read yet are pulled (never waited for on
+            # the GPU: see the module docstring).
+            slots = {}
+            for peer in targets:
+                slot = self._pushes[peer] % MAILBOX_SLOTS
+                previous = self._slot_seq.get((peer, slot))
+                if previous is None or self._flags[peer].peer_read(slot, previous):
+                    slots[peer] = slot
+            if not slots:
+                return {}, None
             self._last_push = seq
             cu = driver()
             replaced = cu.bind(self.device)
@@ -492,13 +509,10 @@ class IpcPath:
                 stream.wait_event(ready)
                 handle = ctypes.c_void_p(stream.cuda_stream)
                 pushed = {}
-                for peer, buffers in targets.items():
+                for peer, slot in slots.items():
+                    buffers = targets[peer]
                     flags = self._flags[peer]
-                    slot = self._pushes[peer] % MAILBOX_SLOTS
                     self._pushes[peer] += 1
-                    previous = self._slot_seq.get((peer, slot))
-                    if previous is not None:  # the receiver has read the slot's last push
-                        _wait(cu, handle, flags.peer_consumed[slot], previous)
                     self._slot_seq[peer, slot] = seq
                     offset = slot_offset(self.host_index(self._rank), slot)
                     places = []
