@@ -596,3 +596,37 @@ def test_an_outbox_reads_its_peers_counters_again_after_raising_its_wake_flag():
     boxes._own, boxes._peers, boxes._posted = _Segment(own), {1: _Segment(peer)}, 5
     assert boxes.writable(6) and peer.reads == 2
     assert own[outbox._WANTS_CONSUMED] == 0  # lowered again: no wake-up owed
+
+
+def test_an_aborted_group_releases_its_ipc_waits_again_each_second_until_they_drain():
+    # A live peer's GPU may write a flag of a collective it queued before the abort after
+    # this rank released its waits, setting the flag back below a wait still queued here.
+    from freescale_comm.group import GroupContext
+    from freescale_comm.ipc import IpcPath
+
+    class _Path:  # what the upkeep and ``keep_released`` call of an IPC path
+        def __init__(self) -> None:
+            self.releases = 0
+            self.queued = True
+
+        def drained(self) -> bool:
+            return not self.queued
+
+        def release(self) -> None:
+            self.releases += 1
+
+        def keep_released(self) -> None:
+            IpcPath.keep_released(self)
+
+    ctx = GroupContext.__new__(GroupContext)
+    path = _Path()
+    ctx._timeout_source, ctx._broken, ctx._ipc = None, None, {0: path}
+    ctx._upkeep()
+    assert path.releases == 0  # a healthy group's waits are met by its peers
+    ctx._broken = "rank 1 died"
+    ctx._upkeep()
+    ctx._upkeep()
+    assert path.releases == 2
+    path.queued = False
+    ctx._upkeep()
+    assert path.releases == 2  # drained: nothing left to release

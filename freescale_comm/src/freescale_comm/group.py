@@ -63,24 +63,24 @@ class _SealedDeadlines:
     no thread drives those. It finishes those whose event has completed (nothing else may
     poll them: the group's last call before an idle spell), and fails those past their
     deadline: a peer whose GPU never meets the collective's flags would otherwise hold this
-    rank's streams for ever, unreported. Each tick also takes up a timeout set on the group
-    since (``refresh``)."""
+    rank's streams for ever, unreported. Each tick first runs the group's other upkeep
+    (``upkeep``: a timeout set on the group since, IPC waits released again)."""
 
     _PERIOD_S = 1.0
 
     def __init__(
-        self, inflight: Callable[[], list[Collective]], refresh: Callable[[], None]
+        self, inflight: Callable[[], list[Collective]], upkeep: Callable[[], None]
     ) -> None:
         self._inflight = inflight
-        self._refresh = refresh
+        self._upkeep = upkeep
         self.next_due = time.monotonic() + self._PERIOD_S
 
     def tick(self, now: float) -> None:
         self.next_due = now + self._PERIOD_S
         try:
-            self._refresh()
+            self._upkeep()
         except Exception:  # the engine thread serves every group: it must live on
-            logger.exception("freescale: reading the group's timeout raised")
+            logger.exception("freescale: the group's upkeep raised")
         for op in self._inflight():
             if op.finished or op.needs_engine:
                 continue
@@ -145,7 +145,7 @@ class GroupContext:
         self.outboxes: Any = None  # ``outbox.Outboxes`` with the peers on this host
         # Where the group's timeout is read again (``follow_timeout``).
         self._timeout_source: Callable[[], timedelta] | None = None
-        self._sealed = _SealedDeadlines(self.inflight, self._refresh_timeout)
+        self._sealed = _SealedDeadlines(self.inflight, self._upkeep)
         self._links: list[Any] = [None] * size
         self._hub: Any = None
         self.transport = Transport.acquire()
@@ -629,12 +629,18 @@ class GroupContext:
         the group's Gloo / NCCL backends only. Collectives started after a change get it."""
         self._timeout_source = source
 
-    def _refresh_timeout(self) -> None:
+    def _upkeep(self) -> None:
+        """Each second on the engine thread: takes up a timeout set on the group since
+        (``follow_timeout``); once the group is aborted, releases the IPC waits again until
+        the streams drain (``IpcPath.keep_released``)."""
         source = self._timeout_source
         if source is not None:
             seconds = source().total_seconds()
             if seconds > 0:
                 self.timeout_s = seconds
+        if self._broken is not None:
+            for path in list(self._ipc.values()):
+                path.keep_released()
 
     def mailbox_path(self) -> IpcPath | None:
         """The IPC path whose mailbox the peers of this host push into: the first one made

@@ -24,7 +24,9 @@ GPU in both processes: each rank writes only the flags of its outgoing ring and 
 those of its incoming one, and both only grow (the collective's sequence number, compared
 cyclically), so they are never reset. The CPU never writes them, except to release waits when
 the group is aborted (by a failed collective, or by the liveness poll that finds a silent peer
-or the abort key): a dead peer's flags would otherwise hold the streams forever.
+or the abort key): a dead peer's flags would otherwise hold the streams forever. A live peer's
+GPU may still write a flag of an earlier collective after that, setting it back, so the waits
+are released again each second until the streams drain.
 
 Why this does not deadlock although streams wait on flags: each collective's flag writes come
 before its waits in one stream, and a rank queues collective ``seq`` once it has every peer's
@@ -683,13 +685,25 @@ class IpcPath:
         for flags in self._flags.values():
             flags.release(self._last_seq)
 
+    def drained(self) -> bool:
+        """Whether the IPC and push streams have run everything queued on them."""
+        return self.stream.query() and self.push_stream.query()
+
+    def keep_released(self) -> None:
+        """Releases the queued waits again while the streams have not drained (the group was
+        aborted): a live peer's GPU may still write a flag of a collective it queued before
+        the abort, setting it back below a wait queued here, which would hold the streams,
+        and any caller that synchronizes with them, until the group is destroyed."""
+        if not self.drained():
+            self.release()
+
     def close(self) -> None:
         """Waits for the stream, then unmaps and frees. Waits still queued after
         ``_CLOSE_WAIT_S`` (the group destroyed in the middle of a collective) are released, again
         and again for as long once more (a peer's late flag write can undo a release); a stream
         that still does not drain keeps its memory (logged) rather than hang the shutdown."""
         start = time.monotonic()
-        while not (self.stream.query() and self.push_stream.query()):
+        while not self.drained():
             waited = time.monotonic() - start
             if waited > 2 * _CLOSE_WAIT_S:
                 logger.warning(
