@@ -2252,3 +2252,49 @@ def die_during_ipc_collective(victim: int) -> dict[str, float]:
             f"{time.monotonic() - start:.1f} s (CUDA error: {cuda_error or 'none'}): {err}"
         ) from err
     return {"raised": -1.0}
+
+
+def outputs_written_when_a_barrier_returns(rounds: int) -> int:
+    """Asynchronous AllToAll and AllGather of a few MiB, then ``dist.barrier()`` and the
+    outputs read without a wait: written by then, as Gloo's barrier waits for the work before
+    it. Returns the rounds checked."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    per_peer = 1 << 20  # floats: 4 MiB to each peer
+    for k in range(rounds):
+        sent = torch.full((n * per_peer,), float(rank + 10 * k))
+        received = torch.zeros(n * per_peer)
+        gathered = torch.zeros(n * per_peer)
+        works = [
+            dist.all_to_all_single(received, sent, async_op=True),
+            dist.all_gather_into_tensor(gathered, sent[:per_peer], async_op=True),
+        ]
+        dist.barrier()
+        want = torch.arange(n, dtype=torch.float32).repeat_interleave(per_peer) + 10 * k
+        if not (torch.equal(received, want) and torch.equal(gathered, want)):
+            raise AssertionError(f"rank {rank}, round {k}: an output not written at the barrier")
+        for work in works:
+            work.wait()
+    return rounds
+
+
+def collectives_in_flight_finish_at_a_destroy(rounds: int) -> int:
+    """Asynchronous AllToAll and AllGather of a few MiB on a new group, then the group
+    destroyed before any wait: as with Gloo, they finish first (their waits return True, their
+    outputs written). Returns the rounds checked."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    per_peer = 1 << 20  # floats: 4 MiB to each peer
+    want = torch.arange(n, dtype=torch.float32).repeat_interleave(per_peer)
+    for k in range(rounds):
+        group = freescale_group(30)
+        sent = torch.full((n * per_peer,), float(rank))
+        received, gathered = torch.zeros(n * per_peer), torch.zeros(n * per_peer)
+        works = [
+            dist.all_to_all_single(received, sent, group=group, async_op=True),
+            dist.all_gather_into_tensor(gathered, sent[:per_peer], group=group, async_op=True),
+        ]
+        dist.destroy_process_group(group)
+        if not all(work.wait() for work in works):
+            raise AssertionError(f"rank {rank}, round {k}: a wait returned False")
+        if not (torch.equal(received, want) and torch.equal(gathered, want)):
+            raise AssertionError(f"rank {rank}, round {k}: an output not written")
+    return rounds

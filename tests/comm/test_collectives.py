@@ -66,3 +66,14 @@ def test_lazy_views_as_inputs_and_autograd_versions_of_outputs_match_gloo(fs_gro
         assert seen["differ"] == [], seen
         assert all(seen["bumps"].values()), seen
         assert seen["backward"] == "modified by an inplace operation", seen
+
+
+def test_a_barrier_returns_once_the_collectives_before_it_have_finished(fs_group):
+    n = fs_group.spec.world_size
+    assert fs_group.run(ranks.outputs_written_when_a_barrier_returns, 3, timeout_s=120) == [3] * n
+
+
+def test_a_destroy_lets_the_collectives_in_flight_finish(fs_group):
+    n = fs_group.spec.world_size
+    run = ranks.collectives_in_flight_finish_at_a_destroy
+    assert fs_group.run(run, 3, timeout_s=120) == [3] * n

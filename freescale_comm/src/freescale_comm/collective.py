@@ -81,6 +81,10 @@ class _NotSealed:
 
 _NOT_SEALED = _NotSealed()
 
+# Slack past the group timeout: the engine fails an expired collective itself (naming the
+# missing peers); a wait that outlives that by this much means the engine thread is gone.
+WAIT_SLACK_S = 5.0
+
 
 class _Done:
     """``Collective.event`` and ``sealed``: a ``threading.Event`` made only if a thread must
@@ -219,6 +223,14 @@ class Collective:
             watcher = self._final_watcher
         if watcher is not None:
             watcher.watch(self.final, self._finish_after_final)
+
+    def await_finish(self) -> None:
+        """Blocks until this collective has finished, succeeded or failed, at most until the
+        slack past its deadline (the engine fails it at the deadline). Drives nothing: a
+        claimed collective is driven by the thread that claimed it, the others by the engine
+        thread."""
+        self.finish_promptly()
+        self.event.wait(max(0.0, self.deadline + WAIT_SLACK_S - time.monotonic()))
 
     def poll_final(self, awaited_too: bool = False) -> None:
         """Finishes a sealed CUDA collective whose end event has completed (a cheap query;

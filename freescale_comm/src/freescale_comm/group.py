@@ -836,17 +836,23 @@ class GroupContext:
             path.release()
 
     def close(self, wait_for_callbacks: bool = True) -> None:
-        """Fails what is still in flight, frees the CUDA side, gives back engine and transport.
+        """Ends what is still in flight, frees the CUDA side, gives back engine and transport.
 
         Args:
-            wait_for_callbacks: wait up to the group timeout for the callbacks still running,
-                as Gloo's destroy does; else (an abort, which must return promptly) 1 s. The
-                engine thread, which serves every group, never waits longer than that.
+            wait_for_callbacks: let the collectives in flight finish (each within its
+                timeout) and wait up to the group timeout for the callbacks still running, as
+                Gloo's destroy does; else (an abort, which must return promptly) fail them at
+                once and give the callbacks 1 s. The engine thread, which serves every group,
+                never waits longer than that.
         """
         with self._launch_lock:  # no collective starts after this (``launch``)
             if self._closed:
                 return
             self._closed = True
+        if wait_for_callbacks and self._broken is None and not self.engine.is_engine_thread():
+            # As Gloo's destroy, the collectives in flight finish first, each within its bound.
+            for op in self.inflight():
+                op.await_finish()
         for op in self.inflight():
             op.poll_final(awaited_too=True)  # done on the GPU, not yet polled: a success
             op.fail("the process group was shut down", "internal")

@@ -415,9 +415,22 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         """Per peer: how host bytes travel to it (shared-memory ring or UCX) and why."""
         return self._ctx.paths()
 
+    def barrier(self, *args: Any, **kwargs: Any) -> Any:
+        """``barrier`` on the Gloo / NCCL backend (entered without the GIL), once the group's
+        own collectives started before it have finished: as Gloo's barrier waits for the work
+        before it, an asynchronous AllGather / AllToAll's output is written when it returns.
+        Their errors are their handles' to raise. (A callback on the engine thread, which
+        alone progresses them, does not wait for them.)"""
+        ctx = self._ctx
+        if not ctx.engine.is_engine_thread():
+            for op in ctx.inflight():
+                op.await_finish()
+        return self._plain.barrier(*args, **kwargs)
+
     # ----------------------------------------------------------------- lifecycle
     def shutdown(self) -> None:
-        """Fails collectives still in flight and releases the UCX worker and threads."""
+        """Lets the collectives in flight finish (each within its timeout, as Gloo's destroy
+        does), then releases the UCX worker and threads."""
         self._ctx.close()
         for delegate in self._delegates:
             # The Gloo / NCCL backends built here are c10d's to shut down only through us.
@@ -435,7 +448,6 @@ class ProcessGroupFreescale(dist.ProcessGroup):
 _DELEGATED = (
     "allreduce",
     "allreduce_coalesced",
-    "barrier",
     "broadcast",
     "reduce_scatter",
     "reduce_scatter_single_coalesced",

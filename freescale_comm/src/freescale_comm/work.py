@@ -9,12 +9,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from freescale_comm.collective import Collective
+from freescale_comm.collective import WAIT_SLACK_S, Collective
 from freescale_comm.errors import FreescaleTimeoutError
-
-# Slack past the group timeout: the engine fails an expired collective itself (naming the
-# missing peers); a wait that outlives that by this much means the engine thread is gone.
-_WAIT_SLACK_S = 5.0
 
 
 class FreescaleWork(dist.Work):
@@ -81,7 +77,7 @@ class FreescaleWork(dist.Work):
 
     def _bound(self, timeout: timedelta | None) -> tuple[float, bool]:
         """The wait's limit in seconds, and whether it is the caller's (shorter) one."""
-        bound = self._op.timeout_s + _WAIT_SLACK_S
+        bound = self._op.timeout_s + WAIT_SLACK_S
         short = timeout is not None and 0 < timeout.total_seconds() < bound
         return (timeout.total_seconds() if short else bound), short
 
