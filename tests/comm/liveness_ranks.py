@@ -210,3 +210,55 @@ def outlive_the_store(stall_s: float) -> dict[str, object]:
     except RuntimeError as err:
         error = str(err)
     return {"calls": calls, "error": error}
+
+
+def store_host_stopped(stop_after_s: float, resume_after_s: float) -> dict[str, object]:
+    """Rank 0 hosts the job's store and stops itself (SIGSTOP) during the AllToAlls of a
+    freescale group judging liveness after 2 s: rank 1's requests to the store then go
+    unanswered (no connection error), as with a store host cut off. Rank 1 must still raise
+    within about ``dead_after_s``, not once the store answers again; it resumes rank 0 once
+    it has raised, or after ``resume_after_s`` if it has not by then (so that the run ends).
+    Returns, per rank, the seconds from the stop to the raise and the error."""
+    import threading
+
+    from freescale_comm import FreescaleOptions
+    from freescale_comm._local_ranks import local_rank, store_port
+
+    rank = local_rank()
+    launcher = dist.TCPStore(
+        "127.0.0.1", store_port(), is_master=False, timeout=timedelta(seconds=30)
+    )
+    server = None
+    if rank == 0:
+        server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        launcher.set("stopped_store_port", str(server.port))
+        launcher.set("stopped_store_pid", str(os.getpid()))
+    port = int(launcher.get("stopped_store_port"))
+    job = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=job, rank=rank, world_size=2)
+    options = FreescaleOptions(heartbeat_s=0.5, dead_after_s=2.0)
+    group = dist.new_group(backend="freescale", timeout=timedelta(seconds=60), pg_options=options)
+    dist.barrier(group=group)
+    if rank == 0:
+        threading.Timer(stop_after_s, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+    else:
+        stopped_at = time.monotonic() + stop_after_s
+        victim = int(launcher.get("stopped_store_pid"))
+        resume = threading.Timer(stop_after_s + resume_after_s, os.kill, (victim, signal.SIGCONT))
+        resume.start()
+    error = None
+    x = torch.ones(2 * 64)
+    try:
+        for _ in range(10_000_000):
+            dist.all_to_all_single(torch.empty_like(x), x, group=group)
+    except RuntimeError as err:
+        error = str(err)
+    raised_after = None
+    if rank == 1:
+        raised_after = time.monotonic() - stopped_at
+        resume.cancel()
+        os.kill(victim, signal.SIGCONT)
+    launcher.add("stopped_store_done", 1)
+    while launcher.add("stopped_store_done", 0) < 2:  # the store's host leaves last
+        time.sleep(0.05)
+    return {"raised_after_s": raised_after, "error": error}

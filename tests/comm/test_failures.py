@@ -163,10 +163,11 @@ def test_destroy_frees_the_groups_context_at_once(local_groups):
 def test_destroy_leaves_no_threads(local_groups):
     group = local_groups.get(2)  # a Gloo world; the freescale group is made inside it
     for result in group.run(ranks.threads_after_destroy):
-        # The engine (and the group's callback thread, where the callback was attached before
-        # the AllGather was done) ...
-        assert "freescale-comm-engine" in result["engine_during"]
-        assert set(result["engine_during"]) <= {"freescale-comm-engine", "freescale-comm-callbacks"}
+        # The engine, the group's liveness thread (and its callback thread, where the callback
+        # was attached before the AllGather was done) ...
+        assert {"freescale-comm-engine", "freescale-comm-liveness"} <= set(result["engine_during"])
+        ours = {"freescale-comm-engine", "freescale-comm-liveness", "freescale-comm-callbacks"}
+        assert set(result["engine_during"]) <= ours
         # ... UCX's progress and async threads and the subgroup's Gloo threads ...
         assert len(result["during"]) >= len(result["before"]) + 3
         assert "async" in result["during"]

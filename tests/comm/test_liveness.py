@@ -520,3 +520,20 @@ def test_a_peer_process_gone_is_reported_while_the_store_is_down():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_stopped_store_host_is_reported_within_dead_after_s():
+    # Before: rank 1's liveness poll and its abort waited for the stopped store's answer (up
+    # to the store's timeout), on the engine thread and in the caller: rank 1 raised only once
+    # the store's host was resumed, and other groups' collectives stalled with it.
+    group = LocalGroup(2, backend=None, setup=SETUP, init_timeout_s=30)
+    try:
+        group.start()
+        results = group.run(liveness_ranks.store_host_stopped, 1.0, 12.0, timeout_s=90)
+    finally:
+        group.close()
+    survivor = results[1]
+    # dead_after_s = 2 s after the first unanswered request (each 0.5 s), checked each 0.05 s.
+    assert survivor["raised_after_s"] < 5.0, results
+    assert "the c10d store has not answered a request for" in survivor["error"], results
+    assert results[0]["error"] is not None, results  # resumed into an aborted group

@@ -1,4 +1,4 @@
-"""The process's progress thread: drives UCX and collectives, bounds them, keeps groups' liveness.
+"""The process's progress thread: drives UCX and collectives, bounds them.
 
 One daemon thread per process, for every group. While collectives are in flight it progresses
 the UCX worker, notices completed requests (ucxx has no blocking wait from Python), posts the
@@ -9,9 +9,9 @@ until UCX signals an event, something calls ``Transport.wake`` (a new collective
 CUDA copy) or ``_EPOLL_MS`` passes — so an arriving message wakes it at once and an idle wait
 costs no CPU (where its group yields when idle, ``yields_when_idle``, it first yields its core
 and polls again, for up to ``YIELD_S``). While no collective is in flight it sleeps on a
-condition. In flight or not, it beats and polls every group's liveness when due
-(``liveness``): the store requests of the process are made here, and a collective's health
-check only reads what the last poll found.
+condition. In flight or not, it runs each group's periodic watches when due (the deadlines of
+collectives left to their CUDA end event, ``group``). A collective's health check only reads
+what the group's liveness thread last found (``liveness``): no store request is made here.
 
 A synchronous collective (``async_op=False``: the caller waits at once) that finds the engine
 idle is *claimed* by its caller instead: ``Work.wait`` runs the same loop on the calling thread
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 # drives finds it by its query), and sets how often deadlines are checked between events.
 _EPOLL_MS = 1
 # How often collectives in flight are checked against their group's liveness verdict (no store
-# request: the verdict is what the engine thread's last poll found).
+# request: the verdict is what the liveness thread's last poll found).
 _HEALTH_PERIOD_S = 0.05
 # A claimed collective nobody drives for this long goes to the engine thread (a safety net: the
 # claim is made only for calls whose caller waits at once).
@@ -92,15 +92,15 @@ class GroupHealth(Protocol):
 
 
 class Watch(Protocol):
-    """A group's liveness duty (``liveness.Liveness``): beats and polls, when due."""
+    """A group's periodic duty on the engine thread, when due; it must never block."""
 
     @property
     def next_due(self) -> float:
-        """``time.monotonic()`` of its next beat or poll."""
+        """``time.monotonic()`` of its next tick."""
         ...
 
     def tick(self, now: float) -> None:
-        """Beats and polls as due; never raises."""
+        """Does what is due; never raises."""
         ...
 
 

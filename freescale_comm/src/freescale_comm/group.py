@@ -14,7 +14,6 @@ the same story instead of each waiting for its own timeout.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import threading
@@ -185,7 +184,7 @@ class GroupContext:
         self.liveness.watch_processes(
             {p: who for p, who in self.directory.host_processes.items() if p != rank}
         )
-        self.engine.watch(self.liveness)
+        self.liveness.start()
         self.engine.watch(self._sealed)
         self._endpoints: list[Any] = [None] * size
         self._header_room = Signature.size(size) + self.eager_per_peer
@@ -773,11 +772,10 @@ class GroupContext:
             "(then / add_done_callback run on the group's callback thread)"
         )
         if self.broken is None:
-            # The peers read the abort key within one poll; here the liveness watch then
-            # aborts the group on the engine thread (``on_failure``), outside the lock of the
+            # The peers read the abort key within one poll; here the liveness thread, once it
+            # has written it, aborts the group (``on_failure``), outside the lock of the
             # collective this thread may be completing.
-            with contextlib.suppress(Exception):  # the store's host may be gone
-                self.liveness.abort(f"rank {self.rank}: {error}")
+            self.liveness.request_abort(f"rank {self.rank}: {error}")
         raise FreescaleError(f"{error}; the group is aborted on every rank")
 
     def inflight(self) -> list[Collective]:
@@ -801,7 +799,7 @@ class GroupContext:
         (abort, a silent peer; or, once it has waited ``dead_after_s``, a store unreachable that
         long: this rank cannot see its peers' deaths then), or None.
 
-        What the engine thread's last liveness poll found: no store request here."""
+        What the liveness thread's last poll found: no store request here."""
         error = self.liveness.error()
         if error is None and waited_s > self.liveness.dead_after_s:
             silence = self.liveness.store_silence()
@@ -812,7 +810,7 @@ class GroupContext:
     @property
     def broken(self) -> str | None:
         """Why the group is unusable (its first abort), or None: later collectives raise."""
-        return self._broken or self.liveness.aborted
+        return self._broken or self.liveness.abort_reason
 
     def describe_peers(self, peers: list[int]) -> str:
         """ "ranks [a, b]" plus how long each watched one has been silent, where that is notable."""
@@ -824,9 +822,8 @@ class GroupContext:
         which no collective may be polling (a sealed IPC collective waits on the GPU only)."""
         if self._broken is None:
             self._broken = reason
-            # The store's host may be the process that died.
-            with contextlib.suppress(Exception):
-                self.liveness.abort(reason)
+            # Written by the liveness thread: the store's host may be stopped or gone.
+            self.liveness.request_abort(reason)
             for op in self.inflight():
                 op.poll_final(awaited_too=True)  # done on the GPU, not yet polled: a success
                 op.fail(f"the group was aborted by {reason}", "peer")
@@ -865,7 +862,6 @@ class GroupContext:
             logger.warning(
                 "freescale: a callback of group %s still runs; its thread is left", self.group_id
             )
-        self.engine.unwatch(self.liveness)
         self.engine.unwatch(self._sealed)
         # Both refer back to this context: without them it is freed with its last reference,
         # not at the next garbage collection. The timeout's source holds the group's Gloo,
@@ -873,7 +869,7 @@ class GroupContext:
         self._sealed = None
         self._timeout_source = None
         if self.liveness is not None:
-            self.liveness.forget_failure_handler()
+            self.liveness.stop()
         self.engine.release()
         for link in self._links:
             if link is not None:

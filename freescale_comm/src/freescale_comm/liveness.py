@@ -21,7 +21,11 @@ have only their heartbeats: ``dead_after_s`` must outlast any one call there tha
 The heartbeat and the polls use a connection to the store of the group's own
 (``own_connection``; the directory's address lookups share it): on the caller's, they would
 wait behind a request another thread blocks in (a ``wait`` for a late peer's ``new_group``, a
-checkpoint barrier), and the engine thread, which also moves the data, with them.
+checkpoint barrier). They run on a thread of the group's own (``start``): a request to a store
+whose host is stopped or cut off blocks for the store's whole timeout, which must hold neither
+the engine thread (it moves every group's data) nor a caller (an abort hands the abort key to
+that thread, ``request_abort``); a request unanswered for ``dead_after_s`` counts as an
+unreachable store (``store_silence``).
 
 Coverage: on a ring of successors, the live rank just before any run of dead (or stopped) ranks
 watches one of them, so a death is seen while any rank lives, also when the watcher of a rank
@@ -37,6 +41,7 @@ import contextlib
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +55,9 @@ WATCHED = 2
 _GAP_PERIODS = 4
 # Longest wait between retries of a store that keeps failing.
 _MAX_RETRY_S = 30.0
+# How long a group's shutdown waits for its liveness thread (one blocked in a store request
+# is left behind: a daemon, it ends with the request or the process).
+_STOP_WAIT_S = 1.0
 
 
 def poll_period(dead_after_s: float) -> float:
@@ -80,9 +88,9 @@ def own_connection(store: Any) -> Any:
 class Liveness:
     """One rank's heartbeat and watch in one group (see the module docstring).
 
-    ``tick`` is called by the engine thread whenever ``next_due`` has passed; everything else
-    only reads what the last poll found, so checking a collective's health costs no store
-    request.
+    ``tick`` runs on the liveness thread (``start``) whenever ``next_due`` has passed;
+    everything else only reads what the last poll found, so checking a collective's health
+    costs no store request.
 
     Args:
         store: the group's keys (the same prefix on every rank).
@@ -90,8 +98,8 @@ class Liveness:
         size: ranks in the group.
         heartbeat_s: period of this rank's heartbeat.
         dead_after_s: a watched rank whose counter stands still this long is reported dead.
-        on_failure: called once, on the engine thread, with ``error()`` when a poll first finds
-            a silent rank or the abort key.
+        on_failure: called once, on the thread that ticks, with ``error()`` when a poll first
+            finds a silent rank or the abort key.
     """
 
     def __init__(
@@ -130,8 +138,13 @@ class Liveness:
         # schedule of its own: no store request, so also while the store is down.
         self._processes: dict[int, tuple[int, int]] = {}
         self._next_check = now + self.poll_s
-        # An abort this rank could not write (the store was down): written once it answers.
+        # An abort this rank has yet to write (asked for by another thread, or the store was
+        # down): written at the next tick, or once the store answers.
         self._unwritten_abort: str | None = None
+        self._asking_since: float | None = None  # a store request in flight since then
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._stopping = False
         self.beat()
 
     @property
@@ -144,12 +157,60 @@ class Liveness:
         self.store.add(self._own_key, 1)
         self._next_beat = time.monotonic() + self.heartbeat_s
 
+    def start(self) -> None:
+        """Ticks on a thread of its own from now on, until ``stop`` (module docstring)."""
+        self._thread = threading.Thread(
+            target=self._run, name="freescale-comm-liveness", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            wait = min(self.next_due - time.monotonic(), self.poll_s)
+            woken = self._wake.wait(max(0.0, wait))
+            self._wake.clear()
+            now = time.monotonic()
+            if self._stopping or not (woken or now >= self.next_due):
+                continue
+            try:
+                self.tick(now)
+            except Exception:  # the group must keep its liveness whatever one tick hit
+                logger.exception("freescale: a liveness tick raised")
+        if self._unwritten_abort is not None:  # asked for just before the stop (``abort()``)
+            with contextlib.suppress(Exception):
+                self.abort(self._unwritten_abort)
+
+    def stop(self) -> None:
+        """Ends the thread (its group is closed) and drops ``on_failure``; an abort asked for
+        is written first. A thread blocked in a store request is left behind after
+        ``_STOP_WAIT_S``: it ends with the request."""
+        self._on_failure = None
+        self._stopping = True
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(_STOP_WAIT_S)
+
+    @property
+    def abort_reason(self) -> str | None:
+        """The abort key's reason, once read or written here, or one asked for and not yet
+        written (``request_abort``): either way the group is aborted."""
+        return self.aborted or self._unwritten_abort
+
+    def request_abort(self, reason: str) -> None:
+        """Has the liveness thread write the abort key (first reason wins), without waiting for
+        the store here: its host may be stopped."""
+        if self._unwritten_abort is None and self.aborted is None:
+            self._unwritten_abort = reason
+        self._wake.set()
+
     def tick(self, now: float) -> None:
-        """Checks the same-host peers' processes, beats and polls as due (engine thread); a
-        store error is remembered, not raised."""
+        """Checks the same-host peers' processes, beats and polls as due; a store error is
+        remembered, not raised."""
         if now >= self._next_check:
             self._next_check = now + self.poll_s
             self.check_processes()
+        self._asking_since = now
         try:
             if self._unwritten_abort is not None:
                 self.abort(self._unwritten_abort)
@@ -175,6 +236,8 @@ class Liveness:
             retry = min(_MAX_RETRY_S, self.poll_s * 2 ** min(self._store_failures, 16))
             self._next_beat = max(self._next_beat, now + retry)
             self._next_poll = max(self._next_poll, now + retry)
+        finally:
+            self._asking_since = None
         error = self.error()
         if error is not None and not self._told and self._on_failure is not None:
             # Once: what nobody polls must learn of it too (GPU waits on a dead peer's flags).
@@ -186,10 +249,6 @@ class Liveness:
                 self._on_failure(reason)
             except Exception:  # the engine thread must live on
                 logger.exception("freescale: handling a failed peer raised")
-
-    def forget_failure_handler(self) -> None:
-        """Drops ``on_failure`` (its group is closed)."""
-        self._on_failure = None
 
     def watch_processes(self, identities: dict[int, str]) -> None:
         """Also watches the processes of these peers of this host (rank -> the identity each
@@ -283,13 +342,20 @@ class Liveness:
 
     def store_silence(self) -> str | None:
         """Why this rank cannot tell whether its peers live, where the store has failed every
-        request for longer than ``dead_after_s``, or None. Its host may have finished its part
-        of the job (the peers' collectives still move their data) or died with it: only a
-        collective that waits that long as well should fail for it (``GroupContext``).
+        request for longer than ``dead_after_s`` or left one unanswered that long (its host
+        stopped, or cut off), or None. Its host may have finished its part of the job (the
+        peers' collectives still move their data) or died with it: only a collective that
+        waits that long as well should fail for it (``GroupContext``).
 
         The outage counts up to the last failed request, not to ``now``: the retries grow
         apart (up to ``_MAX_RETRY_S``), and a store that came back between two of them must
         not fail collectives until the next one finds it back."""
+        asking = self._asking_since
+        if asking is not None and time.monotonic() - asking > self.dead_after_s:
+            return (
+                f"the c10d store has not answered a request for {time.monotonic() - asking:.0f} "
+                "s, so this rank cannot tell whether its peers live"
+            )
         since = self._store_down_since
         if since is None:
             return None
