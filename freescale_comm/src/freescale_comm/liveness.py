@@ -243,11 +243,12 @@ class Liveness:
             # Once: what nobody polls must learn of it too (GPU waits on a dead peer's flags).
             self._told = True
             # The abort key's reason as it stands (the group prefixes "aborted by" itself),
-            # also where this rank wrote it: "rank 0: rank 1 ...", who found what.
-            reason = self.aborted or error
+            # also where this rank wrote it, or has yet to: "rank 0: rank 1 ...", who found
+            # what (not "aborted by rank 1: ..." for the rank that died).
+            reason = self.aborted or self._unwritten_abort or error
             try:
                 self._on_failure(reason)
-            except Exception:  # the engine thread must live on
+            except Exception:  # the liveness thread must live on
                 logger.exception("freescale: handling a failed peer raised")
 
     def watch_processes(self, identities: dict[int, str]) -> None:
