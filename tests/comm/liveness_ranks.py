@@ -155,14 +155,19 @@ def busy_but_alive(pause: str, seconds: float, hosts: int) -> list[float]:
     del os.environ[HOST_ENV]
     out = torch.empty(n)
     dist.all_gather_into_tensor(out, torch.tensor([float(rank)]), group=group)
+    late = None
     if pause == "late_new_group":
         if rank == 1:
             time.sleep(seconds)
-        dist.destroy_process_group(dist.new_group(backend="gloo"))
+        late = dist.new_group(backend="gloo")
     elif rank == 0:
         ctypes.PyDLL(None).sleep(int(seconds))  # libc's sleep, called with the GIL held
     dist.all_gather_into_tensor(out, torch.tensor([float(rank + 1)]), group=group)
     dist.destroy_process_group(group)
+    if late is not None:
+        # Only now: a Gloo group destroyed at once can close its connections while the peer
+        # still makes them (the peer's new_group then raises).
+        dist.destroy_process_group(late)
     return out.tolist()
 
 
