@@ -6,6 +6,7 @@ import os
 import signal
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -171,13 +172,10 @@ def busy_but_alive(pause: str, seconds: float, hosts: int) -> list[float]:
     return out.tolist()
 
 
-def outlive_the_store(stall_s: float) -> dict[str, object]:
-    """Rank 0 hosts the job's store and leaves it (its part of the job done) once the pair
-    {1, 2} made a freescale group judging liveness after 1 s. The pair then runs 300 AllGathers
-    10 ms apart (they must work: no peer died), then rank 2 stalls ``stall_s`` before its next call:
-    rank 1's call must fail once it has waited 1 s, since without the store it cannot tell a
-    dead peer. Returns, per rank, the calls that worked and the error."""
-    from freescale_comm import FreescaleOptions
+def _job_store_on_rank_0(name: str, timeout_s: float) -> tuple[int, Any, Any, Any]:
+    """(this rank, the launcher's store, the job's store server on rank 0 (None elsewhere), a
+    client of it): a job whose store rank 0 hosts, as under ``env://``; ``name`` is the
+    launcher's key for its port."""
     from freescale_comm._local_ranks import local_rank, store_port
 
     rank = local_rank()
@@ -187,9 +185,21 @@ def outlive_the_store(stall_s: float) -> dict[str, object]:
     server = None
     if rank == 0:
         server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        launcher.set("job_store_port", str(server.port))
-    port = int(launcher.get("job_store_port"))
-    job = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        launcher.set(name, str(server.port))
+    port = int(launcher.get(name))
+    job = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    return rank, launcher, server, job
+
+
+def outlive_the_store(stall_s: float) -> dict[str, object]:
+    """Rank 0 hosts the job's store and leaves it (its part of the job done) once the pair
+    {1, 2} made a freescale group judging liveness after 1 s. The pair then runs 300 AllGathers
+    10 ms apart (they must work: no peer died), then rank 2 stalls ``stall_s`` before its next call:
+    rank 1's call must fail once it has waited 1 s, since without the store it cannot tell a
+    dead peer. Returns, per rank, the calls that worked and the error."""
+    from freescale_comm import FreescaleOptions
+
+    rank, launcher, server, job = _job_store_on_rank_0("job_store_port", 30)
     dist.init_process_group("gloo", store=job, rank=rank, world_size=3)
     options = FreescaleOptions(heartbeat_s=0.2, dead_after_s=1.0)
     pair = dist.new_group([1, 2], backend="freescale", pg_options=options)
@@ -227,19 +237,11 @@ def store_host_stopped(stop_after_s: float, resume_after_s: float) -> dict[str, 
     import threading
 
     from freescale_comm import FreescaleOptions
-    from freescale_comm._local_ranks import local_rank, store_port
 
-    rank = local_rank()
-    launcher = dist.TCPStore(
-        "127.0.0.1", store_port(), is_master=False, timeout=timedelta(seconds=30)
-    )
-    server = None
+    # The server (rank 0) lives as long as this function holds it.
+    rank, launcher, _server, job = _job_store_on_rank_0("stopped_store_port", 60)
     if rank == 0:
-        server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        launcher.set("stopped_store_port", str(server.port))
         launcher.set("stopped_store_pid", str(os.getpid()))
-    port = int(launcher.get("stopped_store_port"))
-    job = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=job, rank=rank, world_size=2)
     options = FreescaleOptions(heartbeat_s=0.5, dead_after_s=2.0)
     group = dist.new_group(backend="freescale", timeout=timedelta(seconds=60), pg_options=options)
