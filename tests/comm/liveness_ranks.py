@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -10,6 +11,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from freescale_comm import FreescaleOptions
 
 
 def _loop_until_error(group: dist.ProcessGroup | None, what: str) -> float:
@@ -269,3 +272,25 @@ def store_host_stopped(stop_after_s: float, resume_after_s: float) -> dict[str, 
     while launcher.add("stopped_store_done", 0) < 2:  # the store's host leaves last
         time.sleep(0.05)
     return {"raised_after_s": raised_after, "error": error}
+
+
+def exit_right_after_a_timeout() -> str:
+    """Rank 0's collective times out (rank 1 has not called it) and rank 0 exits at once
+    (``os._exit``, as some launchers do after an error): its abort key must be in the store by
+    then. Rank 1 calls the collective later and returns its error, which must name rank 0's
+    timeout (not only that rank 0's process exited)."""
+    rank = dist.get_rank()
+    options = FreescaleOptions(heartbeat_s=0.5, dead_after_s=30.0)
+    group = dist.new_group(backend="freescale", timeout=timedelta(seconds=3), pg_options=options)
+    dist.barrier(group=group)
+    x = torch.ones(8)
+    if rank == 0:
+        with contextlib.suppress(RuntimeError):
+            dist.all_to_all_single(torch.empty_like(x), x, group=group)
+        os._exit(3)
+    time.sleep(5)
+    try:
+        dist.all_to_all_single(torch.empty_like(x), x, group=group)
+    except RuntimeError as err:
+        return str(err)
+    return "no error"

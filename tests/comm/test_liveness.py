@@ -538,3 +538,18 @@ def test_a_stopped_store_host_is_reported_within_dead_after_s():
     assert survivor["raised_after_s"] < 5.0, results
     assert "the c10d store has not answered a request for" in survivor["error"], results
     assert results[0]["error"] is not None, results  # resumed into an aborted group
+
+
+def test_an_abort_reaches_the_store_before_its_raise_returns():
+    # The abort key is written by the liveness thread: a rank that exited right after its
+    # collective raised left the key unwritten, and its peer's later call paired with the
+    # dead rank's data still in the ring and returned no error.
+    group = LocalGroup(2, backend="freescale", setup=SETUP, init_timeout_s=30)
+    try:
+        group.start()
+        with pytest.raises(RankFailure) as failure:
+            group.run(liveness_ranks.exit_right_after_a_timeout, timeout_s=60)
+    finally:
+        group.close()
+    error = failure.value.results[1]
+    assert "the group was aborted" in error and "did not finish within 3 s" in error, error

@@ -112,6 +112,11 @@ class CallbackRunner:
         if inline:
             self._run_one(turn)
 
+    def running_here(self) -> bool:
+        """Whether the calling thread is running one of the group's callbacks (inline, or on
+        the callback thread)."""
+        return self._running == threading.get_ident()
+
     def future_done(self) -> None:
         """Called once a future of the group is done (from any thread)."""
         with self._cond:

@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 _EAGER_ROOM_BYTES = 4 << 20
 # Data messages up to this size leave with the headers over the rings (``sends_early``).
 _EARLY_BYTES = 1 << 20
+# How long an abort waits for its key to be in the store (a healthy store takes milliseconds):
+# bounded, since the store's host may be the stopped process.
+_ABORT_WRITE_WAIT_S = 1.0
 
 
 def root_store(store: dist.Store) -> dist.Store:
@@ -775,7 +778,7 @@ class GroupContext:
             # The peers read the abort key within one poll; here the liveness thread, once it
             # has written it, aborts the group (``on_failure``), outside the lock of the
             # collective this thread may be completing.
-            self.liveness.request_abort(f"rank {self.rank}: {error}")
+            self.liveness.request_abort(f"rank {self.rank}: {error}", _ABORT_WRITE_WAIT_S)
         raise FreescaleError(f"{error}; the group is aborted on every rank")
 
     def inflight(self) -> list[Collective]:
@@ -822,8 +825,9 @@ class GroupContext:
         which no collective may be polling (a sealed IPC collective waits on the GPU only)."""
         if self._broken is None:
             self._broken = reason
-            # Written by the liveness thread: the store's host may be stopped or gone.
-            self.liveness.request_abort(reason)
+            # Written by the liveness thread, waited for a moment (a process that exits
+            # right after the error must still tell its peers); its host may be stopped.
+            self.liveness.request_abort(reason, _ABORT_WRITE_WAIT_S)
             for op in self.inflight():
                 op.poll_final(awaited_too=True)  # done on the GPU, not yet polled: a success
                 op.fail(f"the group was aborted by {reason}", "peer")
@@ -846,7 +850,7 @@ class GroupContext:
             if self._closed:
                 return
             self._closed = True
-        if wait_for_callbacks and self._broken is None and not self.engine.is_engine_thread():
+        if wait_for_callbacks and self.broken is None and not self.engine.is_engine_thread():
             # As Gloo's destroy, the collectives in flight finish first, each within its bound.
             for op in self.inflight():
                 op.await_finish()
@@ -874,9 +878,9 @@ class GroupContext:
         for link in self._links:
             if link is not None:
                 self._hub.detach(link)  # other groups' threads progress the hub meanwhile
-        for path in self._ipc.values():
+        paths, self._ipc = list(self._ipc.values()), {}  # the upkeep sees none from now on
+        for path in paths:
             path.close()
-        self._ipc = {}
         for support in self._cuda.values():
             support.close()
         self._cuda = {}

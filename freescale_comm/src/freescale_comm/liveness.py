@@ -144,6 +144,7 @@ class Liveness:
         self._asking_since: float | None = None  # a store request in flight since then
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
+        self._abort_tried = threading.Event()  # set after each attempt to write the abort key
         self._stopping = False
         self.beat()
 
@@ -168,7 +169,8 @@ class Liveness:
         while not self._stopping:
             wait = min(self.next_due - time.monotonic(), self.poll_s)
             woken = self._wake.wait(max(0.0, wait))
-            self._wake.clear()
+            if woken:  # a wake-up after a timed-out wait stays set for the next turn
+                self._wake.clear()
             now = time.monotonic()
             if self._stopping or not (woken or now >= self.next_due):
                 continue
@@ -179,6 +181,7 @@ class Liveness:
         if self._unwritten_abort is not None:  # asked for just before the stop (``abort()``)
             with contextlib.suppress(Exception):
                 self.abort(self._unwritten_abort)
+            self._abort_tried.set()
 
     def stop(self) -> None:
         """Ends the thread (its group is closed) and drops ``on_failure``; an abort asked for
@@ -197,23 +200,34 @@ class Liveness:
         written (``request_abort``): either way the group is aborted."""
         return self.aborted or self._unwritten_abort
 
-    def request_abort(self, reason: str) -> None:
-        """Has the liveness thread write the abort key (first reason wins), without waiting for
-        the store here: its host may be stopped."""
-        if self._unwritten_abort is None and self.aborted is None:
+    def request_abort(self, reason: str, wait_s: float = 0.0) -> None:
+        """Has the liveness thread write the abort key (first reason wins), and waits up to
+        ``wait_s`` for its attempt (not on that thread): no longer, since the store's host may
+        be stopped, but the caller's process may exit right after the error it raises, and
+        its peers must still learn of the abort."""
+        if self.aborted is not None:
+            return
+        self._abort_tried.clear()
+        if self._unwritten_abort is None:
             self._unwritten_abort = reason
         self._wake.set()
+        thread = self._thread
+        if wait_s > 0 and thread is not None and thread is not threading.current_thread():
+            self._abort_tried.wait(wait_s)
 
     def tick(self, now: float) -> None:
         """Checks the same-host peers' processes, beats and polls as due; a store error is
         remembered, not raised."""
+        self._asking_since = now  # also the abort key a process check writes
         if now >= self._next_check:
             self._next_check = now + self.poll_s
             self.check_processes()
-        self._asking_since = now
         try:
             if self._unwritten_abort is not None:
-                self.abort(self._unwritten_abort)
+                try:
+                    self.abort(self._unwritten_abort)
+                finally:
+                    self._abort_tried.set()
             asked = False
             if now >= self._next_beat:
                 self.beat()
@@ -228,8 +242,9 @@ class Liveness:
         except Exception as err:  # the store's host may be the process that died
             self.store_error = f"the c10d store is unreachable ({err})"
             if self._store_down_since is None:
-                self._store_down_since = now
-            self._store_failed_at = now
+                self._store_down_since = now  # when the first failed request was made
+            # A request may block before it fails: the outage lasted at least until then.
+            self._store_failed_at = max(now, time.monotonic())
             # A store whose host is gone fails every request, and torch logs each failure
             # with a stack trace: the retries grow apart while the failures last.
             self._store_failures += 1
@@ -239,7 +254,8 @@ class Liveness:
         finally:
             self._asking_since = None
         error = self.error()
-        if error is not None and not self._told and self._on_failure is not None:
+        handler = self._on_failure  # once: ``stop`` may drop it meanwhile
+        if error is not None and not self._told and handler is not None:
             # Once: what nobody polls must learn of it too (GPU waits on a dead peer's flags).
             self._told = True
             # The abort key's reason as it stands (the group prefixes "aborted by" itself),
@@ -247,7 +263,7 @@ class Liveness:
             # what (not "aborted by rank 1: ..." for the rank that died).
             reason = self.aborted or self._unwritten_abort or error
             try:
-                self._on_failure(reason)
+                handler(reason)
             except Exception:  # the liveness thread must live on
                 logger.exception("freescale: handling a failed peer raised")
 

@@ -419,10 +419,11 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         """``barrier`` on the Gloo / NCCL backend (entered without the GIL), once the group's
         own collectives started before it have finished: as Gloo's barrier waits for the work
         before it, an asynchronous AllGather / AllToAll's output is written when it returns.
-        Their errors are their handles' to raise. (A callback on the engine thread, which
-        alone progresses them, does not wait for them.)"""
+        Their errors are their handles' to raise. A barrier in a callback does not wait for
+        them: on the engine thread nothing else would progress them, and a future's callback
+        runs at once on one rank (its future was done) and behind later calls on another."""
         ctx = self._ctx
-        if not ctx.engine.is_engine_thread():
+        if not (ctx.engine.is_engine_thread() or ctx.callbacks.running_here()):
             for op in ctx.inflight():
                 op.await_finish()
         return self._plain.barrier(*args, **kwargs)
