@@ -2298,3 +2298,26 @@ def collectives_in_flight_finish_at_a_destroy(rounds: int) -> int:
         if not (torch.equal(received, want) and torch.equal(gathered, want)):
             raise AssertionError(f"rank {rank}, round {k}: an output not written")
     return rounds
+
+
+def barrier_in_a_callback() -> float:
+    """A future's callback calls ``dist.barrier`` while a later AllGather is in flight: on rank
+    0 the callback runs at once (its future was done), before that AllGather starts; on the
+    others it runs on the callback thread, behind it. The barrier must pair across ranks, not
+    wait there for the AllGather (which rank 0 starts only after its barrier). Returns the
+    seconds it all took."""
+    group = freescale_group(20)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x = torch.ones(n * 1024)
+    began = time.monotonic()
+    if rank == 0:
+        time.sleep(0.5)  # the others start the AllGather before the first collective is done
+    first = dist.all_to_all_single(torch.empty_like(x), x, group=group, async_op=True)
+    if rank == 0:
+        first.wait()
+    chained = first.get_future().then(lambda _: dist.barrier(group=group))
+    later = dist.all_gather_into_tensor(torch.empty(n * x.numel()), x, group=group, async_op=True)
+    chained.wait()
+    later.wait()
+    dist.destroy_process_group(group)
+    return time.monotonic() - began

@@ -77,3 +77,9 @@ def test_a_destroy_lets_the_collectives_in_flight_finish(fs_group):
     n = fs_group.spec.world_size
     run = ranks.collectives_in_flight_finish_at_a_destroy
     assert fs_group.run(run, 3, timeout_s=120) == [3] * n
+
+
+def test_a_barrier_in_a_future_callback_does_not_wait_for_later_collectives(fs_group):
+    # It waited for the AllGather that rank 0 starts only after its own barrier: the ranks
+    # hung until the 20 s timeout.
+    assert max(fs_group.run(ranks.barrier_in_a_callback, timeout_s=60)) < 10
