@@ -786,6 +786,12 @@ class GroupContext:
         with self._inflight_lock:
             return list(self._inflight)
 
+    def await_inflight(self) -> None:
+        """Blocks until the collectives in flight now have finished, each within its bound
+        (``Collective.await_finish``)."""
+        for op in self.inflight():
+            op.await_finish()
+
     def retire(self, op: Collective) -> None:
         """Forgets a collective that succeeded, from any thread."""
         with self._inflight_lock:
@@ -851,9 +857,7 @@ class GroupContext:
                 return
             self._closed = True
         if wait_for_callbacks and self.broken is None and not self.engine.is_engine_thread():
-            # As Gloo's destroy, the collectives in flight finish first, each within its bound.
-            for op in self.inflight():
-                op.await_finish()
+            self.await_inflight()  # as Gloo's destroy
         for op in self.inflight():
             op.poll_final(awaited_too=True)  # done on the GPU, not yet polled: a success
             op.fail("the process group was shut down", "internal")

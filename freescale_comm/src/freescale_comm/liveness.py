@@ -144,7 +144,7 @@ class Liveness:
         self._asking_since: float | None = None  # a store request in flight since then
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
-        self._abort_tried = threading.Event()  # set after each attempt to write the abort key
+        self._abort_tried = threading.Event()  # set by each attempt to write the abort key
         self._stopping = False
         self.beat()
 
@@ -181,7 +181,6 @@ class Liveness:
         if self._unwritten_abort is not None:  # asked for just before the stop (``abort()``)
             with contextlib.suppress(Exception):
                 self.abort(self._unwritten_abort)
-            self._abort_tried.set()
 
     def stop(self) -> None:
         """Ends the thread (its group is closed) and drops ``on_failure``; an abort asked for
@@ -224,10 +223,7 @@ class Liveness:
             self.check_processes()
         try:
             if self._unwritten_abort is not None:
-                try:
-                    self.abort(self._unwritten_abort)
-                finally:
-                    self._abort_tried.set()
+                self.abort(self._unwritten_abort)
             asked = False
             if now >= self._next_beat:
                 self.beat()
@@ -344,9 +340,12 @@ class Liveness:
         except Exception:
             self._unwritten_abort = reason
             raise
-        self._unwritten_abort = None
-        self.aborted = bytes(won).decode(errors="replace") or reason
-        return self.aborted
+        else:
+            self._unwritten_abort = None
+            self.aborted = bytes(won).decode(errors="replace") or reason
+            return self.aborted
+        finally:
+            self._abort_tried.set()  # a ``request_abort`` waiting for it sees the outcome
 
     def error(self) -> str | None:
         """Why the group's collectives cannot finish, as far as the last poll knows, or None.

@@ -424,8 +424,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         runs at once on one rank (its future was done) and behind later calls on another."""
         ctx = self._ctx
         if not (ctx.engine.is_engine_thread() or ctx.callbacks.running_here()):
-            for op in ctx.inflight():
-                op.await_finish()
+            ctx.await_inflight()
         return self._plain.barrier(*args, **kwargs)
 
     # ----------------------------------------------------------------- lifecycle
