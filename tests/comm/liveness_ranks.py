@@ -294,3 +294,40 @@ def exit_right_after_a_timeout() -> str:
     except RuntimeError as err:
         return str(err)
     return "no error"
+
+
+def leave_a_group_and_live_on(leaver: int, hosts: int, in_flight: bool) -> dict[str, object]:
+    """The leaver destroys a freescale subgroup (its ranks on ``hosts`` pretend hosts) after
+    three AllToAlls and lives on, silent in it for longer than ``dead_after_s``; each other rank
+    then has a fourth AllToAll of it in flight (``in_flight``: started before the destroy) or
+    calls one. Returns the rank's error message from that AllToAll and the seconds it took
+    from the moment the departure was sure (the leaver: ``None``)."""
+    from freescale_comm.options import HOST_ENV
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    os.environ[HOST_ENV] = f"leave-host-{rank * hosts // n}"
+    options = FreescaleOptions(heartbeat_s=0.2, dead_after_s=1.0)
+    group = dist.new_group(backend="freescale", timeout=timedelta(seconds=60), pg_options=options)
+    del os.environ[HOST_ENV]
+    sent = torch.arange(n, dtype=torch.float32) + rank * n
+    out = torch.empty(n)
+    for _ in range(3):
+        dist.all_to_all_single(out, sent, group=group)
+    if rank == leaver:
+        dist.barrier()
+        dist.destroy_process_group(group)
+        dist.barrier()  # destroyed
+        dist.barrier()  # every other rank has its error
+        return {"error": None}
+    work = dist.all_to_all_single(out, sent, group=group, async_op=True) if in_flight else None
+    dist.barrier()
+    dist.barrier()  # the leaver has destroyed the group
+    time.sleep(0.0 if in_flight else 1.5)  # past dead_after_s of its silence
+    start = time.monotonic()
+    error = _error_of(
+        work.wait if work is not None else lambda: dist.all_to_all_single(out, sent, group=group)
+    )
+    seconds = time.monotonic() - start
+    dist.barrier()
+    dist.destroy_process_group(group)
+    return {"error": error, "seconds": seconds}

@@ -55,6 +55,7 @@ def test_every_dead_set_is_watched_by_a_live_rank(size):
 def _group(server, size, prefix, heartbeat_s=0.05, dead_after_s=0.4, on_failure=None):
     keys = dist.PrefixStore(prefix, _client(server))
     keys.set(liveness.ABORT_KEY, b"")
+    keys.set(liveness.LEFT_KEY, b"")
     return [
         liveness.Liveness(
             dist.PrefixStore(prefix, _client(server)),
@@ -165,6 +166,7 @@ def test_only_processes_that_are_the_ones_published_are_watched(store):
     try:
         keys = _client(store)
         keys.set(liveness.ABORT_KEY, b"")
+        keys.set(liveness.LEFT_KEY, b"")
         for peer in (1, 2):  # the ranks rank 0 watches by heartbeat: alive
             keys.add(liveness.beat_key(peer), 1)
         live = liveness.Liveness(keys, 0, 5, 0.1, 10.0)
@@ -186,6 +188,21 @@ def test_only_processes_that_are_the_ones_published_are_watched(store):
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_set_up_whose_store_fails_first_raises_the_stores_error():
+    # Its shutdown read the group's abort reason from a liveness not made yet: AttributeError.
+    from freescale_comm.group import GroupContext
+    from freescale_comm.options import FreescaleOptions
+
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)
+    )
+    keys = dist.PrefixStore("early", _client(server))
+    del server
+    with pytest.raises(RuntimeError) as raised:
+        GroupContext(keys, keys, 0, 2, timedelta(seconds=5), FreescaleOptions())
+    assert not isinstance(raised.value, AttributeError), raised.value
 
 
 def test_a_store_whose_host_is_gone_is_retried_ever_less_often():
@@ -236,7 +253,12 @@ class _FailingStore:
     def multi_get(self, keys):
         if not self.up:
             raise RuntimeError("store gone")
-        return [b""] + [b"1"] * (len(keys) - 1)
+        return [b"", b""] + [b"1"] * (len(keys) - 2)
+
+    def get(self, key):
+        if not self.up:
+            raise RuntimeError("store gone")
+        return b""
 
     def compare_set(self, key, expected, desired):
         if not self.up:
@@ -282,6 +304,44 @@ def test_a_store_back_between_two_retries_fails_no_collective():
         live.tick(now)
         now = live.next_due
     assert "the c10d store has been unreachable for" in live.store_silence()
+
+
+def test_ranks_that_left_are_not_watched_and_the_next_live_rank_is(store):
+    # Ranks 1 and 2 destroy the group and fall silent; then rank 3, which only they watched,
+    # dies: the ranks before them (0 and 4) must watch past them.
+    ranks = _group(store, 5, "left1")
+    _tick_for(ranks, 0.3)
+    for rank, started in ((1, 7), (2, 7)):
+        ranks[rank].start()
+        ranks[rank].stop(started=started)
+    _tick_for(ranks, 1.0, skip={1, 2})  # longer than dead_after_s (0.4 s)
+    for rank in (0, 3, 4):
+        assert ranks[rank].error() is None, (rank, ranks[rank].error())
+        assert ranks[rank].departed == {1: 7, 2: 7}
+    assert ranks[0].watched == [3, 4] and ranks[4].watched == [0, 3]
+    _tick_for(ranks, 1.2, skip={1, 2, 3})
+    for rank in (0, 4):
+        error = ranks[rank].error()
+        assert error is not None and "rank 3" in error and "rank 1" not in error, (rank, error)
+
+
+def test_the_exit_of_a_peer_that_left_is_no_failure(store):
+    # It wrote its record and exited before this rank's next poll read it.
+    child, namespace, started = _sleeping_child()
+    try:
+        told: list[str] = []
+        live = _group(store, 3, "left2", dead_after_s=10.0, on_failure=lambda r, e: told.append(e))
+        live[0].watch_processes({1: f"{child.pid}/{namespace}/{started}"})
+        live[0].tick(time.monotonic())
+        live[1].start()
+        live[1].stop(started=3)
+        child.kill()
+        child.wait()
+        live[0].check_processes()
+        assert live[0].error() is None and told == [] and live[0].departed == {1: 3}
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_every_rank_is_told_once_of_a_silent_rank_and_of_an_abort(store):
@@ -462,6 +522,23 @@ def test_reinitialisation_from_the_same_store():
         assert group.run(liveness_ranks.reinit_twice, 3, timeout_s=60) == [[5.0, 5.0]] * 2
     finally:
         group.close()
+
+
+@pytest.mark.parametrize(("hosts", "in_flight"), [(1, True), (1, False), (2, True), (2, False)])
+def test_a_collective_a_peer_left_before_raises_instead_of_waiting_for_the_timeout(
+    local_groups, hosts, in_flight
+):
+    # Before, the departed peer's silence was taken for a death (one host: ignored, since its
+    # process runs) and a collective it never started waited for the group timeout (60 s).
+    group = local_groups.get(3, setup=SETUP, init_timeout_s=60)
+    results = group.run(liveness_ranks.leave_a_group_and_live_on, 1, hosts, in_flight, timeout_s=40)
+    assert results[1] == {"error": None}
+    for rank in (0, 2):
+        error, seconds = results[rank]["error"], results[rank]["seconds"]
+        assert "a peer destroyed the process group (rank 1 after collective #3)" in error, error
+        assert "collective #4 cannot complete" in error and "died" not in error, error
+        # Within a poll (0.1 s) and a health check; at once for a call made after it.
+        assert seconds < (1.5 if in_flight else 0.5), (rank, seconds, error)
 
 
 @pytest.mark.parametrize(

@@ -277,6 +277,9 @@ class Collective:
         g = self.group
         if g.broken:
             raise FreescalePeerError(f"{self.label}: the group was aborted earlier: {g.broken}")
+        departed = g.departure_error(self.seq)
+        if departed:
+            raise FreescalePeerError(f"{self.label}: {departed}")
         if self.on_cuda:
             self._cuda = g.cuda(self.plan.cuda_index)
             self._ready = self._cuda.record_ready()

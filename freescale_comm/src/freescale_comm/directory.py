@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from freescale_comm.liveness import ABORT_KEY
+from freescale_comm.liveness import ABORT_KEY, LEFT_KEY
 
 _LENGTH = struct.Struct("<I")
 # What ranks exchange after set-up (headers, outboxes, the rings' control blocks, IPC flags):
@@ -105,10 +105,11 @@ def incarnation_keys(store: Any, size: int) -> Any:
 
 def start(keys: Any, root: Any, rank: int, agreement: str) -> None:
     """Rank 0's part before anyone reads: a group id for the tags (a counter in the root store,
-    so that groups never share one), the empty abort key every liveness poll reads, and what
-    every rank must agree with (``setup_agreement``)."""
+    so that groups never share one), the empty abort and left keys every liveness poll reads,
+    and what every rank must agree with (``setup_agreement``)."""
     if rank == 0:
         keys.set(ABORT_KEY, b"")
+        keys.set(LEFT_KEY, b"")
         keys.set("shared_options", agreement)
         keys.set("group_id", str(root.add("freescale/next_group_id", 1)))
 

@@ -66,6 +66,7 @@ class Op(Protocol):
     """What the engine needs from a collective in flight."""
 
     group: GroupHealth
+    seq: int  # its number in the group
     started: float  # time.monotonic() at its call
     deadline: float
     finished: bool
@@ -88,7 +89,7 @@ class Op(Protocol):
 class GroupHealth(Protocol):
     """A group's liveness check: returns why its collectives cannot finish, or None."""
 
-    def health_error(self, waited_s: float) -> str | None: ...
+    def health_error(self, seq: int, waited_s: float) -> str | None: ...
 
 
 class Watch(Protocol):
@@ -316,6 +317,6 @@ class Engine:
     def _check_health(self, ops: list[Op]) -> None:
         now = time.monotonic()
         for op in ops:
-            error = op.group.health_error(now - op.started)
+            error = op.group.health_error(op.seq, now - op.started)
             if error is not None:
                 op.fail(error, "peer")

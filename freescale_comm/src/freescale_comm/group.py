@@ -130,6 +130,7 @@ class GroupContext:
         self.outbox_eager_per_peer = self.eager_per_peer
         self._broken: str | None = None
         self._seq = itertools.count(1)
+        self._last_seq = 0  # of the last collective started here (its peers' ``departed``)
         # Collectives whose early messages the rings were told to discard or let through
         # (``discard_early``, ``unstall_early``), until their tags come round again.
         self._marked_seqs: set[int] = set()
@@ -719,7 +720,7 @@ class GroupContext:
             self._refuse_if_closed(op)  # ``close`` sets it under this lock
             for earlier in self.inflight():
                 earlier.poll_final()  # the CUDA ones whose end event completed since
-            op.seq = self.next_seq()
+            op.seq = self._last_seq = self.next_seq()
             try:
                 op.start()
             except BaseException as err:  # an interrupt too: the number is taken all the same
@@ -803,23 +804,36 @@ class GroupContext:
         self._graveyard.append((plan, pinned))
 
     # ----------------------------------------------------------------- health
-    def health_error(self, waited_s: float) -> str | None:
-        """Why a collective of this group that has waited ``waited_s`` cannot finish
-        (abort, a silent peer; or, once it has waited ``dead_after_s``, a store unreachable that
-        long: this rank cannot see its peers' deaths then), or None.
+    def health_error(self, seq: int, waited_s: float) -> str | None:
+        """Why collective ``seq`` of this group, which has waited ``waited_s``, cannot finish
+        (abort, a silent peer, a peer that destroyed the group before starting it; or, once it
+        has waited ``dead_after_s``, a store unreachable that long: this rank cannot see its
+        peers' deaths then), or None.
 
         What the liveness thread's last poll found: no store request here."""
-        error = self.liveness.error()
+        error = self.liveness.error() or self.departure_error(seq)
         if error is None and waited_s > self.liveness.dead_after_s:
             silence = self.liveness.store_silence()
             if silence is not None:
                 error = f"{silence}, and this collective has waited {waited_s:.0f} s"
         return error
 
+    def departure_error(self, seq: int) -> str | None:
+        """Why collective ``seq`` cannot finish because a peer destroyed the group without
+        starting it (``Liveness.departed``, as of the last poll), or None."""
+        departed = self.liveness.departed
+        left = [(peer, started) for peer, started in sorted(departed.items()) if started < seq]
+        if not left:
+            return None
+        who = ", ".join(f"rank {peer} after collective #{started}" for peer, started in left)
+        return f"a peer destroyed the process group ({who}), so collective #{seq} cannot complete"
+
     @property
     def broken(self) -> str | None:
         """Why the group is unusable (its first abort), or None: later collectives raise."""
-        return self._broken or self.liveness.abort_reason
+        if self._broken is not None or self.liveness is None:  # (a set-up that failed early)
+            return self._broken
+        return self.liveness.abort_reason
 
     def describe_peers(self, peers: list[int]) -> str:
         """ "ranks [a, b]" plus how long each watched one has been silent, where that is notable."""
@@ -877,7 +891,9 @@ class GroupContext:
         self._sealed = None
         self._timeout_source = None
         if self.liveness is not None:
-            self.liveness.stop()
+            # The peers of a group that lives on learn that this rank left, and after which
+            # collective (``departure_error``); an aborted group's peers know enough.
+            self.liveness.stop(started=self._last_seq if self.broken is None else None)
         self.engine.release()
         for link in self._links:
             if link is not None:

@@ -4,11 +4,16 @@ UCX's own peer-failure detection forces TCP (3-5x slower), so it stays off and a
 would leave receives waiting forever: liveness is the backend's job, through the group's c10d
 store. Every rank bumps its own heartbeat counter every ``heartbeat_s`` and watches only its
 ``WATCHED`` successors on the ring of group ranks (rank r watches r+1 and r+2 mod N): every
-``poll_s`` one ``multi_get`` reads the group's abort key together with those counters. A watcher
-that sees a counter stand still for ``dead_after_s`` writes the abort key, naming the silent
-rank; every rank reads that key in its next poll, so every survivor learns of the death within
-one more period. The store serves N ``add`` per ``heartbeat_s`` and N ``multi_get`` of
-``1 + WATCHED`` keys per ``poll_s``.
+``poll_s`` one ``multi_get`` reads the group's abort and left keys together with those
+counters. A watcher that sees a counter stand still for ``dead_after_s`` writes the abort key,
+naming the silent rank; every rank reads that key in its next poll, so every survivor learns of
+the death within one more period. The store serves N ``add`` per ``heartbeat_s`` and N
+``multi_get`` of ``2 + WATCHED`` keys per ``poll_s``.
+
+A rank that destroys the group appends to the left key how many collectives it started
+(``stop``). Its peers read that in their next poll (``departed``): they stop watching it, so
+its silence and its process's exit are no failure, and the group fails any collective it never
+started at once (as Gloo's peer sees the closed connection) instead of at the group timeout.
 
 Peers on this host are also watched by their process (``watch_processes``): a poll that finds
 one gone (exited, or a zombie; its pid reused by another process counts as gone) reports it
@@ -49,6 +54,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 ABORT_KEY = "abort"
+# Ranks that destroyed the group and the number of collectives each had started by then, as
+# "rank:count;" records appended one per rank (``leave``).
+LEFT_KEY = "left"
 WATCHED = 2
 # A watcher whose consecutive polls are further apart than this many periods was itself stopped
 # or starved: what it saw before the gap says nothing about its neighbours.
@@ -121,10 +129,15 @@ class Liveness:
         self.poll_s = poll_period(dead_after_s)
         self.watched = watched_ranks(rank, size)
         self._own_key = beat_key(rank)
-        self._keys = [ABORT_KEY] + [beat_key(p) for p in self.watched]
+        self._keys = [ABORT_KEY, LEFT_KEY] + [beat_key(p) for p in self.watched]
         now = time.monotonic()
         # Per watched rank: the last counter value seen and when it was first seen.
         self._seen: dict[int, tuple[bytes, float]] = {p: (b"", now) for p in self.watched}
+        # Ranks that destroyed the group -> how many collectives each had started (the left
+        # key as last read); replaced whole, read by other threads.
+        self.departed: dict[int, int] = {}
+        self._left_record = b""
+        self._leaving: int | None = None  # this rank's own record, written as it stops
         self._last_poll = now
         self._next_beat = now
         self._next_poll = now + self.poll_s
@@ -181,11 +194,17 @@ class Liveness:
         if self._unwritten_abort is not None:  # asked for just before the stop (``abort()``)
             with contextlib.suppress(Exception):
                 self.abort(self._unwritten_abort)
+        elif self._leaving is not None and self.aborted is None:
+            with contextlib.suppress(Exception):  # a store that cannot append: peers time out
+                self.store.append(LEFT_KEY, f"{self.rank}:{self._leaving};".encode())
 
-    def stop(self) -> None:
+    def stop(self, started: int | None = None) -> None:
         """Ends the thread (its group is closed) and drops ``on_failure``; an abort asked for
-        is written first. A thread blocked in a store request is left behind after
+        is written first, or else, given ``started`` (this rank destroys a group that was not
+        aborted), this rank's departure with the number of collectives it started (module
+        docstring). A thread blocked in a store request is left behind after
         ``_STOP_WAIT_S``: it ends with the request."""
+        self._leaving = started
         self._on_failure = None
         self._stopping = True
         self._wake.set()
@@ -290,6 +309,11 @@ class Liveness:
             return
         gone = [p for p, (pid, started) in self._processes.items() if _gone(pid, started)]
         if gone:
+            # A peer that destroyed the group may exit before this rank's next poll reads so.
+            with contextlib.suppress(Exception):  # a store that fails: the exit counts
+                self._take_departures(self.store.get(LEFT_KEY))
+            gone = [p for p in gone if p not in self.departed]
+        if gone:
             pids = ", ".join(str(self._processes[p][0]) for p in gone)
             self.dead = f"{self.describe(gone)}: its process on this host (pid {pids}) has exited"
             with contextlib.suppress(Exception):  # kept for the next tick (``abort``)
@@ -298,6 +322,7 @@ class Liveness:
     def poll(self, now: float) -> None:
         """One request: the abort key and the watched counters (the same-host peers'
         processes are ``check_processes``'s, on a schedule of their own)."""
+        watched = self.watched  # the ranks whose counters ``_keys`` reads
         values = self.store.multi_get(self._keys)
         if now - self._last_poll > _GAP_PERIODS * self.poll_s:
             self._seen = {p: (seen, now) for p, (seen, _) in self._seen.items()}
@@ -306,8 +331,11 @@ class Liveness:
         if values[0]:
             self.aborted = bytes(values[0]).decode(errors="replace")
             return
+        self._take_departures(values[1])
         silent = []
-        for peer, raw in zip(self.watched, values[1:], strict=True):
+        for peer, raw in zip(watched, values[2:], strict=True):
+            if peer not in self._seen:
+                continue  # it left the group: no longer watched
             seen, since = self._seen[peer]
             if raw != seen:
                 self._seen[peer] = (bytes(raw), now)
@@ -319,6 +347,27 @@ class Liveness:
                 f"for longer than dead_after_s ({self.dead_after_s:g} s)"
             )
             self.abort(f"rank {self.rank}: {self.dead}")
+
+    def _take_departures(self, record: bytes) -> None:
+        """Reads the left key's records ("rank:started;" each): the ranks in it are no longer
+        watched, and the next live successors are watched in their place (a run of dead ranks
+        must still follow a live watcher)."""
+        record = bytes(record)
+        if record == self._left_record:
+            return
+        self._left_record = record
+        departed = dict(self.departed)
+        for entry in record.decode(errors="replace").split(";"):
+            rank, _, started = entry.partition(":")
+            if rank.isdigit() and started.isdigit():
+                departed[int(rank)] = int(started)
+        self.departed = departed
+        self._processes = {p: w for p, w in self._processes.items() if p not in departed}
+        successors = watched_ranks(self.rank, self.size, self.size - 1)
+        self.watched = [p for p in successors if p not in departed][:WATCHED]
+        now = time.monotonic()
+        self._seen = {p: self._seen.get(p, (b"", now)) for p in self.watched}
+        self._keys = [ABORT_KEY, LEFT_KEY] + [beat_key(p) for p in self.watched]
 
     def _runs_on_this_host(self, peer: int) -> bool:
         """Whether ``peer`` is a process of this host that runs (not stopped): its silence is a
