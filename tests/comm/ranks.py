@@ -1219,6 +1219,25 @@ def a_mistake_without_validation() -> str:
     return message
 
 
+def a_size_mismatch_without_validation(count: int) -> dict[str, Any]:
+    """In a group on one host that does not validate, rank 1 expects ``count`` more elements
+    from rank 0 than rank 0 sends it; every other piece agrees. Returns this rank's error (or
+    "no error") and whether its output holds what its peers sent it."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = freescale_group(30, validate=False, host_path="shm")
+    receives = [count] * n
+    if rank == 1:
+        receives[0] += count
+    sent = torch.full((count * n,), float(rank))
+    out = torch.full((sum(receives),), -1.0)
+    message = _error_after(
+        lambda: dist.all_to_all_single(out, sent, receives, [count] * n, group=group)
+    )
+    expected = torch.cat([torch.full((k,), float(p)) for p, k in enumerate(receives)])
+    dist.destroy_process_group(group)
+    return {"error": message, "output_right": bool(torch.equal(out, expected))}
+
+
 def ring_gather_then_all_to_all(validate: bool) -> str:
     """Rank 0 issues a ring AllGather and an AllToAll asynchronously while the last rank is
     late: the AllToAll's data to rank 1 must not go ahead of rank 0's forward of the last

@@ -52,6 +52,20 @@ def test_new_user_mistakes_fail_on_every_rank_at_once(fs_group):
         assert "rank 0: all_to_all_single got a torch.sparse_csr tensor; only dense" in messages[8]
 
 
+@pytest.mark.parametrize("count", [4, 300_000], ids=["16B", "1.2MB"])
+def test_a_short_message_without_validation_fails_its_receiver(fs_group, count):
+    # Rank 1 expects more from rank 0 than rank 0 sends: it returned success with the rest of
+    # that piece unwritten. Now its receive on the host's rings fails, and the group with it.
+    results = fs_group.run(ranks.a_size_mismatch_without_validation, count, timeout_s=60)
+    error = results[1]["error"]
+    assert "FreescalePeerError" in error and "the ranks' calls disagree" in error, error
+    assert float(error.split(" ", 1)[0]) < 5, error
+    for rank, result in enumerate(results):
+        # Every other rank got what it expected: its output is right, whether or not the
+        # group's abort reached it before it returned.
+        assert rank == 1 or result["output_right"], (rank, result)
+
+
 @pytest.mark.parametrize(
     ("rank_fn", "own_error", "peers_see"),
     [

@@ -380,9 +380,19 @@ def _data_offset(slots: int) -> int:
     return -(-(_CTRL_BYTES + slots * _SLOT_HEADER * 8) // 4096) * 4096
 
 
-def _too_long(length: int, request: Request) -> str:
-    """The error of a receive that a longer message arrived for."""
-    return f"a message of {length} bytes arrived for a {request.length}-byte receive"
+def _length_error(length: int, request: Request) -> str | None:
+    """The error of a receive that a message of ``length`` bytes arrived for, or None: a
+    header receive (sub 0) has room for the longest header, a data receive is exactly what its
+    plan expects, so a shorter message means the ranks' calls disagree (only ``validate=False``
+    lets them get this far)."""
+    if length > request.length:
+        return f"a message of {length} bytes arrived for a {request.length}-byte receive"
+    if length < request.length and request.tag & _SUB_MASK:
+        return (
+            f"a message of {length} bytes arrived for a {request.length}-byte receive: the "
+            "ranks' calls disagree (validate=False does not compare them before data moves)"
+        )
+    return None
 
 
 def _retire_done(queue: collections.deque[tuple[Any, Request | None]], copies: Copies) -> int:
@@ -594,8 +604,9 @@ class Channel:
                 if not self._read_slot(tag, length, chunk, request):
                     break  # its receive is posted once this rank has judged its collective
             elif request is not None:
-                if length > request.length:
-                    request.error = _too_long(length, request)
+                error = _length_error(length, request)
+                if error is not None:
+                    request.error = error
                     request.completed = True
                     del self._recvs[tag]
                 else:
@@ -645,8 +656,9 @@ class Channel:
                 return False
         else:
             del self._recvs[tag]
-            if length > request.length:
-                request.error = _too_long(length, request)
+            error = _length_error(length, request)
+            if error is not None:
+                request.error = error
             else:
                 source = int(chunk.view(np.uint64)[0])
                 failed = read_process(self.peer_pid, request.buffer.ctypes.data, source, length)
@@ -692,8 +704,9 @@ class Channel:
 
     @staticmethod
     def _deliver(request: Request, data: np.ndarray) -> None:
-        if len(data) > request.length:
-            request.error = _too_long(len(data), request)
+        error = _length_error(len(data), request)
+        if error is not None:
+            request.error = error
         else:
             np.copyto(request.buffer[: len(data)], data)
             request.done_bytes = len(data)
