@@ -362,7 +362,7 @@ def store_capacity(server: StoreServer, seconds: float, threads: int = 16) -> di
     """Requests a second the store serves per second of its own CPU, for the liveness request
     (a ``multi_get`` of 4 small keys) from ``threads`` connections as fast as they can."""
     clients = connect(server.port, threads)
-    keys = ["cap/abort", "cap/left", "cap/hb/1", "cap/hb/2"]
+    keys = ["cap/abort", "cap/left_count", "cap/hb/1", "cap/hb/2"]
     clients[0].set(keys[0], b"")
     clients[0].set(keys[1], b"")
     clients[0].add(keys[2], 1)

@@ -331,3 +331,32 @@ def leave_a_group_and_live_on(leaver: int, hosts: int, in_flight: bool) -> dict[
     dist.barrier()
     dist.destroy_process_group(group)
     return {"error": error, "seconds": seconds}
+
+
+def store_host_leaves_first() -> dict[str, object]:
+    """Rank 0 hosts the job's store; in a freescale group's last AllToAll it has only small
+    pieces, while rank 1 sends rank 2 64 MiB. Rank 0 destroys the group and exits as soon as
+    its part is done, taking the store with it: rank 1 and 2's AllToAll must still finish, and
+    a later one must raise for the departure, not for a death. Returns, per rank, whether its
+    output was right and the later call's error."""
+    from freescale_comm import FreescaleOptions
+
+    rank, _launcher, _server, job = _job_store_on_rank_0("leaving_store_port", 30)
+    dist.init_process_group("gloo", store=job, rank=rank, world_size=3)
+    options = FreescaleOptions(heartbeat_s=0.2, dead_after_s=1.0)
+    group = dist.new_group(backend="freescale", timeout=timedelta(seconds=30), pg_options=options)
+    big = 16 << 20  # float32 elements
+    splits = [[1, 1, 1], [1, 1, big], [1, 1, 1]][rank]
+    receives = [1, big, 1] if rank == 2 else [1, 1, 1]
+    sent = torch.full((sum(splits),), float(rank))
+    out = torch.empty(sum(receives))
+    dist.all_to_all_single(out[:3], torch.full((3,), float(rank)), group=group)
+    dist.all_to_all_single(out, sent, receives, splits, group=group)
+    if rank == 0:
+        dist.destroy_process_group(group)
+        os._exit(0)
+    expected = torch.cat([torch.full((k,), float(p)) for p, k in enumerate(receives)])
+    right = bool(torch.equal(out, expected))
+    time.sleep(1.0)  # rank 0's exit is seen meanwhile
+    error = _error_of(lambda: dist.all_to_all_single(out[:3], out[:3], group=group))
+    return {"right": right, "error": error}

@@ -54,8 +54,7 @@ def test_every_dead_set_is_watched_by_a_live_rank(size):
 
 def _group(server, size, prefix, heartbeat_s=0.05, dead_after_s=0.4, on_failure=None):
     keys = dist.PrefixStore(prefix, _client(server))
-    keys.set(liveness.ABORT_KEY, b"")
-    keys.set(liveness.LEFT_KEY, b"")
+    liveness.create_keys(keys)
     return [
         liveness.Liveness(
             dist.PrefixStore(prefix, _client(server)),
@@ -165,8 +164,7 @@ def test_only_processes_that_are_the_ones_published_are_watched(store):
     child, namespace, started = _sleeping_child()
     try:
         keys = _client(store)
-        keys.set(liveness.ABORT_KEY, b"")
-        keys.set(liveness.LEFT_KEY, b"")
+        liveness.create_keys(keys)
         for peer in (1, 2):  # the ranks rank 0 watches by heartbeat: alive
             keys.add(liveness.beat_key(peer), 1)
         live = liveness.Liveness(keys, 0, 5, 0.1, 10.0)
@@ -253,7 +251,7 @@ class _FailingStore:
     def multi_get(self, keys):
         if not self.up:
             raise RuntimeError("store gone")
-        return [b"", b""] + [b"1"] * (len(keys) - 2)
+        return [b"", b"0"] + [b"1"] * (len(keys) - 2)
 
     def get(self, key):
         if not self.up:
@@ -311,9 +309,9 @@ def test_ranks_that_left_are_not_watched_and_the_next_live_rank_is(store):
     # dies: the ranks before them (0 and 4) must watch past them.
     ranks = _group(store, 5, "left1")
     _tick_for(ranks, 0.3)
-    for rank, started in ((1, 7), (2, 7)):
+    for rank, finished in ((1, 7), (2, 7)):
         ranks[rank].start()
-        ranks[rank].stop(started=started)
+        ranks[rank].stop(finished=finished)
     _tick_for(ranks, 1.0, skip={1, 2})  # longer than dead_after_s (0.4 s)
     for rank in (0, 3, 4):
         assert ranks[rank].error() is None, (rank, ranks[rank].error())
@@ -334,7 +332,7 @@ def test_the_exit_of_a_peer_that_left_is_no_failure(store):
         live[0].watch_processes({1: f"{child.pid}/{namespace}/{started}"})
         live[0].tick(time.monotonic())
         live[1].start()
-        live[1].stop(started=3)
+        live[1].stop(finished=3)
         child.kill()
         child.wait()
         live[0].check_processes()
@@ -615,6 +613,24 @@ def test_a_stopped_store_host_is_reported_within_dead_after_s():
     assert survivor["raised_after_s"] < 5.0, results
     assert "the c10d store has not answered a request for" in survivor["error"], results
     assert results[0]["error"] is not None, results  # resumed into an aborted group
+
+
+def test_the_store_host_leaving_first_fails_no_collective_it_finished():
+    # Its process's exit was found before its departure could be read from the store, which
+    # left with it: the others' last AllToAll failed ("its process on this host has exited").
+    group = LocalGroup(3, backend=None, setup=SETUP, init_timeout_s=30)
+    try:
+        group.start()
+        with pytest.raises(RankFailure) as failure:
+            group.run(liveness_ranks.store_host_leaves_first, timeout_s=60)
+    finally:
+        group.close()
+    results = failure.value.results
+    assert set(results) == {1, 2}, failure.value
+    for rank in (1, 2):
+        assert results[rank]["right"], results
+        error = results[rank]["error"]
+        assert "a peer destroyed the process group (rank 0 after collective #2)" in error, error
 
 
 def test_an_abort_reaches_the_store_before_its_raise_returns():

@@ -29,13 +29,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from freescale_comm.liveness import ABORT_KEY, LEFT_KEY
+from freescale_comm import liveness
 
 _LENGTH = struct.Struct("<I")
 # What ranks exchange after set-up (headers, outboxes, the rings' control blocks, IPC flags):
 # raised whenever it changes, so that a group whose ranks run versions that cannot talk to
 # each other fails its set-up on every rank (``setup_agreement``) instead of hanging.
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 
 
 def setup_agreement(shared_options: str, invalid_options: str | None = None) -> str:
@@ -105,11 +105,10 @@ def incarnation_keys(store: Any, size: int) -> Any:
 
 def start(keys: Any, root: Any, rank: int, agreement: str) -> None:
     """Rank 0's part before anyone reads: a group id for the tags (a counter in the root store,
-    so that groups never share one), the empty abort and left keys every liveness poll reads,
-    and what every rank must agree with (``setup_agreement``)."""
+    so that groups never share one), the keys every liveness poll reads
+    (``liveness.create_keys``), and what every rank must agree with (``setup_agreement``)."""
     if rank == 0:
-        keys.set(ABORT_KEY, b"")
-        keys.set(LEFT_KEY, b"")
+        liveness.create_keys(keys)
         keys.set("shared_options", agreement)
         keys.set("group_id", str(root.add("freescale/next_group_id", 1)))
 

@@ -130,7 +130,7 @@ class GroupContext:
         self.outbox_eager_per_peer = self.eager_per_peer
         self._broken: str | None = None
         self._seq = itertools.count(1)
-        self._last_seq = 0  # of the last collective started here (its peers' ``departed``)
+        self._last_seq = 0  # of the last collective started here (``close``)
         # Collectives whose early messages the rings were told to discard or let through
         # (``discard_early``, ``unstall_early``), until their tags come round again.
         self._marked_seqs: set[int] = set()
@@ -193,6 +193,8 @@ class GroupContext:
         self._endpoints: list[Any] = [None] * size
         self._header_room = Signature.size(size) + self.eager_per_peer
         self._setup_host_paths()
+        if self.outboxes is not None:  # the peers of this host mark their departure there
+            self.liveness.local_departures = self.outboxes.departures
         # Where the host's ranks outnumber its cores, a waiting rank hands its core to a peer.
         self._cores = usable_cores()
         self.yields_when_idle = yields_when_idle(
@@ -819,13 +821,13 @@ class GroupContext:
         return error
 
     def departure_error(self, seq: int) -> str | None:
-        """Why collective ``seq`` cannot finish because a peer destroyed the group without
-        starting it (``Liveness.departed``, as of the last poll), or None."""
+        """Why collective ``seq`` cannot finish because a peer destroyed the group before
+        finishing it (``Liveness.departed``, as of the last poll), or None."""
         departed = self.liveness.departed
-        left = [(peer, started) for peer, started in sorted(departed.items()) if started < seq]
+        left = [(peer, done) for peer, done in sorted(departed.items()) if done < seq]
         if not left:
             return None
-        who = ", ".join(f"rank {peer} after collective #{started}" for peer, started in left)
+        who = ", ".join(f"rank {peer} after collective #{done}" for peer, done in left)
         return f"a peer destroyed the process group ({who}), so collective #{seq} cannot complete"
 
     @property
@@ -872,9 +874,19 @@ class GroupContext:
             self._closed = True
         if wait_for_callbacks and self.broken is None and not self.engine.is_engine_thread():
             self.await_inflight()  # as Gloo's destroy
+        # The peers of a group that lives on learn that this rank left and how many of its
+        # collectives it finished first (``departure_error``): those it fails now not among
+        # them. An aborted group's peers know enough.
+        left_after = self._last_seq
         for op in self.inflight():
             op.poll_final(awaited_too=True)  # done on the GPU, not yet polled: a success
+            if not op.finished:
+                left_after = min(left_after, op.seq - 1)
             op.fail("the process group was shut down", "internal")
+        if self.broken is not None:
+            left_after = None
+        elif self.outboxes is not None:
+            self.outboxes.mark_left(left_after)
         with self._inflight_lock:
             self._inflight = []
         # The callbacks still to run, as Gloo's destroy waits for them; a collective they
@@ -891,9 +903,7 @@ class GroupContext:
         self._sealed = None
         self._timeout_source = None
         if self.liveness is not None:
-            # The peers of a group that lives on learn that this rank left, and after which
-            # collective (``departure_error``); an aborted group's peers know enough.
-            self.liveness.stop(started=self._last_seq if self.broken is None else None)
+            self.liveness.stop(finished=left_after)
         self.engine.release()
         for link in self._links:
             if link is not None:

@@ -4,16 +4,19 @@ UCX's own peer-failure detection forces TCP (3-5x slower), so it stays off and a
 would leave receives waiting forever: liveness is the backend's job, through the group's c10d
 store. Every rank bumps its own heartbeat counter every ``heartbeat_s`` and watches only its
 ``WATCHED`` successors on the ring of group ranks (rank r watches r+1 and r+2 mod N): every
-``poll_s`` one ``multi_get`` reads the group's abort and left keys together with those
-counters. A watcher that sees a counter stand still for ``dead_after_s`` writes the abort key,
-naming the silent rank; every rank reads that key in its next poll, so every survivor learns of
-the death within one more period. The store serves N ``add`` per ``heartbeat_s`` and N
-``multi_get`` of ``2 + WATCHED`` keys per ``poll_s``.
+``poll_s`` one ``multi_get`` reads the group's abort key and count of departures together with
+those counters. A watcher that sees a counter stand still for ``dead_after_s`` writes the abort
+key, naming the silent rank; every rank reads that key in its next poll, so every survivor
+learns of the death within one more period. The store serves N ``add`` per ``heartbeat_s`` and
+N ``multi_get`` of ``2 + WATCHED`` keys per ``poll_s``.
 
-A rank that destroys the group appends to the left key how many collectives it started
-(``stop``). Its peers read that in their next poll (``departed``): they stop watching it, so
-its silence and its process's exit are no failure, and the group fails any collective it never
-started at once (as Gloo's peer sees the closed connection) instead of at the group timeout.
+A rank that destroys the group appends to the left key how many of its collectives it
+finished (numbered in call order, the same on every rank), then counts its departure
+(``stop``); the peers of its host also find that number in its outbox (``local_departures``),
+without the store, whose host it may be. A peer that sees the count change reads the left key
+once (``departed``): it stops watching the ranks that left, so their silence and their
+processes' exits are no failure, and the group fails any collective one of them never
+finished at once (as Gloo's peer sees the closed connection) instead of at the group timeout.
 
 Peers on this host are also watched by their process (``watch_processes``): a poll that finds
 one gone (exited, or a zombie; its pid reused by another process counts as gone) reports it
@@ -32,11 +35,12 @@ the engine thread (it moves every group's data) nor a caller (an abort hands the
 that thread, ``request_abort``); a request unanswered for ``dead_after_s`` counts as an
 unreachable store (``store_silence``).
 
-Coverage: on a ring of successors, the live rank just before any run of dead (or stopped) ranks
-watches one of them, so a death is seen while any rank lives, also when the watcher of a rank
-dies with it (a whole host). A watcher whose own polls were interrupted (the process was
-stopped, or starved of CPU) for longer than a few periods restarts its clocks instead of
-blaming its neighbours for its own silence. Polls run whether or not a collective is in flight:
+Coverage: every rank watches its first ``WATCHED`` successors on the ring that have not left,
+so the live rank just before any run of dead (or stopped) ranks watches one of them: a death is
+seen while any rank lives, also when the watcher of a rank dies with it (a whole host). A
+watcher whose own polls were interrupted (the process was stopped, or starved of CPU) for
+longer than a few periods restarts its clocks instead of blaming its neighbours for its own
+silence. Polls run whether or not a collective is in flight:
 the watcher of a dead rank may be idle while the others wait for that rank.
 """
 
@@ -54,9 +58,10 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 ABORT_KEY = "abort"
-# Ranks that destroyed the group and the number of collectives each had started by then, as
-# "rank:count;" records appended one per rank (``leave``).
+# Ranks that destroyed the group and the number of collectives each had finished by then, as
+# "rank:count;" records appended one per rank (``stop``), and how many records there are.
 LEFT_KEY = "left"
+LEFT_COUNT_KEY = "left_count"
 WATCHED = 2
 # A watcher whose consecutive polls are further apart than this many periods was itself stopped
 # or starved: what it saw before the gap says nothing about its neighbours.
@@ -78,6 +83,14 @@ def poll_period(dead_after_s: float) -> float:
 def watched_ranks(rank: int, size: int, count: int = WATCHED) -> list[int]:
     """The ranks ``rank`` watches: its ``count`` successors on the ring (fewer in tiny groups)."""
     return [(rank + step) % size for step in range(1, min(count, size - 1) + 1)]
+
+
+def create_keys(store: Any) -> None:
+    """Makes the keys every poll reads (once per group, before any rank polls): a
+    ``multi_get`` of a missing key would wait for it."""
+    store.set(ABORT_KEY, b"")
+    store.set(LEFT_KEY, b"")
+    store.set(LEFT_COUNT_KEY, b"0")
 
 
 def beat_key(rank: int) -> str:
@@ -129,14 +142,16 @@ class Liveness:
         self.poll_s = poll_period(dead_after_s)
         self.watched = watched_ranks(rank, size)
         self._own_key = beat_key(rank)
-        self._keys = [ABORT_KEY, LEFT_KEY] + [beat_key(p) for p in self.watched]
+        self._keys = [ABORT_KEY, LEFT_COUNT_KEY] + [beat_key(p) for p in self.watched]
         now = time.monotonic()
         # Per watched rank: the last counter value seen and when it was first seen.
         self._seen: dict[int, tuple[bytes, float]] = {p: (b"", now) for p in self.watched}
-        # Ranks that destroyed the group -> how many collectives each had started (the left
+        # Ranks that destroyed the group -> how many collectives each had finished (the left
         # key as last read); replaced whole, read by other threads.
         self.departed: dict[int, int] = {}
-        self._left_record = b""
+        self._left_count = b"0"  # the count of departures as last read
+        # The departures of this host's peers as their outboxes tell them (set by the group).
+        self.local_departures: Callable[[], dict[int, int]] | None = None
         self._leaving: int | None = None  # this rank's own record, written as it stops
         self._last_poll = now
         self._next_beat = now
@@ -194,17 +209,20 @@ class Liveness:
         if self._unwritten_abort is not None:  # asked for just before the stop (``abort()``)
             with contextlib.suppress(Exception):
                 self.abort(self._unwritten_abort)
-        elif self._leaving is not None and self.aborted is None:
-            with contextlib.suppress(Exception):  # a store that cannot append: peers time out
+        elif self._leaving is not None and self.aborted is None and self.store_error is None:
+            # Where the store fails, the peers on other hosts take this rank's silence for a
+            # death; those of this host read its outbox.
+            with contextlib.suppress(Exception):
                 self.store.append(LEFT_KEY, f"{self.rank}:{self._leaving};".encode())
+                self.store.add(LEFT_COUNT_KEY, 1)
 
-    def stop(self, started: int | None = None) -> None:
+    def stop(self, finished: int | None = None) -> None:
         """Ends the thread (its group is closed) and drops ``on_failure``; an abort asked for
-        is written first, or else, given ``started`` (this rank destroys a group that was not
-        aborted), this rank's departure with the number of collectives it started (module
+        is written first, or else, given ``finished`` (this rank destroys a group that was not
+        aborted), this rank's departure with the number of collectives it finished (module
         docstring). A thread blocked in a store request is left behind after
         ``_STOP_WAIT_S``: it ends with the request."""
-        self._leaving = started
+        self._leaving = finished
         self._on_failure = None
         self._stopping = True
         self._wake.set()
@@ -303,15 +321,19 @@ class Liveness:
         self._processes = watched
 
     def check_processes(self) -> None:
-        """Reports a same-host peer whose process is gone (no store request: the abort key is
-        written now, or once the store answers)."""
+        """Reports a same-host peer whose process is gone, unless it left the group first (its
+        outbox says so, or else the left key, read only then); the abort key is written now,
+        or once the store answers."""
         if self.dead is not None:
             return
         gone = [p for p, (pid, started) in self._processes.items() if _gone(pid, started)]
         if gone:
             # A peer that destroyed the group may exit before this rank's next poll reads so.
-            with contextlib.suppress(Exception):  # a store that fails: the exit counts
-                self._take_departures(self.store.get(LEFT_KEY))
+            if self.local_departures is not None:
+                self._note_departures(self.local_departures())
+            if any(p not in self.departed for p in gone):
+                with contextlib.suppress(Exception):  # a store that fails: the exit counts
+                    self._note_departures(_parse_departures(self.store.get(LEFT_KEY)))
             gone = [p for p in gone if p not in self.departed]
         if gone:
             pids = ", ".join(str(self._processes[p][0]) for p in gone)
@@ -320,8 +342,9 @@ class Liveness:
                 self.abort(f"rank {self.rank}: {self.dead}")
 
     def poll(self, now: float) -> None:
-        """One request: the abort key and the watched counters (the same-host peers'
-        processes are ``check_processes``'s, on a schedule of their own)."""
+        """One request (and one more after a rank left): the abort key, the count of
+        departures and the watched counters (the same-host peers' processes are
+        ``check_processes``'s, on a schedule of their own)."""
         watched = self.watched  # the ranks whose counters ``_keys`` reads
         values = self.store.multi_get(self._keys)
         if now - self._last_poll > _GAP_PERIODS * self.poll_s:
@@ -331,7 +354,9 @@ class Liveness:
         if values[0]:
             self.aborted = bytes(values[0]).decode(errors="replace")
             return
-        self._take_departures(values[1])
+        if values[1] != self._left_count:  # some rank left: read which, once
+            self._note_departures(_parse_departures(self.store.get(LEFT_KEY)))
+            self._left_count = bytes(values[1])
         silent = []
         for peer, raw in zip(watched, values[2:], strict=True):
             if peer not in self._seen:
@@ -348,26 +373,20 @@ class Liveness:
             )
             self.abort(f"rank {self.rank}: {self.dead}")
 
-    def _take_departures(self, record: bytes) -> None:
-        """Reads the left key's records ("rank:started;" each): the ranks in it are no longer
-        watched, and the next live successors are watched in their place (a run of dead ranks
-        must still follow a live watcher)."""
-        record = bytes(record)
-        if record == self._left_record:
+    def _note_departures(self, left: dict[int, int]) -> None:
+        """Takes up ranks that left (rank -> collectives finished): they are no longer watched,
+        and the next live successors are watched in their place (a run of dead ranks must
+        still follow a live watcher)."""
+        if all(self.departed.get(rank) == finished for rank, finished in left.items()):
             return
-        self._left_record = record
-        departed = dict(self.departed)
-        for entry in record.decode(errors="replace").split(";"):
-            rank, _, started = entry.partition(":")
-            if rank.isdigit() and started.isdigit():
-                departed[int(rank)] = int(started)
-        self.departed = departed
+        departed = {**self.departed, **left}
+        self.departed = departed  # whole: other threads read it
         self._processes = {p: w for p, w in self._processes.items() if p not in departed}
         successors = watched_ranks(self.rank, self.size, self.size - 1)
         self.watched = [p for p in successors if p not in departed][:WATCHED]
         now = time.monotonic()
         self._seen = {p: self._seen.get(p, (b"", now)) for p in self.watched}
-        self._keys = [ABORT_KEY, LEFT_KEY] + [beat_key(p) for p in self.watched]
+        self._keys = [ABORT_KEY, LEFT_COUNT_KEY] + [beat_key(p) for p in self.watched]
 
     def _runs_on_this_host(self, peer: int) -> bool:
         """Whether ``peer`` is a process of this host that runs (not stopped): its silence is a
@@ -447,6 +466,16 @@ class Liveness:
                 notes.append(f"rank {peer} sent no heartbeat for {silent:.1f} s")
         listed = f"rank {peers[0]}" if len(peers) == 1 else f"ranks {peers}"
         return listed + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _parse_departures(record: bytes) -> dict[int, int]:
+    """The left key's records ("rank:finished;" each) as rank -> collectives finished."""
+    left = {}
+    for entry in bytes(record).decode(errors="replace").split(";"):
+        rank, _, finished = entry.partition(":")
+        if rank.isdigit() and finished.isdigit():
+            left[int(rank)] = int(finished)
+    return left
 
 
 def process_identity() -> str:

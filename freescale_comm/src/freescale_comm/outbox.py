@@ -30,8 +30,10 @@ import numpy as np
 from freescale_comm import shm
 from freescale_comm.errors import FreescaleError
 
-_CTRL_BYTES = 4096  # posted at u64 0, consumed at 8, "wake me when you consume" at 16: lines
-_POSTED, _CONSUMED, _WANTS_CONSUMED = 0, 8, 16
+# u64 words, one cache line apart: posted, consumed, "wake me when you consume", and "left the
+# group having finished N collectives" as N + 1 (``mark_left``).
+_CTRL_BYTES = 4096
+_POSTED, _CONSUMED, _WANTS_CONSUMED, _LEFT = 0, 8, 16, 24
 _ALIGN = 64
 
 
@@ -226,6 +228,22 @@ class Outboxes:
         for peer, segment in self._peers.items():
             if wants(segment):
                 self._links[peer].host.wake_peer()
+
+    def mark_left(self, finished: int) -> None:
+        """Tells this host's peers that this rank destroys the group having finished its
+        first ``finished`` collectives (``departures``): they read it from their own mapping,
+        also once this process has exited and without the store (whose host may be this one)."""
+        self._own.ctrl[_LEFT] = finished + 1
+
+    def departures(self) -> dict[int, int]:
+        """The peers of this host that left the group (``mark_left``): rank -> collectives
+        finished."""
+        left = {}
+        for peer, segment in self._peers.items():
+            ctrl = segment.ctrl  # None once closed
+            if ctrl is not None and ctrl[_LEFT]:
+                left[peer] = int(ctrl[_LEFT]) - 1
+        return left
 
     def close(self) -> None:
         self._boxes = []
