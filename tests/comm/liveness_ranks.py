@@ -300,8 +300,9 @@ def leave_a_group_and_live_on(leaver: int, hosts: int, in_flight: bool) -> dict[
     """The leaver destroys a freescale subgroup (its ranks on ``hosts`` pretend hosts) after
     three AllToAlls and lives on, silent in it for longer than ``dead_after_s``; each other rank
     then has a fourth AllToAll of it in flight (``in_flight``: started before the destroy) or
-    calls one. Returns the rank's error message from that AllToAll and the seconds it took
-    from the moment the departure was sure (the leaver: ``None``)."""
+    calls one (the last rank a second after the others: a group aborted by their errors would
+    show in its own). Returns the rank's error message from that AllToAll and the seconds it
+    took from the moment the departure was sure (the leaver: ``None``)."""
     from freescale_comm.options import HOST_ENV
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -322,7 +323,8 @@ def leave_a_group_and_live_on(leaver: int, hosts: int, in_flight: bool) -> dict[
     work = dist.all_to_all_single(out, sent, group=group, async_op=True) if in_flight else None
     dist.barrier()
     dist.barrier()  # the leaver has destroyed the group
-    time.sleep(0.0 if in_flight else 1.5)  # past dead_after_s of its silence
+    if not in_flight:
+        time.sleep(1.5 if rank < n - 1 else 2.5)  # past dead_after_s of its silence
     start = time.monotonic()
     error = _error_of(
         work.wait if work is not None else lambda: dist.all_to_all_single(out, sent, group=group)

@@ -323,6 +323,38 @@ def test_ranks_that_left_are_not_watched_and_the_next_live_rank_is(store):
         assert error is not None and "rank 3" in error and "rank 1" not in error, (rank, error)
 
 
+class _FlakyStore:
+    """A real store whose named methods fail the next ``failures`` calls."""
+
+    def __init__(self, store, **failures):
+        self._store, self.failures = store, failures
+
+    def __getattr__(self, name):
+        method = getattr(self._store, name)
+
+        def call(*args):
+            if self.failures.get(name, 0) > 0:
+                self.failures[name] -= 1
+                raise RuntimeError(f"{name} failed")
+            return method(*args)
+
+        return call
+
+
+def test_a_departure_is_recorded_after_store_failures(store):
+    # A store that failed the last poll (store_error still set) got no record, and an add
+    # that failed after the append left the count unchanged: the peers never read it.
+    ranks = _group(store, 3, "left3")
+    flaky = ranks[1].store = _FlakyStore(ranks[1].store, add=1)
+    ranks[1].tick(ranks[1].next_due + 1.0)
+    assert ranks[1].store_error is not None
+    flaky.failures["add"] = 1  # the tick's beat took the first
+    ranks[1].start()
+    ranks[1].stop(finished=5)
+    _tick_for([ranks[0]], 0.3)
+    assert ranks[0].departed == {1: 5}
+
+
 def test_the_exit_of_a_peer_that_left_is_no_failure(store):
     # It wrote its record and exited before this rank's next poll read it.
     child, namespace, started = _sleeping_child()
@@ -535,6 +567,7 @@ def test_a_collective_a_peer_left_before_raises_instead_of_waiting_for_the_timeo
         error, seconds = results[rank]["error"], results[rank]["seconds"]
         assert "a peer destroyed the process group (rank 1 after collective #3)" in error, error
         assert "collective #4 cannot complete" in error and "died" not in error, error
+        assert "aborted" not in error, error  # every rank learns of it: no abort needed
         # Within a poll (0.1 s) and a health check; at once for a call made after it.
         assert seconds < (1.5 if in_flight else 0.5), (rank, seconds, error)
 

@@ -63,6 +63,9 @@ _ERRORS: dict[str, type[FreescaleError]] = {
     "validation": FreescaleValidationError,
     "timeout": FreescaleTimeoutError,
     "peer": FreescalePeerError,
+    # A peer destroyed the group before finishing it: every rank learns that itself, so the
+    # group is not aborted (its earlier collectives may still finish).
+    "departed": FreescalePeerError,
     "internal": FreescaleError,
     # It raised on this rank (a bug, the OS refusing memory): its peers wait for its messages.
     "raised": FreescaleError,
@@ -277,9 +280,6 @@ class Collective:
         g = self.group
         if g.broken:
             raise FreescalePeerError(f"{self.label}: the group was aborted earlier: {g.broken}")
-        departed = g.departure_error(self.seq)
-        if departed:
-            raise FreescalePeerError(f"{self.label}: {departed}")
         if self.on_cuda:
             self._cuda = g.cuda(self.plan.cuda_index)
             self._ready = self._cuda.record_ready()

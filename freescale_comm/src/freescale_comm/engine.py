@@ -87,9 +87,11 @@ class Op(Protocol):
 
 
 class GroupHealth(Protocol):
-    """A group's liveness check: returns why its collectives cannot finish, or None."""
+    """A group's liveness checks: each returns why a collective cannot finish, or None."""
 
-    def health_error(self, seq: int, waited_s: float) -> str | None: ...
+    def health_error(self, waited_s: float) -> str | None: ...
+
+    def departure_error(self, seq: int) -> str | None: ...
 
 
 class Watch(Protocol):
@@ -317,6 +319,10 @@ class Engine:
     def _check_health(self, ops: list[Op]) -> None:
         now = time.monotonic()
         for op in ops:
-            error = op.group.health_error(op.seq, now - op.started)
+            error = op.group.health_error(now - op.started)
             if error is not None:
                 op.fail(error, "peer")
+                continue
+            departed = op.group.departure_error(op.seq)
+            if departed is not None:
+                op.fail(departed, "departed")

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from freescale_comm import directory
 from freescale_comm.cpu import usable_cores
 from freescale_comm.engine import Engine, yields_when_idle
-from freescale_comm.errors import FreescaleError, FreescaleValidationError
+from freescale_comm.errors import FreescaleError, FreescalePeerError, FreescaleValidationError
 from freescale_comm.futures import CallbackRunner
 from freescale_comm.liveness import Liveness, own_connection, process_identity
 from freescale_comm.options import EVERY_SIZE, FreescaleOptions, rings_limit_by_pages
@@ -720,6 +720,10 @@ class GroupContext:
             self.refuse_wait_on_engine_thread(f"freescale {op.name} (group {self.group_id})")
         with self._launch_lock:
             self._refuse_if_closed(op)  # ``close`` sets it under this lock
+            departed = self.departure_error(self._last_seq + 1)
+            if departed is not None:  # no number taken, no abort: every peer knows as well
+                where = f"group {self.group_id}, rank {self.rank} of {self.size}"
+                raise FreescalePeerError(f"freescale {op.name} ({where}): {departed}")
             for earlier in self.inflight():
                 earlier.poll_final()  # the CUDA ones whose end event completed since
             op.seq = self._last_seq = self.next_seq()
@@ -806,14 +810,13 @@ class GroupContext:
         self._graveyard.append((plan, pinned))
 
     # ----------------------------------------------------------------- health
-    def health_error(self, seq: int, waited_s: float) -> str | None:
-        """Why collective ``seq`` of this group, which has waited ``waited_s``, cannot finish
-        (abort, a silent peer, a peer that destroyed the group before starting it; or, once it
-        has waited ``dead_after_s``, a store unreachable that long: this rank cannot see its
-        peers' deaths then), or None.
+    def health_error(self, waited_s: float) -> str | None:
+        """Why a collective of this group that has waited ``waited_s`` cannot finish
+        (abort, a silent peer; or, once it has waited ``dead_after_s``, a store unreachable that
+        long: this rank cannot see its peers' deaths then), or None.
 
         What the liveness thread's last poll found: no store request here."""
-        error = self.liveness.error() or self.departure_error(seq)
+        error = self.liveness.error()
         if error is None and waited_s > self.liveness.dead_after_s:
             silence = self.liveness.store_silence()
             if silence is not None:

@@ -209,12 +209,26 @@ class Liveness:
         if self._unwritten_abort is not None:  # asked for just before the stop (``abort()``)
             with contextlib.suppress(Exception):
                 self.abort(self._unwritten_abort)
-        elif self._leaving is not None and self.aborted is None and self.store_error is None:
+        elif self._leaving is not None and self.aborted is None:
             # Where the store fails, the peers on other hosts take this rank's silence for a
             # death; those of this host read its outbox.
             with contextlib.suppress(Exception):
                 self.store.append(LEFT_KEY, f"{self.rank}:{self._leaving};".encode())
+                self._count_departure()
+
+    def _count_departure(self) -> None:
+        """Counts this rank's departure record (appended before): the peers read the records
+        once the count changes, so an ``add`` that fails is tried again, within ``stop``'s
+        wait."""
+        deadline = time.monotonic() + _STOP_WAIT_S / 2
+        while True:
+            try:
                 self.store.add(LEFT_COUNT_KEY, 1)
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def stop(self, finished: int | None = None) -> None:
         """Ends the thread (its group is closed) and drops ``on_failure``; an abort asked for
@@ -329,9 +343,11 @@ class Liveness:
         gone = [p for p, (pid, started) in self._processes.items() if _gone(pid, started)]
         if gone:
             # A peer that destroyed the group may exit before this rank's next poll reads so.
+            # Its outbox, where the group has them, says so for certain (it is marked before
+            # the peer can exit), without the store, which may have left with it.
             if self.local_departures is not None:
                 self._note_departures(self.local_departures())
-            if any(p not in self.departed for p in gone):
+            else:
                 with contextlib.suppress(Exception):  # a store that fails: the exit counts
                     self._note_departures(_parse_departures(self.store.get(LEFT_KEY)))
             gone = [p for p in gone if p not in self.departed]
