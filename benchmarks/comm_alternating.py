@@ -83,6 +83,8 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     reference = "gloo" if not cuda else names[0]
     n = args.ranks
     rows = []
+    # torch 2.13 names it all_gather_single (the old name warns there); 2.11 has the old one.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     for size in args.sizes:  # bytes one rank receives in all
         for op in args.ops:
             elements = max(n, size // 4 // n * n)
@@ -96,7 +98,7 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                 inp = torch.rand(elements // n, device=args.device)
 
                 def call(g: Any, out: torch.Tensor = out, inp: torch.Tensor = inp) -> None:
-                    dist.all_gather_into_tensor(out, inp, group=g)
+                    gather(out, inp, group=g)
 
             calls = args.calls if size < (1 << 20) else max(3, args.calls // 20)
             for g in groups.values():

@@ -41,9 +41,11 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
     out = torch.empty_like(inp)
     ag_in = torch.ones(2)
     ag_out = torch.empty(2 * n)
+    # torch 2.13 names it all_gather_single (the old name warns there); 2.11 has the old one.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     calls = {
         "all_to_all": lambda g: dist.all_to_all_single(out, inp, group=g),
-        "all_gather": lambda g: dist.all_gather_into_tensor(ag_out, ag_in, group=g),
+        "all_gather": lambda g: gather(ag_out, ag_in, group=g),
     }
     report: dict[str, Any] = {}
     for op, call in calls.items():
