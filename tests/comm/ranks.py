@@ -1102,6 +1102,38 @@ def ring_gathers_only_even_pieces() -> list[str]:
     return errors
 
 
+class _StorageLess(torch.Tensor):
+    """A wrapper subclass without storage of its own (as DTensor, float8 wrappers): every op
+    runs on the tensor it wraps."""
+
+    @staticmethod
+    def __new__(cls, wrapped: torch.Tensor) -> _StorageLess:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, wrapped.shape, dtype=wrapped.dtype, device=wrapped.device
+        )
+
+    def __init__(self, wrapped: torch.Tensor) -> None:
+        self.wrapped = wrapped
+
+    @classmethod
+    def __torch_dispatch__(
+        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        from torch.utils._pytree import tree_map
+
+        def unwrap(x: Any) -> Any:
+            return x.wrapped if isinstance(x, _StorageLess) else x
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+def _freed(tensor: torch.Tensor, free: bool) -> torch.Tensor:
+    """``tensor``, its storage resized to nothing where ``free``."""
+    if free:
+        tensor.untyped_storage().resize_(0)
+    return tensor
+
+
 def new_user_mistakes() -> list[str]:
     """A meta tensor on one rank and a negative split: the same validation error on every rank
     at once (no rank left waiting for the timeout), and the group still works afterwards."""
@@ -1140,6 +1172,14 @@ def new_user_mistakes() -> list[str]:
         lambda: dist.all_to_all_single(
             torch.eye(n).to_sparse_csr() if rank == 0 else torch.empty(n, n), torch.ones(n, n)
         ),
+        # Tensors whose elements are not in memory of their own, on rank 0, in the cached
+        # shape: a storage-less wrapper subclass (as DTensor) as the output, an input whose
+        # storage was resized to nothing. A cached plan wrote and read at their address 0 and
+        # returned success with garbage, before.
+        lambda: dist.all_to_all_single(
+            _StorageLess(torch.empty(n)) if rank == 0 else torch.empty(n), torch.ones(n)
+        ),
+        lambda: dist.all_to_all_single(torch.empty(n), _freed(torch.ones(n), rank == 0)),
     ]
     for _ in range(2):  # the plan cache keeps a shape seen twice
         dist.all_to_all_single(torch.empty(n), torch.ones(n))

@@ -25,7 +25,7 @@ def test_bad_inputs_fail_on_every_rank_before_data_moves(fs_group):
     assert "ranks disagree: rank 0 has dtype torch.float64" in first[1]
     assert "rank 0: all_gather_into_tensor output has" in first[2]
     assert "split sizes disagree" in first[3]
-    assert "do not add up" in first[4]
+    assert "split sizes add up to" in first[4]
     assert "expects" in first[5]
     assert "split into tensors of other sizes than it expects" in first[6]
     assert "ranks disagree: rank 0 calls all_gather_into_tensor, rank" in first[7]
@@ -35,7 +35,7 @@ def test_bad_inputs_fail_on_every_rank_before_data_moves(fs_group):
 def test_new_user_mistakes_fail_on_every_rank_at_once(fs_group):
     per_rank = fs_group.run(ranks.new_user_mistakes, timeout_s=30)
     for messages in per_rank:
-        assert len(messages) == 9
+        assert len(messages) == 11
         # At once: well inside the group timeout (60 s), not after it.
         assert all(float(m.split(" ", 1)[0]) < 5 for m in messages), messages
         for m in messages[:2]:
@@ -50,6 +50,11 @@ def test_new_user_mistakes_fail_on_every_rank_at_once(fs_group):
         assert "needs one output list per rank" in messages[6], messages[6]
         assert "rank 0: all_to_all_single got an output whose elements share memory" in messages[7]
         assert "rank 0: all_to_all_single got a torch.sparse_csr tensor; only dense" in messages[8]
+        assert (
+            "rank 0: all_to_all_single got a _StorageLess whose elements are not in"
+            in (messages[9])
+        )
+        assert "rank 0: all_to_all_single got a Tensor whose elements are not in" in messages[10]
 
 
 @pytest.mark.parametrize("count", [4, 300_000], ids=["16B", "1.2MB"])

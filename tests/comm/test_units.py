@@ -26,6 +26,7 @@ from freescale_comm.validation import (
     layout,
     names_ipc,
     verdict,
+    with_own_error,
 )
 
 
@@ -166,6 +167,18 @@ def test_signature_round_trip_and_verdicts():
     assert Signature.decode(good[0].encode(2), 2).op == "all_to_all"  # from the table of ops
     other = _sig([0], [0], op="not_a_collective")
     assert Signature.decode(other.encode(1), 1).op.startswith("<unknown collective, code 0x")
+
+
+def test_an_error_cut_by_the_header_says_so_and_its_own_rank_raises_it_whole():
+    # A split-size error in a 32-rank group lost its end (what is wrong) on every rank.
+    own = "all_to_all_single input split sizes add up to 131071, not 131072: " + str([4096] * 32)
+    problem = verdict([_sig([0], [0]), Signature.decode(_sig([0], [0], error=own).encode(2), 2)])
+    assert problem.startswith("rank 1: all_to_all_single input split sizes add up to 131071")
+    assert problem.endswith("[...] (cut; the whole message is in that rank's own error)")
+    assert with_own_error(problem, own) == f"rank 1: {own}"
+    assert with_own_error(problem, "") == problem
+    short = verdict([Signature.decode(_sig([0], [0], error="bad").encode(1), 1)])
+    assert short == "rank 0: bad" and with_own_error(short, "bad") == short
 
 
 def test_a_header_says_whether_its_sender_took_the_ipc_path():

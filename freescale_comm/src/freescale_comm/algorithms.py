@@ -251,6 +251,7 @@ class PlanCache:
                 or not (t.is_cpu or (self._ipc_fits is not None and t.is_cuda))
                 or not t.is_contiguous()
                 or _unreadable(t)  # sent from a resolved copy (an output is refused)
+                or _lacks_memory(t)  # refused by the builder (a template would use its address)
             ):
                 return None
             nbytes = t.nbytes
@@ -366,6 +367,23 @@ def _copy_own(plan: Plan, dst: Bytes, src: Bytes) -> None:
         plan.local_copies.append((dst, src))
 
 
+def _lacks_memory(tensor: torch.Tensor) -> bool:
+    """Whether a dense tensor's elements do not all lie in memory of its own storage: a
+    wrapper subclass without storage (DTensor, float8 wrappers; its address is 0 or refused)
+    or a storage resized below it. Its address would read or write bytes that are not it."""
+    if tensor.numel() == 0:
+        return False
+    try:
+        storage = tensor.untyped_storage()
+        start, base = tensor.data_ptr(), storage.data_ptr()
+        sizes_and_strides = zip(tensor.shape, tensor.stride(), strict=True)
+        extent = sum((size - 1) * stride for size, stride in sizes_and_strides)
+        end = start + (extent + 1) * tensor.element_size()
+        return start == 0 or start < base or end > base + storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return True
+
+
 def _unreadable(tensor: torch.Tensor) -> bool:
     """Whether a tensor's bytes are not its values (a lazy negation or conjugation)."""
     return tensor.is_neg() or tensor.is_conj()
@@ -409,8 +427,16 @@ class _Builder:
                 self.fail(f"mixes dtypes {self.dtype} and {tensor.dtype}")
             elif tensor.device != self.device:
                 self.fail(f"mixes devices {self.device} and {tensor.device}")
-            elif tensor.is_sparse or tensor.layout != torch.strided or tensor.is_nested:
+            elif tensor.is_nested:
+                self.fail("got a nested tensor; only dense tensors are supported")
+            elif tensor.is_sparse or tensor.layout != torch.strided:
                 self.fail(f"got a {tensor.layout} tensor; only dense tensors are supported")
+            elif tensor.device.type in ("cpu", "cuda") and _lacks_memory(tensor):
+                self.fail(
+                    f"got a {type(tensor).__name__} whose elements are not in memory of its own "
+                    "(a wrapper subclass such as DTensor, or a storage resized below the "
+                    "tensor); pass the plain tensor it holds (DTensor: to_local())"
+                )
             elif _unreadable(tensor) and any(tensor is output for output in outputs):
                 # An input is sent from a resolved copy (``source``); an output's bytes would
                 # have to be written negated or conjugated.
@@ -588,9 +614,9 @@ def _build_all_to_all_single(
         elif len(given) != world_size:
             b.fail(f"got {len(given)} {name} split sizes for a group of {world_size} ranks")
         elif min(given) < 0:
-            b.fail(f"{name} split sizes {given} contain a negative size")
+            b.fail(f"{name} split sizes contain a negative size: {given}")
         elif sum(given) != rows:
-            b.fail(f"{name} split sizes {given} do not add up to {name}.size(0)={rows}")
+            b.fail(f"{name} split sizes add up to {sum(given)}, not {name}.size(0)={rows}: {given}")
         splits.append(given if len(given) == world_size else [0] * world_size)
     in_row = input.element_size() * math.prod(input.shape[1:])
     out_row = output.element_size() * math.prod(output.shape[1:])

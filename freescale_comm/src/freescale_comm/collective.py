@@ -51,7 +51,14 @@ from freescale_comm.errors import (
 )
 from freescale_comm.futures import CollectiveFuture
 from freescale_comm.transport import make_tag
-from freescale_comm.validation import NEEDS_TABLE, Signature, judge, judge_table, names_ipc
+from freescale_comm.validation import (
+    NEEDS_TABLE,
+    Signature,
+    judge,
+    judge_table,
+    names_ipc,
+    with_own_error,
+)
 
 if TYPE_CHECKING:
     from freescale_comm.cuda import CopyStreams, CudaSupport
@@ -810,7 +817,7 @@ class Collective:
                 path = self.group.mailbox_path()
                 path.free_slots(self.seq, self._pushed_slots)
                 path.done_with(self.seq, None)
-        self._fail_locked(problem, "validation")
+        self._fail_locked(with_own_error(problem, self.plan.signature.error), "validation")
 
     def _start_data(self) -> None:
         g = self.group

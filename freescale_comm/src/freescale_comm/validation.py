@@ -35,6 +35,8 @@ _FIXED_INTS = 6  # version, op, device, count, error flag, send layout
 _HEADER_INTS = 7  # version, op, device, count, error flag, send digest, receive digest
 _NAME_BYTES = 24
 _MESSAGE_BYTES = 200
+# Ends an error text the header cut at ``_MESSAGE_BYTES`` (the rank's own raise has it whole).
+_CUT_MARK = " [...] (cut; the whole message is in that rank's own error)"
 DEVICE_CODES = {
     "cpu": 0,
     "cuda": 1,
@@ -189,7 +191,7 @@ class Signature:
     ) -> Signature:
         text = raw[text_at:]
         dtype = text[:_NAME_BYTES].rstrip(b"\0").decode(errors="replace")
-        error = text[_NAME_BYTES:].rstrip(b"\0").decode(errors="replace")
+        error = _message(text[_NAME_BYTES:])
         if ints[0] != version:
             error = error or f"speaks header version {ints[0]} (this rank: {version})"
         devices = {code: name for name, code in DEVICE_CODES.items()}
@@ -204,6 +206,20 @@ class Signature:
             send_layout=send_layout,
             recv_layouts=recv_layouts,
         )
+
+
+def _message(field: bytes) -> str:
+    """A header's error text, marked where it filled the field (it was cut)."""
+    text = field.rstrip(b"\0")
+    return text.decode(errors="replace") + (_CUT_MARK if len(text) == _MESSAGE_BYTES else "")
+
+
+def with_own_error(problem: str, own_error: str) -> str:
+    """``problem`` with this rank's own error text whole where the header cut it."""
+    if not own_error:
+        return problem
+    cut = _message(own_error.encode()[:_MESSAGE_BYTES])
+    return problem.replace(cut, own_error) if cut != own_error else problem
 
 
 def _spans(ranks: list[int]) -> str:
