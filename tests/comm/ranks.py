@@ -1259,6 +1259,24 @@ def a_mistake_without_validation() -> str:
     return message
 
 
+def a_call_with_its_own_timeout() -> str:
+    """Rank 0 calls an AllToAll with a 2 s timeout in its options (ProcessGroup API, as Gloo
+    honours it) in a group whose timeout is 30 s; the others never call it. Returns rank 0's
+    "<seconds> <error>" (the others: "")."""
+    group = freescale_group(30)
+    message = ""
+    if dist.get_rank() == 0:
+        n = dist.get_world_size()
+        opts = dist.AllToAllOptions()
+        opts.timeout = timedelta(seconds=2)
+        message = _error_after(
+            lambda: group.alltoall_base(torch.empty(n), torch.ones(n), [], [], opts).wait()
+        )
+    dist.barrier()
+    dist.destroy_process_group(group)
+    return message
+
+
 def a_size_mismatch_without_validation(count: int) -> dict[str, Any]:
     """In a group on one host that does not validate, rank 1 expects ``count`` more elements
     from rank 0 than rank 0 sends it; every other piece agrees. Returns this rank's error (or

@@ -57,6 +57,13 @@ def test_new_user_mistakes_fail_on_every_rank_at_once(fs_group):
         assert "rank 0: all_to_all_single got a Tensor whose elements are not in" in messages[10]
 
 
+def test_a_timeout_in_the_calls_options_bounds_it(fs_group):
+    # It waited for the group's timeout (30 s here); Gloo honours the call's own.
+    seconds, error = fs_group.run(ranks.a_call_with_its_own_timeout, timeout_s=60)[0].split(" ", 1)
+    assert "FreescaleTimeoutError" in error and "did not finish within 2 s" in error, error
+    assert float(seconds) < 5, (seconds, error)
+
+
 @pytest.mark.parametrize("count", [4, 300_000], ids=["16B", "1.2MB"])
 def test_a_short_message_without_validation_fails_its_receiver(fs_group, count):
     # Rank 1 expects more from rank 0 than rank 0 sends: it returned success with the rest of

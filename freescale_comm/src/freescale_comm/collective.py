@@ -133,15 +133,17 @@ class _Done:
 class Collective:
     """A collective of one group in flight (see the module docstring)."""
 
-    def __init__(self, group: GroupContext, name: str, plan: Plan) -> None:
+    def __init__(
+        self, group: GroupContext, name: str, plan: Plan, timeout_s: float | None = None
+    ) -> None:
         self.group = group
         self.name = name
         self.plan = plan
         self.seq = 0  # numbered by ``GroupContext.launch``, in the order collectives start
         self.started = time.monotonic()
-        # The group's timeout at the start: one set later (``follow_timeout``) bounds the
-        # collectives started after it.
-        self.timeout_s = group.timeout_s
+        # The call's own timeout, or the group's at the start: one set later
+        # (``follow_timeout``) bounds the collectives started after it.
+        self.timeout_s = timeout_s or group.timeout_s
         self.deadline = self.started + self.timeout_s
         self.finished = False
         self.error: FreescaleError | None = None

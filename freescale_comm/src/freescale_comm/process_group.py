@@ -224,7 +224,11 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         # Written in place, as by an in-place op: autograd must see that saved tensors changed
         # (Gloo's outputs get the same bump; a backward through a stale one raises).
         torch.autograd.graph.increment_version(plan.result)
-        op = Collective(self._ctx, plan.signature.op, plan)
+        # A timeout in the call's options (C++ and ProcessGroup callers; unset: negative)
+        # bounds this collective, as on Gloo.
+        timeout = getattr(opts, "timeout", None)
+        own_s = timeout.total_seconds() if isinstance(timeout, timedelta) else 0.0
+        op = Collective(self._ctx, plan.signature.op, plan, own_s if own_s > 0 else None)
         # c10d sets asyncOp=False when it will wait at once; C++ callers leave the default.
         self._ctx.launch(op, caller_waits=not getattr(opts, "asyncOp", True))
         return FreescaleWork(op)
