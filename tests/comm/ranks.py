@@ -298,7 +298,8 @@ def concurrent_random_cases(
                 rng.shuffle(in_flight)
                 for work, out, want, what in in_flight:
                     if rng.random() < 0.3:
-                        out = work.get_future().then(lambda f: f.value()[0]).wait()
+                        # [output], or the ranks' pieces of an AllGather's (Gloo's form)
+                        out = work.get_future().then(lambda f: torch.cat(f.value())).wait()
                     else:
                         work.wait()
                     _same(out, want, what)
@@ -1427,6 +1428,41 @@ def destroy_while_a_callback_runs() -> dict[str, Any]:
         "callback_finished": finished.is_set(),
         "callback_thread_left": bool(callback_threads() - others),
     }
+
+
+def future_values_like_gloo() -> list[str]:
+    """The values of asynchronous collectives' futures on CPU against Gloo's for the same
+    calls: their structure (lists, tensors, shapes) and contents. Returns what differed."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    calls = {
+        "all_gather_into_tensor": lambda g: gather(
+            torch.empty(2 * n), torch.full((2,), float(rank)), group=g, async_op=True
+        ),
+        "all_to_all_single": lambda g: dist.all_to_all_single(
+            torch.empty(n), torch.full((n,), float(rank)), group=g, async_op=True
+        ),
+        "all_gather": lambda g: dist.all_gather(
+            [torch.empty(2) for _ in range(n)], torch.full((2,), float(rank)), g, True
+        ),
+        "all_to_all": lambda g: dist.all_to_all(
+            [torch.empty(1) for _ in range(n)], [torch.full((1,), float(rank))] * n, g, True
+        ),
+    }
+
+    def shape_of(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return (tuple(value.shape), value.tolist())
+        return [shape_of(v) for v in value]
+
+    differ = []
+    for what, call in calls.items():
+        for again in range(3):  # the third from the plan cache
+            mine = shape_of(call(dist.group.WORLD).get_future().wait())
+            gloos = shape_of(call(gloo_group()).get_future().wait())
+            if mine != gloos:
+                differ.append(f"{what} (call {again}): {mine} where Gloo has {gloos}")
+    return differ
 
 
 def lazy_views_and_autograd_versions() -> dict[str, Any]:

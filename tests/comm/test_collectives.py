@@ -59,6 +59,12 @@ def test_a_later_collective_never_overtakes_an_earlier_ring_forward(fs_group4, v
     assert fs_group4.run(ranks.ring_gather_then_all_to_all, validate, timeout_s=60) == ["ok"] * 4
 
 
+def test_futures_hold_the_values_gloo_gives(fs_group):
+    # An AllGather into one tensor gave [output] (NCCL's form) where Gloo gives the pieces.
+    results = fs_group.run(ranks.future_values_like_gloo, timeout_s=60)
+    assert results == [[]] * len(results), results
+
+
 def test_lazy_views_as_inputs_and_autograd_versions_of_outputs_match_gloo(fs_group):
     # A negated view was refused as an input, and outputs kept their version: a backward
     # through a tensor the collective overwrote silently used the new values.

@@ -97,7 +97,8 @@ class Plan:
         local_copies: (destination, source) bytes copied when the data phase starts.
         copy_back: (user tensor, contiguous staging) pairs copied after the last message.
         result: the collective's output tensors, the value of its future unless ``value``.
-        value: the future's value where it is shaped otherwise (Gloo's, for the same call).
+        value: the future's value where it is shaped otherwise (Gloo's, for the same call),
+            or a function that makes it, called only if the collective has a future.
         forwarding: some sends wait for a receive (ring): they cannot travel in the header.
         staged: CUDA bytes that move through pinned host memory (``staged``), not UCX directly
             (with ``ipc``: the bytes of the peers IPC does not reach).

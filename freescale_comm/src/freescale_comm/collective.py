@@ -130,6 +130,11 @@ class _Done:
         return event.wait(timeout)
 
 
+def _made(value: Any) -> Any:
+    """A future's value: ``Plan.value`` may be the function that makes it."""
+    return value() if callable(value) else value
+
+
 class Collective:
     """A collective of one group in flight (see the module docstring)."""
 
@@ -217,7 +222,8 @@ class Collective:
             if self._future is None:
                 self._future = CollectiveFuture(self.group.callbacks)
                 if self._outcome is not None:
-                    self._future.complete(*self._outcome)
+                    ok, value = self._outcome
+                    self._future.complete(ok, _made(value))
             future = self._future
         self.finish_promptly()
         return future
@@ -269,7 +275,7 @@ class Collective:
             # (``collect_all``) do run here, before ``event`` is set.
             self._completing_in = threading.get_ident()
             try:
-                future.complete(ok, value)
+                future.complete(ok, _made(value))
             finally:
                 self._completing_in = None
 

@@ -75,6 +75,11 @@ def _device_type(args: Sequence[Any]) -> str | None:
     return None
 
 
+def _pieces_of(output: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    """An AllGather's output as the ranks' pieces (views): Gloo's future value."""
+    return list(output.chunk(world_size))
+
+
 def _own_unless_elsewhere(method: Callable[..., Any]) -> Callable[..., Any]:
     """Runs one of the group's own collectives, or under the same name on its Gloo / NCCL
     backend where the backend string gives its tensors' device to that backend."""
@@ -315,17 +320,17 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> FreescaleWork:
         """``dist.all_gather_into_tensor`` (torch 2.13 name)."""
-        return self._own(
-            algorithms.all_gather_into_tensor(
-                "all_gather_into_tensor",
-                *self._rs(),
-                [output],
-                [input],
-                self._gather_options([input]),
-                self._plans,
-            ),
-            opts,
+        plan = algorithms.all_gather_into_tensor(
+            "all_gather_into_tensor",
+            *self._rs(),
+            [output],
+            [input],
+            self._gather_options([input]),
+            self._plans,
         )
+        if not output.is_cuda:  # Gloo's future holds the ranks' pieces (NCCL's the output)
+            plan.value = functools.partial(_pieces_of, output, self.size())
+        return self._own(plan, opts)
 
     @_own_unless_elsewhere
     def _allgather_base(
