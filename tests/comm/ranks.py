@@ -1260,6 +1260,28 @@ def a_mistake_without_validation() -> str:
     return message
 
 
+def a_rank_without_ucx(missing: int) -> str:
+    """Rank ``missing`` cannot import ucxx (a node of another image) when a freescale group
+    is made. Returns this rank's "<seconds> <error>" from ``new_group``."""
+    import sys
+
+    from freescale_comm.transport import Transport
+
+    if Transport._instance is not None:
+        raise AssertionError("this process has a UCX worker already: nothing would import")
+    hidden = "ucxx._lib.libucxx"
+    kept = sys.modules.get(hidden)
+    if dist.get_rank() == missing:
+        sys.modules[hidden] = None  # an import of it raises ImportError
+    try:
+        return _error_after(
+            lambda: dist.new_group(backend="freescale", timeout=timedelta(seconds=30))
+        )
+    finally:
+        if kept is not None:
+            sys.modules[hidden] = kept
+
+
 def a_call_with_its_own_timeout() -> str:
     """Rank 0 calls an AllToAll with a 2 s timeout in its options (ProcessGroup API, as Gloo
     honours it) in a group whose timeout is 30 s; the others never call it. Returns rank 0's

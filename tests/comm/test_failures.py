@@ -57,6 +57,22 @@ def test_new_user_mistakes_fail_on_every_rank_at_once(fs_group):
         assert "rank 0: all_to_all_single got a Tensor whose elements are not in" in messages[10]
 
 
+def test_a_rank_without_ucx_fails_every_ranks_set_up_at_once():
+    # Its peers waited for the group timeout (30 s here), then raised a store timeout naming
+    # directory keys; the rank itself raised at once.
+    group = LocalGroup(2, backend="gloo", setup=SETUP, init_timeout_s=30)
+    try:
+        group.start()
+        messages = group.run(ranks.a_rank_without_ucx, 1, timeout_s=60)
+    finally:
+        group.close()
+    for message in messages:
+        assert float(message.split(" ", 1)[0]) < 5, messages
+    assert "ImportError" in messages[1] and "pip install" in messages[1], messages
+    assert "FreescaleValidationError" in messages[0], messages
+    assert "rank 1 has" in messages[0] and "this rank cannot load UCX" in messages[0], messages
+
+
 def test_a_timeout_in_the_calls_options_bounds_it(fs_group):
     # It waited for the group's timeout (30 s here); Gloo honours the call's own.
     seconds, error = fs_group.run(ranks.a_call_with_its_own_timeout, timeout_s=60)[0].split(" ", 1)

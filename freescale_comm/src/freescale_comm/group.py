@@ -14,13 +14,14 @@ the same story instead of each waiting for its own timeout.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch.distributed as dist
@@ -151,7 +152,10 @@ class GroupContext:
         self._sealed = _SealedDeadlines(self.inflight, self._upkeep)
         self._links: list[Any] = [None] * size
         self._hub: Any = None
-        self.transport = Transport.acquire()
+        try:
+            self.transport = Transport.acquire()
+        except ImportError as err:
+            self._fail_set_up_without_ucx(store, keys, invalid_options, err)
         cuda_device = _cuda_device()
         self.engine = Engine.acquire(self.transport, cuda_device)
         self.callbacks = CallbackRunner(cuda_device)  # of the futures (``futures``)
@@ -162,6 +166,27 @@ class GroupContext:
             # group timeout), /dev/shm full, ...: what this rank acquired is given back.
             self.close()
             raise
+
+    def _fail_set_up_without_ucx(
+        self, store: dist.Store, keys: dist.Store, invalid_options: str | None, err: ImportError
+    ) -> NoReturn:
+        """Takes part in the set-up agreement (``_check_agreement``) as a rank that refused its
+        options, so that every rank's set-up fails at once instead of waiting for this one
+        until the group timeout; then raises ``err`` (which names the package to install)."""
+        from freescale_comm import shm
+
+        refusal = invalid_options or f"this rank cannot load UCX ({err})"
+        self._keys = keys
+        agreement = directory.setup_agreement(self.options.shared(), refusal)
+        directory.start(keys, root_store(store), self.rank, agreement)
+        wait = timedelta(seconds=self.timeout_s)
+        self.directory = directory.Directory(
+            keys, self.rank, self.size, shm.host_identity(), b"", wait, process_identity()
+        )
+        self.group_id = self.directory.group_id
+        with contextlib.suppress(FreescaleError):  # this rank's own error is ``err``
+            self._check_agreement(agreement, refusal)
+        raise err
 
     def _set_up(self, store: dist.Store, keys: dist.Store, invalid_options: str | None) -> None:
         """Directory, liveness, the paths within the host (``__init__``)."""
