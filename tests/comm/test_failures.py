@@ -10,7 +10,7 @@ import pytest
 
 from tests.comm import ranks
 from tests.comm.conftest import FAST_FAILURE_ENV, SETUP
-from tests.harness import LocalGroup, RankFailure
+from tests.harness import GroupSpec, LocalGroup, RankFailure, run_ranks
 from tests.xdist_groups import GLOO_GROUPS
 
 
@@ -60,12 +60,8 @@ def test_new_user_mistakes_fail_on_every_rank_at_once(fs_group):
 def test_a_rank_without_ucx_fails_every_ranks_set_up_at_once():
     # Its peers waited for the group timeout (30 s here), then raised a store timeout naming
     # directory keys; the rank itself raised at once.
-    group = LocalGroup(2, backend="gloo", setup=SETUP, init_timeout_s=30)
-    try:
-        group.start()
-        messages = group.run(ranks.a_rank_without_ucx, 1, timeout_s=60)
-    finally:
-        group.close()
+    spec = GroupSpec(2, "gloo", setup=SETUP, init_timeout_s=30)
+    messages = run_ranks(spec, ranks.a_rank_without_ucx, 1, timeout_s=60)
     for message in messages:
         assert float(message.split(" ", 1)[0]) < 5, messages
     assert "ImportError" in messages[1] and "pip install" in messages[1], messages

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from freescale_comm import directory, liveness
 from tests.comm import liveness_ranks
 from tests.comm.conftest import FAST_FAILURE_ENV, SETUP
-from tests.harness import LocalGroup, RankFailure
+from tests.harness import GroupSpec, LocalGroup, RankFailure, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -651,13 +651,9 @@ def test_a_stopped_store_host_is_reported_within_dead_after_s():
 def test_the_store_host_leaving_first_fails_no_collective_it_finished():
     # Its process's exit was found before its departure could be read from the store, which
     # left with it: the others' last AllToAll failed ("its process on this host has exited").
-    group = LocalGroup(3, backend=None, setup=SETUP, init_timeout_s=30)
-    try:
-        group.start()
-        with pytest.raises(RankFailure) as failure:
-            group.run(liveness_ranks.store_host_leaves_first, timeout_s=60)
-    finally:
-        group.close()
+    spec = GroupSpec(3, None, setup=SETUP, init_timeout_s=30)
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(spec, liveness_ranks.store_host_leaves_first, timeout_s=60, stop_on_error=False)
     results = failure.value.results
     assert set(results) == {1, 2}, failure.value
     for rank in (1, 2):
