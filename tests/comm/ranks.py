@@ -1453,8 +1453,9 @@ def destroy_while_a_callback_runs() -> dict[str, Any]:
 
 
 def future_values_like_gloo() -> list[str]:
-    """The values of asynchronous collectives' futures on CPU against Gloo's for the same
-    calls: their structure (lists, tensors, shapes) and contents. Returns what differed."""
+    """The values of asynchronous collectives' futures and their works' ``result()`` on CPU
+    against Gloo's for the same calls: their structure (lists, tensors, shapes) and contents.
+    Returns what differed."""
     rank, n = dist.get_rank(), dist.get_world_size()
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     calls = {
@@ -1480,10 +1481,15 @@ def future_values_like_gloo() -> list[str]:
     differ = []
     for what, call in calls.items():
         for again in range(3):  # the third from the plan cache
-            mine = shape_of(call(dist.group.WORLD).get_future().wait())
-            gloos = shape_of(call(gloo_group()).get_future().wait())
+            works = call(dist.group.WORLD), call(gloo_group())
+            mine, gloos = (shape_of(work.get_future().wait()) for work in works)
             if mine != gloos:
                 differ.append(f"{what} (call {again}): {mine} where Gloo has {gloos}")
+            for work in works:
+                work.wait()  # Gloo's result() asks for it
+            mine, gloos = (shape_of(work.result()) for work in works)
+            if mine != gloos:
+                differ.append(f"{what} result() (call {again}): {mine} where Gloo has {gloos}")
     return differ
 
 

@@ -66,7 +66,7 @@ def test_a_rank_without_ucx_fails_every_ranks_set_up_at_once():
         assert float(message.split(" ", 1)[0]) < 5, messages
     assert "ImportError" in messages[1] and "pip install" in messages[1], messages
     assert "FreescaleValidationError" in messages[0], messages
-    assert "rank 1 has" in messages[0] and "this rank cannot load UCX" in messages[0], messages
+    assert "rank 1 has" in messages[0] and "rank 1 cannot load UCX" in messages[0], messages
 
 
 def test_a_timeout_in_the_calls_options_bounds_it(fs_group):

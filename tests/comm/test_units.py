@@ -175,10 +175,14 @@ def test_an_error_cut_by_the_header_says_so_and_its_own_rank_raises_it_whole():
     problem = verdict([_sig([0], [0]), Signature.decode(_sig([0], [0], error=own).encode(2), 2)])
     assert problem.startswith("rank 1: all_to_all_single input split sizes add up to 131071")
     assert problem.endswith("[...] (cut; the whole message is in that rank's own error)")
-    assert with_own_error(problem, own) == f"rank 1: {own}"
-    assert with_own_error(problem, "") == problem
-    short = verdict([Signature.decode(_sig([0], [0], error="bad").encode(1), 1)])
-    assert short == "rank 0: bad" and with_own_error(short, "bad") == short
+    assert with_own_error(problem, 1, own) == f"rank 1: {own}"
+    assert with_own_error(problem, 0, "") == problem
+    # Another rank whose error starts alike keeps the verdict's (rank 1's, as every rank).
+    assert with_own_error(problem, 0, own[:-1] + "9]") == problem
+    # Exactly the field's length: not cut, not marked.
+    full = "x" * 200
+    exact = verdict([Signature.decode(_sig([0], [0], error=full).encode(1), 1)])
+    assert exact == f"rank 0: {full}" and with_own_error(exact, 0, full) == exact
 
 
 def test_a_header_says_whether_its_sender_took_the_ipc_path():

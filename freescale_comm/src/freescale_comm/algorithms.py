@@ -97,8 +97,7 @@ class Plan:
         local_copies: (destination, source) bytes copied when the data phase starts.
         copy_back: (user tensor, contiguous staging) pairs copied after the last message.
         result: the collective's output tensors, the value of its future unless ``value``.
-        value: the future's value where it is shaped otherwise (Gloo's, for the same call),
-            or a function that makes it, called only if the collective has a future.
+        value: the future's value where it is shaped otherwise (Gloo's, for the same call).
         forwarding: some sends wait for a receive (ring): they cannot travel in the header.
         staged: CUDA bytes that move through pinned host memory (``staged``), not UCX directly
             (with ``ipc``: the bytes of the peers IPC does not reach).
@@ -372,15 +371,17 @@ def _lacks_memory(tensor: torch.Tensor) -> bool:
     """Whether a dense tensor's elements do not all lie in memory of its own storage: a
     wrapper subclass without storage (DTensor, float8 wrappers; its address is 0 or refused)
     or a storage resized below it. Its address would read or write bytes that are not it."""
-    if tensor.numel() == 0:
+    nbytes = tensor.nbytes
+    if nbytes == 0:
         return False
     try:
         storage = tensor.untyped_storage()
         start, base = tensor.data_ptr(), storage.data_ptr()
-        sizes_and_strides = zip(tensor.shape, tensor.stride(), strict=True)
-        extent = sum((size - 1) * stride for size, stride in sizes_and_strides)
-        end = start + (extent + 1) * tensor.element_size()
-        return start == 0 or start < base or end > base + storage.nbytes()
+        if not tensor.is_contiguous():  # its elements span from the first to the last one
+            sizes_and_strides = zip(tensor.shape, tensor.stride(), strict=True)
+            extent = sum((size - 1) * stride for size, stride in sizes_and_strides)
+            nbytes = (extent + 1) * tensor.element_size()
+        return start == 0 or start < base or start + nbytes > base + storage.nbytes()
     except (RuntimeError, NotImplementedError, TypeError):
         return True
 

@@ -130,11 +130,6 @@ class _Done:
         return event.wait(timeout)
 
 
-def _made(value: Any) -> Any:
-    """A future's value: ``Plan.value`` may be the function that makes it."""
-    return value() if callable(value) else value
-
-
 class Collective:
     """A collective of one group in flight (see the module docstring)."""
 
@@ -222,8 +217,7 @@ class Collective:
             if self._future is None:
                 self._future = CollectiveFuture(self.group.callbacks)
                 if self._outcome is not None:
-                    ok, value = self._outcome
-                    self._future.complete(ok, _made(value))
+                    self._future.complete(*self._outcome)
             future = self._future
         self.finish_promptly()
         return future
@@ -275,7 +269,7 @@ class Collective:
             # (``collect_all``) do run here, before ``event`` is set.
             self._completing_in = threading.get_ident()
             try:
-                future.complete(ok, _made(value))
+                future.complete(ok, value)
             finally:
                 self._completing_in = None
 
@@ -825,7 +819,8 @@ class Collective:
                 path = self.group.mailbox_path()
                 path.free_slots(self.seq, self._pushed_slots)
                 path.done_with(self.seq, None)
-        self._fail_locked(with_own_error(problem, self.plan.signature.error), "validation")
+        problem = with_own_error(problem, g.rank, self.plan.signature.error)
+        self._fail_locked(problem, "validation")
 
     def _start_data(self) -> None:
         g = self.group

@@ -171,20 +171,23 @@ class GroupContext:
         self, store: dist.Store, keys: dist.Store, invalid_options: str | None, err: ImportError
     ) -> NoReturn:
         """Takes part in the set-up agreement (``_check_agreement``) as a rank that refused its
-        options, so that every rank's set-up fails at once instead of waiting for this one
-        until the group timeout; then raises ``err`` (which names the package to install)."""
+        options, so that every rank's set-up fails once every rank has joined instead of
+        waiting for this one until the group timeout; then raises ``err`` (which names the
+        package to install), also where the agreement itself fails (a peer that never joins).
+        """
         from freescale_comm import shm
 
-        refusal = invalid_options or f"this rank cannot load UCX ({err})"
+        logger.error("freescale: rank %d cannot create its group: %s", self.rank, err)
+        refusal = invalid_options or f"rank {self.rank} cannot load UCX: {err}"
         self._keys = keys
         agreement = directory.setup_agreement(self.options.shared(), refusal)
-        directory.start(keys, root_store(store), self.rank, agreement)
-        wait = timedelta(seconds=self.timeout_s)
-        self.directory = directory.Directory(
-            keys, self.rank, self.size, shm.host_identity(), b"", wait, process_identity()
-        )
-        self.group_id = self.directory.group_id
-        with contextlib.suppress(FreescaleError):  # this rank's own error is ``err``
+        with contextlib.suppress(Exception):  # this rank's own error is ``err``
+            directory.start(keys, root_store(store), self.rank, agreement)
+            wait = timedelta(seconds=self.timeout_s)
+            self.directory = directory.Directory(
+                keys, self.rank, self.size, shm.host_identity(), b"", wait, process_identity()
+            )
+            self.group_id = self.directory.group_id
             self._check_agreement(agreement, refusal)
         raise err
 

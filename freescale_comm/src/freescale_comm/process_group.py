@@ -75,11 +75,6 @@ def _device_type(args: Sequence[Any]) -> str | None:
     return None
 
 
-def _pieces_of(output: torch.Tensor, world_size: int) -> list[torch.Tensor]:
-    """An AllGather's output as the ranks' pieces (views): Gloo's future value."""
-    return list(output.chunk(world_size))
-
-
 def _own_unless_elsewhere(method: Callable[..., Any]) -> Callable[..., Any]:
     """Runs one of the group's own collectives, or under the same name on its Gloo / NCCL
     backend where the backend string gives its tensors' device to that backend."""
@@ -328,8 +323,10 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             self._gather_options([input]),
             self._plans,
         )
-        if not output.is_cuda:  # Gloo's future holds the ranks' pieces (NCCL's the output)
-            plan.value = functools.partial(_pieces_of, output, self.size())
+        if not output.is_cuda and getattr(opts, "asyncOp", True):
+            # Gloo's future and result hold the ranks' pieces (NCCL's the output), made at the
+            # call as Gloo makes them; a call torch waits for at once hands out neither.
+            plan.value = list(output.chunk(self.size()))
         return self._own(plan, opts)
 
     @_own_unless_elsewhere

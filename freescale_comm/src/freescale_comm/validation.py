@@ -132,7 +132,8 @@ class Signature:
             _code(self.op),
             DEVICE_CODES.get(self.device, -1),
             self.count,
-            1 if self.error else 0,
+            # 1: an error; 2: one whose text the header cuts (``_MESSAGE_BYTES``)
+            (2 if len(self.error.encode()) > _MESSAGE_BYTES else 1) if self.error else 0,
         ]
 
     def _with_text(self, blob: bytes) -> np.ndarray:
@@ -191,7 +192,9 @@ class Signature:
     ) -> Signature:
         text = raw[text_at:]
         dtype = text[:_NAME_BYTES].rstrip(b"\0").decode(errors="replace")
-        error = _message(text[_NAME_BYTES:])
+        error = text[_NAME_BYTES:].rstrip(b"\0").decode(errors="replace")
+        if ints[4] == 2:
+            error += _CUT_MARK
         if ints[0] != version:
             error = error or f"speaks header version {ints[0]} (this rank: {version})"
         devices = {code: name for name, code in DEVICE_CODES.items()}
@@ -208,18 +211,13 @@ class Signature:
         )
 
 
-def _message(field: bytes) -> str:
-    """A header's error text, marked where it filled the field (it was cut)."""
-    text = field.rstrip(b"\0")
-    return text.decode(errors="replace") + (_CUT_MARK if len(text) == _MESSAGE_BYTES else "")
-
-
-def with_own_error(problem: str, own_error: str) -> str:
-    """``problem`` with this rank's own error text whole where the header cut it."""
-    if not own_error:
+def with_own_error(problem: str, rank: int, own_error: str) -> str:
+    """``problem`` as this rank raises it: where it is this rank's own error (``verdict``'s
+    "rank r: error"), cut by the header, the whole text."""
+    if len(own_error.encode()) <= _MESSAGE_BYTES:
         return problem
-    cut = _message(own_error.encode()[:_MESSAGE_BYTES])
-    return problem.replace(cut, own_error) if cut != own_error else problem
+    cut = own_error.encode()[:_MESSAGE_BYTES].rstrip(b"\0").decode(errors="replace")
+    return f"rank {rank}: {own_error}" if problem == f"rank {rank}: {cut}{_CUT_MARK}" else problem
 
 
 def _spans(ranks: list[int]) -> str:

@@ -139,7 +139,11 @@ class FreescaleWork(dist.Work):
 
     def result(self) -> list[torch.Tensor]:
         self.wait()
-        return self._op.plan.result
+        # Gloo's: a future value that is a flat list of tensors (an AllGather into one
+        # tensor's pieces), else the outputs (``Work.result`` is a flat list).
+        value = self._op.plan.value
+        flat = isinstance(value, list) and all(isinstance(t, torch.Tensor) for t in value)
+        return value if flat else self._op.plan.result
 
     def synchronize(self) -> None:
         if self._completing_here() or self._finished():
