@@ -1181,6 +1181,11 @@ def new_user_mistakes() -> list[str]:
             _StorageLess(torch.empty(n)) if rank == 0 else torch.empty(n), torch.ones(n)
         ),
         lambda: dist.all_to_all_single(torch.empty(n), _freed(torch.ones(n), rank == 0)),
+        # An async AllGather into a 0-d output on rank 0 (whose pieces, for Gloo's future
+        # value, cannot be made).
+        lambda: dist.all_gather_into_tensor(
+            torch.empty(()) if rank == 0 else torch.empty(n), torch.ones(1), async_op=True
+        ).wait(),
     ]
     for _ in range(2):  # the plan cache keeps a shape seen twice
         dist.all_to_all_single(torch.empty(n), torch.ones(n))

@@ -35,7 +35,7 @@ def test_bad_inputs_fail_on_every_rank_before_data_moves(fs_group):
 def test_new_user_mistakes_fail_on_every_rank_at_once(fs_group):
     per_rank = fs_group.run(ranks.new_user_mistakes, timeout_s=30)
     for messages in per_rank:
-        assert len(messages) == 11
+        assert len(messages) == 12
         # At once: well inside the group timeout (60 s), not after it.
         assert all(float(m.split(" ", 1)[0]) < 5 for m in messages), messages
         for m in messages[:2]:
@@ -55,6 +55,7 @@ def test_new_user_mistakes_fail_on_every_rank_at_once(fs_group):
             in (messages[9])
         )
         assert "rank 0: all_to_all_single got a Tensor whose elements are not in" in messages[10]
+        assert "rank 0: all_gather_into_tensor" in messages[11], messages[11]
 
 
 def test_a_rank_without_ucx_fails_every_ranks_set_up_at_once():
