@@ -251,12 +251,19 @@ class PlanCache:
                 or not (t.is_cpu or (self._ipc_fits is not None and t.is_cuda))
                 or not t.is_contiguous()
                 or _unreadable(t)  # sent from a resolved copy (an output is refused)
-                or _lacks_memory(t)  # refused by the builder (a template would use its address)
             ):
                 return None
             nbytes = t.nbytes
             if nbytes:
-                start = t.data_ptr()
+                # Elements not in memory of its own: refused by the builder (``_lacks_memory``;
+                # a template would use its address).
+                try:
+                    start, storage = t.data_ptr(), t.untyped_storage()
+                    base = storage.data_ptr()
+                except (RuntimeError, NotImplementedError, TypeError):
+                    return None
+                if start == 0 or start < base or start + nbytes > base + storage.nbytes():
+                    return None
                 spans.append((start, start + nbytes))
         spans.sort()
         for (_, end), (start, _) in itertools.pairwise(spans):

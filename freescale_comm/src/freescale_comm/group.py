@@ -855,6 +855,8 @@ class GroupContext:
         """Why collective ``seq`` cannot finish because a peer destroyed the group before
         finishing it (``Liveness.departed``, as of the last poll), or None."""
         departed = self.liveness.departed
+        if not departed:
+            return None
         left = [(peer, done) for peer, done in sorted(departed.items()) if done < seq]
         if not left:
             return None
