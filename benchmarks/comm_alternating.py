@@ -9,13 +9,15 @@ tensors are on each rank's GPU, a block ends when its GPU work has, and the vari
 compared with the first one (Gloo has no CUDA AllToAll). Two variants with the same
 options (``--variant a --variant b``) measure the noise of the method itself: the ratio of two
 identical groups. Unlike the bench it leaves torch's thread settings alone unless ``--threads``
-is given (a training process runs with torch's default, one intra-op thread per core). The
-ranks inherit the environment: with ``THP_MEM_ALLOC_ENABLE=1`` their torch asks for huge pages
+is given (a training process runs with torch's default, one intra-op thread per core).
+``--in-flight N`` issues the calls of a block N at a time, asynchronously, each into an output
+of its own, then waits for the N (as a pipeline with collectives in flight does). The ranks
+inherit the environment: with ``THP_MEM_ALLOC_ENABLE=1`` their torch asks for huge pages
 for tensors of 2 MiB and more, as ``freescale comm bench --huge-pages`` does (the JSON records
 the variable).
 
     python benchmarks/comm_alternating.py [--ranks 2] [--threads N] [--device cpu|cuda]
-        [--hosts N] [--sizes 8,4096,16M]
+        [--hosts N] [--sizes 8,4096,16M] [--in-flight 1]
         [--variant NAME[:FIELD=VALUE,...]]...   (default: one variant "freescale", defaults)
 """
 
@@ -88,22 +90,29 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     for size in args.sizes:  # bytes one rank receives in all
         for op in args.ops:
             elements = max(n, size // 4 // n * n)
-            out = torch.empty(elements, device=args.device)
+            outs = [torch.empty(elements, device=args.device) for _ in range(args.in_flight)]
             if op == "all_to_all":
                 inp = torch.rand(elements, device=args.device)
 
-                def call(g: Any, out: torch.Tensor = out, inp: torch.Tensor = inp) -> None:
-                    dist.all_to_all_single(out, inp, group=g)
+                def call(g: Any, k: int = 0, inp: torch.Tensor = inp, outs: list = outs) -> Any:
+                    return dist.all_to_all_single(outs[k], inp, group=g, async_op=k > 0)
             else:
                 inp = torch.rand(elements // n, device=args.device)
 
-                def call(g: Any, out: torch.Tensor = out, inp: torch.Tensor = inp) -> None:
-                    gather(out, inp, group=g)
+                def call(g: Any, k: int = 0, inp: torch.Tensor = inp, outs: list = outs) -> Any:
+                    return gather(outs[k], inp, group=g, async_op=k > 0)
+
+            def batch(g: Any, call: Any = call) -> None:
+                """``--in-flight`` calls: the first N - 1 asynchronous, then every wait."""
+                works = [call(g, k) for k in range(args.in_flight - 1, -1, -1)]
+                for work in works[:-1]:
+                    work.wait()
 
             calls = args.calls if size < (1 << 20) else max(3, args.calls // 20)
+            calls = max(1, calls // args.in_flight)  # batches of --in-flight calls
             for g in groups.values():
                 for _ in range(5):
-                    call(g)
+                    batch(g)
             times: dict[str, list[float]] = {name: [] for name in names}
             cpu: dict[str, list[float]] = {name: [] for name in names}
             for block in range(args.blocks):
@@ -111,11 +120,12 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                     dist.barrier()
                     start, cpu_start = time.perf_counter(), time.process_time()
                     for _ in range(calls):
-                        call(groups[name])
+                        batch(groups[name])
                     if cuda:
                         torch.cuda.synchronize()
-                    times[name].append((time.perf_counter() - start) / calls)
-                    cpu[name].append((time.process_time() - cpu_start) / calls)
+                    per_call = calls * args.in_flight
+                    times[name].append((time.perf_counter() - start) / per_call)
+                    cpu[name].append((time.process_time() - cpu_start) / per_call)
             # Per block the slower rank's time, and the CPU time of the rank that used most
             # (every thread of its process: the backend's own threads count).
             t = torch.tensor(
@@ -163,6 +173,9 @@ def main() -> None:
     parser.add_argument("--ops", default="all_to_all,all_gather")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--blocks", type=int, default=9)
+    parser.add_argument(
+        "--in-flight", type=int, default=1, help="calls issued asynchronously before the waits"
+    )
     parser.add_argument(
         "--variant",
         type=_variant,

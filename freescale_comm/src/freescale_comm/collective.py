@@ -990,6 +990,22 @@ class Collective:
         return not self._data_posted or bool(self._unposted)
 
     @property
+    def queued_behind(self) -> bool:
+        """Whether nothing can move this collective until an earlier one of its group has
+        written its headers: its own go into the outboxes in call order (``Outboxes.writable``)
+        and it sends nothing else before. The engine passes over it then: with many in flight,
+        advancing each on every pass made their cost grow with their square. (Read without the
+        lock: a stale answer only moves it to the next pass.)"""
+        boxes = self.group.outboxes
+        return (
+            self._phase == "header"
+            and self._outbox_msgs is not None
+            and self._unloaded_headers is None
+            and boxes is not None
+            and self._outbox_seq > boxes.posted + 1
+        )
+
+    @property
     def needs_engine(self) -> bool:
         """False once only the end event is left, which ``_finish_after_final`` awaits."""
         return not (self._phase == "sealed" and self._pipeline is None)

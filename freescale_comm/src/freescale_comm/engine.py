@@ -71,6 +71,7 @@ class Op(Protocol):
     deadline: float
     finished: bool
     needs_engine: bool  # False: only its CUDA end event is left (``Collective.poll_final``)
+    queued_behind: bool  # nothing moves it before an earlier op does: skipped by a pass
     yields_when_idle: bool  # wait by yielding the core for a while (``FreescaleOptions``)
 
     def advance(self) -> bool:
@@ -245,7 +246,8 @@ class Engine:
         progressed = False
         for op in ops:
             try:
-                progressed |= op.advance()
+                if not op.queued_behind:
+                    progressed |= op.advance()
                 if not op.finished and time.monotonic() > op.deadline:
                     op.expire()
             except Exception as err:  # never let one op kill the thread of all groups
