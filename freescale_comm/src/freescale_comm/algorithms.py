@@ -253,18 +253,11 @@ class PlanCache:
                 or _unreadable(t)  # sent from a resolved copy (an output is refused)
             ):
                 return None
-            nbytes = t.nbytes
-            if nbytes:
-                # Elements not in memory of its own: refused by the builder (``_lacks_memory``;
-                # a template would use its address).
-                try:
-                    start, storage = t.data_ptr(), t.untyped_storage()
-                    base = storage.data_ptr()
-                except (RuntimeError, NotImplementedError, TypeError):
-                    return None
-                if start == 0 or start < base or start + nbytes > base + storage.nbytes():
-                    return None
-                spans.append((start, start + nbytes))
+            span = _own_span(t)
+            if span is None:  # refused by the builder (a template would use its address)
+                return None
+            if span[1] > span[0]:
+                spans.append(span)
         spans.sort()
         for (_, end), (start, _) in itertools.pairwise(spans):
             if start < end:
@@ -374,23 +367,26 @@ def _copy_own(plan: Plan, dst: Bytes, src: Bytes) -> None:
         plan.local_copies.append((dst, src))
 
 
-def _lacks_memory(tensor: torch.Tensor) -> bool:
-    """Whether a dense tensor's elements do not all lie in memory of its own storage: a
-    wrapper subclass without storage (DTensor, float8 wrappers; its address is 0 or refused)
-    or a storage resized below it. Its address would read or write bytes that are not it."""
+def _own_span(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """The addresses [first, end) of a dense tensor's element bytes ((0, 0) if it has none),
+    or None where they do not all lie in memory of its own storage: a wrapper subclass
+    without storage (DTensor, float8 wrappers; its address is 0 or refused) or a storage
+    resized below it. Its address would read or write bytes that are not it."""
     nbytes = tensor.nbytes
     if nbytes == 0:
-        return False
+        return (0, 0)
     try:
         storage = tensor.untyped_storage()
         start, base = tensor.data_ptr(), storage.data_ptr()
-        if not tensor.is_contiguous():  # its elements span from the first to the last one
-            sizes_and_strides = zip(tensor.shape, tensor.stride(), strict=True)
-            extent = sum((size - 1) * stride for size, stride in sizes_and_strides)
-            nbytes = (extent + 1) * tensor.element_size()
-        return start == 0 or start < base or start + nbytes > base + storage.nbytes()
     except (RuntimeError, NotImplementedError, TypeError):
-        return True
+        return None
+    if not tensor.is_contiguous():  # its elements span from the first to the last one
+        sizes_and_strides = zip(tensor.shape, tensor.stride(), strict=True)
+        extent = sum((size - 1) * stride for size, stride in sizes_and_strides)
+        nbytes = (extent + 1) * tensor.element_size()
+    if start == 0 or start < base or start + nbytes > base + storage.nbytes():
+        return None
+    return (start, start + nbytes)
 
 
 def _unreadable(tensor: torch.Tensor) -> bool:
@@ -440,7 +436,7 @@ class _Builder:
                 self.fail("got a nested tensor; only dense tensors are supported")
             elif tensor.is_sparse or tensor.layout != torch.strided:
                 self.fail(f"got a {tensor.layout} tensor; only dense tensors are supported")
-            elif tensor.device.type in ("cpu", "cuda") and _lacks_memory(tensor):
+            elif tensor.device.type in ("cpu", "cuda") and _own_span(tensor) is None:
                 self.fail(
                     f"got a {type(tensor).__name__} whose elements are not in memory of its own "
                     "(a wrapper subclass such as DTensor, or a storage resized below the "

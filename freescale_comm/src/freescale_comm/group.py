@@ -175,44 +175,53 @@ class GroupContext:
         waiting for this one until the group timeout; then raises ``err`` (which names the
         package to install), also where the agreement itself fails (a peer that never joins).
         """
-        from freescale_comm import shm
-
         logger.error("freescale: rank %d cannot create its group: %s", self.rank, err)
         refusal = invalid_options or f"rank {self.rank} cannot load UCX: {err}"
-        self._keys = keys
-        agreement = directory.setup_agreement(self.options.shared(), refusal)
         with contextlib.suppress(Exception):  # this rank's own error is ``err``
-            directory.start(keys, root_store(store), self.rank, agreement)
-            wait = timedelta(seconds=self.timeout_s)
-            self.directory = directory.Directory(
-                keys, self.rank, self.size, shm.host_identity(), b"", wait, process_identity()
-            )
-            self.group_id = self.directory.group_id
-            self._check_agreement(agreement, refusal)
+            self._join(store, keys, refusal, b"")
         raise err
 
-    def _set_up(self, store: dist.Store, keys: dist.Store, invalid_options: str | None) -> None:
-        """Directory, liveness, the paths within the host (``__init__``)."""
+    def _join(
+        self,
+        store: dist.Store,
+        keys: dist.Store,
+        invalid_options: str | None,
+        address: bytes,
+        lookups: dist.Store | None = None,
+    ) -> None:
+        """The set-up exchange of every rank (``directory``), then the agreement check, which
+        raises on every rank where some rank's options differ or were refused."""
         from freescale_comm import shm
 
-        rank, size, options = self.rank, self.size, self.options
-        # Set-up order: rank 0 writes the group id and the abort key, and every rank beats once,
-        # before its entry is published; once the directory has seen every entry, every key a
-        # liveness poll reads exists (a ``multi_get`` of a missing key would wait for it).
         self._keys = keys
-        agreement = directory.setup_agreement(options.shared(), invalid_options)
-        directory.start(keys, root_store(store), rank, agreement)
+        agreement = directory.setup_agreement(self.options.shared(), invalid_options)
+        directory.start(keys, root_store(store), self.rank, agreement)
         wait = timedelta(seconds=self.timeout_s)
-        own = own_connection(keys)  # for the engine thread and lookups during collectives
-        self.liveness = Liveness(
-            own, rank, size, options.heartbeat_s, options.dead_after_s, self.abort
-        )
-        host = shm.host_identity()
         self.directory = directory.Directory(
-            keys, rank, size, host, self.transport.address, wait, process_identity(), own
+            keys,
+            self.rank,
+            self.size,
+            shm.host_identity(),
+            address,
+            wait,
+            process_identity(),
+            lookups,
         )
         self.group_id = self.directory.group_id
         self._check_agreement(agreement, invalid_options)
+
+    def _set_up(self, store: dist.Store, keys: dist.Store, invalid_options: str | None) -> None:
+        """Directory, liveness, the paths within the host (``__init__``)."""
+        rank, size, options = self.rank, self.size, self.options
+        # Set-up order: every rank beats once before its directory entry is published, and
+        # rank 0 writes the keys a poll reads before any entry; once the directory has seen
+        # every entry, every key a liveness poll reads exists (a ``multi_get`` of a missing
+        # key would wait for it).
+        own = own_connection(keys)  # for the liveness thread and lookups during collectives
+        self.liveness = Liveness(
+            own, rank, size, options.heartbeat_s, options.dead_after_s, self.abort
+        )
+        self._join(store, keys, invalid_options, self.transport.address, own)
         self.liveness.watch_processes(
             {p: who for p, who in self.directory.host_processes.items() if p != rank}
         )

@@ -323,10 +323,10 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             self._gather_options([input]),
             self._plans,
         )
-        async_call = getattr(opts, "asyncOp", True)
         # (Not for a call whose arguments were refused: every rank must hear of it, nothing
         # may raise here first.)
-        if async_call and not output.is_cuda and output.dim() and not plan.signature.error:
+        accepted = not plan.signature.error and output.dim() > 0
+        if getattr(opts, "asyncOp", True) and not output.is_cuda and accepted:
             # Gloo's future and result hold the ranks' pieces (NCCL's the output), made at the
             # call as Gloo makes them; a call torch waits for at once hands out neither.
             plan.value = list(output.chunk(self.size()))
