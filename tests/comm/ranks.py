@@ -2467,3 +2467,41 @@ def barrier_in_a_callback() -> float:
     later.wait()
     dist.destroy_process_group(group)
     return time.monotonic() - began
+
+
+def an_interrupt_while_a_collective_waits() -> dict[str, Any]:
+    """A ``KeyboardInterrupt`` reaches rank 0 while its synchronous AllToAll waits for rank 1,
+    which calls 2 s late: rank 0 raises it at once; the collective goes on in the background
+    and writes rank 0's output once rank 1's data arrives (the README's failure behaviour), and
+    the group serves the next call. Returns what rank 0 saw (rank 1: its output)."""
+    import signal
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = freescale_group(30, host_path="shm")
+    output = torch.zeros(n)
+    report: dict[str, Any] = {}
+    if rank == 0:
+        threading.Timer(
+            0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)
+        ).start()
+        start = time.monotonic()
+        try:
+            dist.all_to_all_single(output, torch.full((n,), 1.0 + rank), group=group)
+            report["raised"] = None
+        except KeyboardInterrupt:
+            report["raised"] = "KeyboardInterrupt"
+        report["raised_after_s"] = time.monotonic() - start
+        report["output_at_interrupt"] = output.tolist()
+        deadline = time.monotonic() + 10
+        while output[1].item() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        report["output_later"] = output.tolist()
+    else:
+        time.sleep(2)
+        dist.all_to_all_single(output, torch.full((n,), 1.0 + rank), group=group)
+        report["output_later"] = output.tolist()
+    after = torch.zeros(n)
+    dist.all_to_all_single(after, torch.full((n,), 10.0 + rank), group=group)
+    report["next_call"] = after.tolist()
+    dist.destroy_process_group(group)
+    return report

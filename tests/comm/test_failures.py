@@ -118,6 +118,16 @@ def test_a_failure_on_one_rank_fails_every_rank_at_once(fs_group, rank_fn, own_e
             assert error.startswith("FreescalePeerError") and peers_see in error, error
 
 
+def test_an_interrupt_while_a_collective_waits_raises_at_once_and_the_collective_goes_on(fs_group):
+    reports = fs_group.run(ranks.an_interrupt_while_a_collective_waits, timeout_s=60)
+    first, n = reports[0], len(reports)
+    assert first["raised"] == "KeyboardInterrupt" and first["raised_after_s"] < 1.5, first
+    assert first["output_at_interrupt"][1] == 0, first  # rank 1 had not called yet
+    for rank, report in enumerate(reports):
+        assert report["output_later"] == [1.0 + peer for peer in range(n)], (rank, report)
+        assert report["next_call"] == [10.0 + peer for peer in range(n)], (rank, report)
+
+
 @pytest.mark.parametrize("step", ["directory", "rings", "outbox"])
 def test_a_peer_dying_during_set_up_fails_it_within_the_timeout_and_leaves_nothing(step):
     group = LocalGroup(2, backend="freescale", setup=SETUP, init_timeout_s=20)
