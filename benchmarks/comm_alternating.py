@@ -35,6 +35,7 @@ from typing import Any
 from freescale_comm import FreescaleOptions
 from freescale_comm._freescale_args import byte_size_list
 from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
+from freescale_comm.bench import dist_all_gather_into_tensor
 from freescale_comm.info import page_settings
 from freescale_comm.options import _parse
 from freescale_comm.shm import HOST_ENV
@@ -85,8 +86,7 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     reference = "gloo" if not cuda else names[0]
     n = args.ranks
     rows = []
-    # torch 2.13 names it all_gather_single (the old name warns there); 2.11 has the old one.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather = dist_all_gather_into_tensor()
     for size in args.sizes:  # bytes one rank receives in all
         for op in args.ops:
             elements = max(n, size // 4 // n * n)

@@ -26,6 +26,7 @@ from typing import Any
 from freescale_comm import FreescaleOptions
 from freescale_comm._freescale_args import byte_size
 from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
+from freescale_comm.bench import dist_all_gather_into_tensor
 from freescale_comm.info import page_settings
 
 
@@ -35,8 +36,7 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    # torch 2.13 names it all_gather_single (the old name warns there); 2.11 has the old one.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather = dist_all_gather_into_tensor()
     timeout = timedelta(seconds=120)
     groups: dict[str, Any] = {
         name: dist.new_group(

@@ -26,6 +26,7 @@ from typing import Any
 
 from freescale_comm._freescale_args import Parser, int_at_least
 from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
+from freescale_comm.bench import dist_all_gather_into_tensor
 
 
 def _rank(args: argparse.Namespace) -> dict[str, Any]:
@@ -41,8 +42,7 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
     out = torch.empty_like(inp)
     ag_in = torch.ones(2)
     ag_out = torch.empty(2 * n)
-    # torch 2.13 names it all_gather_single (the old name warns there); 2.11 has the old one.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather = dist_all_gather_into_tensor()
     calls = {
         "all_to_all": lambda g: dist.all_to_all_single(out, inp, group=g),
         "all_gather": lambda g: gather(ag_out, ag_in, group=g),

@@ -105,6 +105,15 @@ class BenchConfig:
         return (*own, "nccl") if gpus >= self.world_size else own
 
 
+def dist_all_gather_into_tensor() -> Callable[..., Any]:
+    """``torch.distributed``'s AllGather into one tensor under this torch's name:
+    ``all_gather_single`` in 2.13 (the old name warns there), ``all_gather_into_tensor`` in
+    2.11."""
+    import torch.distributed as dist
+
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _bench_rank(config: BenchConfig, progress: bool) -> list[dict[str, Any]]:
     """One rank of ``run_bench``, in the launcher's freescale group: every row of the sweep
     (``progress``: rank 0 shows a bar of the (op, size) points on stderr)."""
@@ -178,8 +187,7 @@ def _calls(
     host = torch.rand(count, generator=torch.Generator().manual_seed(rank))
     data = host.to(device)
     want = torch.empty(elements)
-    # torch 2.13 names it all_gather_single (the old name warns there); 2.11 has the old one.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather = dist_all_gather_into_tensor()
     collective = gather if op == "all_gather" else dist.all_to_all_single
     collective(want, host, group=gloo)
 

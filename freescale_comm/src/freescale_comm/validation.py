@@ -214,10 +214,8 @@ class Signature:
 def with_own_error(problem: str, rank: int, own_error: str) -> str:
     """``problem`` as this rank raises it: where it is this rank's own error (``verdict``'s
     "rank r: error"), cut by the header, the whole text."""
-    if len(own_error.encode()) <= _MESSAGE_BYTES:
-        return problem
-    cut = own_error.encode()[:_MESSAGE_BYTES].rstrip(b"\0").decode(errors="replace")
-    return f"rank {rank}: {own_error}" if problem == f"rank {rank}: {cut}{_CUT_MARK}" else problem
+    own_and_cut = problem.startswith(f"rank {rank}: ") and problem.endswith(_CUT_MARK)
+    return f"rank {rank}: {own_error}" if own_and_cut and own_error else problem
 
 
 def _spans(ranks: list[int]) -> str:
