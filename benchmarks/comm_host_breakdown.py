@@ -57,9 +57,7 @@ STEPS = (
     ("ipc", "IpcPath", "push"),
     ("ipc", "IpcPath", "ready"),
     ("ipc", "IpcPath", "enqueue"),
-    ("ipc", "", "_copy"),
-    ("ipc", "", "_write"),
-    ("ipc", "", "_wait"),
+    ("stream_ops", "StreamOps", "run"),
 )
 
 
@@ -71,7 +69,7 @@ def _wrap_steps(spent: dict[str, int], counts: dict[str, int], cuda: bool) -> No
 
     owners: list[tuple[Any, str, str]] = []
     for module_name, owner_name, name in STEPS:
-        if module_name in ("cuda", "ipc") and not cuda:
+        if module_name in ("cuda", "ipc", "stream_ops") and not cuda:
             continue
         module = importlib.import_module(f"freescale_comm.{module_name}")
         owner = getattr(module, owner_name) if owner_name else module

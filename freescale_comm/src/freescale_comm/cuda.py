@@ -59,6 +59,7 @@ import torch
 
 from freescale_comm.algorithms import address
 from freescale_comm.errors import FreescaleError
+from freescale_comm.stream_ops import StreamOps, native
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +77,8 @@ class IpcHandle(ctypes.Structure):
 class _Driver:
     """The CUDA driver API entry points torch does not expose (through ctypes)."""
 
-    def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
+    def __init__(self, library: str = "libcuda.so.1") -> None:
+        lib = ctypes.CDLL(library)
 
         def entry(name: str, *args: Any) -> Any:
             fn = getattr(lib, name + "_v2", None) or getattr(lib, name)
@@ -96,6 +97,7 @@ class _Driver:
         # Stream memory operations: 64-bit flag writes and waits ordered in a stream (``ipc``).
         self.write_value64 = entry("cuStreamWriteValue64", ptr, u64, u64, ctypes.c_uint)
         self.wait_value64 = entry("cuStreamWaitValue64", ptr, u64, u64, ctypes.c_uint)
+        self.stream_wait_event = entry("cuStreamWaitEvent", ptr, ptr, ctypes.c_uint)
         self._attribute = entry(
             "cuDeviceGetAttribute", ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int
         )
@@ -433,6 +435,7 @@ class CudaSupport:
         self._wake = wake
         self._ring_copies: dict[int, RingCopies] = {}
         self._attach_lock = threading.Lock()
+        native()  # built here, at the group's first CUDA collective, not under its locks
 
     def attach(self, channel: Any) -> None:
         """Makes a staging channel copy with this device's copy engines (on its first CUDA
@@ -484,24 +487,18 @@ class CudaSupport:
         event.
 
         Each side is flat bytes: a numpy array (host, page-locked for an asynchronous copy) or
-        a contiguous uint8 CUDA or CPU tensor. The copies go straight to the driver
-        (``cuMemcpyAsync`` on the stream's handle): a small collective queues several, and
-        torch's copy through a stream context costs tens of microseconds each. Sources and
-        destinations must stay alive until the event completes (the collective holds them).
-        With a ``watcher``, the engine is woken when the copies complete.
+        a contiguous uint8 CUDA or CPU tensor. The copies go straight to the driver, all in one
+        call (``cuMemcpyAsync`` on the stream's handle, ``stream_ops``): a small collective
+        queues several, and torch's copy through a stream context costs tens of microseconds
+        each. Sources and destinations must stay alive until the event completes (the
+        collective holds them). With a ``watcher``, the engine is woken when the copies
+        complete.
         """
-        cu = driver()
-        replaced = cu.bind(self.device)
-        try:
-            handle = ctypes.c_void_p(stream.cuda_stream)
-            for dst, src in pairs:
-                size = len(src)
-                if size:
-                    cu.check(
-                        cu.memcpy_async(address(dst), address(src), size, handle), "cuMemcpyAsync"
-                    )
-        finally:
-            cu.restore(replaced)
+        ops = StreamOps()
+        handle = stream.cuda_stream
+        for dst, src in pairs:
+            ops.copy(handle, address(dst), address(src), len(src))
+        ops.run(self.device)
         event = torch.cuda.Event(blocking=True)
         event.record(stream)
         if watcher is not None:

@@ -90,6 +90,7 @@ from freescale_comm.cuda import (
     driver,
 )
 from freescale_comm.errors import FreescaleError
+from freescale_comm.stream_ops import StreamOps
 
 if TYPE_CHECKING:
     from freescale_comm.shm import Link
@@ -101,17 +102,19 @@ _ENTRY = struct.Struct("<64sQQ")  # handle, offset in the allocation, bytes
 # pushed into (-1: pull them from the handles named), pieces.
 _COUNT = struct.Struct("<16s64sqQ")
 _NO_HANDLE = bytes(64)
-_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int64)(*flag - value) >= 0
 # 64-bit flags: a pair's flag that one kind of collective never writes (pushes write "pushed",
 # pulls "ready" and "done") may lag the sequence number by any amount, which 32 bits would
 # compare the wrong way after 2^31 collectives.
 _CAN_USE_64_BIT_STREAM_MEM_OPS = 122  # CUdevice_attribute (the v2 API's; 93 is v1's)
-_WRITE_DEFAULT = 0x0  # with a memory barrier: earlier copies are visible first
 _LAZY_PEER_ACCESS = 0x1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 _FLAG_PAGE = 4096
 # uint64 indices in a ring's control block (``shm._CTRL_BYTES``): "inputs ready", "read yours",
-# "pushed into your mailbox", and per mailbox slot "read what you pushed there".
+# "pushed into your mailbox", and per mailbox slot "read what you pushed there"; and one that
+# only the writer's own IPC stream waits for: "my pushes of collective ``seq`` are done" (never
+# released by an abort: for a pushing collective it is the IPC stream's wait for the caller's
+# stream).
 _READY, _DONE, _PUSHED, _CONSUMED = 16, 24, 20, 28
+_PUSHES_DONE = 22
 MAILBOX_SLOTS = 4
 MAILBOX_SLOT_BYTES = 256 << 10
 _RELEASE = 1 << 30  # abort: flags set this far ahead let every queued wait pass
@@ -232,7 +235,7 @@ class Export:
         self, path: IpcPath, seq: int, ready: torch.cuda.Event, sends: dict[int, list[Any]]
     ) -> None:
         self.scratch_copies: list[tuple[int, Any]] = []  # (scratch offset, source bytes)
-        pushed, self.push_done = path.push(seq, ready, sends)
+        pushed, self.push_flag = path.push(seq, ready, sends)
         # The peers that read this rank's memory (and whose "read yours" it waits for).
         self.readers = sorted(peer for peer in sends if peer not in pushed)
         entries: dict[int, list[_Entry]] = {}
@@ -378,6 +381,7 @@ class _Flags:
         self.peer_ready, self.peer_done = inc + 8 * _READY, inc + 8 * _DONE
         self.my_pushed, self.peer_pushed = out + 8 * _PUSHED, inc + 8 * _PUSHED
         self.my_consumed = [out + 8 * (_CONSUMED + slot) for slot in range(MAILBOX_SLOTS)]
+        self.my_pushes_done = out + 8 * _PUSHES_DONE
 
     def peer_read(self, slot: int, seq: int) -> bool:
         """Whether the peer has read what this rank pushed into its ``slot`` for collective
@@ -475,13 +479,14 @@ class IpcPath:
 
     def push(
         self, seq: int, ready: torch.cuda.Event, sends: dict[int, list[Any]]
-    ) -> tuple[dict[int, tuple[int, list[tuple[int, int]]]], torch.cuda.Event | None]:
+    ) -> tuple[dict[int, tuple[int, list[tuple[int, int]]]], int]:
         """Queues on the push stream the copies of the sends that fit a slot of a mailbox this
-        rank has mapped (see the module docstring).
+        rank has mapped (see the module docstring), then "my pushes of ``seq`` are done".
 
         Returns:
             Per peer pushed to: the slot and, per send, (offset in its mailbox, bytes); and the
-            push stream's event after the copies (None: nothing pushed).
+            device address of the flag that reaches ``seq`` once the pushes are done (0:
+            nothing pushed).
         """
         targets = {
             peer: buffers
@@ -489,10 +494,10 @@ class IpcPath:
             if peer in self._mailbox_at and sum(len(b) for b in buffers) <= MAILBOX_SLOT_BYTES
         }
         if not targets:
-            return {}, None
+            return {}, 0
         with self._push_lock:
             if seq <= self._last_push:  # started out of call order by another thread: pulled
-                return {}, None
+                return {}, 0
             # Sends to a slot the receiver has not read yet are pulled (never waited for on
             # the GPU: see the module docstring).
             slots = {}
@@ -502,34 +507,29 @@ class IpcPath:
                 if previous is None or self._flags[peer].peer_read(slot, previous):
                     slots[peer] = slot
             if not slots:
-                return {}, None
+                return {}, 0
             self._last_push = seq
-            cu = driver()
-            replaced = cu.bind(self.device)
-            try:
-                stream = self.push_stream
-                stream.wait_event(ready)
-                handle = ctypes.c_void_p(stream.cuda_stream)
-                pushed = {}
-                for peer, slot in slots.items():
-                    buffers = targets[peer]
-                    flags = self._flags[peer]
-                    self._pushes[peer] += 1
-                    self._slot_seq[peer, slot] = seq
-                    offset = slot_offset(self.host_index(self._rank), slot)
-                    places = []
-                    for buffer in buffers:
-                        nbytes = len(buffer)
-                        _copy(cu, self._mailbox_at[peer] + offset, address(buffer), nbytes, handle)
-                        places.append((offset, nbytes))
-                        offset += nbytes
-                    _write(cu, handle, flags.my_pushed, seq)
-                    pushed[peer] = (slot, places)
-                done = torch.cuda.Event()
-                done.record(stream)
-            finally:
-                cu.restore(replaced)
-        return pushed, done
+            ops = StreamOps()
+            stream = self.push_stream.cuda_stream
+            ops.wait_event(stream, ready.cuda_event)
+            pushed = {}
+            for peer, slot in slots.items():
+                self._pushes[peer] += 1
+                self._slot_seq[peer, slot] = seq
+                offset = slot_offset(self.host_index(self._rank), slot)
+                places = []
+                for buffer in targets[peer]:
+                    nbytes = len(buffer)
+                    ops.copy(stream, self._mailbox_at[peer] + offset, address(buffer), nbytes)
+                    places.append((offset, nbytes))
+                    offset += nbytes
+                ops.write(stream, self._flags[peer].my_pushed, seq)
+                pushed[peer] = (slot, places)
+            # One word of this rank's own: every push of the group writes one, in call order.
+            done_flag = self._flags[next(iter(slots))].my_pushes_done
+            ops.write(stream, done_flag, seq)
+            ops.run(self.device)
+        return pushed, done_flag
 
     def host_index(self, rank: int) -> int:
         """``rank``'s place among the ranks of this host (its slots in a mailbox)."""
@@ -595,22 +595,19 @@ class IpcPath:
         if not due:
             return
         self._unread = [u for u in self._unread if u not in due]
-        cu = driver()
-        replaced = cu.bind(self.device)
-        try:
-            handle = ctypes.c_void_p(self.stream.cuda_stream)
-            for seq, slots in due:
-                for peer, slot in slots.items():
-                    self._queue_read(cu, handle, peer, slot, seq)
-        finally:
-            cu.restore(replaced)
+        ops = StreamOps()
+        for seq, slots in due:
+            for peer, slot in slots.items():
+                self._queue_read(ops, peer, slot, seq)
+        ops.run(self.device)
 
-    def _queue_read(self, cu: Any, stream: ctypes.c_void_p, peer: int, slot: int, seq: int) -> None:
-        """Queues "I have read what you pushed into ``slot`` for ``seq``" (``_order_lock``
-        held), never a value below one queued before for that slot."""
+    def _queue_read(self, ops: StreamOps, peer: int, slot: int, seq: int) -> None:
+        """Adds to ``ops`` "I have read what you pushed into ``slot`` for ``seq``" on the IPC
+        stream, never a value below one added before for that slot (``_order_lock`` held until
+        ``ops`` has run, so that the writes reach the stream in the order of their values)."""
         value = max(seq, self._read_queued.get((peer, slot), 0))
         self._read_queued[peer, slot] = value
-        _write(cu, stream, self._flags[peer].my_consumed[slot], value)
+        ops.write(self.stream.cuda_stream, self._flags[peer].my_consumed[slot], value)
 
     def enqueue(
         self,
@@ -633,52 +630,57 @@ class IpcPath:
                 bytes, where they lie).
             local_copies: (destination, source) bytes of this rank's own piece.
         """
-        cu = driver()
-        replaced = cu.bind(self.device)
-        try:
-            stream = self.stream
-            # Peers' new allocations mapped first: mapping may wait for the GPU (it took until
-            # the queued matmuls were done in one measurement), and must never wait while a
-            # part of this collective that a peer's queued waits need is still unqueued.
-            sources = {}
-            for peer, pieces in pulls.items():
-                maps, keep = self._maps[peer], {p.handle for _, p in pieces}
-                sources[peer] = [
-                    (address(dst), maps.pointer(p.handle, stream, keep) + p.offset, p.nbytes)
-                    for dst, p in pieces
-                ]
-            for peer, mailbox in self._mailbox_handles.items():
-                if peer not in self._mailbox_at:
-                    self._mailbox_at[peer] = _open(mailbox)
-            handle = ctypes.c_void_p(stream.cuda_stream)
-            # The inputs are read until the pushes are done, which waited for ``ready`` on the
-            # push stream: waiting for them waits for both.
-            stream.wait_event(export.push_done if export.push_done is not None else ready)
-            self._last_seq = seq
-            for offset, source in export.scratch_copies:
-                _copy(cu, export.scratch_pointer + offset, address(source), len(source), handle)
-            for peer in export.readers:
-                _write(cu, handle, self._flags[peer].my_ready, seq)
-            for dst, src in local_copies:
-                _copy(cu, address(dst), address(src), len(src), handle)
+        stream = self.stream
+        # Peers' new allocations mapped first: mapping may wait for the GPU (it took until the
+        # queued matmuls were done in one measurement), and must never wait while a part of
+        # this collective that a peer's queued waits need is still unqueued.
+        sources = {}
+        if pulls or len(self._mailbox_at) < len(self._mailbox_handles):
+            cu = driver()
+            replaced = cu.bind(self.device)  # mapping is a driver call of the context's
+            try:
+                for peer, pieces in pulls.items():
+                    maps, keep = self._maps[peer], {p.handle for _, p in pieces}
+                    sources[peer] = [
+                        (address(dst), maps.pointer(p.handle, stream, keep) + p.offset, p.nbytes)
+                        for dst, p in pieces
+                    ]
+                for peer, mailbox in self._mailbox_handles.items():
+                    if peer not in self._mailbox_at:
+                        self._mailbox_at[peer] = _open(mailbox)
+            finally:
+                cu.restore(replaced)
+        ops = StreamOps()
+        handle = stream.cuda_stream
+        # The inputs are read until the pushes are done, which waited for ``ready`` on the push
+        # stream: waiting for them waits for both.
+        if export.push_flag:
+            ops.wait(handle, export.push_flag, seq)
+        else:
+            ops.wait_event(handle, ready.cuda_event)
+        self._last_seq = seq
+        for offset, source in export.scratch_copies:
+            ops.copy(handle, export.scratch_pointer + offset, address(source), len(source))
+        for peer in export.readers:
+            ops.write(handle, self._flags[peer].my_ready, seq)
+        for dst, src in local_copies:
+            ops.copy(handle, address(dst), address(src), len(src))
+        with self._order_lock:  # a free on another thread queues "read" flags apart
             for peer, (slot, pieces) in pushed_in.items():
-                flags = self._flags[peer]
-                _wait(cu, handle, flags.peer_pushed, seq)
+                ops.wait(handle, self._flags[peer].peer_pushed, seq)
+                mailbox = self.mailbox.pointer
                 for dst, piece in pieces:
-                    source = self.mailbox.pointer + piece.offset
-                    _copy(cu, address(dst), source, piece.nbytes, handle)
-                with self._order_lock:  # a free on another thread queues its flag apart
-                    self._queue_read(cu, handle, peer, slot, seq)
+                    ops.copy(handle, address(dst), mailbox + piece.offset, piece.nbytes)
+                self._queue_read(ops, peer, slot, seq)
             for peer, copies in sources.items():
                 flags = self._flags[peer]
-                _wait(cu, handle, flags.peer_ready, seq)
+                ops.wait(handle, flags.peer_ready, seq)
                 for dst, src, nbytes in copies:
-                    _copy(cu, dst, src, nbytes, handle)
-                _write(cu, handle, flags.my_done, seq)
+                    ops.copy(handle, dst, src, nbytes)
+                ops.write(handle, flags.my_done, seq)
             for peer in export.readers:
-                _wait(cu, handle, self._flags[peer].peer_done, seq)
-        finally:
-            cu.restore(replaced)
+                ops.wait(handle, self._flags[peer].peer_done, seq)
+            ops.run(self.device)
 
     def release(self) -> None:
         """Lets every queued wait of the group pass (the group was aborted)."""
@@ -731,16 +733,3 @@ class IpcPath:
             self.mailbox.close()
         finally:
             cu.restore(replaced)
-
-
-def _copy(cu: Any, dst: int, src: int, nbytes: int, stream: ctypes.c_void_p) -> None:
-    if nbytes:
-        cu.check(cu.memcpy_async(dst, src, nbytes, stream), "cuMemcpyAsync")
-
-
-def _write(cu: Any, stream: ctypes.c_void_p, flag: int, value: int) -> None:
-    cu.check(cu.write_value64(stream, flag, value, _WRITE_DEFAULT), "cuStreamWriteValue64")
-
-
-def _wait(cu: Any, stream: ctypes.c_void_p, flag: int, value: int) -> None:
-    cu.check(cu.wait_value64(stream, flag, value, _WAIT_GEQ), "cuStreamWaitValue64")
