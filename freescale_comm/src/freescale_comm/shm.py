@@ -70,7 +70,7 @@ from freescale_comm.options import HOST_ENV
 
 _PREFIX = "freescale-ring-"
 _SHM_DIR = "/dev/shm"
-# Head at byte 0, tail at 64; the CUDA IPC path's flags at 128 and 192 (``ipc``); at 256 whether
+# Head at byte 0, tail at 64; the CUDA IPC path's flags at 128 to 255 (``ipc``); at 256 whether
 # the ring's receiver sleeps in its epoll (it wants a wake-up byte; odd: it does, the count of
 # its sleeps begun and ended); at 320 how many read descriptors its receiver is done with, and
 # whether it closed the ring (it reads no more): separate lines.
