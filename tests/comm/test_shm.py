@@ -819,6 +819,7 @@ def test_the_ring_control_block_words_do_not_overlap():
         "ipc ready": [ipc._READY],
         "ipc pushed": [ipc._PUSHED],
         "ipc done": [ipc._DONE],
+        "ipc pushes done": [ipc._PUSHES_DONE],
         "ipc consumed": list(range(ipc._CONSUMED, ipc._CONSUMED + ipc.MAILBOX_SLOTS)),
         "asleep": [shm._ASLEEP],
         "reads done": [shm._READS_DONE],

@@ -8,8 +8,8 @@ and restored, errors). The real driver runs under it in the CUDA tests on the GP
 
 from __future__ import annotations
 
+import ctypes
 import logging
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -31,7 +31,9 @@ static void *current;
 int fail_call = -1; /* the index of the stream call that fails, -1: none */
 int fail_bind;
 static int calls;
-static void note(const char *line) { strncat(log_text, line, sizeof log_text - strlen(log_text) - 1); }
+static void note(const char *line) {
+  strncat(log_text, line, sizeof log_text - strlen(log_text) - 1);
+}
 const char *recorded(void) { return log_text; }
 void forget(void) { log_text[0] = 0; calls = 0; current = 0; }
 void make_current(uint64_t context) { current = (void *)(uintptr_t)context; }
@@ -50,7 +52,7 @@ int cuCtxSetCurrent(void *context) {
   char line[64]; snprintf(line, sizeof line, "set %lx\n", (unsigned long)(uintptr_t)context);
   note(line); current = context; return 0;
 }
-int cuMemcpyAsync_v2(uint64_t dst, uint64_t src, size_t n, void *stream) {
+int cuMemcpyAsync(uint64_t dst, uint64_t src, size_t n, void *stream) {
   char line[128];
   snprintf(line, sizeof line, "copy %lx %lx %lu on %lx\n", (unsigned long)dst, (unsigned long)src,
            (unsigned long)n, (unsigned long)(uintptr_t)stream);
@@ -111,8 +113,6 @@ class _Recorder:
     """The stand-in driver library, loaded with ctypes to read and steer it."""
 
     def __init__(self, path: Path) -> None:
-        import ctypes
-
         self.path = path
         self.lib = ctypes.CDLL(str(path))
         self.lib.recorded.restype = ctypes.c_char_p
@@ -201,8 +201,8 @@ def test_a_context_that_cannot_be_had_is_reported(
     recorder.forget(fail_bind=True)
     ops = StreamOps()
     _queue(ops)
-    with pytest.raises(FreescaleError, match="primary context.*CUresult 201"):
-        ops.run(7)  # a device no earlier test bound: the helper keeps contexts it has
+    with pytest.raises(FreescaleError, match=r"primary context.*CUresult 201"):
+        ops.run(7)
     assert recorder.lines() == []
 
 
@@ -233,17 +233,33 @@ def test_the_helper_is_built_once_and_found_in_the_cache(
     monkeypatch.setenv("CC", "false")  # a second load must not compile
     monkeypatch.setenv("PATH", "")
     stream_ops.load(str(recorder.path))
-    assert list(fresh.glob("*")) == built
+    assert list(fresh.glob("*.so")) == built
 
 
-def test_a_cached_file_that_does_not_load_is_built_again(
-    fresh: Path, recorder: _Recorder
-) -> None:
+def test_a_cached_file_that_does_not_load_is_built_again(fresh: Path, recorder: _Recorder) -> None:
     fresh.mkdir(parents=True, mode=0o700)
-    stale = fresh / f"freescale_stream_ops_{os.uname().machine}_{stream_ops._digest()}.so"
-    stale.write_bytes(b"half written")
+    stale = fresh / stream_ops._library_name()
+    stale.write_bytes(b"damaged")
     stream_ops.load(str(recorder.path))
     assert stale.read_bytes()[:4] == b"\x7fELF"
+
+
+def test_a_cache_folder_it_cannot_load_from_gets_a_private_build(
+    fresh: Path, recorder: _Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loads = []
+    real_cdll = ctypes.CDLL
+
+    def cdll(path: str) -> ctypes.CDLL:  # as under a cache folder mounted noexec
+        loads.append(Path(path))
+        if Path(path).parent == fresh:
+            raise OSError("failed to map segment from shared object")
+        return real_cdll(path)
+
+    monkeypatch.setattr(stream_ops.ctypes, "CDLL", cdll)
+    stream_ops.load(str(recorder.path))
+    assert [p.parent == fresh for p in loads] == [True, True, False]
+    assert not loads[-1].exists()  # the private build is removed once loaded
 
 
 def test_cc_with_options_is_used_and_a_failing_compiler_is_reported(
@@ -265,9 +281,7 @@ def test_cc_with_options_is_used_and_a_failing_compiler_is_reported(
         stream_ops.load(str(recorder.path))
 
 
-def test_a_cache_folder_others_may_write_to_is_not_used(
-    fresh: Path, recorder: _Recorder
-) -> None:
+def test_a_cache_folder_others_may_write_to_is_not_used(fresh: Path, recorder: _Recorder) -> None:
     fresh.mkdir(parents=True)
     fresh.chmod(0o777)
     stream_ops.load(str(recorder.path))
@@ -277,6 +291,12 @@ def test_a_cache_folder_others_may_write_to_is_not_used(
 def test_a_driver_library_without_the_calls_is_refused(fresh: Path, tmp_path: Path) -> None:
     with pytest.raises(FreescaleError, match="did not load: dlopen failed"):
         stream_ops.load(str(tmp_path / "no_such_library.so"))
+    source = tmp_path / "partial.c"
+    source.write_text(_RECORDING_DRIVER.replace("cuStreamWaitEvent", "cuStreamWaitEventNot"))
+    partial = tmp_path / "libpartial.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(partial), str(source)], check=True)
+    with pytest.raises(FreescaleError, match="did not load: cuStreamWaitEvent failed"):
+        stream_ops.load(str(partial))
 
 
 def test_native_ops_off_or_unavailable_falls_back_once_with_a_warning(

@@ -39,8 +39,8 @@ last copies): on the H200 both ranks of the overlap benchmark hung, their engine
 that later copies will satisfy can stall whatever shares its hardware queue (streams are
 multiplexed onto ``CUDA_DEVICE_MAX_CONNECTIONS`` queues), the driver's own work included; an
 event wait is safe because its event's work is already queued. The IPC path (``ipc``) does
-wait on flags, but flags that the peers' GPUs write, never a CPU thread; its module docstring
-says why those waits are always met by work already queued.
+wait on flags, but flags that GPUs write (the peers', and its own push stream's), never a CPU
+thread; its module docstring says why those waits are always met by work already queued.
 """
 
 from __future__ import annotations

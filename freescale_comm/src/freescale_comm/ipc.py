@@ -7,7 +7,9 @@ host on the group's IPC stream (in a group of one host the whole collective, and
 bytes of peers on other hosts take UCX, ``collective``); no CPU thread waits for the GPU, and the
 data moves without a kernel:
 
-1. wait for the caller's stream (the inputs are produced, the outputs free);
+1. wait for the caller's stream (the inputs are produced, the outputs free): for a collective
+   that pushed (below), a wait for the word its pushes write once done, which they wrote after
+   waiting for the caller's stream;
 2. per peer, a flag write "my inputs of collective ``seq`` are ready" into the pair's shared
    page (``cuStreamWriteValue64``);
 3. the rank's own piece, a local device-to-device copy;
@@ -21,7 +23,8 @@ data moves without a kernel:
 
 Flags live in the first page of the pair's host rings (``shm``), page-locked and mapped for the
 GPU in both processes: each rank writes only the flags of its outgoing ring and waits only on
-those of its incoming one, and both only grow (the collective's sequence number, compared
+those of its incoming one (but for "my pushes are done", which it writes on its push stream
+and waits for on its IPC stream), and all only grow (the collective's sequence number, compared
 cyclically), so they are never reset. The CPU never writes them, except to release waits when
 the group is aborted (by a failed collective, or by the liveness poll that finds a silent peer
 or the abort key): a dead peer's flags would otherwise hold the streams forever. A live peer's
@@ -390,7 +393,9 @@ class _Flags:
         return ctrl is not None and int(ctrl[_CONSUMED + slot]) >= seq
 
     def release(self, seq: int) -> None:
-        """Sets every flag of the pair far past ``seq`` (CPU stores): queued waits pass."""
+        """Sets every flag of the pair that a peer's GPU writes far past ``seq`` (CPU stores):
+        queued waits pass. Not "my pushes are done": this rank's own push stream always writes
+        it, and the IPC stream's wait for it is its wait for the caller's stream."""
         value = seq + _RELEASE
         for ring in self._rings:
             if ring.ctrl is not None:
@@ -508,14 +513,11 @@ class IpcPath:
                     slots[peer] = slot
             if not slots:
                 return {}, 0
-            self._last_push = seq
             ops = StreamOps()
             stream = self.push_stream.cuda_stream
             ops.wait_event(stream, ready.cuda_event)
             pushed = {}
             for peer, slot in slots.items():
-                self._pushes[peer] += 1
-                self._slot_seq[peer, slot] = seq
                 offset = slot_offset(self.host_index(self._rank), slot)
                 places = []
                 for buffer in targets[peer]:
@@ -529,6 +531,11 @@ class IpcPath:
             done_flag = self._flags[next(iter(slots))].my_pushes_done
             ops.write(stream, done_flag, seq)
             ops.run(self.device)
+            # Only once queued: a slot counted as pushed waits for the peer's "read" forever.
+            self._last_push = seq
+            for peer, slot in slots.items():
+                self._pushes[peer] += 1
+                self._slot_seq[peer, slot] = seq
         return pushed, done_flag
 
     def host_index(self, rank: int) -> int:

@@ -17,7 +17,10 @@ warning is logged once).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -28,6 +31,8 @@ import stat
 import subprocess
 import tempfile
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from freescale_comm.errors import FreescaleError
@@ -43,6 +48,8 @@ WAIT_EVENT = 3  # a: CUevent
 _ROW = 5
 _NAMES = ("cuMemcpyAsync", "cuStreamWriteValue64", "cuStreamWaitValue64", "cuStreamWaitEvent")
 _DRIVER_LIBRARY = "libcuda.so.1"
+# The build runs in a collective's first call while the peers wait for this rank's header.
+_BUILD_S = 20.0
 
 _SOURCE = r"""
 #include <dlfcn.h>
@@ -75,8 +82,12 @@ static void *entry(void *lib, const char *name, const char *v2) {
   return found ? found : dlsym(lib, name);
 }
 
-/* Opens the driver library; 0, or -1 with a missing entry point (its name in *missing). */
+static int loaded;
+
+/* Opens the driver library (once: later calls change nothing); 0, or -1 with the call that
+   failed named in *missing. */
 int fs_load(const char *path, const char **missing) {
+  if (loaded) return 0;
   void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
   *missing = "dlopen";
   if (!lib) return -1;
@@ -95,7 +106,9 @@ int fs_load(const char *path, const char **missing) {
   ENTRY(wait_event, wait_event_f, "cuStreamWaitEvent");
 #undef ENTRY
   *missing = "cuInit";
-  return init(0) == 0 ? 0 : -1;
+  if (init(0) != 0) return -1;
+  loaded = 1;
+  return 0;
 }
 
 /* Makes the calls of `rows` (n rows of 5 words: kind, stream, a, b, c) in order with `device`'s
@@ -242,33 +255,44 @@ def native(driver_library: str = _DRIVER_LIBRARY) -> ctypes.CDLL | None:
             else:
                 try:
                     _native, reason = load(driver_library), ""
-                except (OSError, FreescaleError, subprocess.SubprocessError) as error:
-                    reason = str(error)
+                except Exception as error:  # only a speed-up: never a reason to fail a call
+                    reason = f"{type(error).__name__}: {error}"
+            _settled = True
             if _native is None:
                 logger.warning(
                     "freescale: a CUDA collective's driver calls go through ctypes one by one "
                     "(slower by 5-15 us each): %s",
                     reason,
                 )
-            _settled = True
     return _native
 
 
 def load(driver_library: str = _DRIVER_LIBRARY) -> ctypes.CDLL:
-    """Builds (or finds built) the C source and loads it against ``driver_library``.
+    """Builds (or finds built) the C source and loads it against ``driver_library`` (a path
+    loaded once per process: loading it again keeps the driver library it has).
 
     Raises:
         FreescaleError: no compiler built it, or the driver library lacks a call it makes.
         OSError: the built library did not load, even built anew.
     """
-    path = _cache_folder() / f"freescale_stream_ops_{platform.machine()}_{_digest()}.so"
+    folder = _cache_folder()
+    path = folder / _library_name()
     if not path.exists():
-        _build(path)
+        with _build_lock(folder):  # the ranks of a host start together: one of them builds
+            if not path.exists():
+                _build(path)
     try:
         lib = ctypes.CDLL(str(path))
-    except OSError:  # a file left half written, or built for another system: build again
-        _build(path)
-        lib = ctypes.CDLL(str(path))
+    except OSError:  # a damaged file: built again
+        with _build_lock(folder):
+            _build(path)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:  # a folder mounted noexec: built apart
+            with tempfile.TemporaryDirectory(prefix="freescale-comm-") as private:
+                path = Path(private) / path.name
+                _build(path)
+                lib = ctypes.CDLL(str(path))  # stays mapped once its file is gone
     lib.fs_load.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]
     lib.fs_load.restype = ctypes.c_int
     lib.fs_run.argtypes = [
@@ -287,14 +311,29 @@ def load(driver_library: str = _DRIVER_LIBRARY) -> ctypes.CDLL:
     return lib
 
 
-def _digest() -> str:
-    return hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]
+def _library_name() -> str:
+    """The built helper's file name: one per source, machine and C library (a home folder may
+    be shared by hosts of several systems)."""
+    libc = "".join(platform.libc_ver()) or "libc"
+    digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]
+    return f"freescale_stream_ops_{platform.machine()}_{libc}_{digest}.so"
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path) -> Iterator[None]:
+    """An exclusive lock on ``folder``'s lock file (released when its holder dies)."""
+    with open(folder / "build.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _cache_folder() -> Path:
     """``~/.cache/freescale-comm`` (``$XDG_CACHE_HOME`` honoured), or a private temporary
-    folder where that one is not this user's alone: a library loaded from a folder others may
-    write to would run their code."""
+    folder of the process where that one is not this user's alone: a library loaded from a
+    folder others may write to would run their code."""
     base = os.environ.get("XDG_CACHE_HOME") or (
         os.path.join(os.environ["HOME"], ".cache") if os.environ.get("HOME") else ""
     )
@@ -307,7 +346,9 @@ def _cache_folder() -> Path:
                 return folder
         except OSError:
             pass
-    return Path(tempfile.mkdtemp(prefix="freescale-comm-"))
+    private = Path(tempfile.mkdtemp(prefix="freescale-comm-"))
+    atexit.register(shutil.rmtree, private, ignore_errors=True)
+    return private
 
 
 def _compilers() -> list[list[str]]:
@@ -318,16 +359,23 @@ def _compilers() -> list[list[str]]:
 
 def _build(path: Path) -> None:
     """Compiles the C source into ``path`` (written under another name, then renamed into
-    place, so a process never loads a half-written file)."""
+    place, so a process never loads a half-written file), within ``_BUILD_S`` in all."""
     errors = []
+    deadline = time.monotonic() + _BUILD_S
     with tempfile.TemporaryDirectory(dir=path.parent) as work:
         source = Path(work) / "stream_ops.c"
         source.write_text(_SOURCE)
         built = Path(work) / path.name
         for compiler in _compilers():
             command = [*compiler, "-O2", "-shared", "-fPIC", "-o", str(built), str(source), "-ldl"]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                errors.append(f"{compiler[0]}: not tried, {_BUILD_S:.0f} s spent")
+                break
             try:
-                result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+                result = subprocess.run(
+                    command, capture_output=True, text=True, errors="replace", timeout=left
+                )
             except (OSError, subprocess.SubprocessError) as error:
                 errors.append(f"{compiler[0]}: {error}")
                 continue
