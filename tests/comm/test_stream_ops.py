@@ -1,22 +1,20 @@
-"""``stream_ops``: the compiled helper that makes a collective's driver calls in one call, its
-ctypes fallback, and how it is built.
+"""``stream_ops``: a collective's driver calls, collected and then made together.
 
-No GPU here: the helper runs against a stand-in for ``libcuda.so.1`` compiled in the test, which
-records each call (a unit test of the helper's own logic: order, arguments, the context bound
-and restored, errors). The real driver runs under it in the CUDA tests on the GPU machine.
+No GPU here: the calls go to a stand-in for ``libcuda.so.1`` compiled in the test, which records
+each one (a unit test of ``StreamOps``'s own logic: order, arguments, the context bound and
+restored, errors). The real driver runs under it in the CUDA tests on the GPU machine.
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from freescale_comm import cuda, stream_ops
+from freescale_comm import cuda
 from freescale_comm.errors import FreescaleError
 from freescale_comm.stream_ops import StreamOps
 
@@ -140,178 +138,53 @@ def recorder(tmp_path: Path) -> _Recorder:
 
 
 @pytest.fixture
-def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """A cache folder of the test's own and a process that has not settled ``native`` yet."""
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
-    monkeypatch.delenv("FREESCALE_NATIVE_OPS", raising=False)
-    monkeypatch.setattr(stream_ops, "_native", None)
-    monkeypatch.setattr(stream_ops, "_settled", False)
-    return cache / "freescale-comm"
+def recorded_driver(recorder: _Recorder, monkeypatch: pytest.MonkeyPatch) -> _Recorder:
+    """The stand-in, as the process's driver entry points."""
+    monkeypatch.setattr(cuda, "_driver", cuda._Driver(str(recorder.path)))
+    return recorder
 
 
-def _use_native(monkeypatch: pytest.MonkeyPatch, recorder: _Recorder) -> None:
-    monkeypatch.setattr(stream_ops, "_native", stream_ops.load(str(recorder.path)))
-    monkeypatch.setattr(stream_ops, "_settled", True)
-
-
-def test_the_helper_makes_every_call_in_order_within_the_devices_context(
-    fresh: Path, recorder: _Recorder, monkeypatch: pytest.MonkeyPatch
+def test_every_call_is_made_in_order_within_the_devices_context(
+    recorded_driver: _Recorder,
 ) -> None:
-    _use_native(monkeypatch, recorder)
-    recorder.forget(current=0x5)  # the thread's own context, restored afterwards
+    recorded_driver.forget(current=0x5)  # the thread's own context, restored afterwards
     ops = StreamOps()
     _queue(ops)
     assert len(ops) == 4
     ops.run(2)
-    assert recorder.lines() == ["set 1066", *_EXPECTED, "set 5"]
-    assert len(ops) == 0  # forgotten once run
-    recorder.forget()
-    ops.run(2)  # nothing queued: no call at all
-    assert recorder.lines() == []
+    assert recorded_driver.lines() == ["set 1066", *_EXPECTED, "set 5"]
+    assert len(ops) == 0  # forgotten once made
+    recorded_driver.forget()
+    ops.run(2)  # nothing queued: no call at all, not even a bind
+    assert recorded_driver.lines() == []
 
 
-def test_the_helper_leaves_a_context_already_current_alone(
-    fresh: Path, recorder: _Recorder, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _use_native(monkeypatch, recorder)
-    recorder.forget(current=0x1065)  # device 1 (handle 101)'s primary context
+def test_a_context_already_current_is_left_alone(recorded_driver: _Recorder) -> None:
+    recorded_driver.forget(current=0x1065)  # device 1 (handle 101)'s primary context
     ops = StreamOps()
     _queue(ops)
     ops.run(1)
-    assert recorder.lines() == _EXPECTED
+    assert recorded_driver.lines() == _EXPECTED
 
 
-def test_a_failed_call_is_named_and_stops_the_rest(
-    fresh: Path, recorder: _Recorder, monkeypatch: pytest.MonkeyPatch
+def test_a_failed_call_is_named_stops_the_rest_and_the_context_is_restored(
+    recorded_driver: _Recorder,
 ) -> None:
-    _use_native(monkeypatch, recorder)
-    recorder.forget(current=0x5, fail_call=2)
+    recorded_driver.forget(current=0x5, fail_call=2)
     ops = StreamOps()
     _queue(ops)
     with pytest.raises(FreescaleError, match=r"cuStreamWriteValue64 \(call 3 of 4 .*CUresult 700"):
         ops.run(3)
-    assert recorder.lines() == ["set 1067", *_EXPECTED[:3], "set 5"]
+    assert recorded_driver.lines() == ["set 1067", *_EXPECTED[:3], "set 5"]
+    assert len(ops) == 0  # the calls after it are dropped, not made by the next run
 
 
-def test_a_context_that_cannot_be_had_is_reported(
-    fresh: Path, recorder: _Recorder, monkeypatch: pytest.MonkeyPatch
+def test_a_context_that_cannot_be_had_is_reported_before_any_call(
+    recorded_driver: _Recorder,
 ) -> None:
-    _use_native(monkeypatch, recorder)
-    recorder.forget(fail_bind=True)
+    recorded_driver.forget(fail_bind=True)
     ops = StreamOps()
     _queue(ops)
-    with pytest.raises(FreescaleError, match=r"primary context.*CUresult 201"):
+    with pytest.raises(FreescaleError, match=r"cuDevicePrimaryCtxRetain.*CUresult 201"):
         ops.run(7)
-    assert recorder.lines() == []
-
-
-def test_without_the_helper_ctypes_makes_the_same_calls(
-    fresh: Path, recorder: _Recorder, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("FREESCALE_NATIVE_OPS", "0")
-    monkeypatch.setattr(cuda, "_driver", cuda._Driver(str(recorder.path)))
-    recorder.forget(current=0x5)
-    ops = StreamOps()
-    _queue(ops)
-    ops.run(2)
-    assert recorder.lines() == ["set 1066", *_EXPECTED, "set 5"]
-    recorder.forget(current=0x5, fail_call=1)
-    _queue(ops)
-    with pytest.raises(FreescaleError, match=r"cuMemcpyAsync \(call 2 of 4 .*CUresult 700"):
-        ops.run(2)
-    assert recorder.lines()[-1] == "set 5"  # restored after the failure too
-
-
-def test_the_helper_is_built_once_and_found_in_the_cache(
-    fresh: Path, recorder: _Recorder, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    stream_ops.load(str(recorder.path))
-    built = list(fresh.glob("freescale_stream_ops_*.so"))
-    assert len(built) == 1
-    assert fresh.stat().st_mode & 0o077 == 0
-    monkeypatch.setenv("CC", "false")  # a second load must not compile
-    monkeypatch.setenv("PATH", "")
-    stream_ops.load(str(recorder.path))
-    assert list(fresh.glob("*.so")) == built
-
-
-def test_a_cached_file_that_does_not_load_is_built_again(fresh: Path, recorder: _Recorder) -> None:
-    fresh.mkdir(parents=True, mode=0o700)
-    stale = fresh / stream_ops._library_name()
-    stale.write_bytes(b"damaged")
-    stream_ops.load(str(recorder.path))
-    assert stale.read_bytes()[:4] == b"\x7fELF"
-
-
-def test_a_cache_folder_it_cannot_load_from_gets_a_private_build(
-    fresh: Path, recorder: _Recorder, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    loads = []
-    real_cdll = ctypes.CDLL
-
-    def cdll(path: str) -> ctypes.CDLL:  # as under a cache folder mounted noexec
-        loads.append(Path(path))
-        if Path(path).parent == fresh:
-            raise OSError("failed to map segment from shared object")
-        return real_cdll(path)
-
-    monkeypatch.setattr(stream_ops.ctypes, "CDLL", cdll)
-    stream_ops.load(str(recorder.path))
-    assert [p.parent == fresh for p in loads] == [True, True, False]
-    assert not loads[-1].exists()  # the private build is removed once loaded
-
-
-def test_cc_with_options_is_used_and_a_failing_compiler_is_reported(
-    fresh: Path, recorder: _Recorder, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    seen = tmp_path / "seen"
-    wrapper = tmp_path / "mycc"
-    wrapper.write_text(f'#!/bin/sh\necho "$@" > {seen}\nexec cc "$@"\n')
-    wrapper.chmod(0o755)
-    monkeypatch.setenv("CC", f"{wrapper} -DCHOSEN=1")
-    stream_ops.load(str(recorder.path))
-    assert seen.read_text().startswith("-DCHOSEN=1 -O2 -shared")
-
-    for built in fresh.glob("*.so"):
-        built.unlink()
-    monkeypatch.setenv("CC", "false")
-    monkeypatch.setenv("PATH", str(tmp_path))  # neither cc nor gcc to fall back on
-    with pytest.raises(FreescaleError, match="no C compiler built the driver-call helper"):
-        stream_ops.load(str(recorder.path))
-
-
-def test_a_cache_folder_others_may_write_to_is_not_used(fresh: Path, recorder: _Recorder) -> None:
-    fresh.mkdir(parents=True)
-    fresh.chmod(0o777)
-    stream_ops.load(str(recorder.path))
-    assert list(fresh.glob("*.so")) == []  # built in a private temporary folder instead
-
-
-def test_a_driver_library_without_the_calls_is_refused(fresh: Path, tmp_path: Path) -> None:
-    with pytest.raises(FreescaleError, match="did not load: dlopen failed"):
-        stream_ops.load(str(tmp_path / "no_such_library.so"))
-    source = tmp_path / "partial.c"
-    source.write_text(_RECORDING_DRIVER.replace("cuStreamWaitEvent", "cuStreamWaitEventNot"))
-    partial = tmp_path / "libpartial.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(partial), str(source)], check=True)
-    with pytest.raises(FreescaleError, match="did not load: cuStreamWaitEvent failed"):
-        stream_ops.load(str(partial))
-
-
-def test_native_ops_off_or_unavailable_falls_back_once_with_a_warning(
-    fresh: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setenv("FREESCALE_NATIVE_OPS", "0")
-    with caplog.at_level(logging.WARNING, logger="freescale_comm.stream_ops"):
-        assert stream_ops.native() is None
-        assert stream_ops.native() is None
-    warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and "FREESCALE_NATIVE_OPS=0" in warnings[0]
-
-    monkeypatch.delenv("FREESCALE_NATIVE_OPS")
-    monkeypatch.setattr(stream_ops, "_settled", False)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="freescale_comm.stream_ops"):
-        assert stream_ops.native("no_such_library.so") is None  # no driver on this machine
-    assert "through ctypes" in caplog.records[0].getMessage()
+    assert recorded_driver.lines() == []

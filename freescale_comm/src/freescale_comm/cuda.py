@@ -59,7 +59,7 @@ import torch
 
 from freescale_comm.algorithms import address
 from freescale_comm.errors import FreescaleError
-from freescale_comm.stream_ops import StreamOps, native
+from freescale_comm.stream_ops import StreamOps
 
 logger = logging.getLogger(__name__)
 
@@ -435,7 +435,6 @@ class CudaSupport:
         self._wake = wake
         self._ring_copies: dict[int, RingCopies] = {}
         self._attach_lock = threading.Lock()
-        native()  # built here, at the group's first CUDA collective, not under its locks
 
     def attach(self, channel: Any) -> None:
         """Makes a staging channel copy with this device's copy engines (on its first CUDA

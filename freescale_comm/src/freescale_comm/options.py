@@ -36,8 +36,6 @@ def rings_limit_by_pages(huge_pages: bool) -> int:
 
 
 HOST_ENV = "FREESCALE_HOST_ID"  # the host identity (``shm.host_identity``), not a field
-# 0: a CUDA collective's driver calls go through ctypes, not the compiled helper (``stream_ops``)
-NATIVE_OPS_ENV = "FREESCALE_NATIVE_OPS"
 # What both sides of a message must agree on: whether headers are exchanged, what travels
 # inside them, the algorithm and its chunks, and the path each kind of bytes takes; and what
 # liveness watchers judge their neighbours by.
@@ -222,8 +220,7 @@ class FreescaleOptions:
         defaults = cls()
         values = {}
         _warn_of_misspelt_variables(
-            [HOST_ENV, NATIVE_OPS_ENV]
-            + [_ENV_PREFIX + f.name.upper() for f in dataclasses.fields(cls)]
+            [HOST_ENV] + [_ENV_PREFIX + f.name.upper() for f in dataclasses.fields(cls)]
         )
         for item in dataclasses.fields(cls):
             explicit = getattr(base, item.name) if base is not None else None
