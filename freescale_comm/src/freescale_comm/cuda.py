@@ -486,12 +486,11 @@ class CudaSupport:
         event.
 
         Each side is flat bytes: a numpy array (host, page-locked for an asynchronous copy) or
-        a contiguous uint8 CUDA or CPU tensor. The copies go straight to the driver, all in one
-        call (``cuMemcpyAsync`` on the stream's handle, ``stream_ops``): a small collective
-        queues several, and torch's copy through a stream context costs tens of microseconds
-        each. Sources and destinations must stay alive until the event completes (the
-        collective holds them). With a ``watcher``, the engine is woken when the copies
-        complete.
+        a contiguous uint8 CUDA or CPU tensor. The copies go straight to the driver
+        (``cuMemcpyAsync`` on the stream's handle, ``stream_ops``): a small collective queues
+        several, and torch's copy through a stream context costs tens of microseconds each.
+        Sources and destinations must stay alive until the event completes (the collective
+        holds them). With a ``watcher``, the engine is woken when the copies complete.
         """
         ops = StreamOps()
         handle = stream.cuda_stream
