@@ -1239,6 +1239,78 @@ def all_gather_coalesced_like_gloo() -> int:
     return calls
 
 
+def all_gather_mixing_dtypes() -> list[str]:
+    """Coalesced AllGathers whose inputs each have a dtype of their own (NCCL accepts them):
+    through ``_coalescing_manager`` and the group's ``allgather_coalesced``, twice each (the second
+    from the plan cache), against the inputs every rank can make; then the calls that must
+    fail on every rank. Returns the errors."""
+    from freescale_comm import FreescaleValidationError
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    specs = [
+        ((3,), torch.int64),
+        ((2, 2), torch.float16),
+        ((5,), torch.bool),
+    ]
+
+    def inputs_of(p: int, again: int) -> list[torch.Tensor]:
+        return [
+            make_tensor(shape, dtype, 100 * p + 10 * k + again)
+            for k, (shape, dtype) in enumerate(specs)
+        ]
+
+    for again in range(2):
+        mine = inputs_of(rank, again)
+        want = [
+            torch.cat([inputs_of(p, again)[k].flatten() for p in range(n)])
+            for k in range(len(specs))
+        ]
+        outs = [torch.empty(n * t.numel(), dtype=t.dtype) for t in mine]
+        with dist._coalescing_manager(async_ops=True) as manager:
+            for out, tensor in zip(outs, mine, strict=True):
+                dist.all_gather_into_tensor(out, tensor)
+        manager.wait()
+        for k, (out, expected) in enumerate(zip(outs, want, strict=True)):
+            _same(out, expected, f"coalesced all_gather_into_tensor input {k}")
+        lists = [[torch.empty_like(t) for t in mine] for _ in range(n)]
+        # (``dist.all_gather_coalesced`` refuses mixed dtypes before the backend sees them.)
+        dist.group.WORLD.allgather_coalesced(lists, mine).wait()
+        for p in range(n):
+            for k, tensor in enumerate(inputs_of(p, again)):
+                _same(lists[p][k], tensor, f"all_gather_coalesced [{p}][{k}]")
+
+    errors = []
+
+    def expect(call: Any) -> None:
+        try:
+            call()
+        except FreescaleValidationError as err:
+            errors.append(str(err))
+            return
+        raise AssertionError("accepted bad input")
+
+    # Rank 1's second input is int16 where the others' is float16: the same bytes, another dtype.
+    mine = inputs_of(rank, 0)
+    if rank == 1:
+        mine[1] = mine[1].view(torch.int16)
+    expect(
+        lambda: dist.group.WORLD.allgather_into_tensor_coalesced(
+            [torch.empty(n * t.numel(), dtype=t.dtype) for t in mine], mine
+        ).wait()
+    )
+    # An output whose dtype is not its input's, on rank 0 only.
+    mine = inputs_of(rank, 0)
+    outs = [torch.empty(n * t.numel(), dtype=t.dtype) for t in mine]
+    if rank == 0:
+        outs[0] = outs[0].view(torch.float64)
+    expect(lambda: dist.group.WORLD.allgather_into_tensor_coalesced(outs, mine).wait())
+    # The group still works.
+    out = torch.empty(n, dtype=torch.int64)
+    dist.all_gather_into_tensor(out, torch.tensor([rank]))
+    _same(out, torch.arange(n), "after the refused calls")
+    return errors
+
+
 def _error_after(call: Any) -> str:
     """``call()``'s error as "<seconds it took> <type>: <message>" ("no error" if none)."""
     start = time.monotonic()

@@ -48,6 +48,17 @@ def test_all_gather_coalesced_matches_gloo(fs_group):
     assert fs_group.run(ranks.all_gather_coalesced_like_gloo) == [6] * fs_group.spec.world_size
 
 
+def test_a_coalesced_all_gather_may_mix_dtypes_by_input(fs_group):
+    # NCCL accepts one; the ranks must agree on each input's dtype, and each input's outputs
+    # must have its dtype, or every rank raises.
+    n = fs_group.spec.world_size
+    per_rank = fs_group.run(ranks.all_gather_mixing_dtypes)
+    assert len(per_rank) == n
+    for other_dtype, output_dtype in per_rank:
+        assert "int64+int16+bool" in other_dtype and "int64+float16+bool" in other_dtype
+        assert "input 0 has dtype torch.int64 but an output for it torch.float64" in output_dtype
+
+
 def test_all_gather_coalesced_of_one_rank_matches_gloo(local_groups):
     # Gloo's future then holds one list by input, not one list per rank.
     group = local_groups.get(1, backend="freescale", setup=SETUP, init_timeout_s=60)

@@ -647,3 +647,19 @@ def test_an_aborted_group_releases_its_ipc_waits_again_each_second_until_they_dr
     path.queued = False
     ctx._upkeep()
     assert path.releases == 2  # drained: nothing left to release
+
+
+def test_the_signature_names_a_coalesced_all_gathers_dtypes_in_order():
+    from freescale_comm.algorithms import _dtypes_name
+    from freescale_comm.validation import DTYPE_NAME_BYTES
+
+    def name(*dtypes: torch.dtype) -> str:
+        return _dtypes_name([torch.empty(1, dtype=d) for d in dtypes])
+
+    assert name(torch.float32, torch.float32) == ""  # one dtype: its own name is used
+    assert name(torch.int64, torch.float16) == "int64+float16"
+    assert name(torch.float16, torch.int64) != name(torch.int64, torch.float16)
+    many = [torch.float32, torch.int64] * 6
+    long_name = name(*many)  # too long for the field: a digest of the whole list
+    assert long_name.startswith("mixed ") and len(long_name) <= DTYPE_NAME_BYTES
+    assert long_name == name(*many) and long_name != name(*many[:-1], torch.int32)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import hashlib
 import itertools
 import math
 import operator
@@ -33,7 +34,7 @@ import torch
 
 from freescale_comm.options import FreescaleOptions
 from freescale_comm.transport import MAX_SUB
-from freescale_comm.validation import Signature, layout
+from freescale_comm.validation import DTYPE_NAME_BYTES, Signature, layout
 
 
 class DeviceBytes:
@@ -411,7 +412,9 @@ def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
 
 class _Builder:
     """Collects a plan's pieces and the first local argument error (``tensors``: every tensor
-    of the call; ``outputs``: those written)."""
+    of the call; ``outputs``: those written; ``dtypes_by_input``: the inputs of a coalesced
+    AllGather, which may each have a dtype of their own, as NCCL allows: then the signature
+    names their dtypes in order, and each input's outputs must have its dtype)."""
 
     def __init__(
         self,
@@ -419,6 +422,7 @@ class _Builder:
         world_size: int,
         tensors: Sequence[torch.Tensor],
         outputs: Sequence[torch.Tensor] = (),
+        dtypes_by_input: Sequence[torch.Tensor] = (),
     ) -> None:
         self.op = op
         self.n = world_size
@@ -427,8 +431,9 @@ class _Builder:
         first = tensors[0] if tensors else None
         self.dtype = first.dtype if first is not None else torch.uint8
         self.device = first.device if first is not None else torch.device("cpu")
+        self.dtype_name = _dtypes_name(dtypes_by_input) or str(self.dtype)
         for tensor in tensors:
-            if tensor.dtype != self.dtype:
+            if tensor.dtype != self.dtype and not dtypes_by_input:
                 self.fail(f"mixes dtypes {self.dtype} and {tensor.dtype}")
             elif tensor.device != self.device:
                 self.fail(f"mixes devices {self.device} and {tensor.device}")
@@ -496,7 +501,7 @@ class _Builder:
             send_layout, recv_layouts = 0, ()
         return Signature(
             op=self.op,
-            dtype=str(self.dtype),
+            dtype=self.dtype_name,
             device=self.device.type,
             count=count,
             send_bytes=list(send),
@@ -505,6 +510,29 @@ class _Builder:
             send_layout=send_layout,
             recv_layouts=list(recv_layouts),
         )
+
+
+def _dtypes_name(inputs: Sequence[torch.Tensor]) -> str:
+    """The signature's dtype of a coalesced AllGather whose inputs mix dtypes: theirs in order,
+    e.g. ``int64+float16``, or a digest of that where it does not fit the signature's field
+    ("" if they share one: its own name is used)."""
+    names = [str(t.dtype).removeprefix("torch.") for t in inputs]
+    if len(set(names)) < 2:
+        return ""
+    joined = "+".join(names)
+    if len(joined) <= DTYPE_NAME_BYTES:
+        return joined
+    return "mixed " + hashlib.blake2b(joined.encode(), digest_size=8).hexdigest()
+
+
+def _check_output_dtypes(
+    b: _Builder, inputs: Sequence[torch.Tensor], outputs: Sequence[Sequence[torch.Tensor]]
+) -> None:
+    """Each input's outputs must have its dtype (``outputs[k]``: input ``k``'s)."""
+    for k, (tensor, slots) in enumerate(zip(inputs, outputs, strict=False)):
+        for output in slots:
+            if output.dtype != tensor.dtype:
+                b.fail(f"input {k} has dtype {tensor.dtype} but an output for it {output.dtype}")
 
 
 def _shares_elements(tensor: torch.Tensor) -> bool:
@@ -680,9 +708,10 @@ def _build_all_gather(
 ) -> Plan:
     """Plan of one or more list AllGathers: ``outputs[k][p]`` receives rank p's ``inputs[k]``."""
     result = [t for slots in outputs for t in slots]
-    b = _Builder(op, world_size, [*inputs, *result], result)
+    b = _Builder(op, world_size, [*inputs, *result], result, inputs)
     if problem:
         b.fail(problem)
+    _check_output_dtypes(b, inputs, outputs)
     if len(outputs) != len(inputs):
         b.fail(f"got {len(inputs)} inputs but {len(outputs)} output lists")
     for slots in outputs:
@@ -705,9 +734,10 @@ def _build_all_gather_into_tensor(
     options: FreescaleOptions,
 ) -> Plan:
     """Plan of one or more AllGathers into single tensors of ``world_size`` times the input."""
-    b = _Builder(op, world_size, [*inputs, *outputs], outputs)
+    b = _Builder(op, world_size, [*inputs, *outputs], outputs, inputs)
     if len(outputs) != len(inputs):
         b.fail(f"got {len(inputs)} inputs but {len(outputs)} outputs")
+    _check_output_dtypes(b, inputs, [[output] for output in outputs])
     for output, tensor in zip(outputs, inputs, strict=False):
         if output.numel() != world_size * tensor.numel():
             b.fail(

@@ -33,7 +33,7 @@ _VERSION = 3  # the fixed-size header
 _TABLE_VERSION = 2  # the whole-table encoding (``encode_table``)
 _FIXED_INTS = 6  # version, op, device, count, error flag, send layout
 _HEADER_INTS = 7  # version, op, device, count, error flag, send digest, receive digest
-_NAME_BYTES = 24
+DTYPE_NAME_BYTES = 24
 _MESSAGE_BYTES = 200
 # Ends an error text the header cut at ``_MESSAGE_BYTES`` (the rank's own raise has it whole).
 _CUT_MARK = " [...] (cut; the whole message is in that rank's own error)"
@@ -97,7 +97,7 @@ class Signature:
     def size(world_size: int) -> int:
         """Bytes of an encoded header (``encode``): the same in a group of any size."""
         del world_size
-        return 8 * _HEADER_INTS + _NAME_BYTES + _MESSAGE_BYTES
+        return 8 * _HEADER_INTS + DTYPE_NAME_BYTES + _MESSAGE_BYTES
 
     def encode(self, world_size: int) -> np.ndarray:
         """The fixed-size header (module docstring) as a uint8 array of ``Signature.size``."""
@@ -137,14 +137,14 @@ class Signature:
         ]
 
     def _with_text(self, blob: bytes) -> np.ndarray:
-        blob += self.dtype.encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
+        blob += self.dtype.encode()[:DTYPE_NAME_BYTES].ljust(DTYPE_NAME_BYTES, b"\0")
         blob += self.error.encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
         return np.frombuffer(bytearray(blob), dtype=np.uint8)
 
     @staticmethod
     def table_size(world_size: int) -> int:
         """Bytes of an ``encode_table`` header in a group of ``world_size`` ranks."""
-        return 8 * _ints(world_size) + _NAME_BYTES + _MESSAGE_BYTES
+        return 8 * _ints(world_size) + DTYPE_NAME_BYTES + _MESSAGE_BYTES
 
     def encode_table(self, world_size: int) -> np.ndarray:
         """The header with this rank's whole row of the size table (the diagnosis round)."""
@@ -191,8 +191,8 @@ class Signature:
         recv_layouts: Sequence[int],
     ) -> Signature:
         text = raw[text_at:]
-        dtype = text[:_NAME_BYTES].rstrip(b"\0").decode(errors="replace")
-        error = text[_NAME_BYTES:].rstrip(b"\0").decode(errors="replace")
+        dtype = text[:DTYPE_NAME_BYTES].rstrip(b"\0").decode(errors="replace")
+        error = text[DTYPE_NAME_BYTES:].rstrip(b"\0").decode(errors="replace")
         if ints[4] == 2:
             error += _CUT_MARK
         if ints[0] != version:
@@ -306,7 +306,7 @@ def judge(headers: Sequence[np.ndarray], world_size: int) -> str | _NeedsTable |
     table = np.frombuffer(b"".join(h[:size].tobytes() for h in headers), dtype=np.uint8)
     table = table.reshape(len(headers), size)
     ints = table[:, : 8 * _HEADER_INTS].view("<i8")
-    names = slice(8 * _HEADER_INTS, 8 * _HEADER_INTS + _NAME_BYTES)
+    names = slice(8 * _HEADER_INTS, 8 * _HEADER_INTS + DTYPE_NAME_BYTES)
     # Version, op, device, count and dtype name must be byte-identical on every rank.
     shared = bool(
         (table[:, :32] == table[0, :32]).all() and (table[:, names] == table[0, names]).all()
@@ -333,7 +333,7 @@ def judge_table(headers: Sequence[np.ndarray], world_size: int) -> str | None:
     unpack = struct.Struct(f"<{n_ints}q").unpack_from
     rows = [unpack(h) for h in headers]
     # Version, op, device, count and dtype name must be byte-identical on every rank.
-    name = slice(8 * n_ints, 8 * n_ints + _NAME_BYTES)
+    name = slice(8 * n_ints, 8 * n_ints + DTYPE_NAME_BYTES)
     shared = {h[:32].tobytes() + h[name].tobytes() for h in headers}
     consistent = len(shared) == 1 and rows[0][0] == _TABLE_VERSION and not any(r[4] for r in rows)
     if consistent:
