@@ -663,3 +663,37 @@ def test_the_signature_names_a_coalesced_all_gathers_dtypes_in_order():
     long_name = name(*many)  # too long for the field: a digest of the whole list
     assert long_name.startswith("mixed ") and len(long_name) <= DTYPE_NAME_BYTES
     assert long_name == name(*many) and long_name != name(*many[:-1], torch.int32)
+
+
+def test_an_all_gathers_outputs_must_have_their_inputs_dtype():
+    from freescale_comm import algorithms
+    from freescale_comm.options import FreescaleOptions
+
+    options = FreescaleOptions()
+    f64 = torch.float64
+
+    def error_of(plan: Any) -> str:
+        return plan.signature.error
+
+    plain = algorithms.all_gather_into_tensor(
+        "all_gather_into_tensor", 0, 2, [torch.empty(4, dtype=f64)], [torch.ones(2)], options
+    )
+    assert "the input has dtype torch.float32 but an output for it torch.float64" in error_of(plain)
+    listed = algorithms.all_gather(
+        "all_gather", 0, 2, [[torch.empty(2), torch.empty(2, dtype=f64)]], [torch.ones(2)], options
+    )
+    assert "but an output for it torch.float64" in error_of(listed)
+    mixed = algorithms.all_gather_into_tensor(
+        "all_gather_into_tensor_coalesced",
+        0,
+        2,
+        [torch.empty(4), torch.empty(2, dtype=torch.int64)],
+        [torch.ones(2), torch.ones(1, dtype=torch.int64)],
+        options,
+    )
+    assert error_of(mixed) == "" and mixed.signature.dtype == "float32+int64"
+    # A plan that cannot be built names that, not the dtypes it mixes.
+    unreadable = algorithms._planned(
+        None, "op", [torch.ones(1), torch.ones(1, dtype=f64)], 0, [], 2, lambda: 1 / 0
+    )
+    assert "cannot read its tensors: ZeroDivisionError" in error_of(unreadable)

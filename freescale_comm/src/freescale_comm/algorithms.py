@@ -339,8 +339,8 @@ def _planned(
     try:
         plan = build()
     except Exception as err:  # every rank must hear of it, not only this one
-        b = _Builder(op, world_size, tensors)
-        b.fail(f"cannot read its tensors: {type(err).__name__}: {err}")
+        problem = f"cannot read its tensors: {type(err).__name__}: {err}"
+        b = _Builder(op, world_size, tensors, problem=problem)
         return Plan(b.signature(len(tensors), [], []), result=result)
     if cache is not None and key is not None:
         cache.remember(key, plan, tensors, world_size)
@@ -414,7 +414,8 @@ class _Builder:
     """Collects a plan's pieces and the first local argument error (``tensors``: every tensor
     of the call; ``outputs``: those written; ``dtypes_by_input``: the inputs of a coalesced
     AllGather, which may each have a dtype of their own, as NCCL allows: then the signature
-    names their dtypes in order, and each input's outputs must have its dtype)."""
+    names their dtypes in order, and each input's outputs must have its dtype; ``problem``: an
+    error found before, reported ahead of any the checks here find)."""
 
     def __init__(
         self,
@@ -423,10 +424,11 @@ class _Builder:
         tensors: Sequence[torch.Tensor],
         outputs: Sequence[torch.Tensor] = (),
         dtypes_by_input: Sequence[torch.Tensor] = (),
+        problem: str = "",
     ) -> None:
         self.op = op
         self.n = world_size
-        self.error = ""
+        self.error = f"{op} {problem}" if problem else ""
         self.copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         first = tensors[0] if tensors else None
         self.dtype = first.dtype if first is not None else torch.uint8
@@ -530,9 +532,10 @@ def _check_output_dtypes(
 ) -> None:
     """Each input's outputs must have its dtype (``outputs[k]``: input ``k``'s)."""
     for k, (tensor, slots) in enumerate(zip(inputs, outputs, strict=False)):
+        which = f"input {k}" if len(inputs) > 1 else "the input"
         for output in slots:
             if output.dtype != tensor.dtype:
-                b.fail(f"input {k} has dtype {tensor.dtype} but an output for it {output.dtype}")
+                b.fail(f"{which} has dtype {tensor.dtype} but an output for it {output.dtype}")
 
 
 def _shares_elements(tensor: torch.Tensor) -> bool:

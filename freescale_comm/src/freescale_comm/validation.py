@@ -68,7 +68,9 @@ class Signature:
 
     Attributes:
         op: collective name (e.g. ``"all_to_all_single"``).
-        dtype: dtype name, e.g. ``"torch.float32"``.
+        dtype: dtype name, e.g. ``"torch.float32"``; a coalesced AllGather whose inputs mix
+            dtypes names them in order (``"int64+float16"``), or a digest of that list
+            (``"mixed <16 hex digits>"``) where it does not fit the field.
         device: ``"cpu"``, ``"cuda"`` (direct path), ``"cuda-staged"`` or
             ``"cuda-ipc+direct"`` / ``"cuda-ipc+staged"`` (IPC with the peers it reaches, that
             path with the others): ranks that move CUDA data by different paths disagree on
