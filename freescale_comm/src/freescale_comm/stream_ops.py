@@ -11,16 +11,15 @@ making the calls from a compiled helper instead gained nothing per collective
 
 from __future__ import annotations
 
-import ctypes
-
 from freescale_comm.errors import FreescaleError
 
-# Kinds of call, and the operands of each: (kind, stream, a, b, c).
-COPY = 0  # a: destination, b: source, c: bytes
-WRITE = 1  # a: flag address, b: value, c: CUstreamWriteValue_flags
-WAIT = 2  # a: flag address, b: value, c: CUstreamWaitValue_flags
-WAIT_EVENT = 3  # a: CUevent
-_NAMES = ("cuMemcpyAsync", "cuStreamWriteValue64", "cuStreamWaitValue64", "cuStreamWaitEvent")
+# The ``cuda._Driver`` entry point of each driver call, by the call's name.
+_ENTRIES = {
+    "cuMemcpyAsync": "memcpy_async",
+    "cuStreamWriteValue64": "write_value64",
+    "cuStreamWaitValue64": "wait_value64",
+    "cuStreamWaitEvent": "stream_wait_event",
+}
 
 
 class StreamOps:
@@ -29,7 +28,7 @@ class StreamOps:
     __slots__ = ("_calls",)
 
     def __init__(self) -> None:
-        self._calls: list[tuple[int, int, int, int, int]] = []
+        self._calls: list[tuple[str, tuple[int, ...]]] = []  # (call's name, its arguments)
 
     def __len__(self) -> int:
         return len(self._calls)
@@ -37,23 +36,23 @@ class StreamOps:
     def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None:
         """``cuMemcpyAsync(dst, src, nbytes, stream)`` (unified addresses; none for 0 bytes)."""
         if nbytes:
-            self._calls.append((COPY, stream, dst, src, nbytes))
+            self._calls.append(("cuMemcpyAsync", (dst, src, nbytes, stream)))
 
     def write(self, stream: int, flag: int, value: int, flags: int = 0) -> None:
         """``cuStreamWriteValue64``: ``*flag = value`` once the stream's earlier work is done
         (flags 0: with a memory barrier, so earlier copies are visible first)."""
-        self._calls.append((WRITE, stream, flag, value, flags))
+        self._calls.append(("cuStreamWriteValue64", (stream, flag, value, flags)))
 
     def wait(self, stream: int, flag: int, value: int, flags: int = 0) -> None:
         """``cuStreamWaitValue64``: the stream waits until the condition holds (flags 0:
         ``(int64)(*flag - value) >= 0``)."""
-        self._calls.append((WAIT, stream, flag, value, flags))
+        self._calls.append(("cuStreamWaitValue64", (stream, flag, value, flags)))
 
     def wait_event(self, stream: int, event: int) -> None:
         """``cuStreamWaitEvent``: the stream waits for the work before the event's record (an
         event handle 0, never recorded, marks no work)."""
         if event:
-            self._calls.append((WAIT_EVENT, stream, event, 0, 0))
+            self._calls.append(("cuStreamWaitEvent", (stream, event, 0)))
 
     def run(self, device: int) -> None:
         """Makes the calls, in order, with ``device``'s primary context current (the thread's
@@ -66,24 +65,17 @@ class StreamOps:
         queued, self._calls = self._calls, []
         if not queued:
             return
-        from freescale_comm.cuda import driver
+        from freescale_comm.cuda import driver  # (``cuda`` imports this module)
 
         cu = driver()
-        entries = (cu.memcpy_async, cu.write_value64, cu.wait_value64, cu.stream_wait_event)
         replaced = cu.bind(device)
         try:
-            for number, (kind, stream, a, b, c) in enumerate(queued, 1):
-                handle = ctypes.c_void_p(stream)
-                if kind == COPY:
-                    code = entries[kind](a, b, c, handle)
-                elif kind == WAIT_EVENT:
-                    code = entries[kind](handle, ctypes.c_void_p(a), 0)
-                else:
-                    code = entries[kind](handle, a, b, c)
+            for number, (name, args) in enumerate(queued, 1):
+                code = getattr(cu, _ENTRIES[name])(*args)
                 if code != 0:
                     raise FreescaleError(
-                        f"CUDA driver call {_NAMES[kind]} (call {number} of {len(queued)} "
-                        f"queued together) failed with CUresult {code}"
+                        f"CUDA driver call {name} (call {number} of {len(queued)} queued "
+                        f"together) failed with CUresult {code}"
                     )
         finally:
             cu.restore(replaced)
