@@ -697,3 +697,76 @@ def test_an_all_gathers_outputs_must_have_their_inputs_dtype():
         None, "op", [torch.ones(1), torch.ones(1, dtype=f64)], 0, [], 2, lambda: 1 / 0
     )
     assert "cannot read its tensors: ZeroDivisionError" in error_of(unreadable)
+
+
+def test_gated_pulls_queue_each_peer_once_the_cpu_sees_its_flag(monkeypatch):
+    # On a GPU shared with a peer, no queued wait may spin through a time slice: each pull is
+    # queued once the CPU sees the peer's ready flag, and the collective ends once it sees
+    # every reader's "read" (``ipc.GatedPulls``). Flags and driver calls stand in here.
+    import threading
+
+    from freescale_comm import ipc
+
+    queued: list[tuple] = []
+
+    class _Ops:  # records what ``IpcPath.advance`` queues, in order, when it runs
+        def __init__(self) -> None:
+            self._calls: list[tuple] = []
+
+        def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None:
+            self._calls.append(("copy", dst, src, nbytes))
+
+        def write(self, stream: int, flag: int, value: int) -> None:
+            self._calls.append(("write", flag, value))
+
+        def run(self, device: int) -> None:
+            queued.extend(self._calls)
+
+    class _PairFlags:
+        def __init__(self, peer: int) -> None:
+            self.my_done, self.ready, self.done = 1000 + peer, 0, 0
+
+        def peer_ready(self, seq: int) -> bool:
+            return self.ready >= seq
+
+        def peer_done(self, seq: int) -> bool:
+            return self.done >= seq
+
+    monkeypatch.setattr(ipc, "StreamOps", _Ops)
+    path = ipc.IpcPath.__new__(ipc.IpcPath)
+    path.device, path._aborted, path._poller = 0, False, None
+    path.stream = type("Stream", (), {"cuda_stream": 7})()
+    path._flags = {1: _PairFlags(1), 2: _PairFlags(2)}
+    woken = threading.Event()
+    path._wake = woken.set
+    gated = ipc.GatedPulls(5, {1: [(10, 11, 8)], 2: [(20, 21, 8), (30, 31, 4)]}, [2])
+    try:
+        assert not path.advance(gated) and queued == []  # nothing seen yet: nothing queued
+        path.watch(gated, lambda: False)
+        assert gated.watched and not woken.wait(0.05)
+        path._flags[2].ready = 5
+        assert woken.wait(5) and not gated.watched
+        assert not path.advance(gated)
+        assert queued == [("copy", 20, 21, 8), ("copy", 30, 31, 4), ("write", 1002, 5)]
+        assert gated.waiting_for == [1, 2]
+        queued.clear()
+        path._flags[1].ready = 6  # a later collective's flag: this one's is met too
+        assert not path.advance(gated)  # rank 2 has not read this rank's inputs yet
+        assert queued == [("copy", 10, 11, 8), ("write", 1001, 5)]
+        woken.clear()
+        path.watch(gated, lambda: False)
+        path._flags[2].done = 5
+        assert woken.wait(5)
+        assert path.advance(gated) and gated.waiting_for == []
+        # A collective that finished otherwise stops being watched; an aborted group's
+        # released flags are never taken for the peer's.
+        woken.clear()
+        path.watch(ipc.GatedPulls(6, {1: []}, []), lambda: True)
+        assert woken.wait(5)
+        path._aborted = True
+        with pytest.raises(FreescaleError, match="aborted"):
+            path.advance(ipc.GatedPulls(7, {1: []}, []))
+    finally:
+        if path._poller is not None:
+            path._poller.close()
+            assert not path._poller._thread.is_alive()

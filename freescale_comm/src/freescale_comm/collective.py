@@ -63,7 +63,7 @@ from freescale_comm.validation import (
 if TYPE_CHECKING:
     from freescale_comm.cuda import CopyStreams, CudaSupport
     from freescale_comm.group import GroupContext
-    from freescale_comm.ipc import Export, IpcPath, Piece
+    from freescale_comm.ipc import Export, GatedPulls, IpcPath, Piece
     from freescale_comm.staged import StagedPipeline
 
 _ERRORS: dict[str, type[FreescaleError]] = {
@@ -203,6 +203,7 @@ class Collective:
         self._pushed_in: dict[int, tuple[int, list[tuple[Any, Piece]]]] = {}
         self._pushed_slots: dict[int, int] = {}  # ... their slots, read before the verdict
         self._ipc_done: torch.cuda.Event | None = None  # IPC part queued, others still to come
+        self._ipc_gated: GatedPulls | None = None  # IPC pulls left to the CPU (a shared GPU)
         self.final: torch.cuda.Event | None = None  # the CUDA end event, once sealed
         # A sealed CUDA collective without a pipeline finishes once ``final`` has completed:
         # found by a poll (``poll_final``) unless somebody waits for it (``finish_promptly``),
@@ -585,6 +586,10 @@ class Collective:
         progressed = self._poll()
         if self.finished:
             return True
+        if self._ipc_gated is not None:
+            progressed |= self._advance_gated()
+            if self.finished:
+                return True
         if self._phase == "header" and self._unloaded_headers is not None:
             progressed |= self._post_loaded_headers()
         if self._phase == "header" and self._outbox_seq:
@@ -609,6 +614,7 @@ class Collective:
             self._phase == "ready"
             and self.plan.direct_peers
             and self._ipc_done is None
+            and self._ipc_gated is None
             and self._ipc.ready(self.seq)
         ):
             # The IPC part waits for the caller's stream on the GPU: queued at once; only the
@@ -642,6 +648,7 @@ class Collective:
             if (
                 not self._posted
                 and not self._unposted
+                and self._ipc_gated is None
                 and (self._pipeline is None or self._pipeline.sealable)
             ):
                 progressed |= self._complete()
@@ -825,10 +832,12 @@ class Collective:
     def _start_data(self) -> None:
         g = self.group
         self._phase = "data"
-        if self.plan.ipc and self._ipc_done is None:
+        if self.plan.ipc and self._ipc_done is None and self._ipc_gated is None:
             self._start_ipc()
             if self._phase != "data" or self.finished:  # sealed (IPC reaches every peer), failed
                 return
+        if self._ipc_gated is not None and not self._ipc_partial:  # sealed once it is through
+            return
         folded, early, ipc_peers = self._folded, self._early, self.plan.ipc_peers
         unfolded = [
             t
@@ -886,7 +895,7 @@ class Collective:
         other paths, and the collective's last copies wait for the IPC part."""
         path = self._ipc
         try:
-            path.enqueue(
+            gated = path.enqueue(
                 self.seq,
                 self._ready,
                 self._export,
@@ -898,6 +907,34 @@ class Collective:
             self._fail_locked(f"CUDA IPC: {err}", "peer")
             return
         self._pulls, self._pushed_in = {}, {}
+        if gated is not None:
+            self._ipc_gated = gated
+            self._advance_gated()
+            return
+        self._end_ipc()
+
+    def _advance_gated(self) -> bool:
+        """Moves the pulls gated on the CPU (``ipc.GatedPulls``); once they are through, queues
+        the IPC part's end. True if anything changed."""
+        gated, path = self._ipc_gated, self._ipc
+        pulls, readers = len(gated.pulls), len(gated.readers)
+        try:
+            through = path.advance(gated)
+        except FreescaleError as err:
+            self._fail_locked(f"CUDA IPC: {err}", "peer")
+            return True
+        if through:
+            self._ipc_gated = None
+            self._end_ipc()
+            return True
+        if not gated.watched:
+            path.watch(gated, lambda: self.finished)
+        return (pulls, readers) != (len(gated.pulls), len(gated.readers))
+
+    def _end_ipc(self) -> None:
+        """Records the end of the queued IPC part (with peers on other hosts) or seals the
+        collective behind it, and lets the next IPC collective be queued."""
+        path = self._ipc
         stream = path.stream
         if self._ipc_partial:
             # Blocking-sync: the IPC path may hand it to a watcher thread (``IpcPath.ready``),
@@ -1060,7 +1097,10 @@ class Collective:
             parts.append(f"no data yet from {self.group.describe_peers(waiting)}")
         if unsent:
             parts.append(f"sends to ranks {unsent} not completed")
-        if self._phase == "ready" or self._unloaded_headers is not None:
+        if self._ipc_gated is not None:
+            peers = self.group.describe_peers(self._ipc_gated.waiting_for)
+            parts.append(f"its CUDA IPC copies wait for the flags of {peers}")
+        elif self._phase == "ready" or self._unloaded_headers is not None:
             parts.append("the CUDA work queued before the call has not finished")
         if self._phase == "sealed":
             parts.append("its last CUDA copies have not finished")
@@ -1102,6 +1142,7 @@ class Collective:
             # A verdict comes after every header request and copy completed: nothing to keep.
             self.group.keep_alive(self.plan, self._pinned)
         if self._ipc is not None:  # a later IPC collective need not wait for this one
+            self._ipc_gated = None
             self._ipc.done_with(self.seq, None)
         if self._streams is not None and self._phase != "sealed":
             # Copies still queued on them stay ahead of any later user's (stream order).

@@ -662,7 +662,9 @@ class GroupContext:
             links = {p: link for p, link in enumerate(self._links) if link is not None}
             host_ranks = self.directory.same_host
             watch = self.cuda(device).h2d_watch.watch
-            path = self._ipc[device] = IpcPath(device, links, self.rank, host_ranks, watch)
+            path = self._ipc[device] = IpcPath(
+                device, links, self.rank, host_ranks, watch, self.transport.wake
+            )
         return path
 
     def follow_timeout(self, source: Callable[[], timedelta]) -> None:

@@ -42,9 +42,13 @@ written by a CPU thread, which ``cuda``'s module docstring describes, had no suc
 Collectives are queued in call order (``IpcPath.ready``), so flags grow in stream order. Where a
 peer runs on this same GPU (the descriptors name each sender's GPU), the two processes' contexts
 time-slice it: a queued wait spins through its context's slice while the peer's context, which
-would meet it, cannot run, so there each collective is queued only once the previous one has
+would meet it, cannot run. So there each collective is queued only once the previous one has
 finished (measured on one H200 shared by 2 ranks: 4.4 ms per back-to-back 8-byte AllToAll
-without this, 1.3 ms with it).
+without this, 1.3 ms with it), and its pulls are gated on the CPU (``GatedPulls``): steps 1-3
+and the pushed pieces are queued after the verdict, each peer's copies and "I have read yours"
+only once the CPU sees that peer's ready flag, and the collective ends only once the CPU sees
+every reader's "I have read yours" (a thread polls the flags, ``_FlagPoller``). No wait of step
+4 or 5 is queued then: the pull's GPU never waits for a context that cannot run.
 
 Small sends are pushed instead of pulled. Each rank keeps a mailbox, a device allocation of its own
 with ``MAILBOX_SLOTS`` slots of ``MAILBOX_SLOT_BYTES`` per sender, whose handle every descriptor
@@ -122,6 +126,7 @@ MAILBOX_SLOTS = 4
 MAILBOX_SLOT_BYTES = 256 << 10
 _RELEASE = 1 << 30  # abort: flags set this far ahead let every queued wait pass
 _MAPS_PER_PEER = 64
+_FLAG_POLL_S = 20e-6  # gated pulls' flags (a sleep takes 50-100 us in practice)
 
 
 def pieces_in(room: int) -> int:
@@ -392,6 +397,16 @@ class _Flags:
         ctrl = self._rings[1].ctrl
         return ctrl is not None and int(ctrl[_CONSUMED + slot]) >= seq
 
+    def peer_ready(self, seq: int) -> bool:
+        """Whether the CPU sees the peer's "my inputs of ``seq`` are ready"."""
+        ctrl = self._rings[1].ctrl
+        return ctrl is not None and int(ctrl[_READY]) >= seq
+
+    def peer_done(self, seq: int) -> bool:
+        """Whether the CPU sees the peer's "I have read yours" of ``seq``."""
+        ctrl = self._rings[1].ctrl
+        return ctrl is not None and int(ctrl[_DONE]) >= seq
+
     def release(self, seq: int) -> None:
         """Sets every flag of the pair that a peer's GPU writes far past ``seq`` (CPU stores):
         queued waits pass. Not "my pushes are done": this rank's own push stream always writes
@@ -408,6 +423,71 @@ class _Flags:
         self._pages = []
 
 
+class GatedPulls:
+    """The part of a collective that a GPU shared with a peer leaves to the CPU (see the module
+    docstring): per peer still to pull from, its copies (destination, mapped source, bytes);
+    the peers that read this rank's inputs and have not said so yet."""
+
+    __slots__ = ("pulls", "readers", "seq", "watched")
+
+    def __init__(
+        self, seq: int, pulls: dict[int, list[tuple[int, int, int]]], readers: list[int]
+    ) -> None:
+        self.seq = seq
+        self.pulls = pulls
+        self.readers = readers
+        self.watched = False  # the poller watches it (until it wakes the engine for it)
+
+    @property
+    def waiting_for(self) -> list[int]:
+        """The peers whose flags this part still waits for."""
+        return sorted({*self.pulls, *self.readers})
+
+
+class _FlagPoller:
+    """A thread that polls the flags gated pulls wait for and wakes the engine once one of them
+    can move (no GPU work or file descriptor signals a flag that a peer's GPU writes into host
+    memory). It polls only while something is watched, every ``_FLAG_POLL_S``."""
+
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._watched: list[Callable[[], bool]] = []
+        self._more = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._run, name="freescale-comm-ipc-flags", daemon=True
+        )
+        self._thread.start()
+
+    def watch(self, movable: Callable[[], bool]) -> None:
+        """Wakes the engine once ``movable()`` is true, and forgets it."""
+        with self._lock:
+            self._watched.append(movable)
+        self._more.set()
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._more.clear()
+            with self._lock:
+                watched = list(self._watched)
+            if not watched:
+                self._more.wait()
+                continue
+            moved = [check for check in watched if check()]
+            if not moved:
+                time.sleep(_FLAG_POLL_S)
+                continue
+            with self._lock:
+                self._watched = [c for c in self._watched if c not in moved]
+            self._wake()
+
+    def close(self) -> None:
+        self._closed = True
+        self._more.set()
+        self._thread.join(_CLOSE_WAIT_S)
+
+
 class IpcPath:
     """One group's IPC machinery on one device: its streams, the pairs' flags, mapped peer
     memory, the mailbox and the scratch allocation. Made on the group's first IPC collective.
@@ -420,6 +500,7 @@ class IpcPath:
             mailbox has slots for each, whatever the group's size).
         watch: hands an event to a thread that wakes the group's waiting threads once it has
             completed (``cuda.StreamWatcher.watch``).
+        wake: wakes the group's waiting threads (``Transport.wake``).
     """
 
     def __init__(
@@ -429,6 +510,7 @@ class IpcPath:
         rank: int,
         host_ranks: Sequence[int],
         watch: Callable[[torch.cuda.Event], None],
+        wake: Callable[[], None],
     ) -> None:
         if driver().attribute(device, _CAN_USE_64_BIT_STREAM_MEM_OPS) != 1:
             raise FreescaleError(
@@ -468,6 +550,9 @@ class IpcPath:
         self._last_final: torch.cuda.Event | None = None
         self._watch = watch
         self._watched_final: torch.cuda.Event | None = None  # handed to ``watch`` by ``ready``
+        self._wake = wake
+        self._poller: _FlagPoller | None = None  # made by the first gated pulls
+        self._aborted = False
         # One stream for every IPC collective of the group: collectives run in call order,
         # each one's flag writes before its waits (see the module docstring).
         self.stream = _new_stream(device)
@@ -624,8 +709,9 @@ class IpcPath:
         pushed_in: dict[int, tuple[int, list[tuple[Any, Piece]]]],
         pulls: dict[int, list[tuple[Any, Piece]]],
         local_copies: Sequence[tuple[Any, Any]],
-    ) -> None:
-        """Queues one collective (steps 1-5 of the module docstring) on the IPC stream.
+    ) -> GatedPulls | None:
+        """Queues one collective (steps 1-5 of the module docstring) on the IPC stream; on a GPU
+        shared with a peer, steps 4 and 5 of the pulls are left to ``advance`` (returned).
 
         Args:
             seq: the collective's sequence number in the group (the same on every rank).
@@ -636,6 +722,9 @@ class IpcPath:
             pulls: per peer this rank pulls from, in the order to visit them: (destination
                 bytes, where they lie).
             local_copies: (destination, source) bytes of this rank's own piece.
+
+        Returns:
+            The pulls gated on the CPU (None: everything is queued).
         """
         stream = self.stream
         # Peers' new allocations mapped first: mapping may wait for the GPU (it took until the
@@ -679,18 +768,74 @@ class IpcPath:
                 for dst, piece in pieces:
                     ops.copy(handle, address(dst), mailbox + piece.offset, piece.nbytes)
                 self._queue_read(ops, peer, slot, seq)
-            for peer, copies in sources.items():
-                flags = self._flags[peer]
-                ops.wait(handle, flags.peer_ready, seq)
-                for dst, src, nbytes in copies:
-                    ops.copy(handle, dst, src, nbytes)
-                ops.write(handle, flags.my_done, seq)
-            for peer in export.readers:
-                ops.wait(handle, self._flags[peer].peer_done, seq)
+            gated = None
+            if self.shares_gpu and (sources or export.readers):
+                gated = GatedPulls(seq, sources, list(export.readers))
+            else:
+                for peer, copies in sources.items():
+                    flags = self._flags[peer]
+                    ops.wait(handle, flags.peer_ready, seq)
+                    for dst, src, nbytes in copies:
+                        ops.copy(handle, dst, src, nbytes)
+                    ops.write(handle, flags.my_done, seq)
+                for peer in export.readers:
+                    ops.wait(handle, self._flags[peer].peer_done, seq)
             ops.run(self.device)
+        return gated
+
+    def advance(self, gated: GatedPulls) -> bool:
+        """Queues the copies from each peer whose ready flag the CPU now sees, each followed by
+        "I have read yours".
+
+        Returns:
+            True once nothing is left: every pull queued, every reader's "I have read yours"
+            seen (the collective's end may then be queued).
+
+        Raises:
+            FreescaleError: the group was aborted (its released flags say nothing of the
+                peers' memory, which must not be read).
+        """
+        if self._aborted:
+            raise FreescaleError("the group was aborted while its copies waited for a peer")
+        seq = gated.seq
+        met = [peer for peer in gated.pulls if self._flags[peer].peer_ready(seq)]
+        if met:
+            ops = StreamOps()
+            handle = self.stream.cuda_stream
+            for peer in met:
+                for dst, src, nbytes in gated.pulls.pop(peer):
+                    ops.copy(handle, dst, src, nbytes)
+                ops.write(handle, self._flags[peer].my_done, seq)
+            ops.run(self.device)
+        if not gated.pulls:
+            gated.readers = [p for p in gated.readers if not self._flags[p].peer_done(seq)]
+        return not gated.pulls and not gated.readers
+
+    def watch(self, gated: GatedPulls, dropped: Callable[[], bool]) -> None:
+        """Wakes the group's waiting threads once ``advance`` can move ``gated`` (a pull's
+        ready flag, or once every pull is queued every reader's "I have read yours"), or once
+        ``dropped()`` (its collective finished otherwise) or the group is aborted."""
+
+        def movable() -> bool:
+            seq = gated.seq
+            if dropped() or self._aborted:
+                moved = True
+            elif gated.pulls:
+                moved = any(self._flags[p].peer_ready(seq) for p in list(gated.pulls))
+            else:
+                moved = all(self._flags[p].peer_done(seq) for p in gated.readers)
+            if moved:
+                gated.watched = False
+            return moved
+
+        if self._poller is None:
+            self._poller = _FlagPoller(self._wake)
+        gated.watched = True
+        self._poller.watch(movable)
 
     def release(self) -> None:
         """Lets every queued wait of the group pass (the group was aborted)."""
+        self._aborted = True  # first: gated pulls must not take a released flag for a peer's
         for flags in self._flags.values():
             flags.release(self._last_seq)
 
@@ -711,6 +856,8 @@ class IpcPath:
         ``_CLOSE_WAIT_S`` (the group destroyed in the middle of a collective) are released, again
         and again for as long once more (a peer's late flag write can undo a release); a stream
         that still does not drain keeps its memory (logged) rather than hang the shutdown."""
+        if self._poller is not None:
+            self._poller.close()
         start = time.monotonic()
         while not self.drained():
             waited = time.monotonic() - start
