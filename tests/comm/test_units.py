@@ -726,10 +726,10 @@ def test_gated_pulls_queue_each_peer_once_the_cpu_sees_its_flag(monkeypatch):
         def __init__(self, peer: int) -> None:
             self.my_done, self.ready, self.done = 1000 + peer, 0, 0
 
-        def peer_ready(self, seq: int) -> bool:
+        def sees_ready(self, seq: int) -> bool:
             return self.ready >= seq
 
-        def peer_done(self, seq: int) -> bool:
+        def sees_done(self, seq: int) -> bool:
             return self.done >= seq
 
     monkeypatch.setattr(ipc, "StreamOps", _Ops)

@@ -44,11 +44,15 @@ peer runs on this same GPU (the descriptors name each sender's GPU), the two pro
 time-slice it: a queued wait spins through its context's slice while the peer's context, which
 would meet it, cannot run. So there each collective is queued only once the previous one has
 finished (measured on one H200 shared by 2 ranks: 4.4 ms per back-to-back 8-byte AllToAll
-without this, 1.3 ms with it), and its pulls are gated on the CPU (``GatedPulls``): steps 1-3
-and the pushed pieces are queued after the verdict, each peer's copies and "I have read yours"
-only once the CPU sees that peer's ready flag, and the collective ends only once the CPU sees
-every reader's "I have read yours" (a thread polls the flags, ``_FlagPoller``). No wait of step
-4 or 5 is queued then: the pull's GPU never waits for a context that cannot run.
+without this, 1.3 ms with it). There, where the caller's stream has run everything queued
+before the call by the verdict, the pulls are also gated on the CPU (``GatedPulls``): steps
+1-3 and the pushed pieces are queued after the verdict, each peer's copies and "I have read
+yours" only once the CPU sees that peer's ready flag, and the collective ends only once the
+CPU sees every reader's "I have read yours" (a thread polls the flags, ``_FlagPoller``). No
+wait of step 4 or 5 is queued then, so the pull's GPU never waits for a context that cannot
+run; but the collective's end, and so ``wait()``, now waits for the peers on the CPU, which is
+why a caller that has queued GPU work keeps the GPU waits and a ``wait()`` that returns at once.
+Either choice is local: a gated rank's peers still find every flag they wait for written.
 
 Small sends are pushed instead of pulled. Each rank keeps a mailbox, a device allocation of its own
 with ``MAILBOX_SLOTS`` slots of ``MAILBOX_SLOT_BYTES`` per sender, whose handle every descriptor
@@ -397,12 +401,12 @@ class _Flags:
         ctrl = self._rings[1].ctrl
         return ctrl is not None and int(ctrl[_CONSUMED + slot]) >= seq
 
-    def peer_ready(self, seq: int) -> bool:
+    def sees_ready(self, seq: int) -> bool:
         """Whether the CPU sees the peer's "my inputs of ``seq`` are ready"."""
         ctrl = self._rings[1].ctrl
         return ctrl is not None and int(ctrl[_READY]) >= seq
 
-    def peer_done(self, seq: int) -> bool:
+    def sees_done(self, seq: int) -> bool:
         """Whether the CPU sees the peer's "I have read yours" of ``seq``."""
         ctrl = self._rings[1].ctrl
         return ctrl is not None and int(ctrl[_DONE]) >= seq
@@ -769,7 +773,9 @@ class IpcPath:
                     ops.copy(handle, address(dst), mailbox + piece.offset, piece.nbytes)
                 self._queue_read(ops, peer, slot, seq)
             gated = None
-            if self.shares_gpu and (sources or export.readers):
+            # Gated only behind an idle caller's stream: the CPU then waits for the peers, and
+            # where the caller queued GPU work, ``wait()`` must return before it is done.
+            if self.shares_gpu and (sources or export.readers) and ready.query():
                 gated = GatedPulls(seq, sources, list(export.readers))
             else:
                 for peer, copies in sources.items():
@@ -798,7 +804,7 @@ class IpcPath:
         if self._aborted:
             raise FreescaleError("the group was aborted while its copies waited for a peer")
         seq = gated.seq
-        met = [peer for peer in gated.pulls if self._flags[peer].peer_ready(seq)]
+        met = [peer for peer in gated.pulls if self._flags[peer].sees_ready(seq)]
         if met:
             ops = StreamOps()
             handle = self.stream.cuda_stream
@@ -808,7 +814,7 @@ class IpcPath:
                 ops.write(handle, self._flags[peer].my_done, seq)
             ops.run(self.device)
         if not gated.pulls:
-            gated.readers = [p for p in gated.readers if not self._flags[p].peer_done(seq)]
+            gated.readers = [p for p in gated.readers if not self._flags[p].sees_done(seq)]
         return not gated.pulls and not gated.readers
 
     def watch(self, gated: GatedPulls, dropped: Callable[[], bool]) -> None:
@@ -821,9 +827,9 @@ class IpcPath:
             if dropped() or self._aborted:
                 moved = True
             elif gated.pulls:
-                moved = any(self._flags[p].peer_ready(seq) for p in list(gated.pulls))
+                moved = any(self._flags[p].sees_ready(seq) for p in list(gated.pulls))
             else:
-                moved = all(self._flags[p].peer_done(seq) for p in gated.readers)
+                moved = all(self._flags[p].sees_done(seq) for p in gated.readers)
             if moved:
                 gated.watched = False
             return moved
