@@ -143,7 +143,7 @@ class Collective:
         self.started = time.monotonic()
         # The call's own timeout, or the group's at the start: one set later
         # (``follow_timeout``) bounds the collectives started after it.
-        self.timeout_s = timeout_s or group.timeout_s
+        self.timeout_s = timeout_s or group.current_timeout_s()
         self.deadline = self.started + self.timeout_s
         self.finished = False
         self.error: FreescaleError | None = None

@@ -668,20 +668,27 @@ class GroupContext:
         return path
 
     def follow_timeout(self, source: Callable[[], timedelta]) -> None:
-        """Reads the group's timeout from ``source`` each second from now on: torch's
-        ``_set_pg_timeout`` (torchtitan shortens the timeout after the first step) sets it on
-        the group's Gloo / NCCL backends only. Collectives started after a change get it."""
+        """Reads the group's timeout from ``source`` from now on, at each collective's start and
+        each second: torch's ``_set_pg_timeout`` (torchtitan shortens the timeout after the
+        first step) sets it on the group's Gloo / NCCL backends only. Collectives started after
+        a change get it."""
         self._timeout_source = source
 
-    def _upkeep(self) -> None:
-        """Each second on the engine thread: takes up a timeout set on the group since
-        (``follow_timeout``); once the group is aborted, releases the IPC waits again until
-        the streams drain (``IpcPath.keep_released``)."""
+    def current_timeout_s(self) -> float:
+        """The group's timeout, with one set since on its backends (``follow_timeout``)."""
         source = self._timeout_source
         if source is not None:
             seconds = source().total_seconds()
             if seconds > 0:
                 self.timeout_s = seconds
+        return self.timeout_s
+
+    def _upkeep(self) -> None:
+        """Each second on the engine thread: takes up a timeout set on the group since
+        (``follow_timeout``: the group's own waits outside collectives use it too); once the
+        group is aborted, releases the IPC waits again until the streams drain
+        (``IpcPath.keep_released``)."""
+        self.current_timeout_s()
         if self._broken is not None:
             for path in list(self._ipc.values()):
                 path.keep_released()
