@@ -395,21 +395,23 @@ class _Flags:
         self.my_consumed = [out + 8 * (_CONSUMED + slot) for slot in range(MAILBOX_SLOTS)]
         self.my_pushes_done = out + 8 * _PUSHES_DONE
 
+    def _peer_wrote(self, index: int, seq: int) -> bool:
+        """Whether the CPU sees the peer's flag ``index`` at ``seq`` or past it."""
+        ctrl = self._rings[1].ctrl
+        return ctrl is not None and int(ctrl[index]) >= seq
+
     def peer_read(self, slot: int, seq: int) -> bool:
         """Whether the peer has read what this rank pushed into its ``slot`` for collective
         ``seq`` (its GPU's "read" flag, seen by the CPU in the shared page)."""
-        ctrl = self._rings[1].ctrl
-        return ctrl is not None and int(ctrl[_CONSUMED + slot]) >= seq
+        return self._peer_wrote(_CONSUMED + slot, seq)
 
     def sees_ready(self, seq: int) -> bool:
         """Whether the CPU sees the peer's "my inputs of ``seq`` are ready"."""
-        ctrl = self._rings[1].ctrl
-        return ctrl is not None and int(ctrl[_READY]) >= seq
+        return self._peer_wrote(_READY, seq)
 
     def sees_done(self, seq: int) -> bool:
         """Whether the CPU sees the peer's "I have read yours" of ``seq``."""
-        ctrl = self._rings[1].ctrl
-        return ctrl is not None and int(ctrl[_DONE]) >= seq
+        return self._peer_wrote(_DONE, seq)
 
     def release(self, seq: int) -> None:
         """Sets every flag of the pair that a peer's GPU writes far past ``seq`` (CPU stores):
@@ -779,11 +781,8 @@ class IpcPath:
                 gated = GatedPulls(seq, sources, list(export.readers))
             else:
                 for peer, copies in sources.items():
-                    flags = self._flags[peer]
-                    ops.wait(handle, flags.peer_ready, seq)
-                    for dst, src, nbytes in copies:
-                        ops.copy(handle, dst, src, nbytes)
-                    ops.write(handle, flags.my_done, seq)
+                    ops.wait(handle, self._flags[peer].peer_ready, seq)
+                    self._queue_pull(ops, peer, copies, seq)
                 for peer in export.readers:
                     ops.wait(handle, self._flags[peer].peer_done, seq)
             ops.run(self.device)
@@ -807,15 +806,22 @@ class IpcPath:
         met = [peer for peer in gated.pulls if self._flags[peer].sees_ready(seq)]
         if met:
             ops = StreamOps()
-            handle = self.stream.cuda_stream
             for peer in met:
-                for dst, src, nbytes in gated.pulls.pop(peer):
-                    ops.copy(handle, dst, src, nbytes)
-                ops.write(handle, self._flags[peer].my_done, seq)
+                self._queue_pull(ops, peer, gated.pulls.pop(peer), seq)
             ops.run(self.device)
         if not gated.pulls:
             gated.readers = [p for p in gated.readers if not self._flags[p].sees_done(seq)]
         return not gated.pulls and not gated.readers
+
+    def _queue_pull(
+        self, ops: StreamOps, peer: int, copies: list[tuple[int, int, int]], seq: int
+    ) -> None:
+        """Adds to ``ops`` the copies from ``peer`` (destination, mapped source, bytes) on the
+        IPC stream, then "I have read yours" of ``seq``."""
+        handle = self.stream.cuda_stream
+        for dst, src, nbytes in copies:
+            ops.copy(handle, dst, src, nbytes)
+        ops.write(handle, self._flags[peer].my_done, seq)
 
     def watch(self, gated: GatedPulls, dropped: Callable[[], bool]) -> None:
         """Wakes the group's waiting threads once ``advance`` can move ``gated`` (a pull's
