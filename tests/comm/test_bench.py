@@ -19,6 +19,13 @@ def test_backends_by_device_and_gpu_count():
     assert cuda.backends(2) == ("freescale_ipc", "freescale_direct", "freescale_staged", "nccl")
 
 
+def test_sizes_are_the_bytes_measured_each_once():
+    # Whole float32 elements, as many for every rank: at 3 ranks 8 and 16 bytes both measure
+    # 12, and 64 measures 60.
+    assert BenchConfig(world_size=3, min_bytes=8, max_bytes=64).sizes() == [12, 24, 60]
+    assert BenchConfig(world_size=2, min_bytes=4096, max_bytes=16384).sizes() == [4096, 8192, 16384]
+
+
 def test_small_sweep_is_correct_and_reported(tmp_path, capsys):
     assert (
         main(

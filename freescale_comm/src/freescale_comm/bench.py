@@ -90,10 +90,15 @@ class BenchConfig:
             raise ValueError("blocks and warmup must be >= 1 and target_s > 0")
 
     def sizes(self) -> list[int]:
-        """The sweep, ``min_bytes`` to ``max_bytes`` by ``factor``."""
+        """The sweep, ``min_bytes`` to ``max_bytes`` by ``factor``, each size rounded down to
+        what is measured: whole float32 elements, as many for every rank (at least one); a size
+        that rounds to one already in the sweep is left out."""
+        unit = 4 * self.world_size
         sizes, size = [], self.min_bytes
         while size <= self.max_bytes:
-            sizes.append(size)
+            measured = max(unit, size // unit * unit)
+            if measured not in sizes:
+                sizes.append(measured)
             size *= self.factor
         return sizes
 
@@ -181,7 +186,7 @@ def _calls(
     import torch.distributed as dist
 
     n, rank = dist.get_world_size(), dist.get_rank()
-    elements = max(n, size // 4 // n * n)  # float32, divisible by n
+    elements = size // 4  # ``BenchConfig.sizes``: whole float32 elements, divisible by n
     out = {name: torch.empty(elements, device=device) for name in groups}
     count = elements // n if op == "all_gather" else elements
     host = torch.rand(count, generator=torch.Generator().manual_seed(rank))

@@ -63,7 +63,7 @@ def _parser() -> Parser:
         type=byte_size,
         default="4K",
         help="smallest size: bytes one rank receives, in whole float32s per rank (at least one "
-        "each; the table shows the size measured)",
+        "each; the table shows the size measured, and sizes that round to one are measured once)",
     )
     bench.add_argument("--max-bytes", type=byte_size, default="64M", help="largest size, up to 1G")
     bench.add_argument(
