@@ -33,18 +33,27 @@ reported even if another fails:
 
 Writes ``comm_gpu.json`` under ``--out`` (default ``$OUT`` or ``out/comm_gpu``) after every part
 and prints a table last. Run on the GPU machine from the project root:
-``python benchmarks/comm_gpu.py --out $OUT``.
+``python benchmarks/comm_gpu.py --out $OUT``. With ``--mps`` the ranks are clients of an MPS
+server the script starts for them (and stops): on one GPU their work then runs at once instead
+of time-slicing between two contexts.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import os
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -339,7 +348,10 @@ def _latency(groups: dict[str, Any]) -> list[dict[str, Any]]:
     """Small CUDA ``all_to_all_single`` per path: the host time of one call (call to return,
     after a barrier and with the GPU idle), one call until its result is on the GPU (call to
     the end of ``torch.cuda.synchronize``), and back-to-back calls then one synchronize
-    (per call). Medians; the slower rank."""
+    (per call). Medians; the slower rank. Beside the paths, ``gloo_host``: the caller copies
+    its input D2H into page-locked memory, waits for it, runs Gloo's AllToAll on host memory
+    and copies the result H2D (a host path through a mature CPU library, and on one GPU the
+    least that two contexts' copies around a CPU exchange take)."""
     import torch
     import torch.distributed as dist
 
@@ -349,16 +361,19 @@ def _latency(groups: dict[str, Any]) -> list[dict[str, Any]]:
     for nbytes in LATENCY_SIZES:
         x = torch.ones(max(2, nbytes // 4), device=dev)
         y = torch.empty_like(x)
-        for path in ("ipc", "staged", "direct", "staged_ucx"):
-            group = groups[path]
+        for path in ("ipc", "staged", "direct", "staged_ucx", "gloo_host"):
+            if path == "gloo_host":
+                call = _through_host(y, x, gloo)
+            else:
+                call = functools.partial(dist.all_to_all_single, y, x, group=groups[path])
             for _ in range(10):
-                dist.all_to_all_single(y, x, group=group)
+                call()
             torch.cuda.synchronize()
             host, done = [], []
             for _ in range(LATENCY_CALLS // 4):
                 dist.barrier(group=gloo)
                 t0 = time.perf_counter()
-                dist.all_to_all_single(y, x, group=group)
+                call()
                 host.append(time.perf_counter() - t0)
                 torch.cuda.synchronize()
                 done.append(time.perf_counter() - t0)
@@ -368,7 +383,7 @@ def _latency(groups: dict[str, Any]) -> list[dict[str, Any]]:
                 dist.barrier(group=gloo)
                 t0 = time.perf_counter()
                 for _ in range(LATENCY_CALLS // 2):
-                    dist.all_to_all_single(y, x, group=group)
+                    call()
                 torch.cuda.synchronize()
                 per_call.append((time.perf_counter() - t0) / (LATENCY_CALLS // 2))
             rows.append(
@@ -381,6 +396,27 @@ def _latency(groups: dict[str, Any]) -> list[dict[str, Any]]:
                 }
             )
     return rows
+
+
+def _through_host(y: Any, x: Any, gloo: Any) -> Any:
+    """``all_to_all_single(y, x)`` of CUDA tensors as a caller would run it over Gloo: D2H into
+    page-locked memory, a CPU wait for that copy, Gloo's AllToAll, H2D (on the current
+    stream)."""
+    import torch
+    import torch.distributed as dist
+
+    host_x = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host_y = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)
+    copied = torch.cuda.Event()
+
+    def call() -> None:
+        host_x.copy_(x, non_blocking=True)
+        copied.record()
+        copied.synchronize()
+        dist.all_to_all_single(host_y, host_x, group=gloo)
+        y.copy_(host_y, non_blocking=True)
+
+    return call
 
 
 # ----------------------------------------------------------------------------- 3. staged rates
@@ -646,13 +682,15 @@ def _overlap(groups: dict[str, Any], sizes: list[int], rounds: int) -> list[dict
 _GROUPS: dict[str, Any] = {}
 
 
-def _join_groups() -> int:
+def _join_groups() -> dict[str, Any]:
     """In a rank whose default group (freescale, direct path) the launcher made: every other
-    group the parts use. Returns the number of GPUs the ranks use."""
+    group the parts use. Returns the number of GPUs the ranks use, and whether the rank's
+    context is a client of MPS."""
     import torch
     import torch.distributed as dist
 
     from freescale_comm import FreescaleOptions
+    from freescale_comm.cuda import driver
 
     rank = dist.get_rank()
     timeout = timedelta(seconds=60)
@@ -683,7 +721,8 @@ def _join_groups() -> int:
     groups["gloo"] = dist.new_group(backend="gloo", timeout=timeout)
     if torch.cuda.device_count() > 1:  # NCCL refuses two ranks on one GPU
         groups["nccl"] = dist.new_group(backend="nccl", timeout=timeout)
-    return min(2, torch.cuda.device_count())
+    device = torch.cuda.current_device()
+    return {"gpus_used": min(2, torch.cuda.device_count()), "mps": driver().shared_by_mps(device)}
 
 
 def _run_part(name: str, rounds: int) -> dict[str, Any]:
@@ -715,7 +754,8 @@ def _table(report: dict[str, Any]) -> str:
     ranks = report.get("ranks", {})
     lines.append(
         f"torch {info['torch']}  UCX {info['ucx']}  NCCL {info['nccl']}  transports "
-        f"{','.join(info['ucx_transports'])}  GPUs used {ranks.get('gpus_used')}"
+        f"{','.join(info['ucx_transports'])}  GPUs used {ranks.get('gpus_used')}  "
+        f"MPS {'on' if ranks.get('mps') else 'off'}"
     )
     corr = ranks.get("correctness")
     if isinstance(corr, dict) and "cases" in corr:
@@ -861,6 +901,35 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+@contextlib.contextmanager
+def _mps_server() -> Iterator[dict[str, str]]:
+    """An MPS control daemon of this script's own (pipe and log directories in a temporary
+    folder); yields the environment that makes a process started with it a client of its
+    server (this process is not one: the daemon stops only once its clients have exited).
+    Stopped and its folder removed at the end."""
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        raise SystemExit("--mps: nvidia-cuda-mps-control is not on PATH")
+    root = Path(tempfile.mkdtemp(prefix="freescale-mps-"))
+    env = dict(os.environ)
+    for name, folder in (("CUDA_MPS_PIPE_DIRECTORY", "pipe"), ("CUDA_MPS_LOG_DIRECTORY", "log")):
+        (root / folder).mkdir()
+        env[name] = str(root / folder)
+    subprocess.run([control, "-d"], env=env, check=True, timeout=30)
+    try:
+        yield {"CUDA_MPS_PIPE_DIRECTORY": env["CUDA_MPS_PIPE_DIRECTORY"]}
+    finally:
+        try:
+            subprocess.run([control], input=b"quit\n", env=env, timeout=30, check=False)
+            shutil.rmtree(root, ignore_errors=True)
+        except subprocess.TimeoutExpired:  # a client still attached: the daemon holds the GPU
+            print(
+                f"--mps: the MPS daemon did not stop within 30 s; stop it with: echo quit | "
+                f"CUDA_MPS_PIPE_DIRECTORY={env['CUDA_MPS_PIPE_DIRECTORY']} {control}",
+                file=sys.stderr,
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the parts as the command line says (or draws a saved report); 0."""
     parser = argparse.ArgumentParser(prog="comm_gpu")
@@ -871,6 +940,9 @@ def main(argv: list[str] | None = None) -> int:
         "--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}"
     )
     parser.add_argument("--plot", type=Path, help="only draw the figure of a saved JSON report")
+    parser.add_argument(
+        "--mps", action="store_true", help="run the ranks as clients of an MPS server of its own"
+    )
     args = parser.parse_args(argv)
     unknown = sorted(set(args.parts.split(",")) - set(PARTS))
     if unknown:
@@ -878,6 +950,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
         return 0
+    with _mps_server() if args.mps else contextlib.nullcontext({}) as rank_env:
+        return _measure(args, rank_env)
+
+
+def _measure(args: argparse.Namespace, rank_env: dict[str, str]) -> int:
+    """Runs the parts the command line names on ranks started with ``rank_env`` added to this
+    process's environment, and writes the report; 0."""
     from freescale_comm import FreescaleOptions
     from freescale_comm._local_ranks import GroupSpec, LocalGroup, RankFailure
     from freescale_comm.info import collect
@@ -897,10 +976,15 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.timeout
     group = LocalGroup.of(spec)
     try:
-        group.start(args.timeout)
+        os.environ.update(rank_env)
+        try:
+            group.start(args.timeout)
+        finally:
+            for name in rank_env:
+                del os.environ[name]
         left = deadline - time.monotonic()
-        gpus_used = group.run(_join_groups, timeout_s=left, stop_on_error=True)
-        report["ranks"]["gpus_used"] = gpus_used[0]
+        joined = group.run(_join_groups, timeout_s=left, stop_on_error=True)
+        report["ranks"].update(joined[0])
         for name in args.parts.split(","):
             left = deadline - time.monotonic()
             replies = group.run(_run_part, name, args.rounds, timeout_s=left, stop_on_error=True)

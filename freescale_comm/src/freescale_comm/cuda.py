@@ -66,6 +66,7 @@ logger = logging.getLogger(__name__)
 _CU_STREAM_NON_BLOCKING = 0x1
 _MAX_SLOTS = 64  # per kind (send / receive)
 _CLOSE_WAIT_S = 5.0
+_MPS_ENABLED = 133  # CU_DEVICE_ATTRIBUTE_MPS_ENABLED
 
 
 class IpcHandle(ctypes.Structure):
@@ -151,6 +152,14 @@ class _Driver:
         self.check(self._device_get(ctypes.byref(handle), device), "cuDeviceGet")
         self.check(self._attribute(ctypes.byref(value), attribute, handle), "cuDeviceGetAttribute")
         return value.value
+
+    def shared_by_mps(self, device: int) -> bool:
+        """Whether this process's contexts on ``device`` are clients of an MPS server, which runs
+        the work of every client at once instead of time-slicing one context at a time (False
+        where the driver predates the attribute)."""
+        handle, value = ctypes.c_int(), ctypes.c_int()
+        self.check(self._device_get(ctypes.byref(handle), device), "cuDeviceGet")
+        return self._attribute(ctypes.byref(value), _MPS_ENABLED, handle) == 0 and value.value == 1
 
     def device_uuid(self, device: int) -> bytes:
         """The GPU's UUID: processes that see it under other ordinals agree on it."""
