@@ -15,23 +15,29 @@ import torch.distributed as dist
 from freescale_comm import FreescaleOptions
 
 
-def _loop_until_error(group: dist.ProcessGroup | None, what: str) -> float:
-    """Runs AllToAlls until one raises; re-raises with the time it took."""
+def _loop_until_error(group: dist.ProcessGroup | None, what: str, op: str = "all_to_all") -> float:
+    """Runs collectives until one raises; re-raises with the time it took. ``op``: the group's
+    own AllToAll, or ``all_reduce`` / ``barrier``, which the group delegates to Gloo."""
     n = dist.get_world_size(group)
     x = torch.ones(n * 64)
+    step = {
+        "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(x), x, group=group),
+        "all_reduce": lambda: dist.all_reduce(x, group=group),
+        "barrier": lambda: dist.barrier(group=group),
+    }[op]
     start = time.monotonic()
     try:
         for _ in range(10_000_000):
-            dist.all_to_all_single(torch.empty_like(x), x, group=group)
+            step()
     except Exception as err:
         raise RuntimeError(f"{what} raised after {time.monotonic() - start:.1f} s: {err}") from err
     return time.monotonic() - start
 
 
-def stop_during_collective(victim: int, delay_s: float) -> float:
-    """The victim stops itself (SIGSTOP: alive, silent); the others must raise naming it. Once
-    every survivor has raised, survivor 0 resumes the victim (SIGCONT), so that the run ends
-    then and not at its bound."""
+def stop_during_collective(victim: int, delay_s: float, op: str = "all_to_all") -> float:
+    """The victim stops itself (SIGSTOP: alive, silent) while the others run ``op``
+    (``_loop_until_error``); they must raise naming it. Once every survivor has raised,
+    survivor 0 resumes the victim (SIGCONT), so that the run ends then and not at its bound."""
     from freescale_comm._local_ranks import store_port
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -43,7 +49,7 @@ def stop_during_collective(victim: int, delay_s: float) -> float:
         os.kill(os.getpid(), signal.SIGSTOP)
         return 0.0
     try:
-        return _loop_until_error(None, f"survivor {rank}")
+        return _loop_until_error(None, f"survivor {rank}", op)
     finally:
         store = dist.TCPStore(
             "127.0.0.1", store_port(), is_master=False, timeout=timedelta(seconds=30)

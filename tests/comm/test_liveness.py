@@ -516,6 +516,26 @@ def test_stopped_peer_makes_every_survivor_raise(world_size):
         assert seconds < 0.5 + 3 + 2, detail
 
 
+@pytest.mark.parametrize("op", ["all_reduce", "barrier"])
+def test_a_stopped_peer_ends_the_survivors_waits_for_gloo(op):
+    # The group runs these on its Gloo backend, whose wait for a stopped peer lasted until the
+    # group timeout (60 s here): the liveness thread's abort now ends it. (Not DDP's wait on
+    # the future in its backward: ``work.DelegatedWork``.)
+    group = _fast_group(3)
+    victim = 2
+    try:
+        with pytest.raises(RankFailure) as failure:
+            group.run(liveness_ranks.stop_during_collective, victim, 0.5, op, timeout_s=15)
+    finally:
+        group.close()
+    assert failure.value.results == {victim: 0.0}, failure.value
+    for survivor in range(victim):
+        kind, detail = failure.value.failures[survivor]
+        assert kind == "error" and f"survivor {survivor} raised after" in detail, detail
+        assert f"rank {victim}" in detail.split(f"survivor {survivor} raised after")[1]
+        assert _raised_after(detail) < 0.5 + 3 + 2, detail
+
+
 def test_abort_makes_every_other_rank_raise_at_once(fs_group4):
     # On a subgroup of the shared world: the others' errors come back as results, and the world
     # outlives the aborted group.

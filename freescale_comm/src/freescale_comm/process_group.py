@@ -32,10 +32,10 @@ from torch.distributed.distributed_c10d import BackendConfig
 from freescale_comm import algorithms, directory
 from freescale_comm.algorithms import Plan
 from freescale_comm.collective import Collective
-from freescale_comm.errors import FreescaleError
+from freescale_comm.errors import FreescaleError, FreescalePeerError
 from freescale_comm.group import GroupContext
 from freescale_comm.options import FreescaleOptions
-from freescale_comm.work import FreescaleWork
+from freescale_comm.work import DelegatedWork, FreescaleWork
 
 BACKEND_NAME = "freescale"
 
@@ -434,7 +434,23 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         ctx = self._ctx
         if not (ctx.engine.is_engine_thread() or ctx.callbacks.running_here()):
             ctx.await_inflight()
-        return self._plain.barrier(*args, **kwargs)
+        on_gloo = len(self._delegates) == 1  # no NCCL: the barrier runs on Gloo
+        return self._bounded("barrier", on_gloo, self._plain.barrier, *args, **kwargs)
+
+    def _bounded(
+        self, name: str, on_gloo: bool, call: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """``call(*args, **kwargs)``; where it runs on Gloo, raises at once in an aborted group
+        and hands back a handle whose waits end once the group is aborted (Gloo's last until
+        its timeout where a peer stopped). NCCL's handles are NCCL's: its own watchdog bounds
+        them."""
+        if not on_gloo:
+            return call(*args, **kwargs)
+        label = f"rank {self.rank()}: {name} on Gloo"
+        reason = self._ctx.broken
+        if reason is not None:
+            raise FreescalePeerError(f"{label}: the group was aborted earlier by {reason}")
+        return DelegatedWork(call(*args, **kwargs), self._ctx, label)
 
     # ----------------------------------------------------------------- lifecycle
     def shutdown(self) -> None:
@@ -453,7 +469,9 @@ class ProcessGroupFreescale(dist.ProcessGroup):
 
 # The delegated collectives that ``PyProcessGroup`` (torch's trampoline) intercepts, under their
 # torch 2.13 and 2.11 names: each must be overridden here, or it enters Gloo / NCCL holding the
-# GIL (module docstring). The others (reduce, gather, scatter, ...) never pass the trampoline.
+# GIL (module docstring); and those that Python callers reach by name (``dist.reduce`` ...),
+# which C++ callers reach on the backend directly: overridden so that a wait for them on Gloo
+# ends once the group is aborted (``work.DelegatedWork``).
 _DELEGATED = (
     "allreduce",
     "allreduce_coalesced",
@@ -463,14 +481,33 @@ _DELEGATED = (
     "reduce_scatter_tensor_coalesced",
     "send",
     "recv",
+    "reduce",
+    "gather",
+    "scatter",
 )
 
 
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    """The first tensor in a collective's arguments (tensors, lists of them, lists of lists)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
 def _delegated(name: str) -> Any:
-    """A method that runs ``name`` on the group's plain twin (``_plain``), GIL released."""
+    """A method that runs ``name`` on the group's plain twin (``_plain``), GIL released; on
+    Gloo (CPU tensors) its handle's waits end once the group is aborted, and a group aborted
+    before the call raises at once."""
 
     def method(self: ProcessGroupFreescale, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self._plain, name)(*args, **kwargs)
+        tensor = _first_tensor(args)
+        on_gloo = tensor is not None and tensor.device.type == "cpu"
+        return self._bounded(name, on_gloo, getattr(self._plain, name), *args, **kwargs)
 
     method.__name__ = method.__qualname__ = name
     method.__doc__ = f"``{name}`` on the Gloo / NCCL backend, entered without the GIL."

@@ -5,12 +5,19 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from freescale_comm.collective import WAIT_SLACK_S, Collective
-from freescale_comm.errors import FreescaleTimeoutError
+from freescale_comm.errors import FreescalePeerError, FreescaleTimeoutError
+
+if TYPE_CHECKING:
+    from freescale_comm.group import GroupContext
+
+# How often a wait for a Gloo collective looks whether the group was aborted meanwhile.
+_ABORT_CHECK_S = 0.1
 
 
 class FreescaleWork(dist.Work):
@@ -150,3 +157,80 @@ class FreescaleWork(dist.Work):
             return
         self._op.group.refuse_wait_on_engine_thread(self._op.label)
         self._wait_done(None)
+
+
+class DelegatedWork(dist.Work):
+    """The handle of a collective the group ran on its Gloo backend, whose waits also end once
+    the group is aborted (a peer found dead or stopped by the liveness thread, ``abort()``).
+
+    Gloo's own wait for a peer that stopped, or that died while its neighbours in Gloo's ring
+    still wait for one another, lasts until the group's timeout; here it raises a
+    ``FreescalePeerError`` naming the abort's reason within ``_ABORT_CHECK_S`` of it. The
+    future is Gloo's (``get_future``), so a wait on it, such as DDP's in its backward, still
+    lasts until Gloo's timeout. The collective itself is not cancelled: Gloo has no way to;
+    the group is unusable after an abort anyway.
+
+    Args:
+        inner: Gloo's handle.
+        group: the group's context (whose ``broken`` says why it was aborted).
+        label: what the collective was, for the error.
+    """
+
+    def __init__(self, inner: dist.Work, group: GroupContext, label: str) -> None:
+        super().__init__()
+        self._inner = inner
+        self._group = group
+        self._label = label
+
+    def _aborted(self) -> FreescalePeerError | None:
+        reason = self._group.broken
+        if reason is None:
+            return None
+        return FreescalePeerError(f"{self._label}: the group was aborted by {reason}")
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        # 0 (c10d's "no timeout") and None leave the bound to Gloo's own timeout.
+        limit = timeout.total_seconds() if timeout and timeout.total_seconds() > 0 else None
+        until = None if limit is None else time.monotonic() + limit
+        while True:
+            step = _ABORT_CHECK_S
+            if until is not None:
+                step = min(step, until - time.monotonic())
+                if step <= 0:  # (Gloo would take a wait of 0 for one without a limit)
+                    raise FreescaleTimeoutError(
+                        f"{self._label}: not finished within the {limit:g} s wait"
+                    )
+            try:  # at least 1 ms: a timedelta that rounds to 0 would wait without a limit
+                return self._inner.wait(timedelta(seconds=max(step, 1e-3)))
+            except RuntimeError:
+                if self._inner.is_completed():  # Gloo's own error, not the end of a step
+                    raise
+            error = self._aborted()
+            if error is not None:
+                raise error
+
+    def get_future(self) -> torch.futures.Future:
+        # Gloo's own: torch's DDP reducer, which waits on it, crashes the process on a future
+        # that fails (it parses the missing value), so an abort cannot end that wait.
+        return self._inner.get_future()
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self._inner.is_success()
+
+    def exception(self) -> Any:
+        return self._inner.exception()
+
+    def source_rank(self) -> int:
+        return self._inner.source_rank()
+
+    _source_rank = source_rank  # torch's private name, which ``dist`` calls
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._inner.result()
+
+    def synchronize(self) -> None:
+        self.wait()
