@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # Device call: CUDA tests on the tree, then the latency part alternated with HEAD's comm (out/dev/base).
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v "already exists" | tail -2
-rest=/tmp/site:$PWD/freescale_balance/src:$PWD/freescale_embed/src:$PWD/kernels/src
-export PYTHONPATH=$PWD/freescale_comm/src:$rest
-nvidia-smi -L
+source benchmarks/device_env.sh
 if [ -n "${TESTS-x}" ]; then
 timeout ${TEST_S:-280} python3 -m pytest ${TESTS:-tests/comm/test_cuda.py tests/comm/test_failures.py tests/comm/test_integration.py tests/comm/test_liveness.py tests/comm/test_gpu_benchmarks.py tests/comm/test_stream_ops.py} -q -x -p no:cacheprovider -o faulthandler_timeout=120 > $OUT/tests.log 2>&1
 echo "tests rc=$?" >> $OUT/tests.log; tail -25 $OUT/tests.log

@@ -3,11 +3,7 @@
 # variant, README) alternated with out/dev/base (7f04299's freescale_comm/src with this commit's
 # cuda.py: the committed code), then new without MPS, then test_cuda.py under MPS.
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v "already exists" | tail -2
-rest=/tmp/site:$PWD/freescale_balance/src:$PWD/freescale_embed/src:$PWD/kernels/src
-export PYTHONPATH=$PWD/freescale_comm/src:$rest
-nvidia-smi -L
+source benchmarks/device_env.sh
 lat() {  # name, pythonpath, extra args
   PYTHONPATH=$2 timeout 80 python3 benchmarks/comm_gpu.py --out /tmp/$1 --parts latency --timeout 70 $3 > $OUT/$1.log 2>&1
   echo "== $1 rc=$?"; grep "MPS\|^latency ipc\|^latency gloo" $OUT/$1.log | cut -c1-200

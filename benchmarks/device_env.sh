@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Sourced by the device-call scripts of benchmarks/results: on the GPU machine, from the project
+# root, installs the ucxx-cu13 wheels carried in .whl/ into /tmp/site and sets PYTHONPATH to this
+# tree's packages (``$rest``: every one but freescale_comm, for a script that swaps that in).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v "already exists" | tail -2
+rest=/tmp/site:$PWD/freescale_balance/src:$PWD/freescale_embed/src:$PWD/kernels/src
+export PYTHONPATH=$PWD/freescale_comm/src:$rest
+nvidia-smi -L
