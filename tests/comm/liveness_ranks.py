@@ -17,14 +17,22 @@ from freescale_comm import FreescaleOptions
 
 def _loop_until_error(group: dist.ProcessGroup | None, what: str, op: str = "all_to_all") -> float:
     """Runs collectives until one raises; re-raises with the time it took. ``op``: the group's
-    own AllToAll, or ``all_reduce`` / ``barrier``, which the group delegates to Gloo."""
+    own AllToAll, or ``all_reduce`` / ``barrier`` / a step of a small DDP model (whose backward
+    waits on its allreduce's future), which the group delegates to Gloo."""
     n = dist.get_world_size(group)
     x = torch.ones(n * 64)
-    step = {
-        "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(x), x, group=group),
-        "all_reduce": lambda: dist.all_reduce(x, group=group),
-        "barrier": lambda: dist.barrier(group=group),
-    }[op]
+    if op == "ddp":
+        model = _ddp_model(group)
+
+        def step() -> None:
+            model(x.view(n, 64)).sum().backward()
+
+    else:
+        step = {
+            "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(x), x, group=group),
+            "all_reduce": lambda: dist.all_reduce(x, group=group),
+            "barrier": lambda: dist.barrier(group=group),
+        }[op]
     start = time.monotonic()
     try:
         for _ in range(10_000_000):
@@ -32,6 +40,12 @@ def _loop_until_error(group: dist.ProcessGroup | None, what: str, op: str = "all
     except Exception as err:
         raise RuntimeError(f"{what} raised after {time.monotonic() - start:.1f} s: {err}") from err
     return time.monotonic() - start
+
+
+def _ddp_model(group: dist.ProcessGroup | None) -> torch.nn.Module:
+    """A small DDP model (made on every rank at once: its parameters are broadcast)."""
+    torch.manual_seed(0)
+    return torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 1), process_group=group)
 
 
 def stop_during_collective(victim: int, delay_s: float, op: str = "all_to_all") -> float:
@@ -45,6 +59,8 @@ def stop_during_collective(victim: int, delay_s: float, op: str = "all_to_all") 
     dist.all_gather_object(pids, os.getpid())
     dist.barrier()
     if rank == victim:
+        if op == "ddp":
+            _ddp_model(None)
         time.sleep(delay_s)
         os.kill(os.getpid(), signal.SIGSTOP)
         return 0.0

@@ -320,7 +320,10 @@ def concurrent_random_cases(
 
 
 def delegated_ops() -> list[float]:
-    """Collectives the backend hands to Gloo: all_reduce, broadcast, reduce_scatter, barrier."""
+    """Collectives the backend hands to Gloo: all_reduce, broadcast, reduce_scatter, barrier,
+    reduce, and a ring of point-to-point messages in which rank 0 comes 0.3 s late, so that
+    its successor's receive and its predecessor's send wait for it (waits on Gloo's handles
+    are taken in steps, which its send and recv must not see)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
@@ -329,7 +332,15 @@ def delegated_ops() -> list[float]:
     dist.barrier()
     rs = torch.empty(1)
     dist.reduce_scatter_tensor(rs, torch.arange(n, dtype=torch.float32))
-    return [t.item(), b.item(), rs.item()]
+    reduced = torch.tensor([1.0])
+    dist.reduce(reduced, dst=0)
+    received = torch.empty(1)
+    if rank == 0:
+        time.sleep(0.3)
+    receive = dist.irecv(received, src=(rank - 1) % n)
+    dist.send(torch.tensor([float(rank)]), dst=(rank + 1) % n)
+    receive.wait()
+    return [t.item(), b.item(), rs.item(), reduced.item() if rank == 0 else 0.0, received.item()]
 
 
 def delegated_ops_back_to_back(rounds: int) -> int:

@@ -12,7 +12,8 @@ from tests.comm.conftest import SETUP
 def test_delegated_ops_run_on_gloo(fs_group):
     n = fs_group.spec.world_size
     for rank, result in enumerate(fs_group.run(ranks.delegated_ops)):
-        assert result == [n * (n + 1) / 2, n - 1, rank * n]
+        reduced = n if rank == 0 else 0.0
+        assert result == [n * (n + 1) / 2, n - 1, rank * n, reduced, (rank - 1) % n]
 
 
 def test_delegated_ops_back_to_back_do_not_deadlock(local_groups):

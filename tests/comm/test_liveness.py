@@ -497,12 +497,12 @@ def _fast_group(world_size: int) -> LocalGroup:
 
 @pytest.mark.parametrize(
     ("world_size", "op"),
-    [(2, "all_to_all"), (4, "all_to_all"), (3, "all_reduce"), (3, "barrier")],
+    [(2, "all_to_all"), (4, "all_to_all"), (3, "all_reduce"), (3, "barrier"), (3, "ddp")],
 )
 def test_stopped_peer_makes_every_survivor_raise(world_size, op):
-    # all_reduce and barrier run on the group's Gloo backend, whose wait for a stopped peer
-    # lasted until the group timeout (60 s here): the liveness thread's abort now ends it too
-    # (not DDP's wait on the future in its backward: ``work.DelegatedWork``).
+    # all_reduce, barrier and DDP's allreduce run on the group's Gloo backend, whose wait for a
+    # stopped peer lasted until the group timeout (60 s here): the liveness thread's abort now
+    # ends it too, DDP's wait on the future in its backward included.
     group = _fast_group(world_size)
     victim = world_size - 1
     try:

@@ -141,6 +141,10 @@ class GroupContext:
         # leave at once (``retire``): they hold the caller's tensors.
         self._inflight: list[Collective] = []
         self._inflight_lock = threading.Lock()
+        # Called once by an abort: the futures of Gloo's collectives not done yet
+        # (``work.DelegatedWork``), by a key of their own.
+        self._abort_hooks: dict[int, Callable[[], None]] = {}
+        self._abort_hook_keys = itertools.count()
         self._launch_lock = threading.Lock()  # ``launch``
         self._cuda: dict[int, CudaSupport] = {}
         self._ipc: dict[int, IpcPath] = {}
@@ -834,6 +838,17 @@ class GroupContext:
             self.liveness.request_abort(f"rank {self.rank}: {error}", _ABORT_WRITE_WAIT_S)
         raise FreescaleError(f"{error}; the group is aborted on every rank")
 
+    def on_abort(self, hook: Callable[[], None]) -> Callable[[], None]:
+        """Calls ``hook`` once the group is aborted (at once where it is already); returns
+        what forgets it, for a hook whose cause ended first."""
+        with self._inflight_lock:
+            if self._broken is None:
+                key = next(self._abort_hook_keys)
+                self._abort_hooks[key] = hook
+                return lambda: self._abort_hooks.pop(key, None)
+        hook()
+        return lambda: None
+
     def inflight(self) -> list[Collective]:
         """The collectives started and not finished (and failed ones until the next call)."""
         with self._inflight_lock:
@@ -904,6 +919,10 @@ class GroupContext:
             for op in self.inflight():
                 op.poll_final(awaited_too=True)  # done on the GPU, not yet polled: a success
                 op.fail(f"the group was aborted by {reason}", "peer")
+            with self._inflight_lock:
+                hooks, self._abort_hooks = list(self._abort_hooks.values()), {}
+            for hook in hooks:
+                hook()
         # After the failures (a collective whose GPU waits pass must not finish as a success):
         # the GPU must not wait forever for a dead peer's flags.
         for path in list(self._ipc.values()):

@@ -484,7 +484,12 @@ _DELEGATED = (
     "reduce",
     "gather",
     "scatter",
+    "reduce_scatter_single",
+    "_reduce_scatter_base",
 )
+# Point-to-point handles are left to Gloo: its send and recv take a wait with a limit that
+# runs out for the end of the transfer, closing the pair (``work.DelegatedWork`` waits in steps).
+_POINT_TO_POINT = ("send", "recv")
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -501,12 +506,14 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
 
 def _delegated(name: str) -> Any:
     """A method that runs ``name`` on the group's plain twin (``_plain``), GIL released; on
-    Gloo (CPU tensors) its handle's waits end once the group is aborted, and a group aborted
-    before the call raises at once."""
+    Gloo (CPU tensors), but for point-to-point, its handle's waits end once the group is
+    aborted, and a group aborted before the call raises at once."""
+
+    bounded = name not in _POINT_TO_POINT
 
     def method(self: ProcessGroupFreescale, *args: Any, **kwargs: Any) -> Any:
         tensor = _first_tensor(args)
-        on_gloo = tensor is not None and tensor.device.type == "cpu"
+        on_gloo = bounded and tensor is not None and tensor.device.type == "cpu"
         return self._bounded(name, on_gloo, getattr(self._plain, name), *args, **kwargs)
 
     method.__name__ = method.__qualname__ = name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from datetime import timedelta
@@ -165,10 +166,11 @@ class DelegatedWork(dist.Work):
 
     Gloo's own wait for a peer that stopped, or that died while its neighbours in Gloo's ring
     still wait for one another, lasts until the group's timeout; here it raises a
-    ``FreescalePeerError`` naming the abort's reason within ``_ABORT_CHECK_S`` of it. The
-    future is Gloo's (``get_future``), so a wait on it, such as DDP's in its backward, still
-    lasts until Gloo's timeout. The collective itself is not cancelled: Gloo has no way to;
-    the group is unusable after an abort anyway.
+    ``FreescalePeerError`` naming the abort's reason within ``_ABORT_CHECK_S`` of it, and so
+    does the future (``get_future``; DDP's backward waits on it). The future costs two Python
+    callbacks per collective. The collective itself is not cancelled: Gloo has no way to; the
+    group is unusable after an abort anyway. Not for Gloo's send and recv, whose wait with a
+    limit fails the transfer when the limit runs out.
 
     Args:
         inner: Gloo's handle.
@@ -181,6 +183,8 @@ class DelegatedWork(dist.Work):
         self._inner = inner
         self._group = group
         self._label = label
+        self._future: torch.futures.Future | None = None
+        self._future_lock = threading.Lock()
 
     def _aborted(self) -> FreescalePeerError | None:
         reason = self._group.broken
@@ -190,7 +194,7 @@ class DelegatedWork(dist.Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         # 0 (c10d's "no timeout") and None leave the bound to Gloo's own timeout.
-        limit = timeout.total_seconds() if timeout and timeout.total_seconds() > 0 else None
+        limit = None if timeout is None or not timeout else max(timeout.total_seconds(), 0.0)
         until = None if limit is None else time.monotonic() + limit
         while True:
             step = _ABORT_CHECK_S
@@ -203,16 +207,37 @@ class DelegatedWork(dist.Work):
             try:  # at least 1 ms: a timedelta that rounds to 0 would wait without a limit
                 return self._inner.wait(timedelta(seconds=max(step, 1e-3)))
             except RuntimeError:
-                if self._inner.is_completed():  # Gloo's own error, not the end of a step
-                    raise
+                # Gloo's own error, or the end of a step: a step's end leaves it not completed
+                # (but for a collective that completed just after: its wait returns at once).
+                if self._inner.is_completed():
+                    return self._inner.wait()
             error = self._aborted()
             if error is not None:
                 raise error
 
     def get_future(self) -> torch.futures.Future:
-        # Gloo's own: torch's DDP reducer, which waits on it, crashes the process on a future
-        # that fails (it parses the missing value), so an abort cannot end that wait.
-        return self._inner.get_future()
+        with self._future_lock:
+            if self._future is None:
+                # Done once Gloo's is or the group is aborted; what its ``then`` returns or
+                # raises is what C++ waiters (DDP's reducer) see: an exception set on a Python
+                # future is a value to them, which DDP's reducer crashes on.
+                trigger: torch.futures.Future = torch.futures.Future()
+                self._future = trigger.then(self._outcome)
+                forget = self._group.on_abort(lambda: _set_once(trigger))
+
+                def done(_: torch.futures.Future) -> None:
+                    forget()
+                    _set_once(trigger)
+
+                self._inner.get_future().add_done_callback(done)
+            return self._future
+
+    def _outcome(self, _trigger: torch.futures.Future) -> Any:
+        """The future's value: Gloo's, or its error, or the abort's."""
+        gloo = self._inner.get_future()  # done before the handle says it is completed
+        if not gloo.done():
+            raise self._aborted() or FreescalePeerError(f"{self._label}: the group was aborted")
+        return gloo.value()
 
     def is_completed(self) -> bool:
         return self._inner.is_completed()
@@ -234,3 +259,9 @@ class DelegatedWork(dist.Work):
 
     def synchronize(self) -> None:
         self.wait()
+
+
+def _set_once(future: torch.futures.Future) -> None:
+    """Completes ``future`` unless it is done (two threads may race to)."""
+    with contextlib.suppress(RuntimeError):  # "already completed"
+        future.set_result(None)
