@@ -296,11 +296,15 @@ def test_a_store_back_between_two_retries_fails_no_collective():
     assert live.store_silence() is None
     live.tick(now)
     assert live.store_silence() is None and live.store_error is None
-    # Down for good: the outage shows once a failed retry comes after dead_after_s.
+    # Down for good: the outage shows once a failed retry comes after dead_after_s, which one
+    # is made just then (the doubling alone put it at 15 s).
     store.up = False
-    for _ in range(6):
+    down = ticked = now
+    while live.store_silence() is None:
+        ticked = now
         live.tick(now)
         now = live.next_due
+    assert ticked - down <= 10 + 1.0, ticked - down
     assert "the c10d store has been unreachable for" in live.store_silence()
 
 

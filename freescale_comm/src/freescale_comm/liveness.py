@@ -295,9 +295,15 @@ class Liveness:
             # A store whose host is gone fails every request, and torch logs each failure
             # with a stack trace: the retries grow apart while the failures last.
             self._store_failures += 1
-            retry = min(_MAX_RETRY_S, self.poll_s * 2 ** min(self._store_failures, 16))
-            self._next_beat = max(self._next_beat, now + retry)
-            self._next_poll = max(self._next_poll, now + retry)
+            retry_at = now + min(_MAX_RETRY_S, self.poll_s * 2 ** min(self._store_failures, 16))
+            # One retry just past dead_after_s of outage: the outage counts only up to a failed
+            # request (``store_silence``), and the next one by the doubling could come up to
+            # twice as late (15 s for 10).
+            counts_at = self._store_down_since + self.dead_after_s + self.poll_s
+            if now < counts_at < retry_at:
+                retry_at = counts_at
+            self._next_beat = max(self._next_beat, retry_at)
+            self._next_poll = max(self._next_poll, retry_at)
         finally:
             self._asking_since = None
         error = self.error()
