@@ -911,6 +911,7 @@ class GroupContext:
         """Marks the group broken, tells every rank through the store (first reason wins) and
         fails what is in flight; also when liveness found the failure first (``on_failure``),
         which no collective may be polling (a sealed IPC collective waits on the GPU only)."""
+        hooks: list[Callable[[], None]] = []
         if self._broken is None:
             self._broken = reason
             # Written by the liveness thread, waited for a moment (a process that exits
@@ -921,12 +922,13 @@ class GroupContext:
                 op.fail(f"the group was aborted by {reason}", "peer")
             with self._inflight_lock:
                 hooks, self._abort_hooks = list(self._abort_hooks.values()), {}
-            for hook in hooks:
-                hook()
         # After the failures (a collective whose GPU waits pass must not finish as a success):
         # the GPU must not wait forever for a dead peer's flags.
         for path in list(self._ipc.values()):
             path.release()
+        # Last: they run the callbacks chained to Gloo's futures, which may wait for anything.
+        for hook in hooks:
+            hook()
 
     def close(self, wait_for_callbacks: bool = True) -> None:
         """Ends what is still in flight, frees the CUDA side, gives back engine and transport.

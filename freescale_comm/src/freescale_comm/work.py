@@ -166,11 +166,11 @@ class DelegatedWork(dist.Work):
 
     Gloo's own wait for a peer that stopped, or that died while its neighbours in Gloo's ring
     still wait for one another, lasts until the group's timeout; here it raises a
-    ``FreescalePeerError`` naming the abort's reason within ``_ABORT_CHECK_S`` of it, and so
-    does the future (``get_future``; DDP's backward waits on it). The future costs two Python
-    callbacks per collective. The collective itself is not cancelled: Gloo has no way to; the
-    group is unusable after an abort anyway. Not for Gloo's send and recv, whose wait with a
-    limit fails the transfer when the limit runs out.
+    ``FreescalePeerError`` naming the abort's reason within ``_ABORT_CHECK_S`` of it, and the
+    future (``get_future``; DDP's backward waits on it) a ``RuntimeError`` naming that error.
+    The future costs two Python callbacks per collective. The collective itself is not
+    cancelled: Gloo has no way to; the group is unusable after an abort anyway. Not for Gloo's
+    send and recv, whose wait with a limit fails the transfer when the limit runs out.
 
     Args:
         inner: Gloo's handle.
