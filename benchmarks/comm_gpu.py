@@ -955,8 +955,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _measure(args: argparse.Namespace, rank_env: dict[str, str]) -> int:
-    """Runs the parts the command line names on ranks started with ``rank_env`` added to this
-    process's environment, and writes the report; 0."""
+    """Runs the parts the command line names on ranks whose environment adds ``rank_env``, and
+    writes the report; 0."""
     from freescale_comm import FreescaleOptions
     from freescale_comm._local_ranks import GroupSpec, LocalGroup, RankFailure
     from freescale_comm.info import collect
@@ -972,16 +972,12 @@ def _measure(args: argparse.Namespace, rank_env: dict[str, str]) -> int:
         threads=None,
         device="cuda",
         pg_options=FreescaleOptions(cuda_path="direct"),
+        env=rank_env,  # read at each rank's first CUDA call, after the fork server's import
     )
     deadline = time.monotonic() + args.timeout
     group = LocalGroup.of(spec)
     try:
-        os.environ.update(rank_env)
-        try:
-            group.start(args.timeout)
-        finally:
-            for name in rank_env:
-                del os.environ[name]
+        group.start(args.timeout)
         left = deadline - time.monotonic()
         joined = group.run(_join_groups, timeout_s=left, stop_on_error=True)
         report["ranks"].update(joined[0])

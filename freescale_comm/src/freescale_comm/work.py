@@ -248,11 +248,6 @@ class DelegatedWork(dist.Work):
     def exception(self) -> Any:
         return self._inner.exception()
 
-    def source_rank(self) -> int:
-        return self._inner.source_rank()
-
-    _source_rank = source_rank  # torch's private name, which ``dist`` calls
-
     def result(self) -> list[torch.Tensor]:
         self.wait()
         return self._inner.result()
