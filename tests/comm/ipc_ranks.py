@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tests.comm.ranks import _same, cuda_group, make_tensor
-
-# Floats per peer over what travels inside a header where the caller's stream is idle (the
-# eager room): sends of this many or more are pushed or pulled whatever the stream.
-OVER_FOLD = (64 << 10) // 4
 
 
 def ipc_mailbox_cases(seed: int, lag_cycles: int = 0) -> dict[str, Any]:
@@ -32,7 +27,7 @@ def ipc_mailbox_cases(seed: int, lag_cycles: int = 0) -> dict[str, Any]:
         """splits[i][j]: floats rank i sends rank j; every fifth call over a slot (pulled)."""
         if k % 5 == 4:
             return [[slot_floats + 7 * i + j for j in range(n)] for i in range(n)]
-        return [[(k * 13 + 3 * i + j + seed) % 300 + OVER_FOLD for j in range(n)] for i in range(n)]
+        return [[(k * 13 + 3 * i + j + seed) % 300 + 1 for j in range(n)] for i in range(n)]
 
     def prepare(k: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Call ``k``'s input and output on the GPU, and what it must receive."""
@@ -82,9 +77,7 @@ def ipc_mailbox_cases(seed: int, lag_cycles: int = 0) -> dict[str, Any]:
         dist.barrier(group=group)
         try:
             dist.all_to_all_single(
-                torch.empty(n * (OVER_FOLD + rank), device=dev),
-                torch.empty(n * OVER_FOLD, device=dev),
-                group=group,
+                torch.empty(n * (2 + rank), device=dev), torch.empty(n * 2, device=dev), group=group
             )
         except FreescaleValidationError:
             report["mismatches"] += 1
@@ -115,15 +108,12 @@ def ipc_lagging_receiver_cases(seed: int) -> dict[str, Any]:
     def prepare(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Call ``k``'s input and output on the GPU, and what it must receive."""
         sent = [
-            make_tensor((OVER_FOLD,), torch.float32, seed + 97 * k + 7 * r + 1000 * rank)
-            for r in range(n)
+            make_tensor((8,), torch.float32, seed + 97 * k + 7 * r + 1000 * rank) for r in range(n)
         ]
         mine = [
-            make_tensor((OVER_FOLD,), torch.float32, seed + 97 * k + 7 * rank + 1000 * j)
-            for j in range(n)
+            make_tensor((8,), torch.float32, seed + 97 * k + 7 * rank + 1000 * j) for j in range(n)
         ]
-        out = torch.full((OVER_FOLD * n,), -1.0, device=dev)
-        return torch.cat(mine).to(dev), out, torch.cat(sent)
+        return torch.cat(mine).to(dev), torch.full((8 * n,), -1.0, device=dev), torch.cat(sent)
 
     def call(inp: torch.Tensor, out: torch.Tensor, want: torch.Tensor) -> tuple[Any, ...]:
         return dist.all_to_all_single(out, inp, group=group, async_op=True), out, want
@@ -133,18 +123,17 @@ def ipc_lagging_receiver_cases(seed: int) -> dict[str, Any]:
     _same(first[1].cpu(), first[2], "the first call")
     # Every input on the GPU before the sleep: a copy from pageable memory would wait for it.
     prepared = [prepare(1 + k) for k in range(ipc.MAILBOX_SLOTS)]
-    # Every rank sends OVER_FOLD floats to every rank; rank 1 expects one more from each: a
-    # mismatch on every rank, whose pushes go into the slots of the first of those calls.
-    splits = [OVER_FOLD + (rank == 1)] * n
-    bad = torch.full((OVER_FOLD * n,), 9999.0, device=dev)
-    bad_out = torch.empty(sum(splits), device=dev)
+    # Every rank sends 2 floats to every rank; rank 1 expects 3 from each: a mismatch on every
+    # rank, whose pushes go into the slots of the first of those calls.
+    splits = [2 + (rank == 1)] * n
+    bad, bad_out = torch.full((2 * n,), 9999.0, device=dev), torch.empty(sum(splits), device=dev)
     torch.cuda.synchronize()
     dist.barrier(group=group)
     if rank == 1:
         torch.cuda._sleep(1_000_000_000)  # about half a second behind rank 0
     calls = [call(*p) for p in prepared]
     try:
-        dist.all_to_all_single(bad_out, bad, splits, [OVER_FOLD] * n, group=group)
+        dist.all_to_all_single(bad_out, bad, splits, [2] * n, group=group)
         raise AssertionError("the mismatch passed")
     except FreescaleValidationError:
         pass
@@ -176,14 +165,12 @@ def ipc_mismatch_with_cpu_tensors_cases(seed: int) -> dict[str, Any]:
 
     def call(k: int) -> None:
         sent = [
-            make_tensor((OVER_FOLD,), torch.float32, seed + 97 * k + 7 * r + 1000 * rank)
-            for r in range(n)
+            make_tensor((8,), torch.float32, seed + 97 * k + 7 * r + 1000 * rank) for r in range(n)
         ]
         mine = [
-            make_tensor((OVER_FOLD,), torch.float32, seed + 97 * k + 7 * rank + 1000 * j)
-            for j in range(n)
+            make_tensor((8,), torch.float32, seed + 97 * k + 7 * rank + 1000 * j) for j in range(n)
         ]
-        out = torch.full((OVER_FOLD * n,), -1.0, device=dev)
+        out = torch.full((8 * n,), -1.0, device=dev)
         dist.all_to_all_single(out, torch.cat(mine).to(dev), group=group)
         _same(out.cpu(), torch.cat(sent), f"call {k}")
 
@@ -192,8 +179,8 @@ def ipc_mismatch_with_cpu_tensors_cases(seed: int) -> dict[str, Any]:
     for cpu_rank in range(n):
         device = "cpu" if rank == cpu_rank else dev
         try:
-            out = torch.empty(OVER_FOLD * n, device=device)
-            dist.all_to_all_single(out, torch.ones(OVER_FOLD * n, device=device), group=group)
+            out = torch.empty(8 * n, device=device)
+            dist.all_to_all_single(out, torch.ones(8 * n, device=device), group=group)
         except FreescaleValidationError:
             report["mismatches"] += 1
         for k in range(2 * ipc.MAILBOX_SLOTS):
@@ -215,7 +202,7 @@ def ipc_late_sequence_cases(seed: int) -> dict[str, Any]:
     dev, group = cuda_group(timeout_s=30, cuda_path="ipc")
     group._ctx._seq = itertools.count(2**31 + 10)
     checked = 0
-    for k, floats in enumerate([1 << 17, OVER_FOLD, OVER_FOLD, 1 << 17]):  # pulled, pushed, ...
+    for k, floats in enumerate([1 << 17, 8, 8, 1 << 17]):  # pulled (512 KiB), pushed, ...
         x = torch.zeros(n * floats, device=dev)
         if rank == 0:
             torch.cuda._sleep(300_000_000)  # its inputs are written after a GPU sleep
@@ -253,12 +240,13 @@ def ipc_end_event_cases() -> dict[str, Any]:
         dev, group = cuda_group(cuda_path="ipc")
 
         def pair() -> tuple[torch.Tensor, torch.Tensor]:
-            sent = torch.arange(OVER_FOLD * n, dtype=torch.float32, device=dev) + 1e6 * rank
+            sent = torch.arange(2 * n, dtype=torch.float32, device=dev) + 100 * rank
             return sent, torch.empty_like(sent)
 
         def expected() -> torch.Tensor:
-            own = torch.arange(OVER_FOLD, dtype=torch.float32) + OVER_FOLD * rank
-            return torch.cat([own + 1e6 * j for j in range(n)]).to(dev)
+            return torch.tensor(
+                [100 * j + 2 * rank + k for j in range(n) for k in range(2)], device=dev
+            )
 
         def synchronous(received: torch.Tensor, sent: torch.Tensor, sleep: bool = False) -> Any:
             """A call its caller drives (as ``async_op=False`` makes it), handle kept."""
@@ -307,90 +295,5 @@ def ipc_end_event_cases() -> dict[str, Any]:
         report["synchronize_after_gpu_s"] = returned - began.elapsed_time(ended) / 1e3
     finally:
         cuda.StreamWatcher.watch = original
-    dist.destroy_process_group(group)
-    return report
-
-
-def ipc_header_fold_cases(seed: int) -> dict[str, Any]:
-    """Small CUDA calls on the IPC path, against locally computed results: uneven splits (some
-    empty), four dtypes, AllToAll and AllGather. First with every caller's stream idle (every
-    rank's sends inside its headers), then with one rank at a time behind a GPU sleep (its
-    sends pushed or pulled, the others' still inside their headers), then a mismatch while
-    folding, and one more call. Returns, per case, how many of this rank's sends to each peer
-    went inside a header and were pushed, and how long a lagging rank's call took against
-    its GPU's sleep."""
-    from freescale_comm import FreescaleValidationError
-
-    rank, n = dist.get_rank(), dist.get_world_size()
-    dev, group = cuda_group(cuda_path="ipc")
-    report: dict[str, Any] = {"cases": [], "mismatch": None}
-
-    def counts() -> dict[int, tuple[int, int]]:
-        return {row["peer"]: (row["ipc_in_headers"], row["ipc_pushes"]) for row in group.paths()}
-
-    def case(k: int, dtype: torch.dtype, op: str, lagging: int | None) -> None:
-        splits = [[(seed + 3 * i + 5 * j + k) % 7 for j in range(n)] for i in range(n)]
-        case_seed = seed + 1000 * k
-
-        def piece(src: int, dst: int) -> torch.Tensor:
-            return make_tensor((splits[src][dst], 3), dtype, case_seed + 7 * src + dst)
-
-        if op == "all_to_all_single":
-            want = torch.cat([piece(r, rank) for r in range(n)])
-            inp = torch.cat([piece(rank, j) for j in range(n)]).to(dev)
-            out = torch.empty(want.shape, dtype=dtype, device=dev)
-        else:
-            rows = 1 + k % 5
-            want = torch.cat([make_tensor((rows, 3), dtype, case_seed + r) for r in range(n)])
-            inp = make_tensor((rows, 3), dtype, case_seed + rank).to(dev)
-            out = torch.empty(want.shape, dtype=dtype, device=dev)
-        before = counts()
-        torch.cuda.synchronize()
-        dist.barrier(group=group)
-        if rank == lagging:
-            torch.cuda._sleep(300_000_000)
-        start = time.perf_counter()
-        if op == "all_to_all_single":
-            dist.all_to_all_single(
-                out, inp, [splits[r][rank] for r in range(n)], splits[rank], group=group
-            )
-        else:
-            dist.all_gather_into_tensor(out, inp, group=group)
-        call_s = time.perf_counter() - start
-        _same(out.cpu(), want, f"{op} {dtype} case {k} lagging {lagging}")
-        total_s = time.perf_counter() - start
-        after = counts()
-        sent = {
-            j: (splits[rank][j] if op == "all_to_all_single" else inp.shape[0]) > 0
-            for j in range(n)
-            if j != rank
-        }
-        report["cases"].append(
-            {
-                "lagging": lagging,
-                "sent": sent,
-                "in_headers": {j: after[j][0] - before[j][0] for j in sent},
-                "pushes": {j: after[j][1] - before[j][1] for j in sent},
-                "call_s": call_s,
-                "total_s": total_s,
-            }
-        )
-
-    k = 0
-    for lagging in (None, *range(n)):
-        for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8):
-            for op in ("all_to_all_single", "all_gather_into_tensor"):
-                case(k, dtype, op, lagging)
-                k += 1
-    torch.cuda.synchronize()
-    dist.barrier(group=group)
-    try:  # rank 0 expects one more row from rank 1 than rank 1 sends it: refused everywhere
-        recv = [2 + (rank == 0 and r == 1) for r in range(n)]
-        out = torch.empty(sum(recv), 3, device=dev)
-        dist.all_to_all_single(out, torch.ones(2 * n, 3, device=dev), recv, [2] * n, group=group)
-    except FreescaleValidationError as err:
-        report["mismatch"] = str(err)
-    case(k, torch.float32, "all_to_all_single", None)
-    torch.cuda.synchronize()
     dist.destroy_process_group(group)
     return report

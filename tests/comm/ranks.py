@@ -2135,7 +2135,7 @@ def run_cuda_cases(
     (``hosts``: how many pretend hosts the ranks are spread over, or each rank's host;
     ``no_ring_from``: rank -> the peer whose ring that rank cannot make, ``/dev/shm`` being
     full; ``allgather``: the option); returns the count and, per peer, the start of its CUDA
-    path and the IPC sends to it pushed into its mailbox or carried inside its header.
+    path and the pushes into its mailbox.
 
     Per-peer sizes straddle the eager limit (data folded into the header, through page-locked
     host memory) and go well past it (UCX's device path, or the staged pipeline), often in one
@@ -2208,10 +2208,7 @@ def run_cuda_cases(
             )
             _same(out.cpu(), want, what)
     rows = group.paths()
-    paths = {
-        row["peer"]: (row["cuda"].split(":")[0], row["ipc_pushes"] + row["ipc_in_headers"])
-        for row in rows
-    }
+    paths = {row["peer"]: (row["cuda"].split(":")[0], row["ipc_pushes"]) for row in rows}
     dist.destroy_process_group(group)
     return {"cases": cases, "paths": paths, "why": {row["peer"]: row["cuda"] for row in rows}}
 

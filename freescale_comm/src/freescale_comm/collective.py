@@ -17,9 +17,7 @@ starts it):
    copies are queued with the data phase (so a small CUDA collective skips UCX's device-memory
    rendezvous, which costs hundreds of microseconds per message). To the peers on its host a
    rank writes its header messages into its outbox instead (``outbox``), which they read in
-   place; CPU data for them folds up to the outbox's share (``GroupContext.fold_limit``). On
-   the IPC path a sender folds its small sends to the peers IPC reaches only where the caller's
-   stream is idle at the call (``_ipc_folds``), and says so in its descriptor.
+   place; CPU data for them folds up to the outbox's share (``GroupContext.fold_limit``).
 2. ``ready``: the direct CUDA path waits until the work queued on the caller's stream before the
    call has finished (UCX is not stream-aware and reads device memory itself); the staged and
    IPC paths do not wait on the CPU: their streams wait for that work on the GPU (an IPC part
@@ -132,12 +130,6 @@ class _Done:
         return event.wait(timeout)
 
 
-# How long a collective spins for the D2H copy of its folded sends where the caller's stream
-# was idle at the call (a copy of up to a header's room then takes microseconds), before it
-# leaves the copy to a watcher thread.
-_IDLE_COPY_SPIN_S = 200e-6
-
-
 class Collective:
     """A collective of one group in flight (see the module docstring)."""
 
@@ -198,13 +190,8 @@ class Collective:
         self._unloaded_headers: tuple[torch.cuda.Event, list[tuple[int, Any]]] | None = None
         self._folded_loads: list[tuple[torch.Tensor, np.ndarray]] = []
         self._folded_done: torch.cuda.Event | None = None
-        # IPC: the peers whose header may carry their data (``_ipc_folds``), and the H2D copies
-        # of those that did, queued with the IPC part.
-        self._ipc_maybe_folded: frozenset[int] = frozenset()
-        self._ipc_loads: list[tuple[Any, np.ndarray]] = []
         self._pinned: list[torch.Tensor] = []
         self._ready: torch.cuda.Event | None = None
-        self._ready_passed = False  # the caller's stream was seen idle after the call
         self._cuda: CudaSupport | None = None
         self._streams: CopyStreams | None = None
         self._local_done: torch.cuda.Event | None = None
@@ -331,22 +318,19 @@ class Collective:
         # CUDA: a peer's header is received into page-locked memory only if its data will be
         # copied H2D from there (the receives this rank's sizes fold).
         pinned_from = set(self._foldable(send=False)) if self.on_cuda else set()
-        ipc_folds: dict[int, list[Transfer]] = {}
+        if sends and self.on_cuda:
+            self._take_streams()
         if self.plan.ipc:
             from freescale_comm.ipc import Export
 
-            ipc_folds = self._ipc_folds()
             by_peer: dict[int, list[Any]] = {}
             ipc_peers = self.plan.ipc_peers
             for transfer in self.plan.transfers:
-                if transfer.send and transfer.peer in ipc_peers and transfer.peer not in ipc_folds:
+                if transfer.send and transfer.peer in ipc_peers:
                     by_peer.setdefault(transfer.peer, []).append(transfer.buffer)
             self._ipc = g.ipc(self.plan.cuda_index)
-            self._ipc.sent_in_headers.update(ipc_folds.keys())
             self._export = Export(self._ipc, self.seq, self._ready, by_peer)
             self._ipc.started(self.seq)  # only once nothing can raise before it is in flight
-        if (sends or ipc_folds) and self.on_cuda:
-            self._take_streams()
         # Room for any peer's folded data, whatever this rank expects: a peer folds by its own
         # sizes and device before anyone knows whether they agree, and a receive buffer that is
         # too small fails in UCX instead of reaching the verdict.
@@ -367,11 +351,7 @@ class Collective:
             dst, src = (g.rank + step) % g.size, (g.rank - step) % g.size
             # The send first: the peer's data leaves before this rank's receive is posted.
             if self._export is not None and dst in ipc_peers:
-                head = [own, self._export.descriptor(dst)]
-                if dst in ipc_folds:
-                    unloaded.append((dst, self._load_header(head, ipc_folds[dst], copies)))
-                else:
-                    self._send_header(dst, head)
+                self._send_header(dst, [own, self._export.descriptor(dst)])
             elif not every_peer:
                 pass  # a peer IPC does not reach, without validation: no header
             elif dst not in sends:
@@ -380,7 +360,7 @@ class Collective:
                 pieces = sends[dst]
                 self._folded.update(id(t) for t in pieces)
                 if self.on_cuda:
-                    unloaded.append((dst, self._load_header([own], pieces, copies)))
+                    unloaded.append((dst, self._load_header(own, pieces, copies)))
                 else:
                     self._send_header(dst, [own, *(t.buffer for t in pieces)])
             if not (every_peer or src in ipc_peers):
@@ -388,22 +368,11 @@ class Collective:
             if boxed and g.reaches_by_outbox(src):
                 self._outbox_from[src] = src in pinned_from
             else:
-                pinned = src in pinned_from or src in self._ipc_maybe_folded
-                self._headers[src] = self._header_buffer(room, pinned)
+                self._headers[src] = self._header_buffer(room, src in pinned_from)
                 self._post(Transfer(src, self._headers[src], 0, send=False))
         if unloaded:
-            # Behind an idle caller's stream the copies take microseconds: a short spin posts
-            # the headers now, without a watcher thread's wake-up and the caller's after it.
-            idle = self._ready_passed
-            watcher = None if idle else self._cuda.d2h_watch
-            event = self._cuda.copy(self._streams.d2h, copies, watcher)
+            event = self._cuda.copy(self._streams.d2h, copies, self._cuda.d2h_watch)
             self._unloaded_headers = (event, unloaded)
-            if idle:
-                until = time.perf_counter() + _IDLE_COPY_SPIN_S
-                while not event.query() and time.perf_counter() < until:
-                    pass
-                if not self._post_loaded_headers():
-                    self._cuda.d2h_watch.watch(event)
         else:
             self._write_outbox()
             if (not self.on_cuda or self.ring_cuda) and not self.plan.forwarding:
@@ -439,9 +408,7 @@ class Collective:
         arrived = [peer for peer in self._outbox_from if boxes.arrived(peer, seq)]
         for peer in arrived:
             message = boxes.read(peer, seq)
-            if self._outbox_from.pop(peer) or (
-                peer in self._ipc_maybe_folded and self._ipc_carries_data(message)
-            ):
+            if self._outbox_from.pop(peer):
                 pinned = self._header_buffer(len(message), True)
                 pinned[:] = message
                 message = pinned
@@ -477,39 +444,6 @@ class Collective:
                 self._post(transfer)
                 self._early.add(id(transfer))
 
-    def _ipc_folds(self) -> dict[int, list[Transfer]]:
-        """Per IPC peer, the sends that travel inside its header (after a descriptor that
-        names no piece) instead of through CUDA IPC, and sets the peers whose headers may
-        carry theirs (``_ipc_maybe_folded``): where a peer's bytes fit
-        (``GroupContext.ipc_fold_limit``), and for this rank's sends only if the caller's
-        stream is idle at the call. The header then waits for a D2H copy of the data, which
-        only GPU work queued before the call could hold up (the CPU never waits for that:
-        ``wait()`` returns while the caller's work runs), and a small collective is one
-        message per peer, without flags that a peer's queued copies wait for on the GPU
-        (on a GPU two processes share, each such wait cost a time slice). Each sender
-        chooses on its own; its descriptor tells the receiver."""
-        limit = self.group.ipc_fold_limit
-        if limit <= 0:
-            return {}
-        signature, ipc_peers = self.plan.signature, self.plan.ipc_peers
-        receives = signature.recv_bytes
-        self._ipc_maybe_folded = frozenset(p for p in ipc_peers if 0 < receives[p] <= limit)
-        sends = signature.send_bytes
-        if not any(0 < sends[p] <= limit for p in ipc_peers) or not self._ready.query():
-            return {}
-        self._ready_passed = True
-        by_peer: dict[int, list[Transfer]] = {}
-        for transfer in self.plan.transfers:
-            if transfer.send and transfer.peer in ipc_peers and sends[transfer.peer] <= limit:
-                by_peer.setdefault(transfer.peer, []).append(transfer)
-        return by_peer
-
-    def _ipc_carries_data(self, header: np.ndarray) -> bool:
-        """Whether an IPC peer's header carries its data (its descriptor names no piece)."""
-        from freescale_comm.ipc import names_no_piece
-
-        return names_no_piece(header[Signature.size(self.group.size) :])
-
     def _header_buffer(self, size: int, pinned: bool) -> np.ndarray:
         """A receive buffer for a peer's header, page-locked if folded data will be copied H2D
         from it."""
@@ -521,23 +455,19 @@ class Collective:
 
     def _load_header(
         self,
-        head: list[np.ndarray],
+        own: np.ndarray,
         pieces: list[Transfer],
         copies: list[tuple[np.ndarray, torch.Tensor]],
     ) -> np.ndarray:
-        """A page-locked header message for one peer (the parts of ``head``, then its
-        pieces); appends to ``copies`` the D2H copies of its device pieces into it (queued by
-        the caller behind the caller's stream)."""
-        offset = sum(len(part) for part in head)
+        """A page-locked header message for one peer; appends to ``copies`` the D2H copies of
+        its device pieces into it (queued by the caller behind the caller's stream)."""
         pinned = torch.empty(
-            offset + sum(len(t.buffer) for t in pieces), dtype=torch.uint8, pin_memory=True
+            len(own) + sum(len(t.buffer) for t in pieces), dtype=torch.uint8, pin_memory=True
         )
         self._pinned.append(pinned)
         message = pinned.numpy()
-        at = 0
-        for part in head:
-            message[at : at + len(part)] = part
-            at += len(part)
+        message[: len(own)] = own
+        offset = len(own)
         for transfer in pieces:
             end = offset + len(transfer.buffer)
             copies.append((message[offset:end], transfer.buffer))
@@ -829,14 +759,7 @@ class Collective:
     def _read_descriptors(self, size: int) -> None:
         """IPC: where each peer's pieces for this rank lie (after the signature in its header),
         paired with this rank's receive buffers in message order."""
-        from freescale_comm.ipc import (
-            DESCRIPTOR_BYTES,
-            MAILBOX_SLOT_BYTES,
-            MAILBOX_SLOTS,
-            decode,
-            names_no_piece,
-            slot_offset,
-        )
+        from freescale_comm.ipc import MAILBOX_SLOT_BYTES, MAILBOX_SLOTS, decode, slot_offset
 
         receives: dict[int, list[Any]] = {}
         for transfer in self.plan.transfers:
@@ -848,11 +771,7 @@ class Collective:
             if peer not in self.plan.ipc_peers:
                 continue
             buffers = receives.get(peer, [])
-            header = self._headers[peer]
-            if buffers and peer in self._ipc_maybe_folded and names_no_piece(header[size:]):
-                self._load_folded(peer, header, size + DESCRIPTOR_BYTES, buffers)
-                buffers = []
-            descriptor = decode(header[size:], len(buffers))
+            descriptor = decode(self._headers[peer][size:], len(buffers))
             path.shares_gpu |= descriptor.gpu == path.gpu
             path.learn_mailbox(peer, descriptor.mailbox)
             pieces = descriptor.pieces
@@ -871,16 +790,6 @@ class Collective:
                 self._pushed_in[peer] = (descriptor.slot, list(zip(buffers, pieces, strict=True)))
             elif buffers:
                 self._pulls[peer] = list(zip(buffers, pieces, strict=True))
-
-    def _load_folded(self, peer: int, header: np.ndarray, offset: int, buffers: list[Any]) -> None:
-        """Queues with the IPC part the H2D copies of the data ``peer`` sent inside its
-        (page-locked) header, from ``offset`` on, into this rank's receive buffers."""
-        end = offset + sum(len(buffer) for buffer in buffers)
-        if len(header) < end:  # validate=False lets mismatched sizes through
-            raise FreescaleError(f"rank {peer} sent {len(header) - offset} bytes in its header")
-        for buffer in buffers:
-            self._ipc_loads.append((buffer, header[offset : offset + len(buffer)]))
-            offset += len(buffer)
 
     def _diagnose(self) -> None:
         """The size digests disagree: every rank sends every peer its whole row of the size
@@ -992,12 +901,12 @@ class Collective:
                 self._export,
                 self._pushed_in,
                 self._pulls,
-                [*self.plan.local_copies, *self._ipc_loads],
+                self.plan.local_copies,
             )
         except FreescaleError as err:  # e.g. a peer's memory that cannot be mapped here
             self._fail_locked(f"CUDA IPC: {err}", "peer")
             return
-        self._pulls, self._pushed_in, self._ipc_loads = {}, {}, []
+        self._pulls, self._pushed_in = {}, {}
         if gated is not None:
             self._ipc_gated = gated
             self._advance_gated()
@@ -1039,12 +948,10 @@ class Collective:
 
     def _take_streams(self) -> CopyStreams:
         """This collective's copy streams, ordered after the caller's stream on the GPU: inputs
-        are read, and outputs written, only once the work queued before the call is done (no
-        wait where that work was seen done already)."""
+        are read, and outputs written, only once the work queued before the call is done."""
         streams = self._streams = self._cuda.streams()
-        if not self._ready_passed:
-            streams.d2h.wait_event(self._ready)
-            streams.h2d.wait_event(self._ready)
+        streams.d2h.wait_event(self._ready)
+        streams.h2d.wait_event(self._ready)
         return streams
 
     def _post_forwards(self) -> bool:

@@ -15,7 +15,6 @@ the same story instead of each waiting for its own timeout.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 import threading
@@ -428,15 +427,6 @@ class GroupContext:
             return self.eager_per_peer
         return self.outbox_eager_per_peer
 
-    @functools.cached_property
-    def ipc_fold_limit(self) -> int:
-        """The bytes a rank sends a peer IPC reaches inside its header (after the IPC
-        descriptor, which then names no piece), where the caller's stream is idle at the call
-        (``Collective._ipc_folds``); -1 without validation, whose headers carry no data."""
-        from freescale_comm.ipc import DESCRIPTOR_BYTES
-
-        return self.eager_per_peer - DESCRIPTOR_BYTES if self.options.validate else -1
-
     def _agree(self, name: str, mine: bool) -> bool:
         """Whether ``mine`` holds on every rank of the group (every rank must call it, in the
         same order): each reports to the store, the last to report publishes the verdict. A
@@ -580,7 +570,6 @@ class GroupContext:
                     "outbox_posts": self.outboxes.posted if self.outboxes is not None else 0,
                     "cuda": self._cuda_path_of(peer),
                     "ipc_pushes": sum(path.pushes_to(peer) for path in self._ipc.values()),
-                    "ipc_in_headers": sum(p.sent_in_headers[peer] for p in self._ipc.values()),
                 }
             )
         return rows
@@ -633,16 +622,9 @@ class GroupContext:
         if path == "ipc" and peer in self.ipc_peers:
             from freescale_comm.ipc import MAILBOX_SLOT_BYTES
 
-            folds = self.ipc_fold_limit
-            small = (
-                f"sends of at most {folds} B inside the headers through page-locked memory "
-                "where the caller's stream is idle at the call, else "
-                if folds > 0
-                else ""
-            )
             return (
-                f"ipc: copy-engine copies through CUDA IPC ({small}sends that fit a mailbox "
-                f"slot of {MAILBOX_SLOT_BYTES >> 10} KiB pushed into the peer's mailbox at the "
+                "ipc: copy-engine copies through CUDA IPC (sends that fit a mailbox slot "
+                f"of {MAILBOX_SLOT_BYTES >> 10} KiB pushed into the peer's mailbox at the "
                 "call, larger ones pulled from the sender's memory), flags in shared page-locked "
                 "memory; same host (a ring, or a call whose descriptors do not fit in "
                 "eager_bytes, takes the remote path with every peer)"

@@ -71,14 +71,6 @@ peer waits for the puller's "read"). A collective that fails its verdict frees t
 to it unread with a "read" flag write on the IPC stream, queued once every earlier collective is
 (``done_with``), so that a pair's flags are written in call order; a "read" flag never goes back.
 
-Smaller sends still, of at most ``GroupContext.ipc_fold_limit`` bytes for a peer, travel inside
-the header instead where the caller's stream is idle at the call (a D2H copy into page-locked
-memory that waits for nothing, the header, an H2D copy queued with the receiver's IPC part): a
-small collective is then one message per peer and no flag, which on a GPU two processes share
-costs a time slice per wait. The sender's descriptor then names no piece, which tells the
-receiver. Behind queued GPU work a send is pushed or pulled as above, so that the CPU never
-waits for the caller's GPU work.
-
 Memory that CUDA IPC cannot export (``expandable_segments``, virtual memory management) is copied
 into a scratch allocation of the group's own first, on the same stream. A peer's allocation is
 mapped on its first use (0.13–0.20 ms each on the H200) and kept, up to 64 per peer: a training
@@ -172,16 +164,6 @@ def encode(
     """A descriptor: its fixed part, then per piece (handle, offset, bytes) in message order."""
     data = _COUNT.pack(gpu, mailbox, slot, len(pieces)) + b"".join(_ENTRY.pack(*p) for p in pieces)
     return np.frombuffer(data, dtype=np.uint8)
-
-
-# The bytes of a descriptor that names no piece: the sender's data for that peer, if any, follows
-# it inside the header (``Collective._ipc_folds``).
-DESCRIPTOR_BYTES = _COUNT.size
-
-
-def names_no_piece(message: np.ndarray) -> bool:
-    """Whether the descriptor at the start of ``message`` names no piece."""
-    return len(message) >= _COUNT.size and _COUNT.unpack(message[: _COUNT.size].tobytes())[3] == 0
 
 
 def decode(message: np.ndarray, pieces: int) -> Descriptor:
@@ -552,8 +534,6 @@ class IpcPath:
         self._mailbox_handles: dict[int, bytes] = {}  # the peers' mailboxes, as learned
         self._mailbox_at: dict[int, int] = {}  # ... and where they are mapped here
         self._pushes: collections.Counter[int] = collections.Counter()  # per peer
-        # Per peer: the collectives whose sends to it went inside its header instead.
-        self.sent_in_headers: collections.Counter[int] = collections.Counter()
         self._slot_seq: dict[tuple[int, int], int] = {}  # (peer, slot): its last push's seq
         # (peer, slot): the largest "read" flag value queued for it. A slot freed for a failed
         # collective off the IPC path is not held in call order (``free_slots``): a later
