@@ -63,7 +63,6 @@ STEPS = (
     ("stream_ops", "StreamOps", "run"),
     ("cuda", "CudaSupport", "copy"),
     ("collective", "Collective", "_read_descriptors"),
-    ("collective", "Collective", "_ipc_folds"),
 )
 
 
