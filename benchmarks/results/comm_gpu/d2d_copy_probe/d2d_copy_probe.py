@@ -90,9 +90,8 @@ def main() -> None:
             end.record(side)
             torch.cuda.synchronize()
             ms = start.elapsed_time(end)
-            print(
-                f"{nbytes >> 20} MiB {name}: one copy alone {ms:.3f} ms ({nbytes / ms / 1e6:.0f} GB/s)"
-            )
+            rate = nbytes / ms / 1e6
+            print(f"{nbytes >> 20} MiB {name}: one copy alone {ms:.3f} ms ({rate:.0f} GB/s)")
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(ROUNDS):
             for name, copy in variants.items():
