@@ -157,9 +157,10 @@ class _Driver:
         """Whether this process's contexts on ``device`` are clients of an MPS server, which runs
         the work of every client at once instead of time-slicing one context at a time (False
         where the driver predates the attribute)."""
-        handle, value = ctypes.c_int(), ctypes.c_int()
-        self.check(self._device_get(ctypes.byref(handle), device), "cuDeviceGet")
-        return self._attribute(ctypes.byref(value), _MPS_ENABLED, handle) == 0 and value.value == 1
+        try:
+            return self.attribute(device, _MPS_ENABLED) == 1
+        except FreescaleError:
+            return False
 
     def device_uuid(self, device: int) -> bytes:
         """The GPU's UUID: processes that see it under other ordinals agree on it."""

@@ -512,8 +512,8 @@ def _delegated(name: str) -> Any:
     bounded = name not in _POINT_TO_POINT
 
     def method(self: ProcessGroupFreescale, *args: Any, **kwargs: Any) -> Any:
-        tensor = _first_tensor(args)
-        on_gloo = bounded and tensor is not None and tensor.device.type == "cpu"
+        tensor = _first_tensor(args) if bounded else None
+        on_gloo = tensor is not None and tensor.device.type == "cpu"
         return self._bounded(name, on_gloo, getattr(self._plain, name), *args, **kwargs)
 
     method.__name__ = method.__qualname__ = name
