@@ -351,7 +351,8 @@ def _latency(groups: dict[str, Any]) -> list[dict[str, Any]]:
     (per call). Medians; the slower rank. Beside the paths, ``gloo_host``: the caller copies
     its input D2H into page-locked memory, waits for it, runs Gloo's AllToAll on host memory
     and copies the result H2D (a host path through a mature CPU library, and on one GPU the
-    least that two contexts' copies around a CPU exchange take)."""
+    least that two contexts' copies around a CPU exchange take), and ``freescale_host``, the
+    same over freescale's own CPU path (the ``ipc`` group with host tensors)."""
     import torch
     import torch.distributed as dist
 
@@ -361,9 +362,11 @@ def _latency(groups: dict[str, Any]) -> list[dict[str, Any]]:
     for nbytes in LATENCY_SIZES:
         x = torch.ones(max(2, nbytes // 4), device=dev)
         y = torch.empty_like(x)
-        for path in ("ipc", "staged", "direct", "staged_ucx", "gloo_host"):
+        for path in ("ipc", "staged", "direct", "staged_ucx", "gloo_host", "freescale_host"):
             if path == "gloo_host":
                 call = _through_host(y, x, gloo)
+            elif path == "freescale_host":
+                call = _through_host(y, x, groups["ipc"])
             else:
                 call = functools.partial(dist.all_to_all_single, y, x, group=groups[path])
             for _ in range(10):

@@ -920,6 +920,40 @@ def ring_cases(
     }
 
 
+def own_pieces_on_helper_threads(seed: int, cases: int, threads: int) -> dict[str, Any]:
+    """Random cases, some large enough that a rank's own pieces (its local copies) reach 4 MiB,
+    on a freescale group with ``host_copy_threads=threads``, against Gloo and the reference;
+    then large AllToAlls in flight together, waited in reverse, and inputs overwritten as soon
+    as a call returns. Returns the count, what ``paths`` says of the copies, and the names of
+    the helper threads alive."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = freescale_group(60, host_copy_threads=threads)
+    count = run_random_cases(seed, cases, True, group, scale=60_000)
+    rows = 600_000  # float64: 4.8 MB per peer, so the own piece alone goes to the helpers
+    works, checks = [], []
+    for k in range(3):
+        x = torch.arange(n * rows, dtype=torch.float64) + 1e7 * rank + k
+        out = torch.full_like(x, -1.0)
+        works.append(dist.all_to_all_single(out, x, group=group, async_op=True))
+        base = torch.arange(rows * rank, rows * rank + rows, dtype=torch.float64)
+        checks.append((out, torch.cat([base + 1e7 * r + k for r in range(n)])))
+    for work in reversed(works):
+        work.wait()
+    for k, (got, want) in enumerate(checks):
+        _same(got, want, f"in flight #{k}")
+    for k in range(3):
+        x = torch.full((n * rows,), float(100 * rank + k), dtype=torch.float64)
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        x.fill_(-1.0)
+        want = torch.arange(n, dtype=torch.float64).repeat_interleave(rows) * 100 + k
+        _same(out, want, f"overwritten input #{k}")
+    waits = group.paths()[0]["waits"]
+    helpers = sorted({t.name for t in threading.enumerate() if t.name.startswith("freescale-copy")})
+    dist.destroy_process_group(group)
+    return {"count": count, "waits": waits, "helpers": helpers}
+
+
 def early_data_after_a_bad_verdict(rounds: int) -> int:
     """Medium AllToAlls (128 KiB per peer: over the rings, sent with the headers) whose splits
     disagree on one rank, each followed by a good one of the same shape: the bad one fails on

@@ -64,6 +64,18 @@ def test_every_collective_over_the_rings_matches_gloo(fs_group):
         assert result["after"] == {"mapped": 0, "files": 0}
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_own_pieces_copied_on_helper_threads_match_gloo(fs_group, threads):
+    results = fs_group.run(ranks.own_pieces_on_helper_threads, 11, 8, threads, timeout_s=240)
+    for result in results:
+        assert result["count"] == 8
+        if threads == 1:
+            assert "copies its own pieces itself (host_copy_threads=1)" in result["waits"]
+        else:
+            assert "copies its own pieces on 3 helper threads" in result["waits"]
+            assert result["helpers"]  # they ran (and stay for the process's next collectives)
+
+
 def test_every_collective_through_the_outboxes_matches_gloo(fs_group):
     # Boxes of 4 KiB: the headers and the data that fits go through the outboxes, larger data
     # through the rings; four collectives in flight at once make a rank wait for its peers to

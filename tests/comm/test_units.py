@@ -17,6 +17,7 @@ from freescale_comm import FreescaleOptions
 from freescale_comm.cpu import cgroup_cpu_quota, usable_cores
 from freescale_comm.engine import yields_when_idle
 from freescale_comm.errors import FreescaleError
+from freescale_comm.local_copies import LocalCopies, helper_threads, split
 from freescale_comm.transport import MAX_SUB, make_tag
 from freescale_comm.validation import (
     NEEDS_TABLE,
@@ -74,6 +75,49 @@ def test_a_misspelt_option_variable_is_warned_of(monkeypatch, caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "FREESCALE_EAGER_BYTE is not an option of the freescale backend (FREESCALE_EAGER_BYTES?)"
     ]
+
+
+def test_auto_copy_helpers_only_where_each_rank_has_two_cores_or_more():
+    assert helper_threads(0, host_ranks=2, cores=2) == 1  # the CI machine: copies stay put
+    assert helper_threads(0, host_ranks=4, cores=2) == 1
+    assert helper_threads(0, host_ranks=2, cores=5) == 2
+    assert helper_threads(0, host_ranks=2, cores=16) == 8
+    assert helper_threads(0, host_ranks=1, cores=64) == 8  # at most AUTO_MAX_THREADS
+    assert helper_threads(3, host_ranks=2, cores=2) == 3  # the option wins
+    with pytest.raises(ValueError, match="host_copy_threads"):
+        FreescaleOptions(host_copy_threads=65)
+
+
+def test_own_pieces_are_split_into_jobs_of_a_mib_or_more_covering_every_byte():
+    mib = 1 << 20
+    src = [np.arange(n, dtype=np.uint64).view(np.uint8) for n in (3 * mib // 8, 5 * mib // 8)]
+    dst = [np.zeros_like(s) for s in src]
+    jobs = split(list(zip(dst, src, strict=True)), threads=8)
+    assert len(jobs) == 8  # 3 + 5 MiB: a job of 1 MiB per thread, one crossing the two
+    assert all(sum(len(d) for d, _ in job) == mib for job in jobs)
+    for job in jobs:
+        for d, s in job:
+            d[:] = s
+    assert all(np.array_equal(d, s) for d, s in zip(dst, src, strict=True))
+    assert len(split([(dst[0][:1000], src[0][:1000])], threads=8)) == 1  # under 1 MiB: one job
+
+
+def test_local_copies_run_on_helpers_from_4_mib_and_wake_the_progressing_thread():
+    woken = []
+    src = np.arange(6 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    copies = LocalCopies(threads=3, wake=lambda: woken.append(1))
+    small = (4 << 20) - 1
+    assert copies.start([(dst[:small], src[:small])]) is None  # small: copied here, at once
+    assert np.array_equal(dst[:small], src[:small]) and not woken
+    pending = copies.start([(dst, src)])
+    pending.wait()
+    assert pending.done() and pending.error() is None and np.array_equal(dst, src)
+    deadline = time.monotonic() + 5
+    while len(woken) < 3 and time.monotonic() < deadline:  # one wake-up per job, from its thread
+        time.sleep(0.001)
+    assert len(woken) == 3
+    assert LocalCopies(threads=1, wake=lambda: None).start([(dst, src)]) is None
 
 
 def test_auto_idle_wait_yields_only_where_the_hosts_ranks_outnumber_its_cores():

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from freescale_comm.algorithms import Plan, Transfer, host_copy
+from freescale_comm.algorithms import Plan, Transfer
 from freescale_comm.errors import (
     FreescaleError,
     FreescalePeerError,
@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from freescale_comm.cuda import CopyStreams, CudaSupport
     from freescale_comm.group import GroupContext
     from freescale_comm.ipc import Export, GatedPulls, IpcPath, Piece
+    from freescale_comm.local_copies import PendingCopies
     from freescale_comm.staged import StagedPipeline
 
 _ERRORS: dict[str, type[FreescaleError]] = {
@@ -170,6 +171,7 @@ class Collective:
         # reach this collective, so its data waits for the earlier ones' (``_start_data``).
         self._unheaded = False
         self._data_posted = False  # CPU: every message of the data phase posted (or queued)
+        self._local_pending: PendingCopies | None = None  # CPU: own pieces on helper threads
         self._posted: list[Transfer] = []
         self._unposted: list[Transfer] = []
         self._headers: list[Any] = []
@@ -650,6 +652,7 @@ class Collective:
                 and not self._unposted
                 and self._ipc_gated is None
                 and (self._pipeline is None or self._pipeline.sealable)
+                and self._local_copies_done()
             ):
                 progressed |= self._complete()
         if self._phase == "sealed":
@@ -854,9 +857,9 @@ class Collective:
         if posted or self.on_cuda:  # a receive posted after its rendezvous arrived needs one
             g.transport.progress()
         if not self.on_cuda:
-            # After posting: peers pull this rank's pieces while it copies its own.
-            for dst, src in self.plan.local_copies:
-                host_copy(dst, src)
+            # After posting: peers pull this rank's pieces while it copies its own (on helper
+            # threads where the host has cores to spare, while this thread moves the messages).
+            self._local_pending = g.local_copies.start(self.plan.local_copies)
 
     def _start_cuda_data(self, unfolded: list[Transfer]) -> list[Transfer]:
         """Queues the local copies and the H2D copies of folded data; returns the messages to
@@ -962,6 +965,21 @@ class Collective:
             self._post(transfer)
         self._unposted = [t for t in self._unposted if t.request is None and not t.done]
         self.group.transport.progress()
+        return True
+
+    def _local_copies_done(self) -> bool:
+        """Whether the own pieces' copies on helper threads are done (a failed one fails the
+        collective: its output is incomplete)."""
+        pending = self._local_pending
+        if pending is None:
+            return True
+        if not pending.done():
+            return False
+        self._local_pending = None
+        error = pending.error()
+        if error is not None:
+            self._fail_locked(error, "raised")
+            return False
         return True
 
     def _complete(self) -> bool:
@@ -1123,6 +1141,11 @@ class Collective:
     def _fail_locked(self, reason: str, kind: str) -> None:
         if self.finished:
             return
+        if self._local_pending is not None:
+            # The caller may reuse the outputs once it sees the failure: no helper writes
+            # them after that (a memcpy: bounded).
+            self._local_pending.wait()
+            self._local_pending = None
         self.error = _ERRORS[kind](f"{self.label}: {reason}")  # first: seen with ``finished``
         self.finished = True
         self._headers = []

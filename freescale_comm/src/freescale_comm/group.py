@@ -32,6 +32,7 @@ from freescale_comm.engine import Engine, yields_when_idle
 from freescale_comm.errors import FreescaleError, FreescalePeerError, FreescaleValidationError
 from freescale_comm.futures import CallbackRunner
 from freescale_comm.liveness import Liveness, own_connection, process_identity
+from freescale_comm.local_copies import LocalCopies, helper_threads
 from freescale_comm.options import EVERY_SIZE, FreescaleOptions, rings_limit_by_pages
 from freescale_comm.transport import MAX_GROUP_SIZE, SEQ_BITS, SUB_BITS, Transport, make_tag
 from freescale_comm.validation import Signature
@@ -240,6 +241,10 @@ class GroupContext:
         self._cores = usable_cores()
         self.yields_when_idle = yields_when_idle(
             options.idle_wait, len(self.directory.same_host), self._cores
+        )
+        self.local_copies = LocalCopies(
+            helper_threads(options.host_copy_threads, len(self.directory.same_host), self._cores),
+            self.transport.wake,
         )
 
     def _check_agreement(self, mine: str, invalid_options: str | None) -> None:
@@ -523,10 +528,13 @@ class GroupContext:
         """Per peer: the path host bytes take to it, and why (``freescale comm info``)."""
         rows = []
         options = self.options
+        threads = self.local_copies.threads
         waits = (
             f"{'yields its core, then sleeps' if self.yields_when_idle else 'sleeps'} "
             f"(idle_wait={options.idle_wait}; {len(self.directory.same_host)} ranks on this "
-            f"host, {self._cores} cores)"
+            f"host, {self._cores} cores); copies its own pieces "
+            + (f"on {threads} helper threads" if threads > 1 else "itself")
+            + f" (host_copy_threads={options.host_copy_threads})"
         )
         for peer in range(self.size):
             if peer == self.rank:

@@ -138,6 +138,13 @@ class FreescaleOptions:
             every rank has a core, polling takes cores and the GIL from the work a process does
             beside its collectives, such as a training step's background threads).
             ``FREESCALE_IDLE_WAIT``.
+        host_copy_threads: helper threads that copy a CPU collective's own pieces (its local
+            copies) of 4 MiB and more in all, split between them, while the thread that
+            progresses it moves its messages (``local_copies``). 1: that thread copies them
+            itself once the messages are posted. 0 (``auto``): the cores this process may use
+            per rank of the group on this host, at most 8, and 1 where that is below 2 (a host
+            with a core or less per rank copies fastest on one thread). At most 64; a rank's
+            own choice. ``FREESCALE_HOST_COPY_THREADS``.
         heartbeat_s: interval of the liveness heartbeat each process writes to the store.
             ``FREESCALE_HEARTBEAT_S``.
         dead_after_s: a peer whose heartbeat is older than this is reported dead and fails the
@@ -160,6 +167,7 @@ class FreescaleOptions:
     shm_pool_bytes: int = 4 << 20
     shm_outbox_bytes: int = 2 << 20
     idle_wait: IdleWait = "auto"
+    host_copy_threads: int = 0
     heartbeat_s: float = 1.0
     dead_after_s: float = 10.0
 
@@ -202,6 +210,8 @@ class FreescaleOptions:
             raise ValueError("shm_slot_bytes must be >= 4096 and shm_pool_bytes >= 2 slots")
         if self.shm_outbox_bytes < 0:
             raise ValueError("shm_outbox_bytes must be >= 0")
+        if not 0 <= self.host_copy_threads <= 64:
+            raise ValueError("host_copy_threads must be 0 (auto) to 64")
         if not (self.heartbeat_s > 0 and self.dead_after_s > 2 * self.heartbeat_s):
             raise ValueError("heartbeat_s must be > 0 and dead_after_s > 2 * heartbeat_s")
 
