@@ -144,13 +144,23 @@ def test_a_peer_dying_during_set_up_fails_it_within_the_timeout_and_leaves_nothi
 
 
 @pytest.mark.parametrize(
-    ("per_peer", "shm_max_bytes"),
-    [(256, "-1"), (1 << 20, "0x100000000"), (1 << 18, "0x80000"), (1 << 20, "0x80000")],
-    ids=["rings", "large-rings", "reads", "large-reads"],
+    ("per_peer", "shm_max_bytes", "copy_threads"),
+    [
+        (256, "-1", "0"),
+        (1 << 20, "0x100000000", "0"),
+        (1 << 20, "0x100000000", "3"),  # own pieces of 4 MiB on helper threads
+        (1 << 18, "0x80000", "0"),
+        (1 << 20, "0x80000", "0"),
+    ],
+    ids=["rings", "large-rings", "large-rings-helpers", "reads", "large-reads"],
 )
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_killed_peer_makes_every_survivor_raise(world_size, per_peer, shm_max_bytes):
-    env = {**FAST_FAILURE_ENV, "FREESCALE_SHM_MAX_BYTES": shm_max_bytes}
+def test_killed_peer_makes_every_survivor_raise(world_size, per_peer, shm_max_bytes, copy_threads):
+    env = {
+        **FAST_FAILURE_ENV,
+        "FREESCALE_SHM_MAX_BYTES": shm_max_bytes,
+        "FREESCALE_HOST_COPY_THREADS": copy_threads,
+    }
     group = LocalGroup(world_size, backend="freescale", setup=SETUP, init_timeout_s=20, env=env)
     try:
         group.start()
