@@ -2,15 +2,15 @@
 cores to spare.
 
 On a host whose cores outnumber its ranks one thread copies memory far slower than the host can:
-on the 16-vCPU GPU machine a 64 MiB copy ran at 4.4–5.0 GB/s on one thread and at 25–31 GB/s
-split over 8, two processes at once (``benchmarks/results/comm_cpu/many_core_host/``). The thread
-that progresses a CPU collective also moves its messages through the rings; while it copied the
-rank's own piece, no message moved. Here that copy is split over helper threads (numpy releases
-the GIL while it copies) and the progressing thread moves the messages meanwhile; the collective
-completes once both are done, and a helper that finishes the last part wakes it
-(``Transport.wake``). Where each rank has fewer than two cores (the 2-core CI machine with 2
-ranks) the copies stay on the progressing thread (``algorithms.host_copy``), which measured
-fastest there.
+on the 16-vCPU GPU machine a 64 MiB copy ran at 4.0–4.9 GB/s on one thread and at 25–31 GB/s
+split over 8, also with two processes copying at once
+(``benchmarks/results/comm_cpu/many_core_host/``). The thread that progresses a CPU collective
+also moves its messages through the rings; while it copied the rank's own piece, no message
+moved. Here that copy is split over helper threads (numpy releases the GIL while it copies) and
+the progressing thread moves the messages meanwhile; the collective completes once both are
+done, and each helper wakes it as it finishes (``Transport.wake``). Where each rank has fewer
+than two cores (the 2-core CI machine with 2 ranks) the copies stay on the progressing thread
+(``algorithms.host_copy``), which measured fastest there.
 """
 
 from __future__ import annotations
