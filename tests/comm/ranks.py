@@ -920,14 +920,17 @@ def ring_cases(
     }
 
 
-def own_pieces_on_helper_threads(seed: int, cases: int, threads: int) -> dict[str, Any]:
+def own_pieces_on_helper_threads(
+    seed: int, cases: int, threads: int, shm_max_bytes: int = -1
+) -> dict[str, Any]:
     """Random cases, some large enough that a rank's own pieces (its local copies) reach 4 MiB,
-    on a freescale group with ``host_copy_threads=threads``, against Gloo and the reference;
-    then large AllToAlls in flight together, waited in reverse, and inputs overwritten as soon
-    as a call returns. Returns the count, what ``paths`` says of the copies, and the names of
-    the helper threads alive."""
+    on a freescale group with ``host_copy_threads=threads`` (which also read a message from the
+    sender's memory, above ``shm_max_bytes``), against Gloo and the reference; then large
+    AllToAlls in flight together, waited in reverse, and inputs overwritten as soon as a call
+    returns. Returns the count, what ``paths`` says of the copies, the messages read from the
+    peers' memory, and the names of the helper threads alive."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    group = freescale_group(60, host_copy_threads=threads)
+    group = freescale_group(60, host_copy_threads=threads, shm_max_bytes=shm_max_bytes)
     count = run_random_cases(seed, cases, True, group, scale=60_000)
     rows = 600_000  # float64: 4.8 MB per peer, so the own piece alone goes to the helpers
     works, checks = [], []
@@ -948,10 +951,16 @@ def own_pieces_on_helper_threads(seed: int, cases: int, threads: int) -> dict[st
         x.fill_(-1.0)
         want = torch.arange(n, dtype=torch.float64).repeat_interleave(rows) * 100 + k
         _same(out, want, f"overwritten input #{k}")
-    waits = group.paths()[0]["waits"]
+    paths = group.paths()
     helpers = sorted({t.name for t in threading.enumerate() if t.name.startswith("freescale-copy")})
     dist.destroy_process_group(group)
-    return {"count": count, "waits": waits, "helpers": helpers}
+    return {
+        "count": count,
+        "waits": paths[0]["waits"],
+        "reads": sum(p["ring_reads"] for p in paths),
+        "readable": all("read from the sender's memory" in p["path"] for p in paths),
+        "helpers": helpers,
+    }
 
 
 def early_data_after_a_bad_verdict(rounds: int) -> int:

@@ -151,8 +151,9 @@ def test_a_peer_dying_during_set_up_fails_it_within_the_timeout_and_leaves_nothi
         (1 << 20, "0x100000000", "3"),  # own pieces of 4 MiB on helper threads
         (1 << 18, "0x80000", "0"),
         (1 << 20, "0x80000", "0"),
+        (1 << 21, "0x80000", "3"),  # reads of 8 MiB split over helper threads
     ],
-    ids=["rings", "large-rings", "large-rings-helpers", "reads", "large-reads"],
+    ids=["rings", "large-rings", "large-rings-helpers", "reads", "large-reads", "split-reads"],
 )
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_killed_peer_makes_every_survivor_raise(world_size, per_peer, shm_max_bytes, copy_threads):

@@ -64,11 +64,19 @@ def test_every_collective_over_the_rings_matches_gloo(fs_group):
         assert result["after"] == {"mapped": 0, "files": 0}
 
 
+@pytest.mark.parametrize("shm_max_bytes", [-1, 1 << 19], ids=["auto", "reads"])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_own_pieces_copied_on_helper_threads_match_gloo(fs_group, threads):
-    results = fs_group.run(ranks.own_pieces_on_helper_threads, 11, 8, threads, timeout_s=240)
+def test_own_pieces_and_reads_on_helper_threads_match_gloo(fs_group, threads, shm_max_bytes):
+    results = fs_group.run(
+        ranks.own_pieces_on_helper_threads, 11, 8, threads, shm_max_bytes, timeout_s=240
+    )
     for result in results:
         assert result["count"] == 8
+        # Above 512 KiB the messages were read from the sender's memory (split over the
+        # helpers with threads=3), where the kernel allows reads: asked for, or under auto
+        # where every rank has helpers (4 KiB pages otherwise keep them in the rings here).
+        reads_chosen = shm_max_bytes > 0 or threads > 1
+        assert (result["reads"] > 0) == (reads_chosen and result["readable"])
         if threads == 1:
             assert "copies its own pieces itself (host_copy_threads=1)" in result["waits"]
         else:

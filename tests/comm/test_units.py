@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from freescale_comm import FreescaleOptions
 from freescale_comm.cpu import cgroup_cpu_quota, usable_cores
 from freescale_comm.engine import yields_when_idle
 from freescale_comm.errors import FreescaleError
-from freescale_comm.local_copies import LocalCopies, helper_threads, split
+from freescale_comm.local_copies import LocalCopies, helper_threads, run_in_parts, split
 from freescale_comm.transport import MAX_SUB, make_tag
 from freescale_comm.validation import (
     NEEDS_TABLE,
@@ -88,23 +89,40 @@ def test_auto_copy_helpers_only_where_each_rank_has_two_cores_or_more():
         FreescaleOptions(host_copy_threads=65)
 
 
-def test_own_pieces_are_split_into_jobs_of_a_mib_or_more_covering_every_byte():
+def test_own_pieces_are_split_into_jobs_of_4_mib_or_more_covering_every_byte():
     mib = 1 << 20
-    src = [np.arange(n, dtype=np.uint64).view(np.uint8) for n in (3 * mib // 8, 5 * mib // 8)]
+    src = [np.arange(n, dtype=np.uint64).view(np.uint8) for n in (5 * mib // 8, 7 * mib // 8)]
     dst = [np.zeros_like(s) for s in src]
     jobs = split(list(zip(dst, src, strict=True)), threads=8)
-    assert len(jobs) == 8  # 3 + 5 MiB: a job of 1 MiB per thread, one crossing the two
-    assert all(sum(len(d) for d, _ in job) == mib for job in jobs)
+    assert len(jobs) == 3  # 5 + 7 MiB: three jobs of 4 MiB, one crossing the two copies
+    assert all(sum(len(d) for d, _ in job) == 4 * mib for job in jobs)
     for job in jobs:
         for d, s in job:
             d[:] = s
     assert all(np.array_equal(d, s) for d, s in zip(dst, src, strict=True))
-    assert len(split([(dst[0][:1000], src[0][:1000])], threads=8)) == 1  # under 1 MiB: one job
+    assert len(split([(dst[0][:1000], src[0][:1000])], threads=8)) == 1  # small: one job
+
+
+def test_a_read_split_into_parts_covers_every_byte_once_on_helpers():
+    seen = []
+    total = (17 << 20) + 5
+
+    def part(start: int, end: int) -> int:
+        seen.append((start, end, threading.current_thread().name))
+        return end - start
+
+    results = run_in_parts(part, nbytes=total, threads=8)
+    assert sum(results) == total and len(results) == 4  # parts of 4 MiB or more
+    spans = sorted((start, end) for start, end, _ in seen)
+    assert spans[0][0] == 0 and spans[-1][1] == total
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+    assert sum(name.startswith("freescale-copy") for *_, name in seen) == 3  # the first here
+    assert run_in_parts(lambda a, b: (a, b), nbytes=100, threads=8) == [(0, 100)]
 
 
 def test_local_copies_run_on_helpers_from_4_mib_and_wake_the_progressing_thread():
     woken = []
-    src = np.arange(6 << 20, dtype=np.uint8)
+    src = np.arange(12 << 20, dtype=np.uint8)
     dst = np.zeros_like(src)
     copies = LocalCopies(threads=3, wake=lambda: woken.append(1))
     small = (4 << 20) - 1

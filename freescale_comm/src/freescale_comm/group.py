@@ -33,7 +33,7 @@ from freescale_comm.errors import FreescaleError, FreescalePeerError, FreescaleV
 from freescale_comm.futures import CallbackRunner
 from freescale_comm.liveness import Liveness, own_connection, process_identity
 from freescale_comm.local_copies import LocalCopies, helper_threads
-from freescale_comm.options import EVERY_SIZE, FreescaleOptions, rings_limit_by_pages
+from freescale_comm.options import EVERY_SIZE, FreescaleOptions, rings_limit
 from freescale_comm.transport import MAX_GROUP_SIZE, SEQ_BITS, SUB_BITS, Transport, make_tag
 from freescale_comm.validation import Signature
 
@@ -234,9 +234,6 @@ class GroupContext:
         self.engine.watch(self._sealed)
         self._endpoints: list[Any] = [None] * size
         self._header_room = Signature.size(size) + self.eager_per_peer
-        self._setup_host_paths()
-        if self.outboxes is not None:  # the peers of this host mark their departure there
-            self.liveness.local_departures = self.outboxes.departures
         # Where the host's ranks outnumber its cores, a waiting rank hands its core to a peer.
         self._cores = usable_cores()
         self.yields_when_idle = yields_when_idle(
@@ -246,6 +243,9 @@ class GroupContext:
             helper_threads(options.host_copy_threads, len(self.directory.same_host), self._cores),
             self.transport.wake,
         )
+        self._setup_host_paths()
+        if self.outboxes is not None:  # the peers of this host mark their departure there
+            self.liveness.local_departures = self.outboxes.departures
 
     def _check_agreement(self, mine: str, invalid_options: str | None) -> None:
         """Fails set-up on every rank where some rank's options that every rank must share, or
@@ -325,6 +325,7 @@ class GroupContext:
             self.timeout_s,
             staging=_staging_rings(options, peers),
             reads=options.host_reads and options.host_path == "auto",
+            read_threads=self.local_copies.threads,
         )
         self._no_rings.update(failures)
         if failures:
@@ -363,12 +364,15 @@ class GroupContext:
         if options.shm_max_bytes != -1:
             return options.shm_max_bytes, f"shm_max_bytes={options.shm_max_bytes}"
         huge = self._agree("huge_pages", tensors_get_huge_pages())
-        why = (
-            "torch's CPU tensors get huge pages on every rank"
-            if huge
-            else "4 KiB pages for torch's CPU tensors on some rank"
-        )
-        return rings_limit_by_pages(huge), why
+        # Both agreements on every rank, in this order (each is a store round of the group).
+        spare = self._agree("spare_cores", self.local_copies.threads > 1)
+        if huge:
+            why = "torch's CPU tensors get huge pages on every rank"
+        elif spare:
+            why = "every rank splits its reads over helper threads (host_copy_threads)"
+        else:
+            why = "4 KiB pages for torch's CPU tensors on some rank, and no read helpers on some"
+        return rings_limit(huge, spare), why
 
     def _setup_outboxes(self, local: list[int], links: dict[int, Any]) -> None:
         """The outboxes (``outbox``) between this rank and ``local``, the peers on its host

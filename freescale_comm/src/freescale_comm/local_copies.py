@@ -15,9 +15,11 @@ than two cores (the 2-core CI machine with 2 ranks) the copies stay on the progr
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 
@@ -26,10 +28,13 @@ from freescale_comm.algorithms import host_copy
 # Copies of fewer bytes in all stay on the progressing thread: on the GPU machine a 2-rank
 # AllToAll of 4 MiB (an own piece of 2 MiB on helpers) took 9% longer, one of 16 MiB 11% less.
 MIN_BYTES = 4 << 20
-# No helper copies less than this (beyond it, more threads copy faster on a many-core host).
-PART_BYTES = 1 << 20
+# No helper copies or reads less than this: on the GPU machine a read of 32 MiB split 8 ways took
+# a third of one thread's time, one of 8 MiB split 8 ways longer than one thread's.
+PART_BYTES = 4 << 20
 # The most helpers ``auto`` gives one rank (8 reached 25–31 GB/s on the GPU machine).
 AUTO_MAX_THREADS = 8
+
+T = TypeVar("T")
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -115,6 +120,18 @@ class LocalCopies:
         pool = _shared_pool()
         futures = [pool.submit(_copy_job, job) for job in split(copies, self.threads)]
         return PendingCopies(futures, self._wake)
+
+
+def run_in_parts(job: Callable[[int, int], T], nbytes: int, threads: int) -> list[T]:
+    """``job(start, end)`` over [0, ``nbytes``) cut into at most ``threads`` parts of at least
+    ``PART_BYTES``: the first part on this thread, the others on helpers; waits for them all
+    (a read of another process's memory split so: ``shm.Channel``)."""
+    jobs = max(1, min(threads, nbytes // PART_BYTES))
+    bounds = [k * nbytes // jobs for k in range(jobs + 1)]
+    pool = _shared_pool() if jobs > 1 else None
+    futures = [pool.submit(job, a, b) for a, b in itertools.pairwise(bounds[1:])] if pool else []
+    first = job(bounds[0], bounds[1])
+    return [first, *(future.result() for future in futures)]
 
 
 def _copy_job(job: list[tuple[np.ndarray, np.ndarray]]) -> None:

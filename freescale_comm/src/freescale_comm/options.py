@@ -23,16 +23,17 @@ IdleWait = Literal["auto", "sleep", "yield"]
 logger = logging.getLogger(__name__)
 
 _ENV_PREFIX = "FREESCALE_"
-# The rings' largest message under ``shm_max_bytes=-1``: where torch's tensors get huge pages
-# (reads above it), and where they do not (no host message is that large).
+# The rings' largest message under ``shm_max_bytes=-1``: where reads win (reads above it), and
+# where they do not (no host message is that large).
 READ_ABOVE_BYTES = 512 << 10
 EVERY_SIZE = 1 << 40
 
 
-def rings_limit_by_pages(huge_pages: bool) -> int:
+def rings_limit(huge_pages: bool, spare_cores: bool) -> int:
     """The rings' largest message under ``shm_max_bytes=-1``, given whether every rank's torch
-    CPU tensors get huge pages."""
-    return READ_ABOVE_BYTES if huge_pages else EVERY_SIZE
+    CPU tensors get huge pages and whether every rank has helper threads to split its reads
+    over (``local_copies.helper_threads``)."""
+    return READ_ABOVE_BYTES if huge_pages or spare_cores else EVERY_SIZE
 
 
 HOST_ENV = "FREESCALE_HOST_ID"  # the host identity (``shm.host_identity``), not a field
@@ -100,13 +101,15 @@ class FreescaleOptions:
             ``FREESCALE_HOST_PATH``; the host identity is ``FREESCALE_HOST_ID`` (default:
             hostname and boot id).
         shm_max_bytes: ``auto`` sends messages up to this size through the rings (and folds
-            CPU pieces up to it into the headers, ``shm_outbox_bytes``). -1 (the default): by
-            the pages of torch's CPU tensors (``info.tensors_get_huge_pages``): where every
-            rank's get huge pages, 512 KiB (``READ_ABOVE_BYTES``: a read of a larger message
-            pins the sender's pages cheaply and beats the rings' two copies from a few MiB);
-            else every size (a read pins each 4 KiB page, and the rings, whose slots stay in
-            the cache, measured as fast or faster on 4 ranks of 2 cores, within about 20% either
-            way on 2). Same on every rank. ``FREESCALE_SHM_MAX_BYTES``.
+            CPU pieces up to it into the headers, ``shm_outbox_bytes``). -1 (the default): 512
+            KiB (``READ_ABOVE_BYTES``) where every rank's torch CPU tensors get huge pages
+            (``info.tensors_get_huge_pages``: a read of a larger message pins the sender's pages
+            cheaply and beats the rings' two copies from a few MiB) or every rank has helper
+            threads (``host_copy_threads``: on a 16-vCPU host reads beat the rings from 4 MiB,
+            split over threads from 64 MiB by 3x); else every size (a read pins each 4 KiB page,
+            and the rings, whose slots stay in the cache, measured as fast or faster on 4 ranks
+            of 2 cores, within about 20% either way on 2). Same on every rank.
+            ``FREESCALE_SHM_MAX_BYTES``.
         host_reads: under ``auto``, a larger message is read by its receiver straight from
             the sender's memory (``process_vm_readv``: one copy, as UCX's cross-memory attach,
             but a sender that died fails the collective instead of aborting the reader), where

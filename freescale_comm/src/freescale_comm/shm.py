@@ -427,6 +427,8 @@ class Channel:
         reads_out: the peer reads this rank's sends posted ``by_read`` from its memory.
         reads_in: this rank reads such sends of the peer (the same answer on both sides of a
             direction: probed at set-up by the reader, ``open_links``).
+        read_threads: threads that read one such message, split between them (1: the
+            progressing thread alone; ``local_copies.run_in_parts``).
     """
 
     DEVICE_CHUNKS_PER_PUSH = 2
@@ -441,6 +443,7 @@ class Channel:
         peer_pid: int = 0,
         reads_out: bool = False,
         reads_in: bool = False,
+        read_threads: int = 1,
     ) -> None:
         self.hub = hub
         self.out = outgoing
@@ -458,6 +461,7 @@ class Channel:
         self._unexpected: dict[int, _Unexpected] = {}
         self.peer_pid = peer_pid
         self.reads_out, self.reads_in = reads_out, reads_in
+        self.read_threads = read_threads
         # Sends posted by_read, in ring order, until the peer counts them read; the counts.
         self._awaiting: collections.deque[Request] = collections.deque()
         self._reads_seen = int(outgoing.ctrl[_READS_DONE])
@@ -661,7 +665,7 @@ class Channel:
                 request.error = error
             else:
                 source = int(chunk.view(np.uint64)[0])
-                failed = read_process(self.peer_pid, request.buffer.ctypes.data, source, length)
+                failed = self._read(request.buffer.ctypes.data, source, length)
                 if failed is None:
                     request.done_bytes = length
                     self.reads += 1
@@ -674,6 +678,18 @@ class Channel:
         self._reads_done += 1
         self.inc.ctrl[_READS_DONE] = self._reads_done  # after the read: the sender's bytes
         return True
+
+    def _read(self, local: int, remote: int, nbytes: int) -> str | None:
+        """Reads ``nbytes`` of the peer's memory, on ``read_threads`` threads; why it failed."""
+        if self.read_threads < 2:
+            return read_process(self.peer_pid, local, remote, nbytes)
+        from freescale_comm.local_copies import run_in_parts
+
+        pid = self.peer_pid
+        failures = run_in_parts(
+            lambda a, b: read_process(pid, local + a, remote + a, b - a), nbytes, self.read_threads
+        )
+        return next((failure for failure in failures if failure is not None), None)
 
     def discard(self, prefix: int) -> None:
         """Drops the messages of one collective (``tag >> SUB_BITS == prefix``) that failed
@@ -971,6 +987,7 @@ def open_links(
     timeout_s: float,
     staging: tuple[int, int] | None = None,
     reads: bool = False,
+    read_threads: int = 1,
 ) -> tuple[dict[int, Link], dict[int, str]]:
     """Sets up the rings with ``peers`` (group ranks on this host) through the group's store.
 
@@ -985,6 +1002,7 @@ def open_links(
         reads: large host messages may be read from the sender's memory (``Channel``); a
             direction does so only if both of its ranks ask and its receiver could read a
             word of the sender's (the kernel may forbid it: ptrace restrictions).
+        read_threads: threads that read one such message (``Channel``).
     """
     hub = Hub.get()
     pid = os.getpid()
@@ -1058,6 +1076,7 @@ def open_links(
                     peer_pid=peer_pids.get(peer, 0),
                     reads_out=answer.endswith("r"),
                     reads_in=reads_in.get(peer, False),
+                    read_threads=read_threads,
                 )
                 # Staging rings only where both directions were made and mapped.
                 stage = None
