@@ -18,6 +18,7 @@ there a 2-rank AllToAll of 64 MiB took 4.3 ms against 18.8 through the rings on 
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import threading
 from collections.abc import Callable, Sequence
@@ -133,7 +134,10 @@ def run_in_parts(job: Callable[[int, int], T], nbytes: int, threads: int) -> lis
     bounds = [k * nbytes // jobs for k in range(jobs + 1)]
     pool = _shared_pool() if jobs > 1 else None
     futures = [pool.submit(job, a, b) for a, b in itertools.pairwise(bounds[1:])] if pool else []
-    first = job(bounds[0], bounds[1])
+    try:
+        first = job(bounds[0], bounds[1])
+    finally:  # no helper may still write once this returns or raises
+        concurrent.futures.wait(futures)
     return [first, *(future.result() for future in futures)]
 
 
