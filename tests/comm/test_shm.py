@@ -78,9 +78,9 @@ def test_own_pieces_and_reads_on_helper_threads_match_gloo(fs_group, threads, sh
         reads_chosen = shm_max_bytes > 0 or threads > 1
         assert (result["reads"] > 0) == (reads_chosen and result["readable"])
         if threads == 1:
-            assert "copies its own pieces itself (host_copy_threads=1)" in result["waits"]
+            assert "reads peers' memory itself (host_copy_threads=1)" in result["waits"]
         else:
-            assert "copies its own pieces on 3 helper threads" in result["waits"]
+            assert "reads peers' memory on 3 helper threads" in result["waits"]
             assert result["helpers"]  # they ran (and stay for the process's next collectives)
 
 

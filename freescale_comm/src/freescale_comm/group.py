@@ -536,7 +536,7 @@ class GroupContext:
         waits = (
             f"{'yields its core, then sleeps' if self.yields_when_idle else 'sleeps'} "
             f"(idle_wait={options.idle_wait}; {len(self.directory.same_host)} ranks on this "
-            f"host, {self._cores} cores); copies its own pieces "
+            f"host, {self._cores} cores); copies its own pieces and reads peers' memory "
             + (f"on {threads} helper threads" if threads > 1 else "itself")
             + f" (host_copy_threads={options.host_copy_threads})"
         )
