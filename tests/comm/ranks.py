@@ -1103,17 +1103,21 @@ def read_counted_past_early_data(per_peer_kib: int, piece_kib: int, rounds: int)
     return reads
 
 
-def ring_limit_by_pages(mode: str, torch_asks_by_rank: list[str]) -> tuple[str, int]:
+def ring_limit_by_pages(
+    mode: str, torch_asks_by_rank: list[str], threads_by_rank: list[int] | None = None
+) -> tuple[str, int]:
     """A group under ``shm_max_bytes=-1`` whose ranks see the kernel's huge page ``mode`` and
-    ``THP_MEM_ALLOC_ENABLE`` as given per rank (both read at set-up), then an AllToAll of
-    1 MiB per peer, checked. Returns the path host bytes take to the next rank and how many
-    messages this rank read from its peers' memory."""
+    ``THP_MEM_ALLOC_ENABLE`` as given per rank (both read at set-up), with
+    ``host_copy_threads`` per rank (1 by default: no helpers, whatever the cores), then an
+    AllToAll of 1 MiB per peer, checked. Returns the path host bytes take to the next rank and
+    how many messages this rank read from its peers' memory."""
     rank, n = dist.get_rank(), dist.get_world_size()
+    threads = (threads_by_rank or [1] * n)[rank]
     with (
         mock.patch.dict(os.environ, {"THP_MEM_ALLOC_ENABLE": torch_asks_by_rank[rank]}),
         mock.patch("freescale_comm.info.transparent_huge_pages", return_value=mode),
     ):
-        group = freescale_group(10, host_path="auto")
+        group = freescale_group(10, host_path="auto", host_copy_threads=threads)
     rows = (1 << 20) // 4
     out = torch.empty(n * rows)
     dist.all_to_all_single(out, torch.full((n * rows,), float(rank)), group=group)

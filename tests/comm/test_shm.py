@@ -326,6 +326,19 @@ def test_the_rings_carry_every_size_unless_every_ranks_tensors_get_huge_pages(
     assert got == [want, want]
 
 
+@pytest.mark.parametrize(("threads", "reads"), [([2, 2], True), ([2, 1], False)])
+def test_messages_above_512_kib_are_read_where_every_rank_has_read_helpers(
+    local_groups, threads, reads
+):
+    # 4 KiB pages on both ranks: the rings carry every size unless every rank has helper
+    # threads to split its reads over (a host with cores to spare), agreed by the group.
+    want = ("shm <= 524288 B, read from the sender's memory above", 1) if reads else ("shm", 0)
+    got = local_groups.get(2, backend="freescale", setup=SETUP, init_timeout_s=60).run(
+        ranks.ring_limit_by_pages, "madvise", ["0", "0"], threads, timeout_s=60
+    )
+    assert got == [want, want]
+
+
 def test_a_read_is_counted_done_past_a_later_collectives_early_data(fs_group):
     n = fs_group.spec.world_size
     reads = fs_group.run(ranks.read_counted_past_early_data, 2048, 300, 200, timeout_s=120)
@@ -392,16 +405,21 @@ def test_peers_are_let_read_this_process_only_under_yamas_relational_scope(tmp_p
 def test_info_says_which_path_each_pair_takes(capsys):
     from freescale_comm.cli import main
     from freescale_comm.cpu import usable_cores
+    from freescale_comm.local_copies import helper_threads
 
     assert main(["info", "--ranks", "2"]) == 0
     out = capsys.readouterr().out
     assert "host identity: " in out
-    # The rings' limit follows the pages of torch's tensors (``shm_max_bytes=-1``).
+    # The rings' limit follows the pages of torch's tensors and, in a group, whether every
+    # rank has helper threads (``shm_max_bytes=-1``); the rule without a group names pages only.
+    helpers = helper_threads(0, host_ranks=2, cores=usable_cores())
     if tensors_get_huge_pages():
         assert "host bytes: peers on this host: shared-memory rings for messages <= 524288 B" in out
-        assert "rank 0 -> 1: shm <= 524288 B, read from the sender's memory above  (same" in out
     else:
         assert "host bytes: peers on this host: shared-memory rings at every size" in out
+    if tensors_get_huge_pages() or helpers > 1:
+        assert "rank 0 -> 1: shm <= 524288 B, " in out
+    else:
         assert "rank 0 -> 1: shm  (same host; rings at every size: 4 KiB pages" in out
     assert "rank 1 -> 0: shm" in out
     # And the path of CUDA bytes: none where the ranks see no GPU (an IPC path was described).
@@ -411,6 +429,8 @@ def test_info_says_which_path_each_pair_takes(capsys):
     # And how each rank waits for its peers (2 ranks: they outnumber the cores only on 1 core).
     waits = "yields its core, then sleeps" if usable_cores() < 2 else "sleeps"
     assert f"  rank 0, waiting for its peers: {waits} (idle_wait=auto; 2 ranks on this host" in out
+    copies = f"on {helpers} helper threads" if helpers > 1 else "itself"
+    assert f"copies its own pieces and reads peers' memory {copies} (host_copy_threads=0)" in out
 
 
 class _LateCopies:
