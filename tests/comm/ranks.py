@@ -928,11 +928,11 @@ def own_pieces_on_helper_threads(
     sender's memory, above ``shm_max_bytes``), against Gloo and the reference; then large
     AllToAlls in flight together, waited in reverse, and inputs overwritten as soon as a call
     returns. Returns the count, what ``paths`` says of the copies, the messages read from the
-    peers' memory, and the names of the helper threads alive."""
+    peers' memory (and of them those split between threads), and the jobs helpers ran."""
     rank, n = dist.get_rank(), dist.get_world_size()
     group = freescale_group(60, host_copy_threads=threads, shm_max_bytes=shm_max_bytes)
     count = run_random_cases(seed, cases, True, group, scale=60_000)
-    rows = 600_000  # float64: 4.8 MB per peer, so the own piece alone goes to the helpers
+    rows = 1_100_000  # float64: 8.8 MB per peer: the own piece goes to helpers, reads split
     works, checks = [], []
     for k in range(3):
         x = torch.arange(n * rows, dtype=torch.float64) + 1e7 * rank + k
@@ -952,14 +952,14 @@ def own_pieces_on_helper_threads(
         want = torch.arange(n, dtype=torch.float64).repeat_interleave(rows) * 100 + k
         _same(out, want, f"overwritten input #{k}")
     paths = group.paths()
-    helpers = sorted({t.name for t in threading.enumerate() if t.name.startswith("freescale-copy")})
     dist.destroy_process_group(group)
     return {
         "count": count,
         "waits": paths[0]["waits"],
         "reads": sum(p["ring_reads"] for p in paths),
+        "split_reads": sum(p["ring_split_reads"] for p in paths),
         "readable": all("read from the sender's memory" in p["path"] for p in paths),
-        "helpers": helpers,
+        "helper_copy_jobs": paths[0]["helper_copy_jobs"],
     }
 
 

@@ -72,16 +72,19 @@ def test_own_pieces_and_reads_on_helper_threads_match_gloo(fs_group, threads, sh
     )
     for result in results:
         assert result["count"] == 8
-        # Above 512 KiB the messages were read from the sender's memory (split over the
-        # helpers with threads=3), where the kernel allows reads: asked for, or under auto
-        # where every rank has helpers (4 KiB pages otherwise keep them in the rings here).
-        reads_chosen = shm_max_bytes > 0 or threads > 1
+        # Above 512 KiB the messages were read from the sender's memory, where the kernel
+        # allows reads: asked for, or under auto where every rank has helpers or torch's
+        # tensors get huge pages (else the rings carry every size).
+        reads_chosen = shm_max_bytes > 0 or threads > 1 or tensors_get_huge_pages()
         assert (result["reads"] > 0) == (reads_chosen and result["readable"])
         if threads == 1:
             assert "reads peers' memory itself (host_copy_threads=1)" in result["waits"]
+            assert result["helper_copy_jobs"] == 0 and result["split_reads"] == 0
         else:
             assert "reads peers' memory on 3 helper threads" in result["waits"]
-            assert result["helpers"]  # they ran (and stay for the process's next collectives)
+            assert result["helper_copy_jobs"] > 0  # own pieces of 8.8 MB: 2 jobs each time
+            # Reads of 8.8 MB: two parts each.
+            assert (result["split_reads"] > 0) == result["readable"]
 
 
 def test_every_collective_through_the_outboxes_matches_gloo(fs_group):

@@ -103,6 +103,36 @@ def test_own_pieces_are_split_into_jobs_of_4_mib_or_more_covering_every_byte():
     assert len(split([(dst[0][:1000], src[0][:1000])], threads=8)) == 1  # small: one job
 
 
+def test_jobs_the_pool_refuses_run_on_the_calling_thread(monkeypatch):
+    # After the interpreter's shutdown began the pool refuses new jobs: the one it took still
+    # runs on a helper, the others here, and every byte is copied (or every part read).
+    from concurrent.futures import ThreadPoolExecutor
+
+    from freescale_comm import local_copies
+
+    real = ThreadPoolExecutor(1)
+
+    class RefusesAfterOne:
+        taken = 0
+
+        def submit(self, fn):
+            if self.taken:
+                raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+            self.taken += 1
+            return real.submit(fn)
+
+    monkeypatch.setattr(local_copies, "_shared_pool", RefusesAfterOne)
+    src = np.arange(16 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    copies = LocalCopies(threads=4, wake=lambda: None)
+    pending = copies.start([(dst, src)])
+    pending.wait()
+    assert np.array_equal(dst, src) and copies.jobs == 1
+    parts = run_in_parts(lambda a, b: (a, b), nbytes=16 << 20, threads=4)
+    assert parts == [(k << 22, (k + 1) << 22) for k in range(4)]
+    real.shutdown()
+
+
 def test_a_read_split_into_parts_covers_every_byte_once_on_helpers():
     seen = []
     total = (17 << 20) + 5

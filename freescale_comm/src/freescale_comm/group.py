@@ -365,7 +365,8 @@ class GroupContext:
             return options.shm_max_bytes, f"shm_max_bytes={options.shm_max_bytes}"
         huge = self._agree("huge_pages", tensors_get_huge_pages())
         # Both agreements on every rank, in this order (each is a store round of the group).
-        spare = self._agree("spare_cores", self.local_copies.threads > 1)
+        # Without reads (host_reads=False) a lower limit would send the larger messages by UCX.
+        spare = self._agree("spare_cores", options.host_reads and self.local_copies.threads > 1)
         if huge:
             why = "torch's CPU tensors get huge pages on every rank"
         elif spare:
@@ -577,6 +578,8 @@ class GroupContext:
                     "ring_messages": (link.sent, link.received) if link else (0, 0),
                     "ring_slots": link.inc.slots if link else 0,
                     "ring_reads": link.host.reads if link else 0,  # of the peer's memory
+                    "ring_split_reads": link.host.split_reads if link else 0,
+                    "helper_copy_jobs": self.local_copies.jobs,
                     "headers": self._headers_path(peer),
                     "waits": waits,
                     "outbox_posts": self.outboxes.posted if self.outboxes is not None else 0,

@@ -113,6 +113,7 @@ class LocalCopies:
     def __init__(self, threads: int, wake: Callable[[], None]) -> None:
         self.threads = threads
         self._wake = wake
+        self.jobs = 0  # jobs that helpers ran (``freescale comm info``, tests)
 
     def start(self, copies: Sequence[tuple[np.ndarray, np.ndarray]]) -> PendingCopies | None:
         """Starts ``copies`` (dst, src host bytes); None when they are done already (copied
@@ -121,9 +122,12 @@ class LocalCopies:
             for dst, src in copies:
                 host_copy(dst, src)
             return None
-        pool = _shared_pool()
-        futures = [pool.submit(_copy_job, job) for job in split(copies, self.threads)]
-        return PendingCopies(futures, self._wake)
+        jobs = split(copies, self.threads)
+        futures = _submit([lambda job=job: _copy_job(job) for job in jobs])
+        for job in jobs[len(futures) :]:  # the pool took no more (interpreter shutting down)
+            _copy_job(job)
+        self.jobs += len(futures)
+        return PendingCopies(futures, self._wake) if futures else None
 
 
 def run_in_parts(job: Callable[[int, int], T], nbytes: int, threads: int) -> list[T]:
@@ -132,13 +136,31 @@ def run_in_parts(job: Callable[[int, int], T], nbytes: int, threads: int) -> lis
     (a read of another process's memory split so: ``shm.Channel``)."""
     jobs = max(1, min(threads, nbytes // PART_BYTES))
     bounds = [k * nbytes // jobs for k in range(jobs + 1)]
-    pool = _shared_pool() if jobs > 1 else None
-    futures = [pool.submit(job, a, b) for a, b in itertools.pairwise(bounds[1:])] if pool else []
+    parts = list(itertools.pairwise(bounds))
+    futures = _submit([lambda a=a, b=b: job(a, b) for a, b in parts[1:]])
     try:
-        first = job(bounds[0], bounds[1])
+        results = [job(*parts[0])]
+        # Parts the pool did not take (interpreter shutting down) run here.
+        results += [job(a, b) for a, b in parts[1 + len(futures) :]]
     finally:  # no helper may still write once this returns or raises
         concurrent.futures.wait(futures)
-    return [first, *(future.result() for future in futures)]
+    return [results[0], *(future.result() for future in futures), *results[1:]]
+
+
+def _submit(jobs: list[Callable[[], T]]) -> list[Future[T]]:
+    """The futures of ``jobs`` on the helpers, in order, up to the first the pool refuses
+    (after interpreter shutdown began, or when no thread can be started): the caller runs the
+    rest itself."""
+    if len(jobs) < 1:
+        return []
+    pool = _shared_pool()
+    futures = []
+    for job in jobs:
+        try:
+            futures.append(pool.submit(job))
+        except RuntimeError:
+            break
+    return futures
 
 
 def _copy_job(job: list[tuple[np.ndarray, np.ndarray]]) -> None:

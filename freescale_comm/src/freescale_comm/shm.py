@@ -462,6 +462,7 @@ class Channel:
         self.peer_pid = peer_pid
         self.reads_out, self.reads_in = reads_out, reads_in
         self.read_threads = read_threads
+        self.split_reads = 0  # of ``reads``, those split between threads (tests check it)
         # Sends posted by_read, in ring order, until the peer counts them read; the counts.
         self._awaiting: collections.deque[Request] = collections.deque()
         self._reads_seen = int(outgoing.ctrl[_READS_DONE])
@@ -689,6 +690,7 @@ class Channel:
         failures = run_in_parts(
             lambda a, b: read_process(pid, local + a, remote + a, b - a), nbytes, self.read_threads
         )
+        self.split_reads += len(failures) > 1
         return next((failure for failure in failures if failure is not None), None)
 
     def discard(self, prefix: int) -> None:

@@ -119,6 +119,7 @@ class Transport:
         # eventfd: ``wake`` (a submitted collective, a finished CUDA copy) interrupts the sleep,
         # which UCX's own ``progress_worker_event`` offers no way to do from Python.
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake_lock = threading.Lock()
         self._epoll = select.epoll()
         self._epoll.register(self.worker.epoll_file_descriptor, select.EPOLLIN)
         self._epoll.register(self._wake_fd, select.EPOLLIN)
@@ -163,7 +164,9 @@ class Transport:
             endpoint.close_blocking(period=0, max_attempts=1)
         del endpoints
         self._epoll.close()
-        os.close(self._wake_fd)
+        with self._wake_lock:  # a late wake (a helper thread's, a CUDA watcher's) finds it gone
+            os.close(self._wake_fd)
+            self._wake_fd = -1
         self.worker = None
         self.context = None
 
@@ -242,5 +245,7 @@ class Transport:
                 hub.drain()
 
     def wake(self) -> None:
-        """Ends a ``wait_event`` sleep now, from any thread."""
-        os.eventfd_write(self._wake_fd, 1)
+        """Ends a ``wait_event`` sleep now, from any thread (a no-op once released)."""
+        with self._wake_lock:
+            if self._wake_fd >= 0:
+                os.eventfd_write(self._wake_fd, 1)
