@@ -104,11 +104,12 @@ class FreescaleOptions:
             CPU pieces up to it into the headers, ``shm_outbox_bytes``). -1 (the default): 512
             KiB (``READ_ABOVE_BYTES``) where every rank's torch CPU tensors get huge pages
             (``info.tensors_get_huge_pages``: a read of a larger message pins the sender's pages
-            cheaply and beats the rings' two copies from a few MiB) or every rank has helper
-            threads (``host_copy_threads``: on a 16-vCPU host reads beat the rings from 4 MiB,
-            split over threads from 64 MiB by 3x); else every size (a read pins each 4 KiB page,
-            and the rings, whose slots stay in the cache, measured as fast or faster on 4 ranks
-            of 2 cores, within about 20% either way on 2). Same on every rank.
+            cheaply and beats the rings' two copies from a few MiB) or, with ``host_reads``,
+            every rank has helper threads (``host_copy_threads``: on a 16-vCPU host reads beat
+            the rings from 4 MiB, split over threads from 64 MiB by 3x); else every size (a read
+            pins each 4 KiB page, and the rings, whose slots stay in the cache, measured as fast
+            or faster on 4 ranks of 2 cores, within about 20% either way on 2). Same on every
+            rank.
             ``FREESCALE_SHM_MAX_BYTES``.
         host_reads: under ``auto``, a larger message is read by its receiver straight from
             the sender's memory (``process_vm_readv``: one copy, as UCX's cross-memory attach,
