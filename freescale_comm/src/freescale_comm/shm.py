@@ -66,6 +66,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from freescale_comm.errors import FreescaleError
+from freescale_comm.local_copies import run_in_parts
 from freescale_comm.options import HOST_ENV
 
 _PREFIX = "freescale-ring-"
@@ -684,8 +685,6 @@ class Channel:
         """Reads ``nbytes`` of the peer's memory, on ``read_threads`` threads; why it failed."""
         if self.read_threads < 2:
             return read_process(self.peer_pid, local, remote, nbytes)
-        from freescale_comm.local_copies import run_in_parts
-
         pid = self.peer_pid
         failures = run_in_parts(
             lambda a, b: read_process(pid, local + a, remote + a, b - a), nbytes, self.read_threads
