@@ -1616,7 +1616,13 @@ def future_values_like_gloo() -> list[str]:
     differ = []
     for what, call in calls.items():
         for again in range(3):  # the third from the plan cache
-            works = call(dist.group.WORLD), call(gloo_group())
+            try:  # Gloo first: torch 2.11's has no list AllToAll, which it refuses on every rank
+                gloo_work = call(gloo_group())
+            except RuntimeError as err:
+                if "does not support alltoall" not in str(err):
+                    raise
+                break
+            works = call(dist.group.WORLD), gloo_work
             mine, gloos = (shape_of(work.get_future().wait()) for work in works)
             if mine != gloos:
                 differ.append(f"{what} (call {again}): {mine} where Gloo has {gloos}")

@@ -424,18 +424,27 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         """Per peer: how host bytes travel to it (shared-memory ring or UCX) and why."""
         return self._ctx.paths()
 
-    def barrier(self, *args: Any, **kwargs: Any) -> Any:
-        """``barrier`` on the Gloo / NCCL backend (entered without the GIL), once the group's
-        own collectives started before it have finished: as Gloo's barrier waits for the work
+    def barrier(self, opts: Any = None) -> Any:
+        """``barrier`` on the Gloo backend (entered without the GIL), once the group's own
+        collectives started before it have finished: as Gloo's barrier waits for the work
         before it, an asynchronous AllGather / AllToAll's output is written when it returns.
         Their errors are their handles' to raise. A barrier in a callback does not wait for
         them: on the engine thread nothing else would progress them, and a future's callback
-        runs at once on one rank (its future was done) and behind later calls on another."""
+        runs at once on one rank (its future was done) and behind later calls on another.
+
+        A barrier for a CUDA device (``dist.barrier`` asks for one wherever CUDA exists) waits
+        first for the work queued on that device's current stream, as NCCL's barrier does, then
+        runs on Gloo too: NCCL's would not end when a peer stops (only at its watchdog's timeout)
+        and would set up NCCL on a GPU the ranks may share."""
         ctx = self._ctx
         if not (ctx.engine.is_engine_thread() or ctx.callbacks.running_here()):
             ctx.await_inflight()
-        on_gloo = len(self._delegates) == 1  # no NCCL: the barrier runs on Gloo
-        return self._bounded("barrier", on_gloo, self._plain.barrier, *args, **kwargs)
+        opts = opts if opts is not None else dist.BarrierOptions()
+        device = opts.device
+        if device is not None and device.type == "cuda" and torch.cuda.is_initialized():
+            torch.cuda.current_stream(device).synchronize()
+        opts.device = torch.device("cpu")  # without one, c10d would pick NCCL where it exists
+        return self._bounded("barrier", True, self._plain.barrier, opts=opts)
 
     def _bounded(
         self, name: str, on_gloo: bool, call: Callable[..., Any], *args: Any, **kwargs: Any
