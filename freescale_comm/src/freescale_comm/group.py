@@ -325,7 +325,7 @@ class GroupContext:
             self.timeout_s,
             staging=_staging_rings(options, peers),
             reads=options.host_reads and options.host_path == "auto",
-            read_threads=self.local_copies.threads,
+            readers=self.local_copies if self.local_copies.threads > 1 else None,
         )
         self._no_rings.update(failures)
         if failures:
