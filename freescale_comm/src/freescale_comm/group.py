@@ -325,7 +325,7 @@ class GroupContext:
             self.timeout_s,
             staging=_staging_rings(options, peers),
             reads=options.host_reads and options.host_path == "auto",
-            readers=self.local_copies if self.local_copies.threads > 1 else None,
+            read_threads=self.local_copies.threads,
         )
         self._no_rings.update(failures)
         if failures:

@@ -10,15 +10,15 @@ moved. Here that copy is split over helper threads (numpy releases the GIL while
 the progressing thread moves the messages meanwhile; the collective completes once both are
 done, and each helper wakes it as it finishes (``Transport.wake``). Where each rank has fewer
 than two cores (the 2-core CI machine with 2 ranks) the copies stay on the progressing thread
-(``host_copy``), which measured fastest there. A message read from a peer's memory is read by
-helpers too, split the same way (``LocalCopies.start_parts``), while the progressing thread goes
-on: reads of several peers run at once. Where every rank has helpers the group reads messages
-above 512 KiB instead of cutting them into ring slots (``options.rings_limit``): there a 2-rank
-AllToAll of 64 MiB took 4.3 ms against 18.8 through the rings on one thread.
+(``host_copy``), which measured fastest there. A large message read from a peer's
+memory is split the same way (``run_in_parts``), and where every rank has helpers the group
+reads messages above 512 KiB instead of cutting them into ring slots (``options.rings_limit``):
+there a 2-rank AllToAll of 64 MiB took 4.3 ms against 18.8 through the rings on one thread.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import threading
 from collections.abc import Callable, Sequence
@@ -94,11 +94,6 @@ class PendingCopies:
         for future in futures:
             future.add_done_callback(lambda _: wake())
 
-    @property
-    def count(self) -> int:
-        """How many jobs (parts) there are."""
-        return len(self._futures)
-
     def done(self) -> bool:
         return all(future.done() for future in self._futures)
 
@@ -107,14 +102,13 @@ class PendingCopies:
         for future in self._futures:
             future.exception()
 
-    def exception(self) -> BaseException | None:
-        """The first finished job's exception, or None."""
-        return next((err for f in self._futures if (err := f.exception()) is not None), None)
-
     def error(self) -> str | None:
         """Why a finished copy failed, or None."""
-        err = self.exception()
-        return None if err is None else f"a local copy failed: {type(err).__name__}: {err}"
+        for future in self._futures:
+            err = future.exception()
+            if err is not None:
+                return f"a local copy failed: {type(err).__name__}: {err}"
+        return None
 
 
 class LocalCopies:
@@ -144,15 +138,20 @@ class LocalCopies:
         self.jobs += len(futures)
         return PendingCopies(futures, self._wake) if futures else None
 
-    def start_parts(self, job: Callable[[int, int], None], nbytes: int) -> PendingCopies:
-        """Starts ``job(start, end)`` over [0, ``nbytes``) cut by ``parts``, every part on a
-        helper, and returns without waiting (a read of a sender's memory, ``shm.Channel``: the
-        progressing thread goes on meanwhile). A part the pool refuses (interpreter shutting
-        down) runs here; a part that raises fails the whole (``PendingCopies.exception``)."""
-        ranges = parts(nbytes, self.threads)
-        futures = _submit([lambda a=a, b=b: job(a, b) for a, b in ranges])
-        futures += [_run_here(lambda a=a, b=b: job(a, b)) for a, b in ranges[len(futures) :]]
-        return PendingCopies(futures, self._wake)
+
+def run_in_parts(job: Callable[[int, int], T], nbytes: int, threads: int) -> list[T]:
+    """``job(start, end)`` over [0, ``nbytes``) cut into at most ``threads`` parts of at least
+    ``PART_BYTES``: the first part on this thread, the others on helpers; waits for them all
+    (a read of another process's memory split so: ``shm.Channel``)."""
+    ranges = parts(nbytes, threads)
+    futures = _submit([lambda a=a, b=b: job(a, b) for a, b in ranges[1:]])
+    try:
+        results = [job(*ranges[0])]
+        # Parts the pool did not take (interpreter shutting down) run here.
+        results += [job(a, b) for a, b in ranges[1 + len(futures) :]]
+    finally:  # no helper may still write once this returns or raises
+        concurrent.futures.wait(futures)
+    return [results[0], *(future.result() for future in futures), *results[1:]]
 
 
 def _submit(jobs: list[Callable[[], T]]) -> list[Future[T]]:
@@ -169,16 +168,6 @@ def _submit(jobs: list[Callable[[], T]]) -> list[Future[T]]:
         except RuntimeError:
             break
     return futures
-
-
-def _run_here(job: Callable[[], None]) -> Future[None]:
-    """``job`` run on this thread, as a done future."""
-    future: Future[None] = Future()
-    try:
-        future.set_result(job())
-    except Exception as err:
-        future.set_exception(err)
-    return future
 
 
 def _copy_job(job: list[tuple[np.ndarray, np.ndarray]]) -> None:

@@ -66,7 +66,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from freescale_comm.errors import FreescaleError
-from freescale_comm.local_copies import LocalCopies, PendingCopies
+from freescale_comm.local_copies import run_in_parts
 from freescale_comm.options import HOST_ENV
 
 _PREFIX = "freescale-ring-"
@@ -256,30 +256,6 @@ class Request:
             raise FreescaleError(self.error)
 
 
-def _read_part(pid: int, local: int, remote: int, nbytes: int) -> None:
-    """``read_process`` as a helper's job: raises ``OSError`` saying why it failed."""
-    failed = read_process(pid, local, remote, nbytes)
-    if failed is not None:
-        raise OSError(failed)
-
-
-class _Read:
-    """A read descriptor taken from the ring: its receive (None: its collective was dropped),
-    the read running on helpers, or why the read made here failed."""
-
-    __slots__ = ("failed", "pending", "request")
-
-    def __init__(
-        self,
-        request: Request | None,
-        pending: PendingCopies | None = None,
-        failed: str | None = None,
-    ) -> None:
-        self.request = request
-        self.pending = pending
-        self.failed = failed
-
-
 class HostCopies:
     """Copy-in and copy-out of host bytes: one memcpy on the calling thread, done at once."""
 
@@ -452,9 +428,8 @@ class Channel:
         reads_out: the peer reads this rank's sends posted ``by_read`` from its memory.
         reads_in: this rank reads such sends of the peer (the same answer on both sides of a
             direction: probed at set-up by the reader, ``open_links``).
-        readers: helper threads that read such messages, split between them, while the
-            progressing thread goes on (the reads of several peers at once); they count done
-            in ring order, as each ends. None: the progressing thread reads each itself.
+        read_threads: threads that read one such message, split between them (1: the
+            progressing thread alone; ``local_copies.run_in_parts``).
     """
 
     DEVICE_CHUNKS_PER_PUSH = 2
@@ -469,7 +444,7 @@ class Channel:
         peer_pid: int = 0,
         reads_out: bool = False,
         reads_in: bool = False,
-        readers: LocalCopies | None = None,
+        read_threads: int = 1,
     ) -> None:
         self.hub = hub
         self.out = outgoing
@@ -487,10 +462,8 @@ class Channel:
         self._unexpected: dict[int, _Unexpected] = {}
         self.peer_pid = peer_pid
         self.reads_out, self.reads_in = reads_out, reads_in
-        self.readers = readers
+        self.read_threads = read_threads
         self.split_reads = 0  # of ``reads``, those split between threads (tests check it)
-        # Read descriptors taken from the ring, in ring order, until their read ends.
-        self._reading: collections.deque[_Read] = collections.deque()
         # Sends posted by_read, in ring order, until the peer counts them read; the counts.
         self._awaiting: collections.deque[Request] = collections.deque()
         self._reads_seen = int(outgoing.ctrl[_READS_DONE])
@@ -540,7 +513,7 @@ class Channel:
         if self.closed:
             return False
         if (
-            not (self._sends or self._filling or self._draining or self._awaiting or self._reading)
+            not (self._sends or self._filling or self._draining or self._awaiting)
             and int(self.inc.ctrl[0]) == self._consumed
         ):
             return False  # the common case, polled several times per collective and peer
@@ -671,7 +644,6 @@ class Channel:
             consumed += 1
             moved = True
         self._consumed = consumed
-        moved |= self._retire_reads()
         tail = self._tail + _retire_done(draining, copies)
         if tail != self._tail:
             self._tail = tail
@@ -680,69 +652,45 @@ class Channel:
         return moved
 
     def _read_slot(self, tag: int, length: int, chunk: np.ndarray, request: Request | None) -> bool:
-        """Starts reading a read descriptor's bytes into its posted receive (``_retire_reads``
-        completes it and counts it done, so the sender may reuse its buffer); a dropped one is
-        counted too, so that the count completes the sender's sends in order. False: the
-        receive is not posted yet (read descriptors travel only after the sender's verdict, so
-        the receive comes with this rank's own)."""
+        """Reads a read descriptor's bytes into its posted receive, then counts it done (the
+        sender may reuse its buffer); a dropped or failed one is counted too, so that the
+        count completes the sender's sends in order. False: the receive is not posted yet
+        (read descriptors travel only after the sender's verdict, so the receive comes with
+        this rank's own)."""
         if request is None:
             if tag >> _SUB_BITS not in self._discarded:
                 return False
-            self._reading.append(_Read(None))
-            return True
-        del self._recvs[tag]
-        request.error = _length_error(length, request)
-        if request.error is not None:
-            self._reading.append(_Read(request))
-            return True
-        pid, remote = self.peer_pid, int(chunk.view(np.uint64)[0])
-        local = request.buffer.ctypes.data
-        if self.readers is None:
-            self._reading.append(_Read(request, failed=read_process(pid, local, remote, length)))
         else:
-            job = lambda a, b: _read_part(pid, local + a, remote + a, b - a)  # noqa: E731
-            self._reading.append(_Read(request, self.readers.start_parts(job, length)))
+            del self._recvs[tag]
+            error = _length_error(length, request)
+            if error is not None:
+                request.error = error
+            else:
+                source = int(chunk.view(np.uint64)[0])
+                failed = self._read(request.buffer.ctypes.data, source, length)
+                if failed is None:
+                    request.done_bytes = length
+                    self.reads += 1
+                else:  # the collective fails, and with it the group
+                    request.error = (
+                        f"reading {length} bytes from process {self.peer_pid} failed: {failed} "
+                        "(has it exited?)"
+                    )
+            request.completed = True  # after the error: a thread that sees it sees the error
+        self._reads_done += 1
+        self.inc.ctrl[_READS_DONE] = self._reads_done  # after the read: the sender's bytes
         return True
 
-    def _retire_reads(self) -> bool:
-        """Completes the reads that have ended, in ring order, and counts them done for the
-        sender (its sends complete in that order); True if any."""
-        reading = self._reading
-        retired = 0
-        while reading and (reading[0].pending is None or reading[0].pending.done()):
-            read = reading.popleft()
-            retired += 1
-            request = read.request
-            if request is None:
-                continue
-            failed = read.failed
-            if read.pending is not None:
-                err = read.pending.exception()
-                failed = None if err is None else str(err)
-                self.split_reads += read.pending.count > 1
-            if failed is not None:  # the collective fails, and with it the group
-                request.error = (
-                    f"reading {request.length} bytes from process {self.peer_pid} failed: "
-                    f"{failed} (has it exited?)"
-                )
-            elif request.error is None:
-                request.done_bytes = request.length
-                self.reads += 1
-            request.completed = True  # after the error: a thread that sees it sees the error
-        if retired:
-            self._reads_done += retired
-            self.inc.ctrl[_READS_DONE] = self._reads_done  # after the reads: the sender's bytes
-        return retired > 0
-
-    def _wait_for_reads(self, prefix: int | None = None) -> None:
-        """Waits for the reads on helpers into the receives of collective ``prefix`` (None:
-        every one) to end: their buffers are the caller's again (bounded: a memory copy)."""
-        for read in self._reading:
-            request = read.request
-            if read.pending is None or request is None:
-                continue
-            if prefix is None or request.tag >> _SUB_BITS == prefix:
-                read.pending.wait()
+    def _read(self, local: int, remote: int, nbytes: int) -> str | None:
+        """Reads ``nbytes`` of the peer's memory, on ``read_threads`` threads; why it failed."""
+        if self.read_threads < 2:
+            return read_process(self.peer_pid, local, remote, nbytes)
+        pid = self.peer_pid
+        failures = run_in_parts(
+            lambda a, b: read_process(pid, local + a, remote + a, b - a), nbytes, self.read_threads
+        )
+        self.split_reads += len(failures) > 1
+        return next((failure for failure in failures if failure is not None), None)
 
     def discard(self, prefix: int) -> None:
         """Drops the messages of one collective (``tag >> SUB_BITS == prefix``) that failed
@@ -753,7 +701,6 @@ class Channel:
             del self._unexpected[tag]
         for tag in [t for t in self._recvs if t >> _SUB_BITS == prefix]:
             del self._recvs[tag]
-        self._wait_for_reads(prefix)
         self._discarded[prefix] = None
         while len(self._discarded) > 256:
             self._discarded.popitem(last=False)
@@ -794,8 +741,6 @@ class Channel:
         self._unexpected.clear()
         self._filling.clear()
         self._draining.clear()
-        self._wait_for_reads()  # before the peer learns that this side reads no more
-        self._reading.clear()
         self._reads_counted()
         if self._awaiting:
             self.hub.lend(_Lent(self.out, self._reads_seen, list(self._awaiting), self.peer_pid))
@@ -1043,7 +988,7 @@ def open_links(
     timeout_s: float,
     staging: tuple[int, int] | None = None,
     reads: bool = False,
-    readers: LocalCopies | None = None,
+    read_threads: int = 1,
 ) -> tuple[dict[int, Link], dict[int, str]]:
     """Sets up the rings with ``peers`` (group ranks on this host) through the group's store.
 
@@ -1058,8 +1003,7 @@ def open_links(
         reads: large host messages may be read from the sender's memory (``Channel``); a
             direction does so only if both of its ranks ask and its receiver could read a
             word of the sender's (the kernel may forbid it: ptrace restrictions).
-        readers: helper threads that read such messages while the progressing thread goes on
-            (``Channel``); None: it reads them itself.
+        read_threads: threads that read one such message (``Channel``).
     """
     hub = Hub.get()
     pid = os.getpid()
@@ -1133,7 +1077,7 @@ def open_links(
                     peer_pid=peer_pids.get(peer, 0),
                     reads_out=answer.endswith("r"),
                     reads_in=reads_in.get(peer, False),
-                    readers=readers,
+                    read_threads=read_threads,
                 )
                 # Staging rings only where both directions were made and mapped.
                 stage = None
