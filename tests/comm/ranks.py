@@ -1838,9 +1838,8 @@ def die_while_a_group_is_set_up(victim: int, step: str) -> None:
 
 
 def late_peer_wait_cost(idle_wait: str) -> dict[str, Any]:
-    """What a wait of 1 s for a late peer costs rank 0 in CPU under ``idle_wait``: with
-    ``yield`` (``auto`` where the ranks outnumber the cores) it yields for ``engine.YIELD_S``,
-    then sleeps."""
+    """What a wait of 1 s for a late peer costs rank 0 in CPU under ``idle_wait``: it polls,
+    yielding its core, for the group's window (``engine.idle_poll_s``), then sleeps."""
     from freescale_comm.cpu import usable_cores
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -1856,7 +1855,7 @@ def late_peer_wait_cost(idle_wait: str) -> dict[str, Any]:
     waited_s, cpu_s = time.monotonic() - start, time.thread_time() - start_cpu
     _same(out, torch.cat([torch.arange(4 * rank, 4 * rank + 4) + 100.0 * r for r in range(n)]), "")
     result = {
-        "yields": group._ctx.yields_when_idle,
+        "poll_s": group._ctx.idle_poll_s,
         "oversubscribed": n > usable_cores(),  # the ranks share this host
         "waited_s": waited_s,
         "cpu_s": cpu_s,

@@ -430,7 +430,8 @@ def test_info_says_which_path_each_pair_takes(capsys):
     if not torch.cuda.is_available():
         assert "    CUDA bytes: none: this process sees no CUDA device" in out
     # And how each rank waits for its peers (2 ranks: they outnumber the cores only on 1 core).
-    waits = "yields its core, then sleeps" if usable_cores() < 2 else "sleeps"
+    poll_us = 2000 if usable_cores() < 2 else 100
+    waits = f"polls for {poll_us} us, yielding its core, then sleeps"
     assert f"  rank 0, waiting for its peers: {waits} (idle_wait=auto; 2 ranks on this host" in out
     copies = f"on {helpers} helper threads" if helpers > 1 else "itself"
     assert f"copies its own pieces and reads peers' memory {copies} (host_copy_threads=0)" in out

@@ -17,7 +17,7 @@ import torch
 
 from freescale_comm import FreescaleOptions
 from freescale_comm.cpu import cgroup_cpu_quota, usable_cores
-from freescale_comm.engine import yields_when_idle
+from freescale_comm.engine import POLL_S, YIELD_S, idle_poll_s
 from freescale_comm.errors import FreescaleError
 from freescale_comm.local_copies import LocalCopies, helper_threads, run_in_parts, split
 from freescale_comm.transport import MAX_SUB, make_tag
@@ -169,11 +169,11 @@ def test_local_copies_run_on_helpers_from_4_mib_and_wake_the_progressing_thread(
     assert LocalCopies(threads=1, wake=lambda: None).start([(dst, src)]) is None
 
 
-def test_auto_idle_wait_yields_only_where_the_hosts_ranks_outnumber_its_cores():
-    assert yields_when_idle("auto", host_ranks=4, cores=2)
-    assert not yields_when_idle("auto", host_ranks=2, cores=2)
-    assert yields_when_idle("yield", host_ranks=1, cores=16)
-    assert not yields_when_idle("sleep", host_ranks=8, cores=1)
+def test_auto_idle_wait_polls_long_only_where_the_hosts_ranks_outnumber_its_cores():
+    assert idle_poll_s("auto", host_ranks=4, cores=2) == YIELD_S
+    assert idle_poll_s("auto", host_ranks=2, cores=2) == POLL_S < YIELD_S
+    assert idle_poll_s("yield", host_ranks=1, cores=16) == YIELD_S
+    assert idle_poll_s("sleep", host_ranks=8, cores=1) == 0.0
     assert FreescaleOptions().idle_wait == "auto"
 
 

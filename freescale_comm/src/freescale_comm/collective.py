@@ -151,7 +151,7 @@ class Collective:
         self.event = _Done()
         # CUDA: set once every copy is enqueued and ``final`` recorded (or the collective failed).
         self.on_cuda = plan.on_cuda  # read on every step: the plan derives it from its signature
-        self.yields_when_idle = group.yields_when_idle
+        self.idle_poll_s = group.idle_poll_s
         self.sealed = _Done() if self.on_cuda else _NOT_SEALED
         # IPC reaches only some peers: the others take the remote path in this collective.
         self._ipc_partial = plan.ipc and len(plan.ipc_peers) < group.size - 1

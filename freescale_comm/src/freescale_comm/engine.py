@@ -7,8 +7,9 @@ run on another thread, ``futures``), and fails collectives that run past their d
 peer died; when nothing moved it sleeps in an epoll over the worker's events (GIL released)
 until UCX signals an event, something calls ``Transport.wake`` (a new collective, a finished
 CUDA copy) or ``_EPOLL_MS`` passes — so an arriving message wakes it at once and an idle wait
-costs no CPU (where its group yields when idle, ``yields_when_idle``, it first yields its core
-and polls again, for up to ``YIELD_S``). While no collective is in flight it sleeps on a
+costs no CPU. Before it sleeps it polls for a while, yielding its core between polls
+(``idle_poll_s``: a peer's message that comes within that window is seen without a wake-up).
+While no collective is in flight it sleeps on a
 condition. In flight or not, it runs each group's periodic watches when due (the deadlines of
 collectives left to their CUDA end event, ``group``). A collective's health check only reads
 what the group's liveness thread last found (``liveness``): no store request is made here.
@@ -48,18 +49,29 @@ _HEALTH_PERIOD_S = 0.05
 # A claimed collective nobody drives for this long goes to the engine thread (a safety net: the
 # claim is made only for calls whose caller waits at once).
 _CLAIM_GRACE_S = 0.05
-# How long a thread that yields its core when idle (``Op.yields_when_idle``) keeps polling
-# without progress before it sleeps in the epoll: long enough for the peers of a collective in
-# flight to answer (and to take their turn where ranks outnumber cores), short enough that a
-# rank waiting for a straggler that is still computing stops taking a core from it.
+# How long a thread that yields its core when idle (``idle_wait="yield"``, and ``auto`` where
+# ranks outnumber cores) keeps polling without progress before it sleeps in the epoll: long
+# enough for the peers of a collective in flight to answer (and to take their turn where ranks
+# outnumber cores), short enough that a rank waiting for a straggler that is still computing
+# stops taking a core from it.
 YIELD_S = 0.002
+# The same under ``auto`` where every rank has a core: about what a wake-up from the epoll costs
+# (a peer's wake-up byte, the epoll's return and a scheduler wake-up, tens of microseconds on an
+# idle VM), so that a peer a little behind in a run of collectives is seen without one, while a
+# rank that waits for a peer still computing takes the GIL and a core for no longer than that.
+POLL_S = 100e-6
 
 
-def yields_when_idle(idle_wait: str, host_ranks: int, cores: int) -> bool:
-    """Whether a group's waiting threads yield their core (``FreescaleOptions.idle_wait``):
-    ``auto`` yields where the group's ``host_ranks`` on this host outnumber the ``cores``
-    this process may run on."""
-    return idle_wait == "yield" or (idle_wait == "auto" and host_ranks > cores)
+def idle_poll_s(idle_wait: str, host_ranks: int, cores: int) -> float:
+    """How long a group's waiting threads poll, yielding their core between polls, before they
+    sleep in the epoll (``FreescaleOptions.idle_wait``): ``sleep`` not at all, ``yield`` up to
+    ``YIELD_S``, ``auto`` up to ``YIELD_S`` where the group's ``host_ranks`` on this host
+    outnumber the ``cores`` this process may run on, else up to ``POLL_S``."""
+    if idle_wait == "sleep":
+        return 0.0
+    if idle_wait == "yield" or host_ranks > cores:
+        return YIELD_S
+    return POLL_S
 
 
 class Op(Protocol):
@@ -72,7 +84,7 @@ class Op(Protocol):
     finished: bool
     needs_engine: bool  # False: only its CUDA end event is left (``Collective.poll_final``)
     queued_behind: bool  # nothing moves it before an earlier op does: skipped by a pass
-    yields_when_idle: bool  # wait by yielding the core for a while (``FreescaleOptions``)
+    idle_poll_s: float  # how long a wait polls before it sleeps (``idle_poll_s``)
 
     def advance(self) -> bool:
         """Polls requests and posts what became possible; True if anything progressed."""
@@ -258,8 +270,9 @@ class Engine:
 
     def _idle(self, ops: list[Op], idle_s: float) -> None:
         """Waits after a step that moved nothing, for ``idle_s`` so far: yields the core while
-        that is short and an op's group asks for it, else sleeps in the epoll."""
-        if idle_s < YIELD_S and any(op.yields_when_idle for op in ops):
+        that is shorter than an op's group polls for (``idle_poll_s``), else sleeps in the
+        epoll."""
+        if any(idle_s < op.idle_poll_s for op in ops):
             os.sched_yield()
         else:
             self._transport.wait_event(_EPOLL_MS)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from freescale_comm import directory
 from freescale_comm.cpu import usable_cores
-from freescale_comm.engine import Engine, yields_when_idle
+from freescale_comm.engine import Engine, idle_poll_s
 from freescale_comm.errors import FreescaleError, FreescalePeerError, FreescaleValidationError
 from freescale_comm.futures import CallbackRunner
 from freescale_comm.liveness import Liveness, own_connection, process_identity
@@ -236,7 +236,7 @@ class GroupContext:
         self._header_room = Signature.size(size) + self.eager_per_peer
         # Where the host's ranks outnumber its cores, a waiting rank hands its core to a peer.
         self._cores = usable_cores()
-        self.yields_when_idle = yields_when_idle(
+        self.idle_poll_s = idle_poll_s(
             options.idle_wait, len(self.directory.same_host), self._cores
         )
         self.local_copies = LocalCopies(
@@ -535,8 +535,12 @@ class GroupContext:
         options = self.options
         threads = self.local_copies.threads
         waits = (
-            f"{'yields its core, then sleeps' if self.yields_when_idle else 'sleeps'} "
-            f"(idle_wait={options.idle_wait}; {len(self.directory.same_host)} ranks on this "
+            (
+                f"polls for {self.idle_poll_s * 1e6:.0f} us, yielding its core, then sleeps "
+                if self.idle_poll_s
+                else "sleeps "
+            )
+            + f"(idle_wait={options.idle_wait}; {len(self.directory.same_host)} ranks on this "
             f"host, {self._cores} cores); copies its own pieces and reads peers' memory "
             + (f"on {threads} helper threads" if threads > 1 else "itself")
             + f" (host_copy_threads={options.host_copy_threads})"

@@ -138,9 +138,10 @@ class FreescaleOptions:
             ``auto``: ``yield`` where the group's ranks on this host outnumber the cores this
             process may use (``cpu.usable_cores``: its affinity mask, capped by its cgroup's CPU
             quota; a waiting rank then hands its core to a peer with work, as
-            Open MPI's ``mpi_yield_when_idle`` does when oversubscribed), else ``sleep`` (where
-            every rank has a core, polling takes cores and the GIL from the work a process does
-            beside its collectives, such as a training step's background threads).
+            Open MPI's ``mpi_yield_when_idle`` does when oversubscribed), else the same for up
+            to ``engine.POLL_S`` (100 µs, about a wake-up's cost) only: where every rank has a
+            core, polling for longer takes cores and the GIL from the work a process does
+            beside its collectives, such as a training step's background threads.
             ``FREESCALE_IDLE_WAIT``.
         host_copy_threads: helper threads that copy a CPU collective's own pieces (its local
             copies) of 4 MiB and more in all, split between them, while the thread that
