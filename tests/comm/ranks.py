@@ -320,16 +320,20 @@ def concurrent_random_cases(
 
 
 def delegated_ops() -> list[float]:
-    """Collectives the backend hands to Gloo: all_reduce, broadcast, reduce_scatter, barrier,
-    reduce, and a ring of point-to-point messages in which rank 0 comes 0.3 s late, so that
-    its successor's receive and its predecessor's send wait for it (waits on Gloo's handles
-    are taken in steps, which its send and recv must not see)."""
+    """Collectives the backend hands to Gloo: all_reduce, broadcast, reduce_scatter, barrier
+    (also one asked for a CUDA device, as ``dist.barrier`` asks wherever CUDA exists: on Gloo
+    too, not on NCCL), reduce, and a ring of point-to-point messages in which rank 0 comes
+    0.3 s late, so that its successor's receive and its predecessor's send wait for it (waits
+    on Gloo's handles are taken in steps, which its send and recv must not see)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
     b = torch.tensor([float(rank)])
     dist.broadcast(b, src=n - 1)
     dist.barrier()
+    options = dist.BarrierOptions()
+    options.device = torch.device("cuda", 0)
+    dist.group.WORLD.barrier(opts=options).wait()
     rs = torch.empty(1)
     dist.reduce_scatter_tensor(rs, torch.arange(n, dtype=torch.float32))
     reduced = torch.tensor([1.0])
