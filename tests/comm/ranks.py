@@ -2366,6 +2366,9 @@ def ring_cuda_checks(seed: int, cuda_path: str = "staged") -> dict[str, Any]:
     end_event.record()
     torch.cuda.synchronize()
     sleep_s = start_event.elapsed_time(end_event) / 1e3
+    # Once untimed: a first IPC call on allocations new to the peers waits for them to map
+    # those (which may wait for their queued GPU work; freescale_comm's README).
+    dist.all_to_all_single(y, x, group=group)
     calls = {}
     for async_op in (False, True):
         y.fill_(-1.0)
