@@ -432,10 +432,11 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         them: on the engine thread nothing else would progress them, and a future's callback
         runs at once on one rank (its future was done) and behind later calls on another.
 
-        A barrier for a CUDA device (``dist.barrier`` asks for one wherever CUDA exists) waits
-        first for the work queued on that device's current stream, as NCCL's barrier does, then
-        runs on Gloo too: NCCL's would not end when a peer stops (only at its watchdog's timeout)
-        and would set up NCCL on a GPU the ranks may share."""
+        A barrier for a CUDA device (``dist.barrier`` asks for one wherever CUDA exists) first
+        waits on the CPU for the work queued on that device's current stream (as a synchronous
+        NCCL barrier does; an asynchronous one waits too), then runs on Gloo as well: NCCL's
+        would not end when a peer stops (only at its watchdog's timeout) and would set up NCCL
+        on a GPU the ranks may share."""
         ctx = self._ctx
         if not (ctx.engine.is_engine_thread() or ctx.callbacks.running_here()):
             ctx.await_inflight()
