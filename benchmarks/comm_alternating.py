@@ -1,8 +1,10 @@
 """An independent check of ``freescale comm bench``: the method of issue 19's measurement.
 
 Local ranks; one freescale group per ``--variant`` (its options) and the Gloo world group, in
-the same processes; per size, blocks of ``--calls`` back-to-back calls, the groups' blocks
-alternated (F, G, F, G, ...; the order reversed every other round) with a barrier before each;
+the same processes; per size, blocks of back-to-back calls, as many as the slowest group makes
+in about ``--target-s`` by its warm-up (at most ``--calls``, at least 3; the same on every
+rank), so that the barrier before each block weighs as little at 64 MiB as at 8 B; the groups'
+blocks alternated (F, G, F, G, ...; the order reversed every other round);
 the slower rank's time per call; the median of ``--blocks`` blocks; in brackets, the CPU
 time per call of the rank that used most (its process, every thread). With ``--device cuda`` the
 tensors are on each rank's GPU, a block ends when its GPU work has, and the variants are
@@ -17,7 +19,7 @@ for tensors of 2 MiB and more, as ``freescale comm bench --huge-pages`` does (th
 the variable).
 
     python benchmarks/comm_alternating.py [--ranks 2] [--threads N] [--device cpu|cuda]
-        [--hosts N] [--sizes 8,4096,16M] [--in-flight 1]
+        [--hosts N] [--sizes 8,4096,16M] [--in-flight 1] [--calls 200] [--target-s 0.05]
         [--variant NAME[:FIELD=VALUE,...]]...   (default: one variant "freescale", defaults)
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import time
@@ -108,11 +111,20 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for work in works[:-1]:
                     work.wait()
 
-            calls = args.calls if size < (1 << 20) else max(3, args.calls // 20)
-            calls = max(1, calls // args.in_flight)  # batches of --in-flight calls
+            warm = []  # each group's time per call over the last 3 of its 5 warm-up batches
             for g in groups.values():
-                for _ in range(5):
+                for _ in range(2):  # the first calls of a shape build and cache its plan
                     batch(g)
+                start = time.perf_counter()
+                for _ in range(3):
+                    batch(g)
+                if cuda:
+                    torch.cuda.synchronize()
+                warm.append((time.perf_counter() - start) / (3 * args.in_flight))
+            slowest = torch.tensor([max(warm)], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank makes as many calls
+            calls = max(3, min(args.calls, math.ceil(args.target_s / slowest.item())))
+            calls = max(1, calls // args.in_flight)  # batches of --in-flight calls
             times: dict[str, list[float]] = {name: [] for name in names}
             cpu: dict[str, list[float]] = {name: [] for name in names}
             for block in range(args.blocks):
@@ -134,7 +146,11 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
             )
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             slow = t.tolist()
-            row: dict[str, Any] = {"op": op, "size": elements * 4}
+            row: dict[str, Any] = {
+                "op": op,
+                "size": elements * 4,
+                "calls_per_block": calls * args.in_flight,
+            }
             for k, name in enumerate(names):
                 blocks = slow[k * args.blocks : (k + 1) * args.blocks]
                 row[f"{name}_us"] = statistics.median(blocks) * 1e6
@@ -171,7 +187,13 @@ def main() -> None:
     )
     parser.add_argument("--sizes", type=byte_size_list(), default="8,64,512,4K,16M")
     parser.add_argument("--ops", default="all_to_all,all_gather")
-    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--calls", type=int, default=200, help="the most calls in one block")
+    parser.add_argument(
+        "--target-s",
+        type=float,
+        default=0.05,
+        help="about how long the slowest group's block of calls lasts",
+    )
     parser.add_argument("--blocks", type=int, default=9)
     parser.add_argument(
         "--in-flight", type=int, default=1, help="calls issued asynchronously before the waits"
@@ -188,6 +210,8 @@ def main() -> None:
     args.variant = args.variant or [("freescale", FreescaleOptions())]
     if len({name for name, _ in args.variant}) != len(args.variant):
         parser.error("variant names must differ")
+    if args.calls < 3 or not args.target_s > 0:
+        parser.error("--calls must be at least 3 and --target-s positive")
 
     spec = GroupSpec(
         args.ranks,
