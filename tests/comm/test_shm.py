@@ -658,7 +658,7 @@ class _RecordedWakes:
         self.wakes = 0
         self.host = self
 
-    def wake_peer(self) -> None:
+    def wake_peer(self, fenced: bool = False) -> None:
         self.wakes += 1
 
 

@@ -229,7 +229,7 @@ class Collective:
         """Somebody waits for this collective's end (its future, ``synchronize``): a CUDA one
         left to its end event then finishes as soon as the event completes, on a watcher
         thread, rather than at the next poll."""
-        if self.finished:
+        if self.finished or not self.on_cuda:  # a CPU one has no end event
             return
         with self._future_lock:
             if self._prompt:
@@ -435,16 +435,18 @@ class Collective:
         the GPU for the caller's stream. Host data leaves early only if no earlier collective
         may still send data behind it (``GroupContext.holds_back_early_sends``)."""
         g = self.group
-        if not self.on_cuda and g.holds_back_early_sends(self.seq):
+        early = [
+            t
+            for t in self.plan.transfers
+            if t.send
+            and id(t) not in self._folded
+            and (self.ring_cuda or g.sends_early(t.peer, len(t.buffer)))
+        ]
+        if not early or (not self.on_cuda and g.holds_back_early_sends(self.seq)):
             return
-        for transfer in self.plan.transfers:
-            if (
-                transfer.send
-                and id(transfer) not in self._folded
-                and (self.ring_cuda or g.sends_early(transfer.peer, len(transfer.buffer)))
-            ):
-                self._post(transfer)
-                self._early.add(id(transfer))
+        for transfer in early:
+            self._post(transfer)
+            self._early.add(id(transfer))
 
     def _header_buffer(self, size: int, pinned: bool) -> np.ndarray:
         """A receive buffer for a peer's header, page-locked if folded data will be copied H2D
@@ -1059,6 +1061,13 @@ class Collective:
             and boxes is not None
             and self._outbox_seq > boxes.posted + 1
         )
+
+    @property
+    def uses_transport(self) -> bool:
+        """Whether a step must progress the transport (UCX and the rings) for it: it has
+        messages posted or to post there, a staged pipeline, or CUDA work. A CPU collective
+        whose headers and data all travel through the outboxes only reads their counters."""
+        return bool(self._posted or self._unposted) or self.on_cuda or self._pipeline is not None
 
     @property
     def needs_engine(self) -> bool:

@@ -84,6 +84,7 @@ class Op(Protocol):
     finished: bool
     needs_engine: bool  # False: only its CUDA end event is left (``Collective.poll_final``)
     queued_behind: bool  # nothing moves it before an earlier op does: skipped by a pass
+    uses_transport: bool  # a step progresses the transport for it (else it reads counters)
     idle_poll_s: float  # how long a wait polls before it sleeps (``idle_poll_s``)
 
     def advance(self) -> bool:
@@ -253,8 +254,10 @@ class Engine:
                 watch.tick(now)
 
     def _step(self, ops: list[Op]) -> bool:
-        """One progress call and one advance of each op; True if anything progressed."""
-        self._transport.progress()
+        """One progress call (where an op moves messages) and one advance of each op; True if
+        anything progressed."""
+        if any(op.uses_transport for op in ops):
+            self._transport.progress()
         progressed = False
         for op in ops:
             try:

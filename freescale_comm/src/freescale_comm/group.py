@@ -786,7 +786,9 @@ class GroupContext:
         # order), and would take the outbox and IPC numbers out of order.
         self._refuse_if_closed(op)
         if caller_waits:  # before the number is taken
-            self.refuse_wait_on_engine_thread(f"freescale {op.name} (group {self.group_id})")
+            self.refuse_wait_on_engine_thread(
+                lambda: f"freescale {op.name} (group {self.group_id})"
+            )
         with self._launch_lock:
             self._refuse_if_closed(op)  # ``close`` sets it under this lock
             departed = self.departure_error(self._last_seq + 1)
@@ -832,7 +834,7 @@ class GroupContext:
                 "group was shut down"
             )
 
-    def refuse_wait_on_engine_thread(self, what: str) -> None:
+    def refuse_wait_on_engine_thread(self, what: Callable[[], str]) -> None:
         """Raises, and aborts the group, if the calling thread is the engine thread.
 
         C++ runs the callbacks that ``torch.futures.collect_all`` chains where the last future
@@ -840,12 +842,13 @@ class GroupContext:
         on the thread that attached the callback once every future is done, where the same
         callback's collective runs. Which one is timing, so ranks can disagree: the group is
         aborted, so that the peers raise as well instead of waiting for (or pairing with the
-        next call) a collective this rank never starts.
+        next call) a collective this rank never starts. ``what`` names the call; made only
+        then (every wait asks).
         """
         if not self.engine.is_engine_thread():
             return
         error = (
-            f"{what}: a collective cannot be waited for in a callback chained with "
+            f"{what()}: a collective cannot be waited for in a callback chained with "
             "torch.futures.collect_all, which runs on freescale's engine thread (nothing else "
             "would progress the collective); attach it to each collective's future instead "
             "(then / add_done_callback run on the group's callback thread)"

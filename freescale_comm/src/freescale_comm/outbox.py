@@ -227,7 +227,7 @@ class Outboxes:
         shm.full_fence()  # the counter's store before the flags' loads
         for peer, segment in self._peers.items():
             if wants(segment):
-                self._links[peer].host.wake_peer()
+                self._links[peer].host.wake_peer(fenced=True)
 
     def mark_left(self, finished: int) -> None:
         """Tells this host's peers that this rank destroys the group having finished its

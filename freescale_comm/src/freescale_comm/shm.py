@@ -533,10 +533,11 @@ class Channel:
         self._reads_seen = done
         return True
 
-    def wake_peer(self) -> None:
+    def wake_peer(self, fenced: bool = False) -> None:
         """Sends the peer a wake-up byte if it sleeps and has not had one from this channel in
-        this sleep; called after moving a counter."""
-        full_fence()  # the counter's store before the flag's load (``Hub.sleeping``)
+        this sleep; called after moving a counter (``fenced``: and a full fence since)."""
+        if not fenced:
+            full_fence()  # the counter's store before the flag's load (``Hub.sleeping``)
         sleep = int(self.peer_flags.ctrl[_ASLEEP])
         if sleep & 1 and sleep != self._woken:
             self._woken = sleep

@@ -56,7 +56,7 @@ class FreescaleWork(dist.Work):
             if op.on_cuda and op.final is not None:
                 self._wait_on_stream()
             return True
-        op.group.refuse_wait_on_engine_thread(op.label)
+        op.group.refuse_wait_on_engine_thread(lambda: op.label)
         if op.on_cuda:
             return self._wait_stream(timeout)
         return self._wait_done(timeout)
@@ -156,7 +156,7 @@ class FreescaleWork(dist.Work):
     def synchronize(self) -> None:
         if self._completing_here() or self._finished():
             return
-        self._op.group.refuse_wait_on_engine_thread(self._op.label)
+        self._op.group.refuse_wait_on_engine_thread(lambda: self._op.label)
         self._wait_done(None)
 
 
