@@ -1,18 +1,19 @@
 """The process's progress thread: drives UCX and collectives, bounds them.
 
 One daemon thread per process, for every group. While collectives are in flight it progresses
-the UCX worker, notices completed requests (ucxx has no blocking wait from Python), posts the
-next step of multi-step algorithms (the ring), completes collectives (their futures' callbacks
-run on another thread, ``futures``), and fails collectives that run past their deadline or whose
-peer died; when nothing moved it sleeps in an epoll over the worker's events (GIL released)
-until UCX signals an event, something calls ``Transport.wake`` (a new collective, a finished
-CUDA copy) or ``_EPOLL_MS`` passes — so an arriving message wakes it at once and an idle wait
-costs no CPU. Before it sleeps it polls for a while, yielding its core between polls
-(``idle_poll_s``: a peer's message that comes within that window is seen without a wake-up).
-While no collective is in flight it sleeps on a
-condition. In flight or not, it runs each group's periodic watches when due (the deadlines of
-collectives left to their CUDA end event, ``group``). A collective's health check only reads
-what the group's liveness thread last found (``liveness``): no store request is made here.
+the UCX worker and the rings (for those with messages there: ``Op.uses_transport``), notices
+completed requests (ucxx has no blocking wait from Python), posts the next step of multi-step
+algorithms (the ring), completes collectives (their futures' callbacks run on another thread,
+``futures``), and fails collectives that run past their deadline or whose peer died; when
+nothing moved it sleeps in an epoll over the worker's events (GIL released) until UCX signals an
+event, something calls ``Transport.wake`` (a new collective, a finished CUDA copy) or
+``_EPOLL_MS`` passes — so an arriving message wakes it at once and an idle wait costs no CPU.
+Before it sleeps it polls for a while, yielding its core between polls (``idle_poll_s``: a
+peer's message that comes within that window is seen without a wake-up). While no collective is
+in flight it sleeps on a condition. In flight or not, it runs each group's periodic watches when
+due (the deadlines of collectives left to their CUDA end event, ``group``). A collective's
+health check only reads what the group's liveness thread last found (``liveness``): no store
+request is made here.
 
 A synchronous collective (``async_op=False``: the caller waits at once) that finds the engine
 idle is *claimed* by its caller instead: ``Work.wait`` runs the same loop on the calling thread
