@@ -38,6 +38,7 @@ STEPS = (
     ("process_group", "", "Collective"),
     ("group", "GroupContext", "launch"),
     ("collective", "Collective", "start"),
+    ("collective", "Collective", "_express"),
     ("collective", "Collective", "_post_headers"),
     ("outbox", "Outboxes", "write"),
     ("work", "FreescaleWork", "wait"),

@@ -1991,11 +1991,11 @@ def a_failed_start_beside_a_chained_callback() -> dict[str, Any]:
     start = collective.Collective.start
     failed: list[str] = []
 
-    def failing_start(self: Any) -> None:
+    def failing_start(self: Any, express: bool = False) -> None:
         if threading.current_thread().name == "failing":
             time.sleep(1.0)
             raise RuntimeError("CUDA driver call failed (simulated)")
-        start(self)
+        start(self, express)
 
     def failing() -> None:
         try:
@@ -2646,3 +2646,68 @@ def an_interrupt_while_a_collective_waits() -> dict[str, Any]:
     report["next_call"] = after.tolist()
     dist.destroy_process_group(group)
     return report
+
+
+def express_calls(rounds: int) -> dict[str, Any]:
+    """Small collectives of cached shapes, which run to their end in their call (the express
+    path), each result compared with Gloo's: AllToAll even and uneven in three dtypes,
+    AllGather into a tensor and into a list; then one such call that rank 0 enters 50 ms late
+    (its peers' poll window runs out: the general path finishes it), one where rank 0 waits
+    asynchronously, and one whose splits rank 1 changes (a table never judged: every rank
+    raises the same validation error), each followed by a good call. Returns this rank's
+    express count after the first part and at the end, and the errors."""
+    from freescale_comm import FreescaleValidationError
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    # Polling for 2 ms however many cores: the peers of a call come within it nearly always.
+    ours, gloo = freescale_group(30, idle_wait="yield"), gloo_group()
+
+    def call(kind: str, dtype: torch.dtype, salt: int, group: Any, **kw: Any) -> torch.Tensor:
+        values = make_tensor((n * 6,), dtype, _tensor_seed(salt, 0, rank))
+        if kind == "even":
+            out = torch.empty_like(values)
+            work = dist.all_to_all_single(out, values, group=group, **kw)
+        elif kind == "uneven":  # rank r sends j + r + 1 elements to rank j
+            send = [j + rank + 1 for j in range(n)]
+            recv = [rank + j + 1 for j in range(n)]
+            out = torch.empty(sum(recv), dtype=dtype)
+            work = dist.all_to_all_single(out, values[: sum(send)], recv, send, group=group, **kw)
+        elif kind == "gather":
+            out = torch.empty(n * 6, dtype=dtype)
+            work = dist.all_gather_into_tensor(out, values[:6], group=group, **kw)
+        else:  # gather_list
+            outs = [torch.empty(6, dtype=dtype) for _ in range(n)]
+            work = dist.all_gather(outs, values[:6], group=group, **kw)
+        if work is not None:
+            work.wait()
+        return torch.cat(outs) if kind == "gather_list" else out
+
+    kinds = [("even", torch.float32), ("even", torch.int64), ("uneven", torch.bfloat16)]
+    kinds += [("gather", torch.float32), ("gather_list", torch.int64)]
+
+    def checked(kind: str, dtype: torch.dtype, salt: int, **kw: Any) -> None:
+        got, want = call(kind, dtype, salt, ours, **kw), call(kind, dtype, salt, gloo)
+        _same(got, want, f"{kind} {dtype} #{salt}")
+
+    for salt in range(rounds):
+        for kind, dtype in kinds:
+            checked(kind, dtype, salt)
+    first = ours._ctx.express_runs
+    if rank == 0:
+        time.sleep(0.05)
+    checked("even", torch.float32, rounds)
+    if rank == 0:
+        checked("even", torch.float32, rounds + 1, async_op=True)
+    else:
+        checked("even", torch.float32, rounds + 1)
+    errors = []
+    try:
+        if rank == 1:
+            call("uneven", torch.float32, rounds + 2, ours)
+        else:
+            call("even", torch.float32, rounds + 2, ours)
+    except FreescaleValidationError as err:
+        errors.append(str(err).split(": ", 1)[1])
+    checked("even", torch.float32, rounds + 3)
+    checked("even", torch.float32, rounds + 4)
+    return {"first": first, "last": ours._ctx.express_runs, "errors": errors}

@@ -35,8 +35,10 @@ keeps the buffers referenced by the group, so a late UCX access never touches fr
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -50,6 +52,7 @@ from freescale_comm.errors import (
     FreescaleValidationError,
 )
 from freescale_comm.futures import CollectiveFuture
+from freescale_comm.local_copies import MIN_BYTES, host_copy
 from freescale_comm.transport import make_tag
 from freescale_comm.validation import (
     NEEDS_TABLE,
@@ -91,6 +94,21 @@ class _NotSealed:
 
 
 _NOT_SEALED = _NotSealed()
+
+
+@dataclass(frozen=True)
+class _ExpressLayout:
+    """Where a cached CPU plan's bytes go when every one of its messages travels inside the
+    headers between outboxes (``Collective._express``), by index into ``plan.transfers``."""
+
+    sends: list[tuple[int, list[int]]]  # (peer, its folded sends), in the order headers go
+    receives: list[tuple[int, list[tuple[int, int, int]]]]  # (peer, [(receive, lo, hi)])
+    sources: list[int]  # the peers whose headers are read, in the order the general path reads
+    header_bytes: int  # the signature's part of each header
+
+
+_EXPRESS_KEY = "express"  # ``Template.derived`` key of the layout (None: the plan has none)
+
 
 # Slack past the group timeout: the engine fails an expired collective itself (naming the
 # missing peers); a wait that outlives that by this much means the engine thread is gone.
@@ -287,8 +305,14 @@ class Collective:
         return f"freescale {self.name} #{self.seq} (group {g.group_id}, rank {g.rank} of {g.size})"
 
     # ----------------------------------------------------------------- start (caller thread)
-    def start(self) -> None:
-        """Posts the first messages; raises at once only when the group is already broken."""
+    def start(self, express: bool = False) -> None:
+        """Posts the first messages; raises at once only when the group is already broken.
+
+        With ``express`` (the caller waits at once and no other collective of the group is in
+        flight) a small CPU collective whose messages all fit in the outboxes is run to its end
+        here when the peers' headers arrive within the group's poll window (``_express``);
+        otherwise it is left in flight, in the state the general path would have left it.
+        """
         g = self.group
         if g.broken:
             raise FreescalePeerError(f"{self.label}: the group was aborted earlier: {g.broken}")
@@ -303,6 +327,11 @@ class Collective:
         validate = g.options.validate and g.size > 1
         if not validate and self.plan.signature.error:
             raise FreescaleValidationError(f"{self.label}: {self.plan.signature.error}")
+        if validate and express and not self.on_cuda and g.outboxes is not None:
+            layout = self._express_layout()
+            if layout is not None:
+                self._express(layout)
+                return
         if validate or (self.plan.ipc and g.size > 1):  # IPC: the headers carry descriptors
             self._post_headers()
         else:
@@ -310,6 +339,101 @@ class Collective:
             self._unheaded = True
         if self._posted:  # headers written to the outboxes only need no progress call
             g.transport.progress()
+
+    def _express_layout(self) -> _ExpressLayout | None:
+        """The express layout of this call's template (made at its first use), or None: not a
+        cached plan, a peer not reached by outbox, a message too large to fold, or an own
+        piece large enough for the helper threads."""
+        template = self.plan.template
+        if template is None:
+            return None
+        try:
+            return template.derived[_EXPRESS_KEY]
+        except KeyError:
+            pass
+        g, plan = self.group, self.plan
+        layout = None
+        peers = [(g.rank + step) % g.size for step in range(1, g.size)]
+        own_bytes = sum(len(dst) for dst, _ in plan.local_copies)
+        if (
+            all(g.reaches_by_outbox(peer) for peer in peers)
+            and self._may_fold()
+            and not plan.copy_back
+            and (g.local_copies.threads < 2 or own_bytes < MIN_BYTES)
+        ):
+            sends, receives = self._foldable(send=True), self._foldable(send=False)
+            folded = sum(map(len, sends.values())) + sum(map(len, receives.values()))
+            if folded == len(plan.transfers):
+                index = {id(t): k for k, t in enumerate(plan.transfers)}
+                size = Signature.size(g.size)
+                received = []
+                for peer, pieces in receives.items():
+                    spans, offset = [], size
+                    for transfer in pieces:
+                        end = offset + len(transfer.buffer)
+                        spans.append((index[id(transfer)], offset, end))
+                        offset = end
+                    received.append((peer, spans))
+                layout = _ExpressLayout(
+                    sends=[(p, [index[id(t)] for t in sends.get(p, [])]) for p in peers],
+                    receives=received,
+                    sources=[(g.rank - step) % g.size for step in range(1, g.size)],
+                    header_bytes=size,
+                )
+        template.derived[_EXPRESS_KEY] = layout
+        return layout
+
+    def _express(self, layout: _ExpressLayout) -> None:
+        """Runs a collective of ``layout`` on the calling thread: writes the headers (with
+        every piece folded in), polls the peers' outboxes for up to the group's poll window,
+        and, if their headers came and form a table judged consistent before for this
+        template, copies the pieces out and finishes. Anything else (a box not yet writable, a
+        late peer, a table not seen before, an abort) leaves the collective as the general
+        path's ``_post_headers`` and ``_read_outboxes`` would have: the engine or the caller's
+        wait goes on from there. The same bytes reach the outboxes either way, so peers on
+        either path pair up."""
+        g, plan = self.group, self.plan
+        boxes = g.outboxes
+        transfers = plan.transfers
+        own = plan.template.header
+        self._outbox_seq = seq = g.next_outbox_seq()
+        self._outbox_msgs = [
+            (peer, [own, *[transfers[i].buffer for i in sent]]) for peer, sent in layout.sends
+        ]
+        self._folded = {id(transfers[i]) for _, sent in layout.sends for i in sent}
+        headers = self._headers = [None] * g.size
+        headers[g.rank] = own
+        waiting = self._outbox_from = dict.fromkeys(layout.sources, False)
+        if not self._write_outbox():
+            return
+        until = 0.0
+        while True:
+            for peer in [p for p in waiting if boxes.arrived(p, seq)]:
+                headers[peer] = boxes.read(peer, seq)
+                del waiting[peer]
+            if not waiting:
+                break
+            now = time.monotonic()
+            if not until:
+                until = now + self.idle_poll_s
+            if now >= until or g.broken:
+                return
+            os.sched_yield()
+        size = layout.header_bytes
+        table = b"".join([h[:size].tobytes() for h in headers])
+        if table not in plan.template.derived.get("good", ()):
+            return  # judged by the general path (``_judge``), which may add it
+        for peer, spans in layout.receives:
+            message = headers[peer]
+            for index, lo, hi in spans:
+                transfers[index].buffer[:] = message[lo:hi]
+        self._headers = []
+        self._release_outboxes()
+        for dst, src in plan.local_copies:
+            host_copy(dst, src)
+        self._phase = "data"
+        g.express_runs += 1  # under the group's launch lock
+        self._finish()
 
     def _post_headers(self) -> None:
         g = self.group

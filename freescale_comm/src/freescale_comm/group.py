@@ -152,6 +152,7 @@ class GroupContext:
         self._closed = False
         self.liveness: Liveness | None = None
         self.outboxes: Any = None  # ``outbox.Outboxes`` with the peers on this host
+        self.express_runs = 0  # collectives run to their end in their call (``Collective``)
         # Where the group's timeout is read again (``follow_timeout``).
         self._timeout_source: Callable[[], timedelta] | None = None
         self._sealed = _SealedDeadlines(self.inflight, self._upkeep)
@@ -795,18 +796,24 @@ class GroupContext:
             if departed is not None:  # no number taken, no abort: every peer knows as well
                 where = f"group {self.group_id}, rank {self.rank} of {self.size}"
                 raise FreescalePeerError(f"freescale {op.name} ({where}): {departed}")
+            alone = True
             for earlier in self.inflight():
                 earlier.poll_final()  # the CUDA ones whose end event completed since
+                alone = alone and earlier.finished
             op.seq = self._last_seq = self.next_seq()
             try:
-                op.start()
+                # Alone in flight, a collective its caller waits for may run to its end here
+                # (``Collective.start``): no earlier one can still need its place in the
+                # outboxes or rings, and none can start meanwhile (this lock).
+                op.start(express=caller_waits and alone)
             except BaseException as err:  # an interrupt too: the number is taken all the same
                 failure: BaseException | None = err
             else:
                 failure = None
                 with self._inflight_lock:
                     self._inflight = [c for c in self._inflight if not c.finished]
-                    self._inflight.append(op)
+                    if not op.finished:
+                        self._inflight.append(op)
         if failure is not None:
             # This rank took the collective's sequence number, its peers never see its
             # messages: they would wait out the group timeout, and every later collective
@@ -820,6 +827,8 @@ class GroupContext:
                 why = str(failure) or type(failure).__name__  # an interrupt has no text
                 self.abort(f"rank {self.rank}: {op.label} could not start: {why}")
             raise failure
+        if op.finished:
+            return
         may_drive = caller_waits and (not op.on_cuda or _current_device() == op.plan.cuda_index)
         if not (may_drive and self.engine.claim(op)):
             self.engine.submit(op)
