@@ -397,43 +397,67 @@ class Collective:
         transfers = plan.transfers
         own = plan.template.header
         self._outbox_seq = seq = g.next_outbox_seq()
-        self._outbox_msgs = [
+        messages = [
             (peer, [own, *[transfers[i].buffer for i in sent]]) for peer, sent in layout.sends
         ]
-        self._folded = {id(transfers[i]) for _, sent in layout.sends for i in sent}
-        headers = self._headers = [None] * g.size
+        headers = [None] * g.size
         headers[g.rank] = own
-        waiting = self._outbox_from = dict.fromkeys(layout.sources, False)
-        if not self._write_outbox():
+        if not boxes.writable(seq):
+            self._leave_express(layout, messages, headers, layout.sources)
             return
-        until = 0.0
+        boxes.write(seq, messages)
+        waiting, until = layout.sources, 0.0
         while True:
-            for peer in [p for p in waiting if boxes.arrived(p, seq)]:
-                headers[peer] = boxes.read(peer, seq)
-                del waiting[peer]
-            if not waiting:
+            missing = []
+            for peer in waiting:
+                if boxes.arrived(peer, seq):
+                    headers[peer] = boxes.read(peer, seq)
+                else:
+                    missing.append(peer)
+            if not missing:
                 break
+            waiting = missing
             now = time.monotonic()
             if not until:
                 until = now + self.idle_poll_s
             if now >= until or g.broken:
+                self._leave_express(layout, None, headers, waiting)
                 return
             os.sched_yield()
         size = layout.header_bytes
         table = b"".join([h[:size].tobytes() for h in headers])
         if table not in plan.template.derived.get("good", ()):
-            return  # judged by the general path (``_judge``), which may add it
+            self._leave_express(layout, None, headers, [])  # ``_judge`` decides, may add it
+            return
         for peer, spans in layout.receives:
             message = headers[peer]
             for index, lo, hi in spans:
                 transfers[index].buffer[:] = message[lo:hi]
-        self._headers = []
-        self._release_outboxes()
+        boxes.release(seq)
         for dst, src in plan.local_copies:
             host_copy(dst, src)
-        self._phase = "data"
         g.express_runs += 1  # under the group's launch lock
-        self._finish()
+        # Finished as ``_finish`` would, but never listed in flight: nothing to retire.
+        self._phase = "data"
+        self._outbox_released = self.finished = True
+        self._set_outcome(True, plan.result if plan.value is None else plan.value)
+        self.event.set()
+
+    def _leave_express(
+        self,
+        layout: _ExpressLayout,
+        unwritten: list[tuple[int, list[Any]]] | None,
+        headers: list[Any],
+        waiting: list[int],
+    ) -> None:
+        """Leaves an express collective to the general path, in the state its
+        ``_post_headers`` and ``_read_outboxes`` would have left: the header messages not
+        written yet (``unwritten``), the headers read, the peers still to read from."""
+        transfers = self.plan.transfers
+        self._outbox_msgs = unwritten
+        self._folded = {id(transfers[i]) for _, sent in layout.sends for i in sent}
+        self._headers = headers
+        self._outbox_from = dict.fromkeys(waiting, False)
 
     def _post_headers(self) -> None:
         g = self.group
