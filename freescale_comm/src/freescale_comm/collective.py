@@ -29,6 +29,11 @@ starts it):
    future completed) once that event has: at once where somebody waits for it (a watcher
    thread), else when a poll finds it (``poll_final``).
 
+A small CPU collective of a cached shape whose every piece rides in the outboxes' headers,
+alone in flight and waited for at once, may run the whole machine in its call (``_express``):
+headers written and read, the table compared as bytes with one judged good before, the pieces
+copied out; whatever it cannot finish that way it leaves in the state of phase 1.
+
 A failure at any point cancels the outstanding requests (dropping a ucxx request cancels it) but
 keeps the buffers referenced by the group, so a late UCX access never touches freed memory.
 """
