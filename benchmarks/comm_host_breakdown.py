@@ -1,6 +1,7 @@
 """Where the host time of a small freescale collective goes, step by step (2 or more local ranks).
 
-Back-to-back ``all_to_all_single`` calls of 4 bytes per peer (CPU or CUDA tensors) with the
+Back-to-back ``all_to_all_single`` calls of 4 bytes per peer (CPU or CUDA tensors; with
+``--vary-splits``, splits that change on every call, so that no plan is cached) with the
 backend's own steps wrapped: per call, the wall time spent inside each step (inclusive of the
 steps it calls, so the rows overlap) and how often it ran, for every rank. ``--gap-us`` sleeps
 after each call (the time per call then includes the sleep, the steps' times do not), so that
@@ -13,7 +14,7 @@ comparison (``comm_host_profile.py`` compares with Gloo, ``multi_gpu_vs_nccl.py`
 wrapper adds about a microsecond per call.
 
     python benchmarks/comm_host_breakdown.py [--device cuda] [--ranks 2] [--calls 300]
-        [--gap-us 0] [--no-steps] [--blocks 1] [--profile 0]
+        [--gap-us 0] [--no-steps] [--blocks 1] [--profile 0] [--vary-splits]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import functools
 import io
 import json
 import pstats
+import random
 import statistics
 import time
 from typing import Any
@@ -112,10 +114,9 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
     counts: dict[str, int] = {}
     if args.steps:
         _wrap_steps(spent, counts, cuda)
-    inp = torch.ones(dist.get_world_size(), device=args.device)  # 4 bytes per peer
-    out = torch.empty_like(inp)
-    for _ in range(50):
-        dist.all_to_all_single(out, inp)
+    calls = _calls(args, dist.get_rank(), dist.get_world_size())
+    for k in range(50):
+        dist.all_to_all_single(*calls[k % len(calls)])
     if cuda:
         torch.cuda.synchronize()
     dist.barrier()
@@ -124,17 +125,18 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
     gap_s = args.gap_us / 1e6
     profiler = cProfile.Profile() if args.profile else None
     block_us = []
-    block_calls = _block_sizes(args.calls, args.blocks)
+    done = 50  # the warm-up's calls: with --vary-splits each timed call has splits of its own
     start, cpu = time.perf_counter(), time.process_time()
     if profiler is not None:
         profiler.enable()
-    for calls in block_calls:
+    for block in _block_sizes(args.calls, args.blocks):
         block_start = time.perf_counter()
-        for _ in range(calls):
-            dist.all_to_all_single(out, inp)
+        for _ in range(block):
+            dist.all_to_all_single(*calls[done % len(calls)])
+            done += 1
             if gap_s:
                 time.sleep(gap_s)
-        block_us.append((time.perf_counter() - block_start) / calls * 1e6)
+        block_us.append((time.perf_counter() - block_start) / block * 1e6)
     if profiler is not None:
         profiler.disable()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -151,6 +153,25 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
         "steps": steps,
         "profile": _top_functions(profiler, args.profile) if profiler is not None else [],
     }
+
+
+def _calls(args: argparse.Namespace, rank: int, n: int) -> list[tuple[Any, ...]]:
+    """The (output, input[, output splits, input splits]) of each call: 4 bytes per peer, or
+    with ``--vary-splits`` one call per warm-up and timed call, its splits (0-64 floats per
+    pair) drawn from a generator seeded alike on every rank, so that the ranks agree."""
+    import torch
+
+    if not args.vary_splits:
+        inp = torch.ones(n, device=args.device)
+        return [(torch.empty_like(inp), inp)]
+    rng = random.Random(0)
+    calls = []
+    for _ in range(50 + args.calls):
+        table = [[rng.randint(0, 64) for _ in range(n)] for _ in range(n)]
+        send, recv = table[rank], [table[peer][rank] for peer in range(n)]
+        inp = torch.ones(sum(send), device=args.device)
+        calls.append((torch.empty(sum(recv), device=args.device), inp, recv, send))
+    return calls
 
 
 def _block_sizes(calls: int, blocks: int) -> list[int]:
@@ -204,6 +225,12 @@ def main() -> None:
         metavar="N",
         help="run the calls under cProfile on every rank and keep each rank's N functions of "
         "most own time, rank 0's printed (profiling slows them: the times per call include it)",
+    )
+    parser.add_argument(
+        "--vary-splits",
+        action="store_true",
+        help="uneven splits that change on every call (no plan is cached), as an embedding "
+        "lookup's AllToAll, instead of 4 bytes per peer",
     )
     parser.add_argument("--json", help="write the figures here (default: print only)")
     args = parser.parse_args()

@@ -146,6 +146,15 @@ def test_host_breakdown_without_steps_times_the_calls_alone(tmp_path):
     assert all(rank["steps"] == {} and rank["us_per_call"] > 0 for rank in ranks), ranks
 
 
+def test_host_breakdown_with_splits_that_change_on_every_call(tmp_path):
+    out = tmp_path / "varying.json"
+    argv = ["--calls", "20", "--no-steps", "--vary-splits", "--json", str(out)]
+    done = _run("comm_host_breakdown.py", *argv, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ranks = json.loads(out.read_text())["ranks"]
+    assert len(ranks) == 2 and all(rank["us_per_call"] > 0 for rank in ranks), ranks
+
+
 def test_host_breakdown_reports_blocks_and_a_profile_on_three_ranks(tmp_path):
     out = tmp_path / "blocks.json"
     argv = ["--ranks", "3", "--calls", "30", "--no-steps", "--blocks", "3", "--profile", "5"]

@@ -503,6 +503,43 @@ def test_fixed_size_headers_find_any_one_wrong_entry(n):
         assert judge(swapped, n) is not None
 
 
+@pytest.mark.parametrize("n", [1, 2, 5, 11])
+def test_small_groups_digest_and_judge_on_ints_as_numpy_does(n, monkeypatch):
+    # Groups under validation._NUMPY_FROM_RANKS ranks compute on Python ints: the same header
+    # bytes and the same verdicts as the numpy path every larger group takes.
+    import random
+
+    from freescale_comm import validation
+
+    rng = random.Random(n)
+    table = [[rng.getrandbits(40) for _ in range(n)] for _ in range(n)]
+    sigs = [_sig(table[r], [table[s][r] for s in range(n)]) for r in range(n)]
+    layouts = Signature(
+        op="all_gather",
+        dtype="torch.float32",
+        device="cpu",
+        count=2,
+        send_bytes=[12] * n,
+        recv_bytes=[12] * n,
+        send_layout=layout([4, 8]),
+        recv_layouts=[layout([4, 8])] * n,
+    )
+    wrong = list(sigs)
+    wrong[n - 1] = _sig([b + 1 for b in table[n - 1]], [table[s][n - 1] for s in range(n)])
+    failing = [*sigs[:-1], _sig(table[n - 1], [0] * n, error="a2a bad input")]
+    cases = [sigs, wrong, failing, [layouts] * n]
+
+    def run() -> tuple[list[bytes], list[Any]]:
+        encoded = [[s.encode(n) for s in case] for case in cases]
+        return [h.tobytes() for case in encoded for h in case], [judge(h, n) for h in encoded]
+
+    ints = run()
+    monkeypatch.setattr(validation, "_NUMPY_FROM_RANKS", 0)
+    assert run() == ints
+    assert ints[1][0] is None and ints[1][3] is None
+    assert ints[1][1] is NEEDS_TABLE and "bad input" in ints[1][2]
+
+
 def test_a_disagreement_in_a_large_group_is_named_in_few_words():
     sigs = [_sig([0], [0], dtype="torch.int64")] + [_sig([0], [0])] * 999
     sigs[500] = _sig([0], [0], dtype="torch.int64")

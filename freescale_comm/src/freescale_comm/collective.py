@@ -29,10 +29,10 @@ starts it):
    future completed) once that event has: at once where somebody waits for it (a watcher
    thread), else when a poll finds it (``poll_final``).
 
-A small CPU collective of a cached shape whose every piece rides in the outboxes' headers,
-alone in flight and waited for at once, may run the whole machine in its call (``_express``):
-headers written and read, the table compared as bytes with one judged good before, the pieces
-copied out; whatever it cannot finish that way it leaves in the state of phase 1.
+A small CPU collective whose every piece rides in the outboxes' headers, alone in flight and
+waited for at once, may run the whole machine in its call (``_express``): headers written and
+read, the table judged (compared as bytes with one judged good before, for a cached shape), the
+pieces copied out; whatever it cannot finish that way it leaves in the state of phase 1.
 
 A failure at any point cancels the outstanding requests (dropping a ucxx request cancels it) but
 keeps the buffers referenced by the group, so a late UCX access never touches freed memory.
@@ -113,6 +113,8 @@ class _ExpressLayout:
 
 
 _EXPRESS_KEY = "express"  # ``Template.derived`` key of the layout (None: the plan has none)
+# Header tables a template remembers as judged consistent (``Template.derived["good"]``).
+_GOOD_TABLES = 16
 
 
 # Slack past the group timeout: the engine fails an expired collective itself (naming the
@@ -346,16 +348,19 @@ class Collective:
             g.transport.progress()
 
     def _express_layout(self) -> _ExpressLayout | None:
-        """The express layout of this call's template (made at its first use), or None: not a
-        cached plan, a peer not reached by outbox, a message too large to fold, or an own
-        piece large enough for the helper threads."""
+        """The express layout of this call (kept with its template, if it has one), or None: a
+        peer not reached by outbox, a message too large to fold, or an own piece large enough
+        for the helper threads."""
         template = self.plan.template
-        if template is None:
-            return None
+        if template is None:  # splits that change from call to call: made for this call
+            return self._make_express_layout()
         try:
             return template.derived[_EXPRESS_KEY]
         except KeyError:
-            pass
+            layout = template.derived[_EXPRESS_KEY] = self._make_express_layout()
+            return layout
+
+    def _make_express_layout(self) -> _ExpressLayout | None:
         g, plan = self.group, self.plan
         layout = None
         peers = [(g.rank + step) % g.size for step in range(1, g.size)]
@@ -385,22 +390,22 @@ class Collective:
                     sources=[(g.rank - step) % g.size for step in range(1, g.size)],
                     header_bytes=size,
                 )
-        template.derived[_EXPRESS_KEY] = layout
         return layout
 
     def _express(self, layout: _ExpressLayout) -> None:
         """Runs a collective of ``layout`` on the calling thread: writes the headers (with
         every piece folded in), polls the peers' outboxes for up to the group's poll window,
-        and, if their headers came and form a table judged consistent before for this
-        template, copies the pieces out and finishes. Anything else (a box not yet writable, a
-        late peer, a table not seen before, an abort) leaves the collective as the general
+        and, if their headers came and form a consistent table (one judged so before for this
+        template, or judged here), copies the pieces out and finishes. Anything else (a box
+        not yet writable, a late peer, a table with a problem, an abort) leaves it as the general
         path's ``_post_headers`` and ``_read_outboxes`` would have: the engine or the caller's
         wait goes on from there. The same bytes reach the outboxes either way, so peers on
         either path pair up."""
         g, plan = self.group, self.plan
         boxes = g.outboxes
         transfers = plan.transfers
-        own = plan.template.header
+        template = plan.template
+        own = template.header if template is not None else plan.signature.encode(g.size)
         self._outbox_seq = seq = g.next_outbox_seq()
         messages = [
             (peer, [own, *[transfers[i].buffer for i in sent]]) for peer, sent in layout.sends
@@ -431,9 +436,14 @@ class Collective:
             os.sched_yield()
         size = layout.header_bytes
         table = b"".join([h[:size].tobytes() for h in headers])
-        if table not in plan.template.derived.get("good", ()):
-            self._leave_express(layout, None, headers, [])  # ``_judge`` decides, may add it
-            return
+        good = template.derived.setdefault("good", set()) if template is not None else None
+        if good is None or table not in good:
+            if judge([h[:size] for h in headers], g.size) is not None:
+                # A problem, or size digests that differ: ``_judge`` names it on every rank.
+                self._leave_express(layout, None, headers, [])
+                return
+            if good is not None and len(good) < _GOOD_TABLES:
+                good.add(table)
         for peer, spans in layout.receives:
             message = headers[peer]
             for index, lo, hi in spans:
@@ -859,7 +869,7 @@ class Collective:
             table = b"".join([h[:size].tobytes() for h in self._headers])
             good = template.derived.setdefault("good", set())
             problem = None if table in good else judge([h[:size] for h in self._headers], g.size)
-            if problem is None and len(good) < 16:
+            if problem is None and len(good) < _GOOD_TABLES:
                 good.add(table)
         else:
             problem = judge([h[:size] for h in self._headers], g.size)
