@@ -2649,9 +2649,10 @@ def an_interrupt_while_a_collective_waits() -> dict[str, Any]:
 
 
 def express_calls(rounds: int) -> dict[str, Any]:
-    """Small collectives of cached shapes, which run to their end in their call (the express
-    path), each result compared with Gloo's: AllToAll even and uneven in three dtypes,
-    AllGather into a tensor and into a list; then one such call that rank 0 enters 50 ms late
+    """Small collectives, which run to their end in their call (the express path), each result
+    compared with Gloo's: AllToAll even and uneven in three dtypes, uneven with splits that
+    change every call (no plan cached), AllGather into a tensor and into a list; then one call
+    that rank 0 enters 50 ms late
     (its peers' poll window runs out: the general path finishes it), one where rank 0 waits
     asynchronously, and one whose splits rank 1 changes (a table never judged: every rank
     raises the same validation error), each followed by a good call. Returns this rank's
@@ -2672,6 +2673,11 @@ def express_calls(rounds: int) -> dict[str, Any]:
             recv = [rank + j + 1 for j in range(n)]
             out = torch.empty(sum(recv), dtype=dtype)
             work = dist.all_to_all_single(out, values[: sum(send)], recv, send, group=group, **kw)
+        elif kind == "varying":  # rank r sends (j + r + salt) % 5 elements to rank j
+            send = [(j + rank + salt) % 5 for j in range(n)]
+            recv = [(rank + j + salt) % 5 for j in range(n)]
+            out = torch.empty(sum(recv), dtype=dtype)
+            work = dist.all_to_all_single(out, values[: sum(send)], recv, send, group=group, **kw)
         elif kind == "gather":
             out = torch.empty(n * 6, dtype=dtype)
             work = dist.all_gather_into_tensor(out, values[:6], group=group, **kw)
@@ -2683,7 +2689,7 @@ def express_calls(rounds: int) -> dict[str, Any]:
         return torch.cat(outs) if kind == "gather_list" else out
 
     kinds = [("even", torch.float32), ("even", torch.int64), ("uneven", torch.bfloat16)]
-    kinds += [("gather", torch.float32), ("gather_list", torch.int64)]
+    kinds += [("varying", torch.float32), ("gather", torch.float32), ("gather_list", torch.int64)]
 
     def checked(kind: str, dtype: torch.dtype, salt: int, **kw: Any) -> None:
         got, want = call(kind, dtype, salt, ours, **kw), call(kind, dtype, salt, gloo)

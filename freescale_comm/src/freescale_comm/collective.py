@@ -103,8 +103,8 @@ _NOT_SEALED = _NotSealed()
 
 @dataclass(frozen=True)
 class _ExpressLayout:
-    """Where a cached CPU plan's bytes go when every one of its messages travels inside the
-    headers between outboxes (``Collective._express``), by index into ``plan.transfers``."""
+    """Where a CPU plan's bytes go when every one of its messages travels inside the headers
+    between outboxes (``Collective._express``), by index into ``plan.transfers``."""
 
     sends: list[tuple[int, list[int]]]  # (peer, its folded sends), in the order headers go
     receives: list[tuple[int, list[tuple[int, int, int]]]]  # (peer, [(receive, lo, hi)])
@@ -361,6 +361,7 @@ class Collective:
             return layout
 
     def _make_express_layout(self) -> _ExpressLayout | None:
+        """``_express_layout``'s answer, worked out from the plan."""
         g, plan = self.group, self.plan
         layout = None
         peers = [(g.rank + step) % g.size for step in range(1, g.size)]
