@@ -405,8 +405,7 @@ class Collective:
         g, plan = self.group, self.plan
         boxes = g.outboxes
         transfers = plan.transfers
-        template = plan.template
-        own = template.header if template is not None else plan.signature.encode(g.size)
+        own = self._own_header()
         self._outbox_seq = seq = g.next_outbox_seq()
         messages = [
             (peer, [own, *[transfers[i].buffer for i in sent]]) for peer, sent in layout.sends
@@ -435,16 +434,10 @@ class Collective:
                 self._leave_express(layout, None, headers, waiting)
                 return
             os.sched_yield()
-        size = layout.header_bytes
-        table = b"".join([h[:size].tobytes() for h in headers])
-        good = template.derived.setdefault("good", set()) if template is not None else None
-        if good is None or table not in good:
-            if judge([h[:size] for h in headers], g.size) is not None:
-                # A problem, or size digests that differ: ``_judge`` names it on every rank.
-                self._leave_express(layout, None, headers, [])
-                return
-            if good is not None and len(good) < _GOOD_TABLES:
-                good.add(table)
+        if self._verdict(headers, layout.header_bytes) is not None:
+            # A problem, or size digests that differ: ``_judge`` names it on every rank.
+            self._leave_express(layout, None, headers, [])
+            return
         for peer, spans in layout.receives:
             message = headers[peer]
             for index, lo, hi in spans:
@@ -475,11 +468,17 @@ class Collective:
         self._headers = headers
         self._outbox_from = dict.fromkeys(waiting, False)
 
+    def _own_header(self) -> np.ndarray:
+        """This rank's header (its template's, encoded once, where the plan has one)."""
+        template = self.plan.template
+        if template is not None:
+            return template.header
+        return self.plan.signature.encode(self.group.size)
+
     def _post_headers(self) -> None:
         g = self.group
         size = Signature.size(g.size)
-        template = self.plan.template
-        own = template.header if template is not None else self.plan.signature.encode(g.size)
+        own = self._own_header()
         sends = self._foldable(send=True)
         # CUDA: a peer's header is received into page-locked memory only if its data will be
         # copied H2D from there (the receives this rank's sizes fold).
@@ -861,19 +860,8 @@ class Collective:
     def _judge(self) -> None:
         g = self.group
         size = Signature.size(g.size)
-        template = self.plan.template
-        if not g.options.validate:  # IPC headers exchanged for their descriptors only
-            problem = None
-        elif template is not None:
-            # A table of headers that was judged consistent for this call shape before is
-            # consistent now: compared as bytes, not judged again.
-            table = b"".join([h[:size].tobytes() for h in self._headers])
-            good = template.derived.setdefault("good", set())
-            problem = None if table in good else judge([h[:size] for h in self._headers], g.size)
-            if problem is None and len(good) < _GOOD_TABLES:
-                good.add(table)
-        else:
-            problem = judge([h[:size] for h in self._headers], g.size)
+        # Without validation IPC headers are exchanged for their descriptors only.
+        problem = self._verdict(self._headers, size) if g.options.validate else None
         if problem:  # the slots peers pushed into are freed unread; the headers go next
             self._pushed_slots = self._slots_pushed_here(size)
         if problem is NEEDS_TABLE:
@@ -904,6 +892,22 @@ class Collective:
         self._headers = []
         self._release_outboxes()
         self._phase = "ready"
+
+    def _verdict(self, headers: list[Any], size: int) -> str | object | None:
+        """``judge``'s verdict on the table of ``headers`` (their first ``size`` bytes). A table
+        judged consistent for this call shape before is consistent now: compared as bytes (up
+        to ``_GOOD_TABLES`` of them per template), not judged again."""
+        template = self.plan.template
+        if template is None:
+            return judge([h[:size] for h in headers], self.group.size)
+        table = b"".join([h[:size].tobytes() for h in headers])
+        good = template.derived.setdefault("good", set())
+        if table in good:
+            return None
+        problem = judge([h[:size] for h in headers], self.group.size)
+        if problem is None and len(good) < _GOOD_TABLES:
+            good.add(table)
+        return problem
 
     def _slots_pushed_here(self, size: int) -> dict[int, int]:
         """The slots of this rank's mailbox that the peers' pieces of this collective were

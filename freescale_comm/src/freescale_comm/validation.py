@@ -270,8 +270,11 @@ def _weights(world_size: int) -> tuple[np.ndarray, np.ndarray]:
     return weights
 
 
+_ENTRY_SALT = 0xA4093822299F31D0
+
+
 def _entry_hash(nbytes: np.ndarray, layouts: np.ndarray) -> np.ndarray:
-    return _mix(_mix(nbytes ^ np.uint64(0xA4093822299F31D0)) + layouts)
+    return _mix(_mix(nbytes ^ np.uint64(_ENTRY_SALT)) + layouts)
 
 
 # Groups of fewer ranks compute the digests and the verdict's sums on Python ints, the same
@@ -287,6 +290,11 @@ def _mix_int(x: int) -> int:
     x ^= x >> 27
     x = (x * 0x94D049BB133111EB) & _MASK
     return x ^ (x >> 31)
+
+
+def _entry_hash_int(nbytes: int, layout: int) -> int:
+    """``_entry_hash`` of one entry (``layout`` in [0, 2^64))."""
+    return _mix_int((_mix_int((int(nbytes) & _MASK) ^ _ENTRY_SALT) + layout) & _MASK)
 
 
 _WEIGHT_INTS: dict[int, tuple[list[int], list[int]]] = {}
@@ -317,12 +325,10 @@ def _digests_small(
     layouts = layouts * world_size if len(layouts) == 1 else layouts
     send_layout &= _MASK
     sends = sum(
-        f * _mix_int((_mix_int((int(b) & _MASK) ^ 0xA4093822299F31D0) + send_layout) & _MASK)
-        for f, b in zip(weights_f, send_bytes, strict=True)
+        f * _entry_hash_int(b, send_layout) for f, b in zip(weights_f, send_bytes, strict=True)
     )
     recvs = sum(
-        k * _mix_int((_mix_int((int(b) & _MASK) ^ 0xA4093822299F31D0) + d) & _MASK)
-        for k, b, d in zip(weights_k, recv_bytes, layouts, strict=True)
+        k * _entry_hash_int(b, d) for k, b, d in zip(weights_k, recv_bytes, layouts, strict=True)
     )
     return _signed(sends & _MASK), _signed(recvs & _MASK)
 
@@ -362,37 +368,48 @@ def judge(headers: Sequence[np.ndarray], world_size: int) -> str | _NeedsTable |
     problem (an error, or shared fields that differ), or ``NEEDS_TABLE`` (the size digests
     disagree). O(N) in the group size."""
     size = Signature.size(world_size)
-    if world_size < _NUMPY_FROM_RANKS:
-        consistent = _consistent_small([h[:size].tobytes() for h in headers], world_size)
-        if consistent is not None:
-            return None if consistent else NEEDS_TABLE
-        problem = verdict([Signature.decode(h, world_size) for h in headers])
-        return problem if problem is not None else NEEDS_TABLE
-    table = np.frombuffer(b"".join(h[:size].tobytes() for h in headers), dtype=np.uint8)
-    table = table.reshape(len(headers), size)
-    ints = table[:, : 8 * _HEADER_INTS].view("<i8")
-    names = slice(8 * _HEADER_INTS, 8 * _HEADER_INTS + DTYPE_NAME_BYTES)
-    # Version, op, device, count and dtype name must be byte-identical on every rank.
-    shared = bool(
-        (table[:, :32] == table[0, :32]).all() and (table[:, names] == table[0, names]).all()
+    rows = [h[:size].tobytes() for h in headers]
+    consistent = (
+        _consistent_small(rows, world_size)
+        if world_size < _NUMPY_FROM_RANKS
+        else _consistent_numpy(rows, world_size)
     )
-    if shared and ints[0, 0] == _VERSION and not ints[:, 4].any():
-        weights_k, weights_f = _weights(world_size)
-        sends = (weights_k * ints[:, 5].astype(np.uint64)).sum(dtype=np.uint64)
-        recvs = (weights_f * ints[:, 6].astype(np.uint64)).sum(dtype=np.uint64)
-        return None if sends == recvs else NEEDS_TABLE
+    if consistent is not None:
+        return None if consistent else NEEDS_TABLE
     problem = verdict([Signature.decode(h, world_size) for h in headers])
     return problem if problem is not None else NEEDS_TABLE
 
 
+# The header's shared fields, byte-identical on every rank of a consistent table: version, op,
+# device and count (its first four ints), and the dtype name.
+_SHARED_INT_BYTES = 32
+_NAMES = slice(8 * _HEADER_INTS, 8 * _HEADER_INTS + DTYPE_NAME_BYTES)
+
+
+def _consistent_numpy(rows: Sequence[bytes], world_size: int) -> bool | None:
+    """``judge``'s common case: whether the digests of headers whose shared fields agree and
+    that carry no error agree (None: they do not all qualify)."""
+    table = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(len(rows), -1)
+    ints = table[:, : 8 * _HEADER_INTS].view("<i8")
+    shared = bool(
+        (table[:, :_SHARED_INT_BYTES] == table[0, :_SHARED_INT_BYTES]).all()
+        and (table[:, _NAMES] == table[0, _NAMES]).all()
+    )
+    if not shared or ints[0, 0] != _VERSION or ints[:, 4].any():
+        return None
+    weights_k, weights_f = _weights(world_size)
+    sends = (weights_k * ints[:, 5].astype(np.uint64)).sum(dtype=np.uint64)
+    recvs = (weights_f * ints[:, 6].astype(np.uint64)).sum(dtype=np.uint64)
+    return bool(sends == recvs)
+
+
 def _consistent_small(rows: Sequence[bytes], world_size: int) -> bool | None:
-    """``judge``'s common case on Python ints: whether the digests of headers whose shared
-    fields agree and that carry no error agree (None: they do not all qualify)."""
+    """``_consistent_numpy`` on Python ints."""
     first = rows[0]
-    names = slice(8 * _HEADER_INTS, 8 * _HEADER_INTS + DTYPE_NAME_BYTES)
+    shared = slice(0, _SHARED_INT_BYTES)
     ints = [struct.unpack_from(f"<{_HEADER_INTS}q", row) for row in rows]
     if (
-        any(row[:32] != first[:32] or row[names] != first[names] for row in rows)
+        any(row[shared] != first[shared] or row[_NAMES] != first[_NAMES] for row in rows)
         or ints[0][0] != _VERSION
         or any(row_ints[4] for row_ints in ints)
     ):
