@@ -963,6 +963,7 @@ def own_pieces_on_helper_threads(
         "reads": sum(p["ring_reads"] for p in paths),
         "split_reads": sum(p["ring_split_reads"] for p in paths),
         "readable": all("read from the sender's memory" in p["path"] for p in paths),
+        "why": paths[0]["why"],
         "helper_copy_jobs": paths[0]["helper_copy_jobs"],
     }
 
@@ -1108,18 +1109,27 @@ def read_counted_past_early_data(per_peer_kib: int, piece_kib: int, rounds: int)
 
 
 def ring_limit_by_pages(
-    mode: str, torch_asks_by_rank: list[str], threads_by_rank: list[int] | None = None
+    mode: str,
+    torch_asks_by_rank: list[str],
+    threads_by_rank: list[int] | None = None,
+    probe_share: float = 0.0,
 ) -> tuple[str, int]:
     """A group under ``shm_max_bytes=-1`` whose ranks see the kernel's huge page ``mode`` and
     ``THP_MEM_ALLOC_ENABLE`` as given per rank (both read at set-up), with
-    ``host_copy_threads`` per rank (1 by default: no helpers, whatever the cores), then an
-    AllToAll of 1 MiB per peer, checked. Returns the path host bytes take to the next rank and
-    how many messages this rank read from its peers' memory."""
+    ``host_copy_threads`` per rank (1 by default: no helpers, whatever the cores), and
+    ``probe_share`` in place of ``host_probe.READS_WIN_BELOW`` (0 by default: the probe, where
+    it runs, chooses the rings), then an AllToAll of 1 MiB per peer, checked. Returns the path
+    host bytes take to the next rank and how many messages this rank read from its peers'
+    memory."""
+    from freescale_comm import host_probe
+
     rank, n = dist.get_rank(), dist.get_world_size()
     threads = (threads_by_rank or [1] * n)[rank]
     with (
         mock.patch.dict(os.environ, {"THP_MEM_ALLOC_ENABLE": torch_asks_by_rank[rank]}),
         mock.patch("freescale_comm.info.transparent_huge_pages", return_value=mode),
+        mock.patch.object(host_probe, "READS_WIN_BELOW", probe_share),
+        mock.patch.dict(host_probe._verdicts, clear=True),
     ):
         group = freescale_group(10, host_path="auto", host_copy_threads=threads)
     rows = (1 << 20) // 4
@@ -1131,6 +1141,43 @@ def ring_limit_by_pages(
     reads = sum(row["ring_reads"] for row in paths)
     dist.destroy_process_group(group)
     return path, reads
+
+
+def host_probe_verdicts(probe_share: float | None) -> dict[str, Any]:
+    """Two groups under ``shm_max_bytes=-1`` with 4 KiB pages and no read helpers, so that the
+    ranks measure the rings against the reads at set-up (``host_probe``; ``probe_share`` in
+    place of ``READS_WIN_BELOW`` where given), each then running an AllToAll of 1 MiB per peer
+    (checked against the reference). Returns the first group's limit and reason, the rank's
+    own reads of its peers' memory in each group, and how often the rank measured (once: the
+    second group of the same processes reuses the verdict)."""
+    from freescale_comm import host_probe
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    share = host_probe.READS_WIN_BELOW if probe_share is None else probe_share
+    result: dict[str, Any] = {}
+    measured = mock.Mock(wraps=host_probe.measure_host)
+    with (
+        mock.patch.dict(os.environ, {"THP_MEM_ALLOC_ENABLE": "0"}),
+        mock.patch("freescale_comm.info.transparent_huge_pages", return_value="madvise"),
+        mock.patch.object(host_probe, "READS_WIN_BELOW", share),
+        mock.patch.object(host_probe, "measure_host", measured),
+        mock.patch.dict(host_probe._verdicts, clear=True),
+    ):
+        for k in range(2):
+            group = freescale_group(30, host_path="auto", host_copy_threads=1)
+            if k == 0:
+                result["limit"] = group._ctx.ring_max_bytes
+                result["why"] = group._ctx.ring_max_why
+            rows = (1 << 20) // 4
+            x = torch.arange(n * rows, dtype=torch.float32) + 1e6 * rank
+            got = torch.empty_like(x)
+            dist.all_to_all_single(got, x, group=group)
+            mine = torch.arange(rank * rows, rank * rows + rows, dtype=torch.float32)
+            _same(got, torch.cat([mine + 1e6 * p for p in range(n)]), f"AllToAll in group {k}")
+            result[f"reads_{k}"] = sum(row["ring_reads"] for row in group.paths())
+            dist.destroy_process_group(group)
+        result["measured"] = measured.call_count
+    return result
 
 
 def ring_gathers_only_even_pieces() -> list[str]:

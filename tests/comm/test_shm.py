@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -13,9 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from freescale_comm import shm
+from freescale_comm import host_probe, shm
 from freescale_comm.errors import FreescaleError
 from freescale_comm.info import tensors_get_huge_pages
+from freescale_comm.options import EVERY_SIZE
 from tests.comm import ranks
 from tests.comm.conftest import SETUP
 
@@ -73,9 +75,11 @@ def test_own_pieces_and_reads_on_helper_threads_match_gloo(fs_group, threads, sh
     for result in results:
         assert result["count"] == 8
         # Above 512 KiB the messages were read from the sender's memory, where the kernel
-        # allows reads: asked for, or under auto where every rank has helpers or torch's
-        # tensors get huge pages (else the rings carry every size).
+        # allows reads: asked for, or under auto where every rank has helpers, torch's
+        # tensors get huge pages or the ranks measured the reads faster at set-up.
+        measured_reads = result["why"].endswith("): the reads")
         reads_chosen = shm_max_bytes > 0 or threads > 1 or tensors_get_huge_pages()
+        reads_chosen = reads_chosen or measured_reads
         assert (result["reads"] > 0) == (reads_chosen and result["readable"])
         if threads == 1:
             assert "reads peers' memory itself (host_copy_threads=1)" in result["waits"]
@@ -321,7 +325,8 @@ def test_the_rings_carry_every_size_unless_every_ranks_tensors_get_huge_pages(
 ):
     # Where torch's tensors get huge pages on both ranks, messages above 512 KiB are read from
     # the sender's memory (the AllToAll's 1 MiB pieces: one read per rank); else the rings
-    # carry every size, even where one rank alone gets them.
+    # carry every size, even where one rank alone gets them (the probe that runs then made to
+    # choose the rings).
     want = ("shm <= 524288 B, read from the sender's memory above", 1) if huge else ("shm", 0)
     got = local_groups.get(2, backend="freescale", setup=SETUP, init_timeout_s=60).run(
         ranks.ring_limit_by_pages, mode, torch_asks, timeout_s=60
@@ -329,12 +334,48 @@ def test_the_rings_carry_every_size_unless_every_ranks_tensors_get_huge_pages(
     assert got == [want, want]
 
 
+@pytest.mark.parametrize("probe_share", [None, 0.0, 1e9], ids=["measured", "rings", "reads"])
+def test_with_4_kib_pages_and_no_helpers_the_ranks_measure_rings_against_reads(
+    fs_group, probe_share
+):
+    # Every rank of the host takes the same verdict from the same figures, the collectives
+    # follow it (1 MiB pieces: read where the reads won), and a second group of the same
+    # processes reuses it without measuring.
+    n = fs_group.spec.world_size
+    results = fs_group.run(ranks.host_probe_verdicts, probe_share, timeout_s=120)
+    assert len({r["why"] for r in results}) == 1
+    why = results[0]["why"]
+    assert why.startswith("4 KiB pages, no read helpers; measured between this host's ranks")
+    figures = re.search(r"rings ([0-9.]+) ms, reads ([0-9.]+) ms\): the (reads|rings)$", why)
+    assert figures is not None, why
+    rings_ms, reads_ms = float(figures[1]), float(figures[2])
+    assert 0 < rings_ms < 1000 and 0 < reads_ms < 1000
+    reads = figures[3] == "reads"
+    if probe_share is not None:
+        assert reads == (probe_share > 1)
+    for result in results:
+        assert result["limit"] == (524288 if reads else EVERY_SIZE)
+        assert result["reads_0"] == result["reads_1"] == (n - 1 if reads else 0)
+        assert result["measured"] == 1
+
+
+def test_the_probe_picks_the_reads_only_where_they_take_under_0_9_of_the_rings_time():
+    # The slowest rank of each path sets the collective's time.
+    assert host_probe.reads_win([1.0, 2.0], [1.7, 1.0]).reads
+    assert not host_probe.reads_win([1.0, 2.0], [1.8, 1.0]).reads
+    assert not host_probe.reads_win([2.0, 2.0], [1.0, 2.5]).reads
+    verdict = host_probe.reads_win([0.0015, 0.002], [0.001, 0.0012])
+    assert (verdict.rings_s, verdict.reads_s) == (0.002, 0.0012)
+    assert verdict.why().endswith("(2 MiB each: rings 2.00 ms, reads 1.20 ms): the reads")
+
+
 @pytest.mark.parametrize(("threads", "reads"), [([2, 2], True), ([2, 1], False)])
 def test_messages_above_512_kib_are_read_where_every_rank_has_read_helpers(
     local_groups, threads, reads
 ):
     # 4 KiB pages on both ranks: the rings carry every size unless every rank has helper
-    # threads to split its reads over (a host with cores to spare), agreed by the group.
+    # threads to split its reads over (a host with cores to spare), agreed by the group (the
+    # probe that runs without them made to choose the rings).
     want = ("shm <= 524288 B, read from the sender's memory above", 1) if reads else ("shm", 0)
     got = local_groups.get(2, backend="freescale", setup=SETUP, init_timeout_s=60).run(
         ranks.ring_limit_by_pages, "madvise", ["0", "0"], threads, timeout_s=60
@@ -417,13 +458,23 @@ def test_info_says_which_path_each_pair_takes(capsys):
     # rank has helper threads (``shm_max_bytes=-1``); the rule without a group names pages only.
     helpers = helper_threads(0, host_ranks=2, cores=usable_cores())
     if tensors_get_huge_pages():
-        assert "host bytes: peers on this host: shared-memory rings for messages <= 524288 B" in out
+        rule = "host bytes: peers on this host: shared-memory rings for messages <= 524288 B;"
+        assert rule in out
     else:
-        assert "host bytes: peers on this host: shared-memory rings at every size" in out
+        assert (
+            "host bytes: peers on this host: shared-memory rings for messages <= 524288 B or "
+            "of every size;" in out
+        )
     if tensors_get_huge_pages() or helpers > 1:
         assert "rank 0 -> 1: shm <= 524288 B, " in out
-    else:
-        assert "rank 0 -> 1: shm  (same host; rings at every size: 4 KiB pages" in out
+    else:  # as the ranks measured at set-up
+        measured = "4 KiB pages, no read helpers; measured between this host's ranks at set-up"
+        assert (
+            f"rank 0 -> 1: shm  (same host; rings at every size: {measured}" in out
+            or f"rank 0 -> 1: shm <= 524288 B, read from the sender's memory above  (same "
+            f"host; host_path=auto, by size: {measured}"
+            in out
+        )
     assert "rank 1 -> 0: shm" in out
     # And the path of CUDA bytes: none where the ranks see no GPU (an IPC path was described).
     assert "    CUDA bytes: " in out

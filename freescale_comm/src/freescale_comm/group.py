@@ -33,7 +33,7 @@ from freescale_comm.errors import FreescaleError, FreescalePeerError, FreescaleV
 from freescale_comm.futures import CallbackRunner
 from freescale_comm.liveness import Liveness, own_connection, process_identity
 from freescale_comm.local_copies import LocalCopies, helper_threads
-from freescale_comm.options import EVERY_SIZE, FreescaleOptions, rings_limit
+from freescale_comm.options import EVERY_SIZE, READ_ABOVE_BYTES, FreescaleOptions
 from freescale_comm.transport import MAX_GROUP_SIZE, SEQ_BITS, SUB_BITS, Transport, make_tag
 from freescale_comm.validation import Signature
 
@@ -309,7 +309,6 @@ class GroupContext:
             self._no_rings = dict.fromkeys(local, f"host_path={options.host_path}")
             self.ring_max_bytes, self.ring_max_why = 0, "no rings"
             return
-        self.ring_max_bytes, self.ring_max_why = self._ring_limit()
         if unsupported is not None:
             local_ok: list[int] = []
             self._no_rings = dict.fromkeys(local, unsupported)
@@ -343,6 +342,7 @@ class GroupContext:
         if links:
             self._hub = shm.Hub.get()
             self.transport.attach_hub(self._hub)
+        self.ring_max_bytes, self.ring_max_why = self._ring_limit(local_ok)
         if self.one_host:
             self._all_on_staging_rings = self._agree(
                 "staging_rings", all(self.stages_on_rings(p) for p in local)
@@ -350,13 +350,14 @@ class GroupContext:
         if options.shm_outbox_bytes > 0:
             self._setup_outboxes(local if unsupported is None else [], links)
 
-    def _ring_limit(self) -> tuple[int, str]:
-        """The largest message the rings carry, and why. ``shm_max_bytes=-1``: by the pages of
-        torch's CPU tensors, the same on every rank (``benchmarks/comm_host_paths.py``). A read
-        of a larger message pins each page of the sender it reads: cheap for huge pages, where
-        it beats the rings' two copies from a few MiB; with 4 KiB pages the rings, whose slots
-        stay in the cache, measured as fast or faster on 4 ranks of 2 cores and within about
-        20% either way on 2."""
+    def _ring_limit(self, local: list[int]) -> tuple[int, str]:
+        """The largest message the rings carry, and why. ``shm_max_bytes=-1``: 512 KiB where
+        torch's CPU tensors get huge pages on every rank (a read of a larger message pins them
+        cheaply) or every rank splits its reads over helper threads; else as measured between
+        this host's ranks (``host_probe``), the same on every rank of the host: a pair of ranks
+        shares a host, so both of its sides choose alike. ``local``: the peers on this host
+        with rings."""
+        from freescale_comm import host_probe
         from freescale_comm.info import tensors_get_huge_pages
 
         options = self.options
@@ -364,17 +365,52 @@ class GroupContext:
             return EVERY_SIZE, "host_path=shm"
         if options.shm_max_bytes != -1:
             return options.shm_max_bytes, f"shm_max_bytes={options.shm_max_bytes}"
+        # Every agreement on every rank, in this order (each is a store round of the group).
         huge = self._agree("huge_pages", tensors_get_huge_pages())
-        # Both agreements on every rank, in this order (each is a store round of the group).
         # Without reads (host_reads=False) a lower limit would send the larger messages by UCX.
         spare = self._agree("spare_cores", options.host_reads and self.local_copies.threads > 1)
-        if huge:
-            why = "torch's CPU tensors get huge pages on every rank"
-        elif spare:
-            why = "every rank splits its reads over helper threads (host_copy_threads)"
-        else:
-            why = "4 KiB pages for torch's CPU tensors on some rank, and no read helpers on some"
-        return rings_limit(huge, spare), why
+        if huge or spare:
+            why = (
+                "torch's CPU tensors get huge pages on every rank"
+                if huge
+                else "every rank splits its reads over helper threads (host_copy_threads)"
+            )
+            return READ_ABOVE_BYTES, why
+        host_ranks = sorted([self.rank, *local])
+        at = host_ranks.index(self.rank)
+        after, before = host_ranks[(at + 1) % len(host_ranks)], host_ranks[at - 1]
+        to_after, from_before = self._links[after], self._links[before]
+        can_probe = options.host_reads and (
+            not local
+            or (
+                to_after is not None
+                and from_before is not None
+                and to_after.host.reads_out
+                and from_before.host.reads_in
+            )
+        )
+        if not self._agree("host_probe", can_probe):
+            return EVERY_SIZE, (
+                "4 KiB pages for torch's CPU tensors on some rank, no read helpers on some, "
+                "and no reads to measure on some"
+            )
+        if not local:
+            return EVERY_SIZE, "no peer on this host"
+        processes = [self.directory.host_processes[r] for r in host_ranks]
+        verdict = host_probe.cached_verdict(processes)
+        if verdict is None:
+            verdict = host_probe.measure_host(
+                self._hub,
+                self._keys,
+                self.rank,
+                host_ranks,
+                processes,
+                self._links,
+                lambda src, sub: make_tag(self.group_id, 0, src, sub),
+                self.timeout_s,
+            )
+        limit = READ_ABOVE_BYTES if verdict.reads else EVERY_SIZE
+        return limit, f"4 KiB pages, no read helpers; {verdict.why()}"
 
     def _setup_outboxes(self, local: list[int], links: dict[int, Any]) -> None:
         """The outboxes (``outbox``) between this rank and ``local``, the peers on its host

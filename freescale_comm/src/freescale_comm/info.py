@@ -6,7 +6,7 @@ import os
 import re
 from typing import Any
 
-from freescale_comm.options import EVERY_SIZE, FreescaleOptions, rings_limit
+from freescale_comm.options import EVERY_SIZE, READ_ABOVE_BYTES, FreescaleOptions
 from freescale_comm.shm import host_identity, rings_supported
 from freescale_comm.transport import Transport, ucx_version
 
@@ -248,14 +248,20 @@ def format_info(info: dict[str, Any]) -> str:
         limit, by_pages = opts["shm_max_bytes"], ""
         if limit == -1:  # the group's choice (``GroupContext._ring_limit``), as this rank sees it
             huge = tensors_get_huge_pages(info["torch_huge_pages"], info["transparent_huge_pages"])
-            limit = rings_limit(huge, spare_cores=False)  # helpers depend on the group's ranks
+            limit = READ_ABOVE_BYTES if huge else -1  # helpers and probe: the group's ranks
             by_pages = (
                 "; shm_max_bytes=-1: 512 KiB where every rank's torch CPU tensors get huge "
-                "pages or every rank has read helpers (host_copy_threads; --ranks N shows the "
-                "group's choice), else every size"
+                "pages or every rank has read helpers (host_copy_threads), else the faster as "
+                "measured between the host's ranks at set-up (--ranks N shows the group's "
+                "choice)"
             )
         if limit >= EVERY_SIZE:
             rule = "peers on this host: shared-memory rings at every size"
+        elif limit == -1:
+            rule = (
+                "peers on this host: shared-memory rings for messages <= 524288 B or of every "
+                f"size; {above}"
+            )
         else:
             rule = f"peers on this host: shared-memory rings for messages <= {limit} B, {above}"
         rule += (

@@ -12,7 +12,7 @@ done, and each helper wakes it as it finishes (``Transport.wake``). Where each r
 than two cores (the 2-core CI machine with 2 ranks) the copies stay on the progressing thread
 (``host_copy``), which measured fastest there. A large message read from a peer's
 memory is split the same way (``run_in_parts``), and where every rank has helpers the group
-reads messages above 512 KiB instead of cutting them into ring slots (``options.rings_limit``):
+reads messages above 512 KiB instead of cutting them into ring slots (``GroupContext._ring_limit``):
 there a 2-rank AllToAll of 64 MiB took 4.3 ms against 18.8 through the rings on one thread.
 """
 

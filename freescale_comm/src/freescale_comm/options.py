@@ -28,14 +28,6 @@ _ENV_PREFIX = "FREESCALE_"
 READ_ABOVE_BYTES = 512 << 10
 EVERY_SIZE = 1 << 40
 
-
-def rings_limit(huge_pages: bool, spare_cores: bool) -> int:
-    """The rings' largest message under ``shm_max_bytes=-1``, given whether every rank's torch
-    CPU tensors get huge pages and whether every rank has helper threads to split its reads
-    over (``local_copies.helper_threads``)."""
-    return READ_ABOVE_BYTES if huge_pages or spare_cores else EVERY_SIZE
-
-
 HOST_ENV = "FREESCALE_HOST_ID"  # the host identity (``shm.host_identity``), not a field
 # What both sides of a message must agree on: whether headers are exchanged, what travels
 # inside them, the algorithm and its chunks, and the path each kind of bytes takes; and what
@@ -106,10 +98,10 @@ class FreescaleOptions:
             (``info.tensors_get_huge_pages``: a read of a larger message pins the sender's pages
             cheaply and beats the rings' two copies from a few MiB) or, with ``host_reads``,
             every rank has helper threads (``host_copy_threads``: on a 16-vCPU host reads beat
-            the rings from 4 MiB, split over threads from 64 MiB by 3x); else every size (a read
-            pins each 4 KiB page, and the rings, whose slots stay in the cache, measured as fast
-            or faster on 4 ranks of 2 cores, within about 20% either way on 2). Same on every
-            rank.
+            the rings from 4 MiB, split over threads from 64 MiB by 3x); else 512 KiB or every
+            size, whichever the host's ranks measure faster at set-up (``host_probe``: with
+            4 KiB pages the rings won on one 2-core machine, the reads on another). The same on
+            every rank of a host.
             ``FREESCALE_SHM_MAX_BYTES``.
         host_reads: under ``auto``, a larger message is read by its receiver straight from
             the sender's memory (``process_vm_readv``: one copy, as UCX's cross-memory attach,

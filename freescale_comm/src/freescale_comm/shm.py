@@ -13,7 +13,7 @@ receiver's verdict on its collective, which needs no message behind it (a second
 copied out into a buffer of its own.
 
 A host message above the rings' limit (``host_path="auto"``; ``shm_max_bytes``, by default 512 KiB
-where every rank's torch CPU tensors get huge pages, else none: ``GroupContext``) does not go
+or none: ``GroupContext._ring_limit``) does not go
 through the slots: its sender posts one slot naming where the bytes lie in its memory, and the
 receiver, once its receive is posted, reads them straight into it with ``process_vm_readv`` (one
 copy, as UCX's cross-memory attach), then counts the descriptor done in the ring's control block,
