@@ -67,8 +67,10 @@ def _variant(text: str) -> tuple[str, FreescaleOptions]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One rank on the launcher's Gloo group: every row (rank 0 prints them)."""
+def _rank(args: argparse.Namespace) -> dict[str, Any]:
+    """One rank on the launcher's Gloo group: every row (rank 0 prints them), and per variant
+    the path its host bytes take to the next rank and why (``paths``: on one host, what the
+    rings' limit is and how it was chosen)."""
     import torch
     import torch.distributed as dist
 
@@ -88,6 +90,13 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     names = list(groups)
     reference = "gloo" if not cuda else names[0]
     n = args.ranks
+    paths = {}
+    for name, group in groups.items():
+        if group is not None:
+            row = next(r for r in group.paths() if r["peer"] == (rank + 1) % n)
+            paths[name] = {"path": row["path"], "why": row["why"]}
+            if rank == 0:
+                print(f"{name}: {row['path']} ({row['why']})", flush=True)
     rows = []
     gather = dist_all_gather_into_tensor()
     for size in args.sizes:  # bytes one rank receives in all
@@ -169,7 +178,7 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                     for name in names
                 )
                 print(f"{op:<11}{elements * 4:>10} B  {line}", flush=True)
-    return rows
+    return {"rows": rows, "paths": paths}
 
 
 def main() -> None:
@@ -222,7 +231,7 @@ def main() -> None:
         device=args.device,
     )
     try:
-        rows = run_ranks(spec, _rank, args, timeout_s=1800)[0]
+        result = run_ranks(spec, _rank, args, timeout_s=1800)[0]
     except RankFailure as failure:
         raise SystemExit(f"a rank failed: {failure}") from None
     if args.json:
@@ -231,7 +240,8 @@ def main() -> None:
                 "args": {**vars(args), "variant": [(n, repr(o)) for n, o in args.variant]},
                 "load_avg_1m": os.getloadavg()[0],
                 **page_settings(),
-                "rows": rows,
+                "paths": result["paths"],
+                "rows": result["rows"],
             }
             json.dump(report, f, indent=2)
 

@@ -61,6 +61,10 @@ def test_cpu_benchmark_runs_on_tiny_sizes(tmp_path, script, argv, written):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     files = [target] if target.suffix == ".json" else sorted(target.rglob("*.json"))
     assert files and all(json.loads(f.read_text()) for f in files)
+    if script == "comm_alternating.py":  # what each variant's host bytes took, and why
+        paths = json.loads(target.read_text())["paths"]
+        assert paths["freescale"]["path"].startswith("shm")
+        assert paths["freescale"]["why"].startswith("same host")
 
 
 @pytest.mark.timeout(60)

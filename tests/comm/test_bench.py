@@ -58,7 +58,12 @@ def test_small_sweep_is_correct_and_reported(tmp_path, capsys):
         ("all_to_all", 16384),
     ]
     assert all(r["correct"] for r in report["rows"])
-    assert "fs/gloo" in capsys.readouterr().out
+    # The path freescale's host bytes took, and how it was chosen (the rings' limit).
+    assert report["host_path"]["path"].startswith("shm")
+    assert report["host_path"]["why"].startswith("same host")
+    out = capsys.readouterr().out
+    assert "fs/gloo" in out
+    assert "freescale's host bytes to the next rank: shm" in out
 
 
 @pytest.mark.skipif(

@@ -119,9 +119,10 @@ def dist_all_gather_into_tensor() -> Callable[..., Any]:
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _bench_rank(config: BenchConfig, progress: bool) -> list[dict[str, Any]]:
+def _bench_rank(config: BenchConfig, progress: bool) -> dict[str, Any]:
     """One rank of ``run_bench``, in the launcher's freescale group: every row of the sweep
-    (``progress``: rank 0 shows a bar of the (op, size) points on stderr)."""
+    (``progress``: rank 0 shows a bar of the (op, size) points on stderr), and the path the
+    group's host bytes take to the next rank and why (the rings' limit and how it was chosen)."""
     import torch
     import torch.distributed as dist
     from tqdm import tqdm
@@ -147,7 +148,11 @@ def _bench_rank(config: BenchConfig, progress: bool) -> list[dict[str, Any]]:
     bar = tqdm(
         points, desc=f"comm bench, {config.world_size} ranks", disable=not shown, leave=False
     )
-    return [_measure(config, op, size, {n: groups[n] for n in names}, gloo) for op, size in bar]
+    rows = [_measure(config, op, size, {n: groups[n] for n in names}, gloo) for op, size in bar]
+    world = dist.group.WORLD
+    peer = (dist.get_rank() + 1) % config.world_size
+    path = next(row for row in world.paths() if row["peer"] == peer)
+    return {"rows": rows, "host_path": {"path": path["path"], "why": path["why"]}}
 
 
 def _pages_of(addresses: dict[str, int]) -> dict[str, dict[str, Any]]:
@@ -345,7 +350,8 @@ def run_bench(
             "gpus": gpus,
             "transparent_huge_pages": transparent_huge_pages(),
         },
-        "rows": payload,
+        "host_path": payload["host_path"],
+        "rows": payload["rows"],
     }
 
 
@@ -380,6 +386,9 @@ def format_table(report: dict[str, Any]) -> str:
         "bandwidths in GB/s; times: median over alternating blocks of the slowest "
         "rank's time per call; paired: median over rounds of the ratio of a round's two blocks"
     )
+    if "host_path" in report:
+        host = report["host_path"]
+        lines.append(f"freescale's host bytes to the next rank: {host['path']} ({host['why']})")
     return "\n".join(lines)
 
 
