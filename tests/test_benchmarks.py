@@ -52,6 +52,7 @@ def _run(script: str, *argv: str, timeout: float) -> subprocess.CompletedProcess
         ),
         ("comm_host_profile.py", ["--calls", "20", "--blocks", "1", "--profile"], "--json"),
         ("host_copy_bandwidth.py", ["--read-mib", "1", "--copy-mib", "1"], "--json"),
+        ("host_probe_repeat.py", ["--ranks", "2", "--repeats", "2"], "--json"),
         ("embed_gpu.py", ["--device", "cpu", "--backend", "gloo", "--quick"], "--out"),
     ],
 )

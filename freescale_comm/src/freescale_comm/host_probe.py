@@ -32,7 +32,8 @@ from freescale_comm.errors import FreescaleError
 
 # A piece of a 4-rank AllToAll of 8 MiB; big enough that the copies, not the round trip, cost.
 PROBE_BYTES = 2 << 20
-PROBE_ROUNDS = 5  # per path, after one round of each to warm the slots and the buffers
+PROBE_ROUNDS = 7  # per path, after two rounds of each that warm the slots and the buffers
+_WARM_ROUNDS = 2
 # The reads must take less than this share of the rings' time to be chosen: the rings keep the
 # sender's pages unpinned and their slots cached, and the two measured alike within 10% on
 # hosts where neither clearly won.
@@ -109,7 +110,7 @@ def measure_host(
     # The counts of messages that ``paths`` reports are the group's traffic, not the probe's.
     channels = {id(links[p].host): links[p].host for p in (to_peer, from_peer)}.values()
     counts = [(c, c.sent, c.received, c.reads) for c in channels]
-    for k in range(2 * (PROBE_ROUNDS + 1)):
+    for k in range(2 * (PROBE_ROUNDS + _WARM_ROUNDS)):
         by_read = bool(k % 2)
         started = time.perf_counter()
         requests = [
@@ -117,7 +118,7 @@ def measure_host(
             hub.post(links[to_peer], send, tag_of(rank, k + 1), send=True, by_read=by_read),
         ]
         _finish(hub, requests, deadline, to_peer, from_peer)
-        if k >= 2:
+        if k >= 2 * _WARM_ROUNDS:
             rounds[by_read].append(time.perf_counter() - started)
     for channel, sent, received, reads in counts:
         channel.sent, channel.received, channel.reads = sent, received, reads
