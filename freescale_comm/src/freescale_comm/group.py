@@ -399,6 +399,9 @@ class GroupContext:
         processes = [self.directory.host_processes[r] for r in host_ranks]
         verdict = host_probe.cached_verdict(processes)
         if verdict is None:
+            # Its messages take sequence number 0: they are all delivered before any rank of
+            # the host leaves the probe (each waits for every rank's figures), so before any
+            # collective of the group sends one.
             verdict = host_probe.measure_host(
                 self._hub,
                 self._keys,
