@@ -1862,10 +1862,11 @@ def die_during_collective_on_pretend_hosts(victim: int, delay_s: float, per_peer
 
 def die_while_a_group_is_set_up(victim: int, step: str) -> None:
     """The victim exits in the middle of a new group's set-up (``step``: joining its directory,
-    making its rings, or its outbox); the others' ``new_group`` must raise within the group
-    timeout (5 s), having left nothing of theirs in /dev/shm (they re-raise with what they
-    left)."""
-    from freescale_comm import directory, outbox, shm
+    making its rings, its outbox, or measuring the rings against the reads: 4 KiB pages and no
+    read helpers, so that the probe runs); the others' ``new_group`` must raise within the
+    group timeout (5 s), having left nothing of theirs in /dev/shm (they re-raise with what
+    they left and the error's text)."""
+    from freescale_comm import FreescaleOptions, directory, host_probe, outbox, shm
 
     rank = dist.get_rank()
     if rank == victim:
@@ -1873,17 +1874,24 @@ def die_while_a_group_is_set_up(victim: int, step: str) -> None:
             "directory": (directory, "Directory"),
             "rings": (shm, "open_links"),
             "outbox": (outbox, "open_outboxes"),
+            "probe": (host_probe, "measure_host"),
         }[step]
         setattr(owner, name, lambda *args, **kwargs: os._exit(7))
+    options = FreescaleOptions(host_copy_threads=1) if step == "probe" else None
     start = time.monotonic()
     try:
-        dist.new_group(backend="freescale", timeout=timedelta(seconds=5))
+        with (
+            mock.patch.dict(os.environ, {"THP_MEM_ALLOC_ENABLE": "0"}),
+            mock.patch("freescale_comm.info.transparent_huge_pages", return_value="madvise"),
+            mock.patch.dict(host_probe._verdicts, clear=True),
+        ):
+            dist.new_group(backend="freescale", timeout=timedelta(seconds=5), pg_options=options)
     except Exception as err:
         mine = f"freescale-ring-{os.getpid()}-"
         left = [name for name in os.listdir("/dev/shm") if name.startswith(mine)]
         raise RuntimeError(
             f"survivor {rank} raised after {time.monotonic() - start:.1f} s, leaving {left}: "
-            f"{type(err).__name__}"
+            f"{type(err).__name__}: {err}"
         ) from err
     raise AssertionError("the group was set up without the victim")
 

@@ -128,7 +128,7 @@ def test_an_interrupt_while_a_collective_waits_raises_at_once_and_the_collective
         assert report["next_call"] == [10.0 + peer for peer in range(n)], (rank, report)
 
 
-@pytest.mark.parametrize("step", ["directory", "rings", "outbox"])
+@pytest.mark.parametrize("step", ["directory", "rings", "outbox", "probe"])
 def test_a_peer_dying_during_set_up_fails_it_within_the_timeout_and_leaves_nothing(step):
     group = LocalGroup(2, backend="freescale", setup=SETUP, init_timeout_s=20)
     try:
@@ -141,6 +141,10 @@ def test_a_peer_dying_during_set_up_fails_it_within_the_timeout_and_leaves_nothi
     assert "rank 1: died" in report, report
     found = re.search(r"survivor 0 raised after ([0-9.]+) s, leaving \[\]", report)
     assert found and float(found.group(1)) < 15, report  # the group timeout is 5 s
+    if step == "probe":  # the probe watches the process of each rank of the host
+        assert "rank 1: its process on this host" in report, report
+        assert "has exited during the host path probe" in report, report
+        assert float(found.group(1)) < 3, report
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from freescale_comm.errors import FreescaleError
+from freescale_comm.errors import FreescaleError, FreescalePeerError
+from freescale_comm.shm import process_alive
 
 # A piece of a 4-rank AllToAll of 8 MiB; big enough that the copies, not the round trip, cost.
 PROBE_BYTES = 2 << 20
@@ -38,6 +39,9 @@ _WARM_ROUNDS = 2
 # sender's pages unpinned and their slots cached, and the two measured alike within 10% on
 # hosts where neither clearly won.
 READS_WIN_BELOW = 0.9
+
+# How often a wait of the probe checks that the host's other ranks still run.
+_CHECK_S = 0.2
 
 _verdicts: dict[tuple[str, ...], ProbeVerdict] = {}
 
@@ -95,15 +99,21 @@ def measure_host(
         store: the group's store.
         host_ranks: the group ranks on this host, sorted.
         processes: their process identities (the cache's key).
-        links: this rank's ``shm.Link`` per peer; the next and the previous rank of the host
+        links: this rank's ``shm.Link`` per peer of the host; the next and the previous rank
             must read each other's sends (``Channel.reads_out`` / ``reads_in``).
         tag_of: ``tag_of(src, sub)``, the tag of a probe message (``transport.make_tag``).
-        timeout_s: the bound of every wait (a peer that died fails the set-up).
+        timeout_s: the bound of every wait. A rank of the host whose process exits meanwhile
+            fails it at once (``FreescalePeerError``).
     """
     at = host_ranks.index(rank)
     to_peer = host_ranks[(at + 1) % len(host_ranks)]
     from_peer = host_ranks[at - 1]
     deadline = time.monotonic() + timeout_s
+    pids = {
+        peer: links[peer].host.peer_pid
+        for peer in host_ranks
+        if peer != rank and links[peer] is not None and links[peer].host.peer_pid > 0
+    }
     send = np.ones(PROBE_BYTES, dtype=np.uint8)  # touched: no page faults in the rounds
     recv = np.zeros(PROBE_BYTES, dtype=np.uint8)
     rounds: dict[bool, list[float]] = {False: [], True: []}
@@ -117,7 +127,7 @@ def measure_host(
             hub.post(links[from_peer], recv, tag_of(from_peer, k + 1), send=False),
             hub.post(links[to_peer], send, tag_of(rank, k + 1), send=True, by_read=by_read),
         ]
-        _finish(hub, requests, deadline, to_peer, from_peer)
+        _finish(hub, requests, deadline, {p: pids[p] for p in (to_peer, from_peer) if p in pids})
         if k >= 2 * _WARM_ROUNDS:
             rounds[by_read].append(time.perf_counter() - started)
     for channel, sent, received, reads in counts:
@@ -125,23 +135,49 @@ def measure_host(
     mine = f"{statistics.median(rounds[False])!r},{statistics.median(rounds[True])!r}"
     store.set(f"freescale/host_probe/{rank}", mine)
     keys = [f"freescale/host_probe/{r}" for r in host_ranks]
-    store.wait(keys, timedelta(seconds=max(0.1, deadline - time.monotonic())))
+    while True:
+        try:
+            store.wait(keys, timedelta(seconds=_CHECK_S))
+            break
+        except RuntimeError:  # torch's store errors, a wait's timeout among them
+            _check_alive(pids)
+            if time.monotonic() > deadline:
+                raise FreescaleError(
+                    "the host path probe: the figures of the host's other ranks did not come "
+                    "within the group timeout"
+                ) from None
     figures = [tuple(map(float, bytes(v).decode().split(","))) for v in store.multi_get(keys)]
     verdict = reads_win([f[0] for f in figures], [f[1] for f in figures])
     _verdicts[tuple(sorted(processes))] = verdict
     return verdict
 
 
-def _finish(hub: Any, requests: list[Any], deadline: float, to_peer: int, from_peer: int) -> None:
+def _finish(hub: Any, requests: list[Any], deadline: float, pids: dict[int, int]) -> None:
     """Progresses the rings until ``requests`` complete, yielding the core between polls (the
-    peers may share it); raises on an error or at ``deadline``."""
+    peers may share it); raises on an error, at ``deadline``, or once a process of ``pids``
+    (group rank -> process id) has exited."""
+    checked = time.monotonic()
     while not all(r.completed for r in requests):
         if not hub.progress():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - checked > _CHECK_S:
+                checked = now
+                _check_alive(pids)
+            if now > deadline:
                 raise FreescaleError(
-                    f"the host path probe with ranks {to_peer} and {from_peer} did not finish "
-                    "within the group timeout (has a peer exited?)"
+                    f"the host path probe with ranks {sorted(pids)} did not finish within the "
+                    "group timeout"
                 )
             os.sched_yield()
     for request in requests:
         request.check_error()
+
+
+def _check_alive(pids: dict[int, int]) -> None:
+    """Raises ``FreescalePeerError`` if the process of a rank in ``pids`` has exited."""
+    for peer, pid in sorted(pids.items()):
+        if not process_alive(pid):
+            raise FreescalePeerError(
+                f"rank {peer}: its process on this host ({pid}) has exited during the host "
+                "path probe of the group's set-up"
+            )

@@ -131,7 +131,7 @@ def sweep_stale(now: float | None = None) -> list[str]:
             continue
         path = os.path.join(_SHM_DIR, name)
         try:
-            if _alive(pid) or now - os.stat(path).st_mtime < _STALE_AFTER_S:
+            if process_alive(pid) or now - os.stat(path).st_mtime < _STALE_AFTER_S:
                 continue
             os.unlink(path)
             removed.append(name)
@@ -140,7 +140,8 @@ def sweep_stale(now: float | None = None) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process of id ``pid`` runs (one of another user counts: it cannot be probed)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -763,7 +764,7 @@ class _Lent(NamedTuple):
     def returned(self) -> bool:
         ctrl = self.ring.ctrl
         done = int(ctrl[_READS_DONE]) - self.seen >= len(self.sends) or int(ctrl[_CLOSED]) != 0
-        return done or not _alive(self.peer_pid)
+        return done or not process_alive(self.peer_pid)
 
 
 class Link:
