@@ -18,14 +18,14 @@ import os
 import statistics
 from typing import Any
 
+from freescale_comm import host_probe
 from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
+from freescale_comm.host_probe import PROBE_BYTES, PROBE_ROUNDS, READS_WIN_BELOW
 from freescale_comm.info import page_settings
 
 
 def _rank(repeats: int) -> list[dict[str, Any]]:
     import torch.distributed as dist
-
-    from freescale_comm import host_probe
 
     probes = []
     for _ in range(repeats):
@@ -67,8 +67,6 @@ def main() -> None:
         probes = run_ranks(spec, _rank, args.repeats, timeout_s=600)[0]
     except RankFailure as failure:
         raise SystemExit(f"a rank failed: {failure}") from None
-    from freescale_comm.host_probe import PROBE_BYTES, PROBE_ROUNDS, READS_WIN_BELOW
-
     for k, probe in enumerate(probes):
         print(
             f"probe {k}: rings {probe['rings_ms']:.2f} ms, reads {probe['reads_ms']:.2f} ms, "
