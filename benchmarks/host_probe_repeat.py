@@ -54,8 +54,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.ranks < 2 or args.repeats < 1:
         parser.error("--ranks must be at least 2 and --repeats at least 1")
-    # No read helpers and 4 KiB pages, whatever the host: else the group reads above 512 KiB
-    # by rule and measures nothing.
+    # No read helpers, and torch asks for no huge pages: else the group reads above 512 KiB by
+    # rule and measures nothing (as where the kernel gives every tensor huge pages, "always").
     spec = GroupSpec(
         args.ranks,
         "gloo",

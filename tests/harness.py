@@ -51,3 +51,13 @@ class LocalGroups:
         for group in self._groups:
             group.close()
         self._groups.clear()
+
+
+def reads_allowed() -> bool:
+    """Whether ranks of one host may read each other's memory (Yama's ``ptrace_scope`` 0 or 1,
+    or no Yama): the reads of large host messages and the set-up probe need it."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read()) <= 1
+    except (OSError, ValueError):
+        return True

@@ -13,7 +13,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import reads_allowed
+
 _ROOT = Path(__file__).resolve().parents[1]
+
+
+def _probe_runs_here() -> bool:
+    """Whether ``host_probe_repeat.py`` measures anything here: ranks may read each other's
+    memory, and torch's tensors keep 4 KiB pages without ``THP_MEM_ALLOC_ENABLE`` (not under
+    the kernel's ``always``)."""
+    from freescale_comm.info import transparent_huge_pages
+
+    return reads_allowed() and transparent_huge_pages() != "always"
 
 
 def _run(script: str, *argv: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -57,6 +68,10 @@ def _run(script: str, *argv: str, timeout: float) -> subprocess.CompletedProcess
     ],
 )
 def test_cpu_benchmark_runs_on_tiny_sizes(tmp_path, script, argv, written):
+    if script == "host_probe_repeat.py" and not _probe_runs_here():
+        pytest.skip(
+            "no probe runs here: the kernel refuses reads, or gives every tensor huge pages"
+        )
     target = tmp_path / "out.json" if written == "--json" else tmp_path / "out"
     done = _run(script, *argv, written, str(target), timeout=140)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -342,7 +342,7 @@ class GroupContext:
         if links:
             self._hub = shm.Hub.get()
             self.transport.attach_hub(self._hub)
-        self.ring_max_bytes, self.ring_max_why = self._ring_limit(local_ok)
+        self.ring_max_bytes, self.ring_max_why = self._ring_limit(local_ok, slots)
         if self.one_host:
             self._all_on_staging_rings = self._agree(
                 "staging_rings", all(self.stages_on_rings(p) for p in local)
@@ -350,15 +350,16 @@ class GroupContext:
         if options.shm_outbox_bytes > 0:
             self._setup_outboxes(local if unsupported is None else [], links)
 
-    def _ring_limit(self, local: list[int]) -> tuple[int, str]:
+    def _ring_limit(self, local: list[int], slots: int) -> tuple[int, str]:
         """The largest message the rings carry, and why. ``shm_max_bytes=-1``: 512 KiB where
         torch's CPU tensors get huge pages on every rank (a read of a larger message pins them
         cheaply) or every rank splits its reads over helper threads; else as measured between
         this host's ranks (``host_probe``), the same on every rank of the host: a pair of ranks
         shares a host, so both of its sides choose alike. ``local``: the peers on this host
-        with rings."""
+        with rings; ``slots``: of each ring."""
         from freescale_comm import host_probe
         from freescale_comm.info import tensors_get_huge_pages
+        from freescale_comm.liveness import gone_processes, watchable_processes
 
         options = self.options
         if options.host_path == "shm":
@@ -394,11 +395,29 @@ class GroupContext:
                 "4 KiB pages for torch's CPU tensors on some rank, no read helpers on some, "
                 "and no reads to measure on some"
             )
+        processes = [self.directory.host_processes[r] for r in host_ranks]
+        key = host_probe.verdict_key(processes, slots, options.shm_slot_bytes)
+        cached = host_probe.cached_verdict(key) if local else None
+        # Every rank of the group says whether it has the verdict (a rank alone on its host
+        # needs none): either all of a host's ranks measure or none does.
+        reuse = self._agree("host_probe_cached", cached is not None or not local)
         if not local:
             return EVERY_SIZE, "no peer on this host"
-        processes = [self.directory.host_processes[r] for r in host_ranks]
-        verdict = host_probe.cached_verdict(processes)
-        if verdict is None:
+        if reuse and cached is not None:  # every rank of the host has it
+            verdict = cached
+        else:
+            watched = watchable_processes({r: self.directory.host_processes[r] for r in local})
+
+            def stop() -> str | None:
+                gone = gone_processes(watched)
+                if gone:
+                    return f"the process of rank {gone[0]} on this host has exited"
+                links = [(p, self._links[p]) for p in local]
+                closed = [p for p, link in links if link is not None and link.host.peer_closed]
+                if closed:
+                    return f"rank {closed[0]} gave up the set-up"
+                return self.broken
+
             # Its messages take sequence number 0: they are all delivered before any rank of
             # the host leaves the probe (each waits for every rank's figures), so before any
             # collective of the group sends one.
@@ -407,11 +426,12 @@ class GroupContext:
                 self._keys,
                 self.rank,
                 host_ranks,
-                processes,
                 self._links,
                 lambda src, sub: make_tag(self.group_id, 0, src, sub),
                 self.timeout_s,
+                stop,
             )
+            host_probe.keep_verdict(key, verdict)
         limit = READ_ABOVE_BYTES if verdict.reads else EVERY_SIZE
         return limit, f"4 KiB pages, no read helpers; {verdict.why()}"
 

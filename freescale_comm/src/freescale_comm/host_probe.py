@@ -12,8 +12,9 @@ all at once as a collective would: each sends ``PROBE_BYTES`` to the next rank o
 receives as much from the previous one, through the rings and by read, in alternating rounds.
 Every rank of the host publishes its medians through the group's store and every rank applies
 the same rule to the same figures (``reads_win``), so both sides of every pair on the host
-choose alike. The verdict is kept per set of processes (``cached_verdict``): a later group of
-the same processes on this host reuses it instead of measuring again.
+choose alike. The verdict is kept per set of processes and ring geometry (``verdict_key``): a
+later group of the same processes reuses it instead of measuring again, where every rank of the
+group has it (the group agrees on that first).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -29,7 +30,6 @@ from typing import Any
 import numpy as np
 
 from freescale_comm.errors import FreescaleError, FreescalePeerError
-from freescale_comm.shm import process_alive
 
 # A piece of a 4-rank AllToAll of 8 MiB; big enough that the copies, not the round trip, cost.
 PROBE_BYTES = 2 << 20
@@ -40,7 +40,7 @@ _WARM_ROUNDS = 2
 # hosts where neither clearly won.
 READS_WIN_BELOW = 0.9
 
-# How often a wait of the probe checks that the host's other ranks still run.
+# How often a wait of the probe asks whether to stop (a rank of the host gone, or given up).
 _CHECK_S = 0.2
 
 _verdicts: dict[tuple[str, ...], ProbeVerdict] = {}
@@ -69,16 +69,30 @@ class ProbeVerdict:
 
 
 def reads_win(rings_s: Sequence[float], reads_s: Sequence[float]) -> ProbeVerdict:
-    """The verdict from every rank's median round per path (the slowest rank sets a
-    collective's time): reads where they take less than ``READS_WIN_BELOW`` of the rings'."""
+    """The verdict from every rank's median round per path: the largest median of each path
+    over the host's ranks (the slowest rank sets a collective's time, whichever it is), the
+    reads where theirs is under ``READS_WIN_BELOW`` of the rings'."""
     rings, reads = max(rings_s), max(reads_s)
     return ProbeVerdict(reads < READS_WIN_BELOW * rings, rings, reads)
 
 
-def cached_verdict(processes: Sequence[str]) -> ProbeVerdict | None:
-    """The verdict measured earlier between exactly these processes (``liveness``'s process
-    identities of the host's ranks), if any."""
-    return _verdicts.get(tuple(sorted(processes)))
+def verdict_key(processes: Sequence[str], slots: int, slot_bytes: int) -> tuple[str, ...] | None:
+    """What a verdict is kept under: the process identities of the host's ranks (``liveness``'s
+    ``process_identity``) and the rings' geometry; None where an identity is unknown (empty),
+    which could name another process: then nothing is kept."""
+    if not all(processes):
+        return None
+    return (*sorted(processes), f"{slots}x{slot_bytes}")
+
+
+def cached_verdict(key: tuple[str, ...] | None) -> ProbeVerdict | None:
+    """The verdict kept under ``key``, if any."""
+    return None if key is None else _verdicts.get(key)
+
+
+def keep_verdict(key: tuple[str, ...] | None, verdict: ProbeVerdict) -> None:
+    if key is not None:
+        _verdicts[key] = verdict
 
 
 def measure_host(
@@ -86,10 +100,10 @@ def measure_host(
     store: Any,
     rank: int,
     host_ranks: Sequence[int],
-    processes: Sequence[str],
-    links: dict[int, Any],
-    tag_of: Any,
+    links: dict[int, Any] | Sequence[Any],
+    tag_of: Callable[[int, int], int],
     timeout_s: float,
+    stop: Callable[[], str | None],
 ) -> ProbeVerdict:
     """Measures the rings against the reads with every rank of ``host_ranks`` (this one among
     them; every one calls it), and returns the verdict, the same on each of them.
@@ -98,22 +112,17 @@ def measure_host(
         hub: the process's ``shm.Hub``.
         store: the group's store.
         host_ranks: the group ranks on this host, sorted.
-        processes: their process identities (the cache's key).
-        links: this rank's ``shm.Link`` per peer of the host; the next and the previous rank
+        links: this rank's ``shm.Link`` per peer; the next and the previous rank of the host
             must read each other's sends (``Channel.reads_out`` / ``reads_in``).
         tag_of: ``tag_of(src, sub)``, the tag of a probe message (``transport.make_tag``).
-        timeout_s: the bound of every wait. A rank of the host whose process exits meanwhile
-            fails it at once (``FreescalePeerError``).
+        timeout_s: the bound of every wait.
+        stop: asked every ``_CHECK_S`` while waiting: why to give up (a rank of the host whose
+            process exited, or that gave up the set-up), raised as ``FreescalePeerError``.
     """
     at = host_ranks.index(rank)
     to_peer = host_ranks[(at + 1) % len(host_ranks)]
     from_peer = host_ranks[at - 1]
     deadline = time.monotonic() + timeout_s
-    pids = {
-        peer: links[peer].host.peer_pid
-        for peer in host_ranks
-        if peer != rank and links[peer] is not None and links[peer].host.peer_pid > 0
-    }
     send = np.ones(PROBE_BYTES, dtype=np.uint8)  # touched: no page faults in the rounds
     recv = np.zeros(PROBE_BYTES, dtype=np.uint8)
     rounds: dict[bool, list[float]] = {False: [], True: []}
@@ -127,7 +136,7 @@ def measure_host(
             hub.post(links[from_peer], recv, tag_of(from_peer, k + 1), send=False),
             hub.post(links[to_peer], send, tag_of(rank, k + 1), send=True, by_read=by_read),
         ]
-        _finish(hub, requests, deadline, {p: pids[p] for p in (to_peer, from_peer) if p in pids})
+        _finish(hub, requests, deadline, stop)
         if k >= 2 * _WARM_ROUNDS:
             rounds[by_read].append(time.perf_counter() - started)
     for channel, sent, received, reads in counts:
@@ -135,49 +144,55 @@ def measure_host(
     mine = f"{statistics.median(rounds[False])!r},{statistics.median(rounds[True])!r}"
     store.set(f"freescale/host_probe/{rank}", mine)
     keys = [f"freescale/host_probe/{r}" for r in host_ranks]
-    while True:
-        try:
-            store.wait(keys, timedelta(seconds=_CHECK_S))
-            break
-        except RuntimeError:  # torch's store errors, a wait's timeout among them
-            _check_alive(pids)
-            if time.monotonic() > deadline:
-                raise FreescaleError(
-                    "the host path probe: the figures of the host's other ranks did not come "
-                    "within the group timeout"
-                ) from None
+    _wait_for_keys(store, keys, deadline, stop)
     figures = [tuple(map(float, bytes(v).decode().split(","))) for v in store.multi_get(keys)]
-    verdict = reads_win([f[0] for f in figures], [f[1] for f in figures])
-    _verdicts[tuple(sorted(processes))] = verdict
-    return verdict
+    return reads_win([f[0] for f in figures], [f[1] for f in figures])
 
 
-def _finish(hub: Any, requests: list[Any], deadline: float, pids: dict[int, int]) -> None:
+def _finish(hub: Any, requests: list[Any], deadline: float, stop: Callable[[], str | None]) -> None:
     """Progresses the rings until ``requests`` complete, yielding the core between polls (the
-    peers may share it); raises on an error, at ``deadline``, or once a process of ``pids``
-    (group rank -> process id) has exited."""
+    peers may share it); raises on an error, once ``stop`` gives a reason, or at
+    ``deadline``."""
     checked = time.monotonic()
     while not all(r.completed for r in requests):
-        if not hub.progress():
-            now = time.monotonic()
-            if now - checked > _CHECK_S:
-                checked = now
-                _check_alive(pids)
+        moved = hub.progress()
+        now = time.monotonic()
+        if now - checked > _CHECK_S:  # also while other groups' traffic keeps the hub moving
+            checked = now
+            _raise_if_stopped(stop)
             if now > deadline:
                 raise FreescaleError(
-                    f"the host path probe with ranks {sorted(pids)} did not finish within the "
+                    "the host path probe of the group's set-up did not finish within the "
                     "group timeout"
                 )
+        if not moved:
             os.sched_yield()
     for request in requests:
         request.check_error()
 
 
-def _check_alive(pids: dict[int, int]) -> None:
-    """Raises ``FreescalePeerError`` if the process of a rank in ``pids`` has exited."""
-    for peer, pid in sorted(pids.items()):
-        if not process_alive(pid):
-            raise FreescalePeerError(
-                f"rank {peer}: its process on this host ({pid}) has exited during the host "
-                "path probe of the group's set-up"
+def _wait_for_keys(
+    store: Any, keys: list[str], deadline: float, stop: Callable[[], str | None]
+) -> None:
+    """Waits for ``keys`` in ``store`` in steps of ``_CHECK_S``, asking ``stop`` between them;
+    a store that fails sooner than a step raises at once."""
+    while True:
+        asked = time.monotonic()
+        try:
+            store.wait(keys, timedelta(seconds=_CHECK_S))
+            return
+        except RuntimeError:  # torch's store errors: a wait's timeout, or the store gone
+            if time.monotonic() - asked < _CHECK_S / 2:
+                raise
+        _raise_if_stopped(stop)
+        if time.monotonic() > deadline:
+            raise FreescaleError(
+                "the host path probe: the figures of the host's other ranks did not come "
+                "within the group timeout"
             )
+
+
+def _raise_if_stopped(stop: Callable[[], str | None]) -> None:
+    reason = stop()
+    if reason is not None:
+        raise FreescalePeerError(f"the host path probe of the group's set-up stopped: {reason}")

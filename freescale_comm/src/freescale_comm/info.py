@@ -248,7 +248,8 @@ def format_info(info: dict[str, Any]) -> str:
         limit, by_pages = opts["shm_max_bytes"], ""
         if limit == -1:  # the group's choice (``GroupContext._ring_limit``), as this rank sees it
             huge = tensors_get_huge_pages(info["torch_huge_pages"], info["transparent_huge_pages"])
-            limit = READ_ABOVE_BYTES if huge else -1  # helpers and probe: the group's ranks
+            # Else helpers and the probe decide, which are the group's (no probe without reads).
+            limit = READ_ABOVE_BYTES if huge else (-1 if opts["host_reads"] else EVERY_SIZE)
             by_pages = (
                 "; shm_max_bytes=-1: 512 KiB where every rank's torch CPU tensors get huge "
                 "pages or every rank has read helpers (host_copy_threads), else the faster as "

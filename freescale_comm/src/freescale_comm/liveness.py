@@ -326,19 +326,7 @@ class Liveness:
         a peer in this process's PID namespace whose process, read here, is the one it
         published (same start time) is watched; the others are left to heartbeats. Call it
         before the engine ticks this liveness."""
-        mine = process_identity().split("/")
-        watched = {}
-        for peer, identity in identities.items():
-            parts = identity.split("/")
-            if len(parts) != 3 or len(mine) != 3 or parts[1] != mine[1]:
-                continue
-            pid, started = int(parts[0]), int(parts[2])
-            try:
-                if process_start_time(pid) == started:
-                    watched[peer] = (pid, started)
-            except OSError:
-                continue
-        self._processes = watched
+        self._processes = watchable_processes(identities)
 
     def check_processes(self) -> None:
         """Reports a same-host peer whose process is gone, unless it left the group first (its
@@ -346,7 +334,7 @@ class Liveness:
         or once the store answers."""
         if self.dead is not None:
             return
-        gone = [p for p, (pid, started) in self._processes.items() if _gone(pid, started)]
+        gone = gone_processes(self._processes)
         if gone:
             # A peer that destroyed the group may exit before this rank's next poll reads so.
             # Its outbox, where the group has them, says so for certain (it is marked before
@@ -537,6 +525,31 @@ def process_state(pid: int) -> str | None:
     is gone or a zombie (``_stat_fields``)."""
     fields = _stat_fields(pid)
     return None if fields is None else fields[0].decode()
+
+
+def watchable_processes(identities: dict[int, str]) -> dict[int, tuple[int, int]]:
+    """Of these peers of this host (rank -> the identity each published, ``process_identity``),
+    those whose process this one can watch: in its PID namespace, and read here as the one
+    it published (same start time); rank -> (pid, start time)."""
+    mine = process_identity().split("/")
+    watched = {}
+    for peer, identity in identities.items():
+        parts = identity.split("/")
+        if len(parts) != 3 or len(mine) != 3 or parts[1] != mine[1]:
+            continue
+        pid, started = int(parts[0]), int(parts[2])
+        try:
+            if process_start_time(pid) == started:
+                watched[peer] = (pid, started)
+        except OSError:
+            continue
+    return watched
+
+
+def gone_processes(watched: dict[int, tuple[int, int]]) -> list[int]:
+    """The ranks of ``watched`` (``watchable_processes``) whose process has exited (a zombie
+    too, or its pid taken by another process)."""
+    return [peer for peer, (pid, started) in watched.items() if _gone(pid, started)]
 
 
 def _gone(pid: int, started: int) -> bool:

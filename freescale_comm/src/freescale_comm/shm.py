@@ -131,7 +131,7 @@ def sweep_stale(now: float | None = None) -> list[str]:
             continue
         path = os.path.join(_SHM_DIR, name)
         try:
-            if process_alive(pid) or now - os.stat(path).st_mtime < _STALE_AFTER_S:
+            if _alive(pid) or now - os.stat(path).st_mtime < _STALE_AFTER_S:
                 continue
             os.unlink(path)
             removed.append(name)
@@ -140,8 +140,7 @@ def sweep_stale(now: float | None = None) -> list[str]:
     return removed
 
 
-def process_alive(pid: int) -> bool:
-    """Whether a process of id ``pid`` runs (one of another user counts: it cannot be probed)."""
+def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -545,6 +544,11 @@ class Channel:
             self.hub.signal(self.peer_socket)
 
     @property
+    def peer_closed(self) -> bool:
+        """Whether the peer closed its side (its group was destroyed, or its set-up failed)."""
+        return int(self.out.ctrl[_CLOSED]) != 0
+
+    @property
     def busy(self) -> bool:
         """Copies in flight (their completion wakes no epoll: the caller polls again)."""
         return bool(self._filling or self._draining)
@@ -764,7 +768,7 @@ class _Lent(NamedTuple):
     def returned(self) -> bool:
         ctrl = self.ring.ctrl
         done = int(ctrl[_READS_DONE]) - self.seen >= len(self.sends) or int(ctrl[_CLOSED]) != 0
-        return done or not process_alive(self.peer_pid)
+        return done or not _alive(self.peer_pid)
 
 
 class Link:
