@@ -43,6 +43,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -363,35 +364,30 @@ class Collective:
     def _make_express_layout(self) -> _ExpressLayout | None:
         """``_express_layout``'s answer, worked out from the plan."""
         g, plan = self.group, self.plan
-        layout = None
         peers = [(g.rank + step) % g.size for step in range(1, g.size)]
         own_bytes = sum(len(dst) for dst, _ in plan.local_copies)
-        if (
+        if not (
             all(g.reaches_by_outbox(peer) for peer in peers)
             and self._may_fold()
             and not plan.copy_back
             and (g.local_copies.threads < 2 or own_bytes < MIN_BYTES)
         ):
-            sends, receives = self._foldable(send=True), self._foldable(send=False)
-            folded = sum(map(len, sends.values())) + sum(map(len, receives.values()))
-            if folded == len(plan.transfers):
-                index = {id(t): k for k, t in enumerate(plan.transfers)}
-                size = Signature.size(g.size)
-                received = []
-                for peer, pieces in receives.items():
-                    spans, offset = [], size
-                    for transfer in pieces:
-                        end = offset + len(transfer.buffer)
-                        spans.append((index[id(transfer)], offset, end))
-                        offset = end
-                    received.append((peer, spans))
-                layout = _ExpressLayout(
-                    sends=[(p, [index[id(t)] for t in sends.get(p, [])]) for p in peers],
-                    receives=received,
-                    sources=[(g.rank - step) % g.size for step in range(1, g.size)],
-                    header_bytes=size,
-                )
-        return layout
+            return None
+        index = {id(t): k for k, t in enumerate(plan.transfers)}
+        size = Signature.size(g.size)
+        sends = self._foldable(send=True)
+        received: dict[int, list[tuple[int, int, int]]] = {}
+        for peer, transfer, lo, hi in self._folded_receives(size):
+            received.setdefault(peer, []).append((index[id(transfer)], lo, hi))
+        folded = sum(map(len, sends.values())) + sum(map(len, received.values()))
+        if folded != len(plan.transfers):
+            return None
+        return _ExpressLayout(
+            sends=[(p, [index[id(t)] for t in sends.get(p, [])]) for p in peers],
+            receives=list(received.items()),
+            sources=[(g.rank - step) % g.size for step in range(1, g.size)],
+            header_bytes=size,
+        )
 
     def _express(self, layout: _ExpressLayout) -> None:
         """Runs a collective of ``layout`` on the calling thread: writes the headers (with
@@ -687,6 +683,16 @@ class Collective:
             return {peer: [transfers[i] for i in idx] for peer, idx in indices.items()}
         return self._pick_foldable(send)
 
+    def _folded_receives(self, size: int) -> Iterator[tuple[int, Transfer, int, int]]:
+        """Each receive folded into a peer's header: (peer, the receive, where its bytes start
+        and end in that header, whose signature takes ``size`` bytes)."""
+        for peer, pieces in self._foldable(send=False).items():
+            offset = size
+            for transfer in pieces:
+                end = offset + len(transfer.buffer)
+                yield peer, transfer, offset, end
+                offset = end
+
     def _pick_foldable(self, send: bool) -> dict[int, list[Transfer]]:
         signature = self.plan.signature
         totals = signature.send_bytes if send else signature.recv_bytes
@@ -879,16 +885,12 @@ class Collective:
                 self._headers = []
                 self._fail_locked(f"CUDA IPC: {err}", "peer")
                 return
-        for peer, pieces in self._foldable(send=False).items():
-            offset = size
-            for transfer in pieces:
-                end = offset + len(transfer.buffer)
-                if self.on_cuda:  # queued H2D with the data phase
-                    self._folded_loads.append((transfer.buffer, self._headers[peer][offset:end]))
-                else:
-                    transfer.buffer[:] = self._headers[peer][offset:end]
-                self._folded.add(id(transfer))
-                offset = end
+        for peer, transfer, lo, hi in self._folded_receives(size):
+            if self.on_cuda:  # queued H2D with the data phase
+                self._folded_loads.append((transfer.buffer, self._headers[peer][lo:hi]))
+            else:
+                transfer.buffer[:] = self._headers[peer][lo:hi]
+            self._folded.add(id(transfer))
         self._headers = []
         self._release_outboxes()
         self._phase = "ready"

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from freescale_comm.algorithms import Plan
     from freescale_comm.collective import Collective
     from freescale_comm.cuda import CudaSupport
+    from freescale_comm.host_probe import ProbeVerdict
     from freescale_comm.ipc import IpcPath
 
 logger = logging.getLogger(__name__)
@@ -359,7 +360,6 @@ class GroupContext:
         with rings; ``slots``: of each ring."""
         from freescale_comm import host_probe
         from freescale_comm.info import tensors_get_huge_pages
-        from freescale_comm.liveness import gone_processes, watchable_processes
 
         options = self.options
         if options.host_path == "shm":
@@ -406,34 +406,43 @@ class GroupContext:
         if reuse and cached is not None:  # every rank of the host has it
             verdict = cached
         else:
-            watched = watchable_processes({r: self.directory.host_processes[r] for r in local})
-
-            def stop() -> str | None:
-                gone = gone_processes(watched)
-                if gone:
-                    return f"the process of rank {gone[0]} on this host has exited"
-                links = [(p, self._links[p]) for p in local]
-                closed = [p for p, link in links if link is not None and link.host.peer_closed]
-                if closed:
-                    return f"rank {closed[0]} gave up the set-up"
-                return self.broken
-
-            # Its messages take sequence number 0: they are all delivered before any rank of
-            # the host leaves the probe (each waits for every rank's figures), so before any
-            # collective of the group sends one.
-            verdict = host_probe.measure_host(
-                self._hub,
-                self._keys,
-                self.rank,
-                host_ranks,
-                self._links,
-                lambda src, sub: make_tag(self.group_id, 0, src, sub),
-                self.timeout_s,
-                stop,
-            )
+            verdict = self._measure_host_paths(host_ranks, local)
             host_probe.keep_verdict(key, verdict)
         limit = READ_ABOVE_BYTES if verdict.reads else EVERY_SIZE
         return limit, f"4 KiB pages, no read helpers; {verdict.why()}"
+
+    def _measure_host_paths(self, host_ranks: list[int], local: list[int]) -> ProbeVerdict:
+        """``host_probe.measure_host`` with the ranks of this host (``local``: the others),
+        stopped by one whose process exits, one that gives up its set-up (its side of the rings
+        closed) or an abort."""
+        from freescale_comm import host_probe
+        from freescale_comm.liveness import gone_processes, watchable_processes
+
+        watched = watchable_processes({r: self.directory.host_processes[r] for r in local})
+
+        def stop() -> str | None:
+            gone = gone_processes(watched)
+            if gone:
+                return f"the process of rank {gone[0]} on this host has exited"
+            links = [(p, self._links[p]) for p in local]
+            closed = [p for p, link in links if link is not None and link.host.peer_closed]
+            if closed:
+                return f"rank {closed[0]} gave up the set-up"
+            return self.broken
+
+        # Its messages take sequence number 0: they are all delivered before any rank of the
+        # host leaves the probe (each waits for every rank's figures), so before any collective
+        # of the group sends one.
+        return host_probe.measure_host(
+            self._hub,
+            self._keys,
+            self.rank,
+            host_ranks,
+            self._links,
+            lambda src, sub: make_tag(self.group_id, 0, src, sub),
+            self.timeout_s,
+            stop,
+        )
 
     def _setup_outboxes(self, local: list[int], links: dict[int, Any]) -> None:
         """The outboxes (``outbox``) between this rank and ``local``, the peers on its host

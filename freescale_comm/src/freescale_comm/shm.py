@@ -13,10 +13,10 @@ receiver's verdict on its collective, which needs no message behind it (a second
 copied out into a buffer of its own.
 
 A host message above the rings' limit (``host_path="auto"``; ``shm_max_bytes``, by default 512 KiB
-or none: ``GroupContext._ring_limit``) does not go
-through the slots: its sender posts one slot naming where the bytes lie in its memory, and the
-receiver, once its receive is posted, reads them straight into it with ``process_vm_readv`` (one
-copy, as UCX's cross-memory attach), then counts the descriptor done in the ring's control block,
+or none: ``GroupContext._ring_limit``) does not go through the slots: its sender posts one slot
+naming where the bytes lie in its memory, and the receiver, once its receive is posted, reads
+them straight into it with ``process_vm_readv`` (one copy, as UCX's cross-memory attach), then
+counts the descriptor done in the ring's control block,
 which completes the sends in the order they were posted. The count is not a slot: an answer queued
 in the reader's own ring behind data it sent early for a later collective would wait for a receive
 the sender posts only once this send completed. A sender that died makes the read fail with an
