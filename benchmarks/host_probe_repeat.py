@@ -3,9 +3,10 @@
 With 4 KiB pages and no read helpers, a group's ranks measure the rings against the reads when
 they set it up (``freescale_comm.host_probe``) and keep the verdict for later groups of the same
 processes. This script sets up ``--repeats`` groups on ``--ranks`` local ranks, forgetting the
-verdict before each, and reports each probe's figures: the slowest rank's median round through
-the rings and by read, their ratio, and the choice. Where the ratio sits near
-``READS_WIN_BELOW`` the choice may flip between runs; there the two paths cost about the same.
+verdict before each, and reports each probe's figures: the median round through the rings and by
+read (a round taking its slowest rank's time), their ratio, the choice, and how long rank 0's
+probe took. Where the ratio sits near ``READS_WIN_BELOW`` the choice may flip between runs;
+there the two paths cost about the same.
 
     python benchmarks/host_probe_repeat.py [--ranks 4] [--repeats 8] [--json FILE]
 """
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 from typing import Any
 
 from freescale_comm import host_probe
@@ -28,6 +30,17 @@ def _rank(repeats: int) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     probes = []
+    probe_s: list[float] = []
+    measure = host_probe.measure_host
+
+    def timed_measure(*args: Any, **kwargs: Any) -> host_probe.ProbeVerdict:
+        started = time.perf_counter()
+        try:
+            return measure(*args, **kwargs)
+        finally:
+            probe_s.append(time.perf_counter() - started)
+
+    host_probe.measure_host = timed_measure  # looked up at each set-up (``group.py``)
     for _ in range(repeats):
         host_probe._verdicts.clear()
         group = dist.new_group(backend="freescale")
@@ -40,6 +53,7 @@ def _rank(repeats: int) -> list[dict[str, Any]]:
                 "reads_ms": verdict.reads_s * 1e3,
                 "ratio": verdict.reads_s / verdict.rings_s,
                 "reads": verdict.reads,
+                "probe_ms": probe_s[-1] * 1e3,
             }
         )
         dist.destroy_process_group(group)
@@ -70,7 +84,8 @@ def main() -> None:
     for k, probe in enumerate(probes):
         print(
             f"probe {k}: rings {probe['rings_ms']:.2f} ms, reads {probe['reads_ms']:.2f} ms, "
-            f"ratio {probe['ratio']:.2f}: the {'reads' if probe['reads'] else 'rings'}"
+            f"ratio {probe['ratio']:.2f}: the {'reads' if probe['reads'] else 'rings'} "
+            f"(the probe took {probe['probe_ms']:.0f} ms)"
         )
     ratios = [p["ratio"] for p in probes]
     chose_reads = sum(p["reads"] for p in probes)

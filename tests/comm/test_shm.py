@@ -361,14 +361,21 @@ def test_with_4_kib_pages_and_no_helpers_the_ranks_measure_rings_against_reads(
         assert result["measured"] == 1
 
 
-def test_the_probe_picks_the_reads_only_where_they_take_under_0_9_of_the_rings_time():
-    # The slowest rank of each path sets the collective's time.
-    assert host_probe.reads_win([1.0, 2.0], [1.7, 1.0]).reads
-    assert not host_probe.reads_win([1.0, 2.0], [1.8, 1.0]).reads
-    assert not host_probe.reads_win([2.0, 2.0], [1.0, 2.5]).reads
-    verdict = host_probe.reads_win([0.0015, 0.002], [0.001, 0.0012])
+def test_the_probe_takes_each_round_at_its_slowest_rank_and_picks_the_faster_median():
+    # Ranks 0 and 1, three rounds per path. Each rank's own median says the rings (2.0 and 2.0
+    # against 2.1 and 2.1), but a collective waits for the slowest rank of each round: rings
+    # 3.0, 3.0, 2.0 (median 3.0), reads 2.1, 2.1, 2.2 (median 2.1).
+    rings = [[3.0, 2.0, 1.0], [1.0, 3.0, 2.0]]
+    reads = [[2.1, 2.1, 2.2], [2.0, 2.1, 2.1]]
+    verdict = host_probe.reads_win(rings, reads)
+    assert verdict.reads and (verdict.rings_s, verdict.reads_s) == (3.0, 2.1)
+    assert not host_probe.reads_win(reads, rings).reads
+    assert not host_probe.reads_win([[1.0, 2.0]], [[2.0, 1.0]]).reads  # a tie: the rings
+    verdict = host_probe.reads_win([[0.002], [0.0015]], [[0.001], [0.0012]])
     assert (verdict.rings_s, verdict.reads_s) == (0.002, 0.0012)
     assert verdict.why().endswith("(2 MiB each: rings 2.00 ms, reads 1.20 ms): the reads")
+    with pytest.raises(ValueError):  # every rank has the same number of rounds
+        host_probe.reads_win([[1.0, 2.0], [1.0]], [[1.0], [1.0]])
 
 
 @pytest.mark.parametrize(("threads", "reads"), [([2, 2], True), ([2, 1], False)])

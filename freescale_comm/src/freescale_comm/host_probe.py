@@ -10,15 +10,16 @@ machine the reads took 0.72–0.85x the rings' (``benchmarks/results/comm_cpu/ho
 a probe inside one process picked the wrong one there. So the ranks of the host measure both,
 all at once as a collective would: each sends ``PROBE_BYTES`` to the next rank of the host and
 receives as much from the previous one, through the rings and by read, in alternating rounds.
-Every rank of the host publishes its medians through the group's store and every rank applies
-the same rule to the same figures (``reads_win``), so both sides of every pair on the host
-choose alike. The verdict is kept per set of processes and ring geometry (``verdict_key``): a
+Every rank of the host publishes its rounds' times through the group's store and every rank
+applies the same rule to the same figures (``reads_win``), so both sides of every pair on the
+host choose alike. The verdict is kept per set of processes and ring geometry (``verdict_key``): a
 later group of the same processes reuses it instead of measuring again, where every rank of the
 group has it (the group agrees on that first).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -33,12 +34,14 @@ from freescale_comm.errors import FreescaleError, FreescalePeerError
 
 # A piece of a 4-rank AllToAll of 8 MiB; big enough that the copies, not the round trip, cost.
 PROBE_BYTES = 2 << 20
-PROBE_ROUNDS = 7  # per path, after two rounds of each that warm the slots and the buffers
+# Per path, after two rounds of each that warm the slots and the buffers. With 4 ranks on 2
+# cores a round's time varies by up to 2x (a rank descheduled mid-round); over 11 rounds the
+# verdict held in 30 groups of 30 where the copies favoured one path by 20-30%.
+PROBE_ROUNDS = 11
 _WARM_ROUNDS = 2
-# The reads must take less than this share of the rings' time to be chosen: the rings keep the
-# sender's pages unpinned and their slots cached, and the two measured alike within 10% on
-# hosts where neither clearly won.
-READS_WIN_BELOW = 0.9
+# The reads are chosen where they take less than this share of the rings' time: the faster
+# path, the rings on a tie.
+READS_WIN_BELOW = 1.0
 
 # How often a wait of the probe asks whether to stop (a rank of the host gone, or given up).
 _CHECK_S = 0.2
@@ -52,8 +55,9 @@ class ProbeVerdict:
 
     Attributes:
         reads: the reads won (messages above 512 KiB are read).
-        rings_s: the slowest rank's median round through the rings, in seconds.
-        reads_s: the slowest rank's median round by read.
+        rings_s: the median over the rounds through the rings of the slowest rank's time in
+            the round, in seconds.
+        reads_s: the same by read.
     """
 
     reads: bool
@@ -68,11 +72,18 @@ class ProbeVerdict:
         )
 
 
-def reads_win(rings_s: Sequence[float], reads_s: Sequence[float]) -> ProbeVerdict:
-    """The verdict from every rank's median round per path: the largest median of each path
-    over the host's ranks (the slowest rank sets a collective's time, whichever it is), the
-    reads where theirs is under ``READS_WIN_BELOW`` of the rings'."""
-    rings, reads = max(rings_s), max(reads_s)
+def reads_win(
+    rings_rounds: Sequence[Sequence[float]], reads_rounds: Sequence[Sequence[float]]
+) -> ProbeVerdict:
+    """The verdict from every rank's times per round (``rings_rounds[r][k]``: rank ``r``'s
+    ``k``-th round through the rings): a round takes its slowest rank's time, as a collective
+    does, and each path its median round; the reads where theirs is under ``READS_WIN_BELOW``
+    of the rings'. The slowest rank of each round rather than each rank's median: which rank
+    a descheduling slows differs from round to round, and a collective waits for it."""
+    rings, reads = (
+        statistics.median(map(max, zip(*by_rank, strict=True)))
+        for by_rank in (rings_rounds, reads_rounds)
+    )
     return ProbeVerdict(reads < READS_WIN_BELOW * rings, rings, reads)
 
 
@@ -141,11 +152,10 @@ def measure_host(
             rounds[by_read].append(time.perf_counter() - started)
     for channel, sent, received, reads in counts:
         channel.sent, channel.received, channel.reads = sent, received, reads
-    mine = f"{statistics.median(rounds[False])!r},{statistics.median(rounds[True])!r}"
-    store.set(f"freescale/host_probe/{rank}", mine)
+    store.set(f"freescale/host_probe/{rank}", json.dumps([rounds[False], rounds[True]]))
     keys = [f"freescale/host_probe/{r}" for r in host_ranks]
     _wait_for_keys(store, keys, deadline, stop)
-    figures = [tuple(map(float, bytes(v).decode().split(","))) for v in store.multi_get(keys)]
+    figures = [json.loads(bytes(v)) for v in store.multi_get(keys)]
     return reads_win([f[0] for f in figures], [f[1] for f in figures])
 
 
