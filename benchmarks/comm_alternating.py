@@ -13,13 +13,19 @@ options (``--variant a --variant b``) measure the noise of the method itself: th
 identical groups. Unlike the bench it leaves torch's thread settings alone unless ``--threads``
 is given (a training process runs with torch's default, one intra-op thread per core).
 ``--in-flight N`` issues the calls of a block N at a time, asynchronously, each into an output
-of its own, then waits for the N (as a pipeline with collectives in flight does). The ranks
+of its own, then waits for the N (as a pipeline with collectives in flight does).
+``--work-mib M`` puts CPU work before each call (or batch), as a training step computes between
+its collectives: every rank copies M MiB between two tensors of its own. The ranks then reach a
+call at different times, and a rank that waits for a peer still at work shares the cores with
+it. A ``work`` row, blocks of the work alone in the same rotation, is subtracted: the figures
+are what a call adds to the work (the slower rank's block time per call, less the work's). The ranks
 inherit the environment: with ``THP_MEM_ALLOC_ENABLE=1`` their torch asks for huge pages
 for tensors of 2 MiB and more, as ``freescale comm bench --huge-pages`` does (the JSON records
 the variable).
 
     python benchmarks/comm_alternating.py [--ranks 2] [--threads N] [--device cpu|cuda]
-        [--hosts N] [--sizes 8,4096,16M] [--in-flight 1] [--calls 200] [--target-s 0.05]
+        [--hosts N] [--sizes 8,4096,16M] [--in-flight 1] [--work-mib 0] [--calls 200]
+        [--target-s 0.05]
         [--variant NAME[:FIELD=VALUE,...]]...   (default: one variant "freescale", defaults)
 """
 
@@ -89,6 +95,11 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
         groups["gloo"] = None  # the world group
     names = list(groups)
     reference = "gloo" if not cuda else names[0]
+    work_from = work_to = None
+    if args.work_mib:
+        work_from = torch.rand(args.work_mib << 18)
+        work_to = torch.empty_like(work_from)
+        names.append("work")  # a row of its own: the work alone, in the same rotation
     n = args.ranks
     paths = {}
     for name, group in groups.items():
@@ -114,19 +125,25 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
                 def call(g: Any, k: int = 0, inp: torch.Tensor = inp, outs: list = outs) -> Any:
                     return gather(outs[k], inp, group=g, async_op=k > 0)
 
-            def batch(g: Any, call: Any = call) -> None:
-                """``--in-flight`` calls: the first N - 1 asynchronous, then every wait."""
+            def batch(name: str, call: Any = call) -> None:
+                """The work, if any, then ``--in-flight`` calls: the first N - 1 asynchronous,
+                then every wait (none for the ``work`` row)."""
+                if work_from is not None:
+                    work_to.copy_(work_from)
+                if name == "work":
+                    return
+                g = groups[name]
                 works = [call(g, k) for k in range(args.in_flight - 1, -1, -1)]
                 for work in works[:-1]:
                     work.wait()
 
             warm = []  # each group's time per call over the last 3 of its 5 warm-up batches
-            for g in groups.values():
+            for name in names:
                 for _ in range(2):  # the first calls of a shape build and cache its plan
-                    batch(g)
+                    batch(name)
                 start = time.perf_counter()
                 for _ in range(3):
-                    batch(g)
+                    batch(name)
                 if cuda:
                     torch.cuda.synchronize()
                 warm.append((time.perf_counter() - start) / (3 * args.in_flight))
@@ -141,7 +158,7 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
                     dist.barrier()
                     start, cpu_start = time.perf_counter(), time.process_time()
                     for _ in range(calls):
-                        batch(groups[name])
+                        batch(name)
                     if cuda:
                         torch.cuda.synchronize()
                     per_call = calls * args.in_flight
@@ -165,18 +182,25 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
                 row[f"{name}_us"] = statistics.median(blocks) * 1e6
                 at = (len(names) + k) * args.blocks
                 row[f"{name}_cpu_us"] = statistics.median(slow[at : at + args.blocks]) * 1e6
+            if args.work_mib:  # what a call adds to the work
+                for name in names[:-1]:
+                    row[f"{name}_added_us"] = row[f"{name}_us"] - row["work_us"]
             rows.append(row)
             if rank == 0:
+                key = "_added_us" if args.work_mib else "_us"
                 line = "  ".join(
-                    f"{name} {row[f'{name}_us']:9.1f} us"
+                    f"{name} {row[f'{name}{key}']:9.1f} us"
                     + f" [cpu {row[f'{name}_cpu_us']:.0f}]"
                     + (
-                        f" ({row[f'{name}_us'] / row[f'{reference}_us']:.2f})"
+                        f" ({row[f'{name}{key}'] / row[f'{reference}{key}']:.2f})"
                         if name != reference
                         else ""
                     )
-                    for name in names
+                    for name in names[: len(names) - bool(args.work_mib)]
                 )
+                if args.work_mib:
+                    line += f"  (added to work {row['work_us']:.1f} us per call)"
+
                 print(f"{op:<11}{elements * 4:>10} B  {line}", flush=True)
     return {"rows": rows, "paths": paths}
 
@@ -208,6 +232,12 @@ def main() -> None:
         "--in-flight", type=int, default=1, help="calls issued asynchronously before the waits"
     )
     parser.add_argument(
+        "--work-mib",
+        type=int,
+        default=0,
+        help="MiB every rank copies before each call (or batch), a work row subtracted",
+    )
+    parser.add_argument(
         "--variant",
         type=_variant,
         action="append",
@@ -221,6 +251,8 @@ def main() -> None:
         parser.error("variant names must differ")
     if args.calls < 3 or not args.target_s > 0:
         parser.error("--calls must be at least 3 and --target-s positive")
+    if args.work_mib < 0 or (args.work_mib and args.device == "cuda"):
+        parser.error("--work-mib must be at least 0, and is CPU work for CPU collectives")
 
     spec = GroupSpec(
         args.ranks,

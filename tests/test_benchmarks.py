@@ -50,7 +50,18 @@ def _run(script: str, *argv: str, timeout: float) -> subprocess.CompletedProcess
     [
         (
             "comm_alternating.py",
-            ["--ranks", "2", "--sizes", "8,64K", "--calls", "5", "--blocks", "1"],
+            [
+                "--ranks",
+                "2",
+                "--sizes",
+                "8,64K",
+                "--calls",
+                "5",
+                "--blocks",
+                "1",
+                "--work-mib",
+                "1",
+            ],
             "--json",
         ),
         (
@@ -78,9 +89,16 @@ def test_cpu_benchmark_runs_on_tiny_sizes(tmp_path, script, argv, written):
     files = [target] if target.suffix == ".json" else sorted(target.rglob("*.json"))
     assert files and all(json.loads(f.read_text()) for f in files)
     if script == "comm_alternating.py":  # what each variant's host bytes took, and why
-        paths = json.loads(target.read_text())["paths"]
+        report = json.loads(target.read_text())
+        paths = report["paths"]
         assert paths["freescale"]["path"].startswith("shm")
         assert paths["freescale"]["why"].startswith("same host")
+        for row in report["rows"]:  # with --work-mib: what a call adds to the work, per group
+            assert row["freescale_added_us"] == row["freescale_us"] - row["work_us"], row
+            assert "gloo_added_us" in row, row
+    if script == "host_probe_repeat.py":
+        probes = json.loads(target.read_text())["probes"]
+        assert len(probes) == 2 and all(p["probe_ms"] > 0 for p in probes), probes
 
 
 @pytest.mark.timeout(60)
