@@ -1898,10 +1898,7 @@ def die_while_a_group_is_set_up(victim: int, step: str) -> None:
 
 def late_peer_wait_cost(idle_wait: str) -> dict[str, Any]:
     """What a wait of 1 s for a late peer costs rank 0 in CPU under ``idle_wait``: it polls,
-    yielding its core, for the group's window (``engine.idle_poll_s``), then sleeps; where the
-    group sleeps until its peers start a collective (``engine.sleeps_until_peers_start``), the
-    engine's wait for them never yields. Also returns how often it did (``header_yields``)."""
-    from freescale_comm import engine
+    yielding its core, for the group's window (``engine.idle_poll_s``), then sleeps."""
     from freescale_comm.cpu import usable_cores
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -1912,33 +1909,12 @@ def late_peer_wait_cost(idle_wait: str) -> dict[str, Any]:
     dist.barrier()
     if rank != 0:
         time.sleep(1.0)
-    # The yields the engine makes while a collective awaits its peers' headers.
-    header_yields, awaiting = [0], threading.local()
-    real_idle, real_yield = engine.Engine._idle, os.sched_yield
-
-    def idle(self: Any, ops: list[Any], idle_s: float) -> None:
-        awaiting.on = any(op._phase == "header" for op in ops)
-        try:
-            real_idle(self, ops, idle_s)
-        finally:
-            awaiting.on = False
-
-    def counted_yield() -> None:
-        if getattr(awaiting, "on", False):
-            header_yields[0] += 1
-        real_yield()
-
     start_cpu, start = time.thread_time(), time.monotonic()
-    with (
-        mock.patch.object(engine.Engine, "_idle", idle),
-        mock.patch.object(os, "sched_yield", counted_yield),
-    ):
-        dist.all_to_all_single(out, x, group=group)
+    dist.all_to_all_single(out, x, group=group)
     waited_s, cpu_s = time.monotonic() - start, time.thread_time() - start_cpu
     _same(out, torch.cat([torch.arange(4 * rank, 4 * rank + 4) + 100.0 * r for r in range(n)]), "")
     result = {
         "poll_s": group._ctx.idle_poll_s,
-        "header_yields": header_yields[0],
         "oversubscribed": n > usable_cores(),  # the ranks share this host
         "waited_s": waited_s,
         "cpu_s": cpu_s,

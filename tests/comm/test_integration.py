@@ -146,9 +146,7 @@ def test_future_callbacks_may_start_collectives_and_wait_for_them(fs_group):
 @pytest.mark.parametrize("idle_wait", ["yield", "sleep", "auto"])
 def test_a_rank_waiting_for_a_late_peer_polls_briefly_then_sleeps(fs_group, idle_wait):
     # A rank that waits a second for a late peer spends a few milliseconds of CPU on it, not
-    # the second, whether it first polls, yielding its core, or sleeps at once. Under auto
-    # where the ranks outnumber the cores, the engine's wait for a peer that has not started
-    # the collective sleeps at once: a poll would take a core from that peer, still at work.
+    # the second, whether it first polls, yielding its core, or sleeps at once.
     from freescale_comm.engine import POLL_S, YIELD_S
 
     results = fs_group.run(ranks.late_peer_wait_cost, idle_wait, timeout_s=60)
@@ -156,10 +154,5 @@ def test_a_rank_waiting_for_a_late_peer_polls_briefly_then_sleeps(fs_group, idle
         auto_s = YIELD_S if r["oversubscribed"] else POLL_S
         expected = {"yield": YIELD_S, "sleep": 0.0, "auto": auto_s}[idle_wait]
         assert r["poll_s"] == expected, r
-    late = results[0]
-    assert late["waited_s"] > 0.9
-    assert late["cpu_s"] < 0.3, late
-    if idle_wait == "yield":
-        assert late["header_yields"] > 0, late
-    elif idle_wait == "sleep" or late["oversubscribed"]:
-        assert late["header_yields"] == 0, late
+    assert results[0]["waited_s"] > 0.9
+    assert results[0]["cpu_s"] < 0.3, results[0]

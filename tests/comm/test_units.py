@@ -17,7 +17,7 @@ import torch
 
 from freescale_comm import FreescaleOptions
 from freescale_comm.cpu import cgroup_cpu_quota, usable_cores
-from freescale_comm.engine import POLL_S, YIELD_S, idle_poll_s, sleeps_until_peers_start
+from freescale_comm.engine import POLL_S, YIELD_S, idle_poll_s
 from freescale_comm.errors import FreescaleError
 from freescale_comm.local_copies import LocalCopies, helper_threads, run_in_parts, split
 from freescale_comm.transport import MAX_SUB, make_tag
@@ -175,13 +175,6 @@ def test_auto_idle_wait_polls_long_only_where_the_hosts_ranks_outnumber_its_core
     assert idle_poll_s("yield", host_ranks=1, cores=16) == YIELD_S
     assert idle_poll_s("sleep", host_ranks=8, cores=1) == 0.0
     assert FreescaleOptions().idle_wait == "auto"
-
-
-def test_auto_idle_wait_sleeps_for_peers_not_yet_started_only_where_ranks_outnumber_cores():
-    assert sleeps_until_peers_start("auto", host_ranks=4, cores=2)
-    assert not sleeps_until_peers_start("auto", host_ranks=2, cores=2)
-    assert not sleeps_until_peers_start("yield", host_ranks=4, cores=2)  # polls in every phase
-    assert not sleeps_until_peers_start("sleep", host_ranks=4, cores=2)  # sleeps anyway
 
 
 def _cgroup_tree(root, cgroup_lines, files):

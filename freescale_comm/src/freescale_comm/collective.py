@@ -177,6 +177,7 @@ class Collective:
         self.event = _Done()
         # CUDA: set once every copy is enqueued and ``final`` recorded (or the collective failed).
         self.on_cuda = plan.on_cuda  # read on every step: the plan derives it from its signature
+        self.idle_poll_s = group.idle_poll_s
         self.sealed = _Done() if self.on_cuda else _NOT_SEALED
         # IPC reaches only some peers: the others take the remote path in this collective.
         self._ipc_partial = plan.ipc and len(plan.ipc_peers) < group.size - 1
@@ -301,15 +302,6 @@ class Collective:
             finally:
                 self._completing_in = None
 
-    @property
-    def idle_poll_s(self) -> float:
-        """How long a wait for this collective polls before it sleeps, now: not at all while
-        its peers have not all started it where the group sleeps for them
-        (``engine.sleeps_until_peers_start``)."""
-        if self._phase == "header" and self.group.sleeps_until_peers_start:
-            return 0.0
-        return self.group.idle_poll_s
-
     def completing_here(self) -> bool:
         """Whether the calling thread is completing this collective's future (and so runs
         the callbacks C++ chained to it): its outcome is set, its ``event`` not yet."""
@@ -433,9 +425,7 @@ class Collective:
             waiting = missing
             now = time.monotonic()
             if not until:
-                # The express path polls whatever the phase: leaving it costs more than a
-                # short poll while the peers of a small collective are close behind.
-                until = now + self.group.idle_poll_s
+                until = now + self.idle_poll_s
             if now >= until or g.broken:
                 self._leave_express(layout, None, headers, waiting)
                 return

@@ -9,9 +9,7 @@ nothing moved it sleeps in an epoll over the worker's events (GIL released) unti
 event, something calls ``Transport.wake`` (a new collective, a finished CUDA copy) or
 ``_EPOLL_MS`` passes — so an arriving message wakes it at once and an idle wait costs no CPU.
 Before it sleeps it polls for a while, yielding its core between polls (``idle_poll_s``: a
-peer's message that comes within that window is seen without a wake-up); where ranks outnumber
-cores, not while a collective waits for peers that have not started it
-(``sleeps_until_peers_start``). While no collective is
+peer's message that comes within that window is seen without a wake-up). While no collective is
 in flight it sleeps on a condition. In flight or not, it runs each group's periodic watches when
 due (the deadlines of collectives left to their CUDA end event, ``group``). A collective's
 health check only reads what the group's liveness thread last found (``liveness``): no store
@@ -63,14 +61,6 @@ YIELD_S = 0.002
 # idle VM), so that a peer a little behind in a run of collectives is seen without one, while a
 # rank that waits for a peer still computing takes the GIL and a core for no longer than that.
 POLL_S = 100e-6
-
-
-def sleeps_until_peers_start(idle_wait: str, host_ranks: int, cores: int) -> bool:
-    """Whether a wait for peers that have not started the collective yet (its header phase)
-    sleeps at once instead of polling: under ``auto`` where the group's ``host_ranks`` on this
-    host outnumber the ``cores`` this process may run on. A peer that has not started is still
-    at work before the call, and where ranks share cores a poll takes a core from it."""
-    return idle_wait == "auto" and host_ranks > cores
 
 
 def idle_poll_s(idle_wait: str, host_ranks: int, cores: int) -> float:

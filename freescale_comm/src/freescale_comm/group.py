@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from freescale_comm import directory
 from freescale_comm.cpu import usable_cores
-from freescale_comm.engine import Engine, idle_poll_s, sleeps_until_peers_start
+from freescale_comm.engine import Engine, idle_poll_s
 from freescale_comm.errors import FreescaleError, FreescalePeerError, FreescaleValidationError
 from freescale_comm.futures import CallbackRunner
 from freescale_comm.liveness import Liveness, own_connection, process_identity
@@ -239,9 +239,6 @@ class GroupContext:
         # Where the host's ranks outnumber its cores, a waiting rank hands its core to a peer.
         self._cores = usable_cores()
         self.idle_poll_s = idle_poll_s(
-            options.idle_wait, len(self.directory.same_host), self._cores
-        )
-        self.sleeps_until_peers_start = sleeps_until_peers_start(
             options.idle_wait, len(self.directory.same_host), self._cores
         )
         self.local_copies = LocalCopies(
@@ -609,11 +606,6 @@ class GroupContext:
         waits = (
             (
                 f"polls for {self.idle_poll_s * 1e6:.0f} us, yielding its core, then sleeps "
-                + (
-                    "(sleeps at once while a peer has not started the collective) "
-                    if self.sleeps_until_peers_start
-                    else ""
-                )
                 if self.idle_poll_s
                 else "sleeps "
             )

@@ -130,9 +130,7 @@ class FreescaleOptions:
             ``auto``: ``yield`` where the group's ranks on this host outnumber the cores this
             process may use (``cpu.usable_cores``: its affinity mask, capped by its cgroup's CPU
             quota; a waiting rank then hands its core to a peer with work, as
-            Open MPI's ``mpi_yield_when_idle`` does when oversubscribed) once every peer has
-            started the collective, and sleep at once before (a peer that has not started is
-            still at work, which a poll would take a core from), else ``yield`` for up
+            Open MPI's ``mpi_yield_when_idle`` does when oversubscribed), else the same for up
             to ``engine.POLL_S`` (100 µs, about a wake-up's cost) only: where every rank has a
             core, polling for longer takes cores and the GIL from the work a process does
             beside its collectives, such as a training step's background threads.
