@@ -18,8 +18,8 @@ of its own, then waits for the N (as a pipeline with collectives in flight does)
 its collectives: every rank copies M MiB between two tensors of its own. The ranks then reach a
 call at different times, and a rank that waits for a peer still at work shares the cores with
 it. A ``work`` row, blocks of the work alone in the same rotation, is subtracted: the figures
-are what a call adds to the work (the slower rank's block time per call, less the work's). The ranks
-inherit the environment: with ``THP_MEM_ALLOC_ENABLE=1`` their torch asks for huge pages
+are what a call adds to the work (the slower rank's block time per call, less the work's).
+The ranks inherit the environment: with ``THP_MEM_ALLOC_ENABLE=1`` their torch asks for huge pages
 for tensors of 2 MiB and more, as ``freescale comm bench --huge-pages`` does (the JSON records
 the variable).
 
@@ -183,7 +183,7 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
                 at = (len(names) + k) * args.blocks
                 row[f"{name}_cpu_us"] = statistics.median(slow[at : at + args.blocks]) * 1e6
             if args.work_mib:  # what a call adds to the work
-                for name in names[:-1]:
+                for name in groups:
                     row[f"{name}_added_us"] = row[f"{name}_us"] - row["work_us"]
             rows.append(row)
             if rank == 0:
@@ -196,11 +196,11 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
                         if name != reference
                         else ""
                     )
-                    for name in names[: len(names) - bool(args.work_mib)]
+                    for name in names
+                    if name != "work"
                 )
                 if args.work_mib:
                     line += f"  (added to work {row['work_us']:.1f} us per call)"
-
                 print(f"{op:<11}{elements * 4:>10} B  {line}", flush=True)
     return {"rows": rows, "paths": paths}
 

@@ -12,9 +12,9 @@ all at once as a collective would: each sends ``PROBE_BYTES`` to the next rank o
 receives as much from the previous one, through the rings and by read, in alternating rounds.
 Every rank of the host publishes its rounds' times through the group's store and every rank
 applies the same rule to the same figures (``reads_win``), so both sides of every pair on the
-host choose alike. The verdict is kept per set of processes and ring geometry (``verdict_key``): a
-later group of the same processes reuses it instead of measuring again, where every rank of the
-group has it (the group agrees on that first).
+host choose alike. The verdict is kept per set of processes and ring geometry
+(``verdict_key``): a later group of the same processes reuses it instead of measuring again,
+where every rank of the group has it (the group agrees on that first).
 """
 
 from __future__ import annotations
