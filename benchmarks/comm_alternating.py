@@ -43,7 +43,7 @@ from typing import Any
 
 from freescale_comm import FreescaleOptions
 from freescale_comm._freescale_args import byte_size_list
-from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
+from freescale_comm._local_ranks import GroupSpec, run_ranks_or_exit
 from freescale_comm.bench import dist_all_gather_into_tensor
 from freescale_comm.info import page_settings
 from freescale_comm.options import _parse
@@ -262,10 +262,7 @@ def main() -> None:
         threads=args.threads or None,
         device=args.device,
     )
-    try:
-        result = run_ranks(spec, _rank, args, timeout_s=1800)[0]
-    except RankFailure as failure:
-        raise SystemExit(f"a rank failed: {failure}") from None
+    result = run_ranks_or_exit(spec, _rank, args, timeout_s=1800)[0]
     if args.json:
         with open(args.json, "w") as f:
             report = {

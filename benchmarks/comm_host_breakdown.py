@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from freescale_comm._freescale_args import Parser, int_at_least
-from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
+from freescale_comm._local_ranks import GroupSpec, run_ranks_or_exit
 
 # (module, owner in it or "" for the module itself, function): the steps that are timed.
 STEPS = (
@@ -238,10 +238,7 @@ def main() -> None:
     spec = GroupSpec(
         args.ranks, "freescale", setup="freescale_comm:register", threads=None, device=args.device
     )
-    try:
-        ranks = run_ranks(spec, _rank, args, timeout_s=300)
-    except RankFailure as failure:
-        raise SystemExit(f"a rank failed: {failure}") from None
+    ranks = run_ranks_or_exit(spec, _rank, args, timeout_s=300)
     for rank, report in enumerate(ranks):
         print(
             f"--- rank {rank}: {report['us_per_call']:.1f} us per call, process CPU "

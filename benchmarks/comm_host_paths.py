@@ -25,7 +25,7 @@ from typing import Any
 
 from freescale_comm import FreescaleOptions
 from freescale_comm._freescale_args import byte_size
-from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
+from freescale_comm._local_ranks import GroupSpec, run_ranks_or_exit
 from freescale_comm.bench import dist_all_gather_into_tensor
 from freescale_comm.info import page_settings
 
@@ -134,10 +134,7 @@ def main() -> None:
     args = parser.parse_args()
 
     spec = GroupSpec(args.ranks, "gloo", init_timeout_s=120, setup="freescale_comm:register")
-    try:
-        rows = run_ranks(spec, _rank, args, timeout_s=900)[0]
-    except RankFailure as failure:
-        raise SystemExit(f"a rank failed: {failure}") from None
+    rows = run_ranks_or_exit(spec, _rank, args, timeout_s=900)[0]
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         report = {

@@ -25,7 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 from freescale_comm._freescale_args import Parser, int_at_least
-from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
+from freescale_comm._local_ranks import GroupSpec, run_ranks_or_exit
 from freescale_comm.bench import dist_all_gather_into_tensor
 
 
@@ -153,10 +153,7 @@ def main() -> None:
     args = parser.parse_args()
 
     spec = GroupSpec(args.ranks, "freescale", setup="freescale_comm:register")
-    try:
-        report = run_ranks(spec, _rank, args, timeout_s=600)[0]
-    except RankFailure as failure:
-        raise SystemExit(f"a rank failed: {failure}") from None
+    report = run_ranks_or_exit(spec, _rank, args, timeout_s=600)[0]
     profile = report.pop("profile", {})
     for key, value in profile.items():
         if key.endswith("_us"):

@@ -17,11 +17,10 @@ import argparse
 import json
 import os
 import statistics
-import time
 from typing import Any
 
 from freescale_comm import host_probe
-from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
+from freescale_comm._local_ranks import GroupSpec, run_ranks_or_exit
 from freescale_comm.host_probe import PROBE_BYTES, PROBE_ROUNDS, READS_WIN_BELOW
 from freescale_comm.info import page_settings
 
@@ -30,17 +29,6 @@ def _rank(repeats: int) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     probes = []
-    probe_s: list[float] = []
-    measure = host_probe.measure_host
-
-    def timed_measure(*args: Any, **kwargs: Any) -> host_probe.ProbeVerdict:
-        started = time.perf_counter()
-        try:
-            return measure(*args, **kwargs)
-        finally:
-            probe_s.append(time.perf_counter() - started)
-
-    host_probe.measure_host = timed_measure  # looked up at each set-up (``group.py``)
     for _ in range(repeats):
         host_probe._verdicts.clear()
         group = dist.new_group(backend="freescale")
@@ -53,7 +41,7 @@ def _rank(repeats: int) -> list[dict[str, Any]]:
                 "reads_ms": verdict.reads_s * 1e3,
                 "ratio": verdict.reads_s / verdict.rings_s,
                 "reads": verdict.reads,
-                "probe_ms": probe_s[-1] * 1e3,
+                "probe_ms": verdict.measured_s * 1e3,
             }
         )
         dist.destroy_process_group(group)
@@ -77,10 +65,7 @@ def main() -> None:
         setup="freescale_comm:register",
         env={"FREESCALE_HOST_COPY_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "0"},
     )
-    try:
-        probes = run_ranks(spec, _rank, args.repeats, timeout_s=600)[0]
-    except RankFailure as failure:
-        raise SystemExit(f"a rank failed: {failure}") from None
+    probes = run_ranks_or_exit(spec, _rank, args.repeats, timeout_s=600)[0]
     for k, probe in enumerate(probes):
         print(
             f"probe {k}: rings {probe['rings_ms']:.2f} ms, reads {probe['reads_ms']:.2f} ms, "

@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from freescale_comm._freescale_args import byte_size, int_at_least
-from freescale_comm._local_ranks import GroupSpec, RankFailure, run_ranks
+from freescale_comm._local_ranks import GroupSpec, run_ranks_or_exit
 from freescale_comm.info import transparent_huge_pages
 from freescale_comm.options import READ_ABOVE_BYTES
 
@@ -159,10 +159,7 @@ def main() -> None:
         threads=None,
         env={"FREESCALE_SHM_MAX_BYTES": str(READ_ABOVE_BYTES)},
     )
-    try:
-        rows = run_ranks(spec, _rank, args, timeout_s=1800)
-    except RankFailure as failure:
-        raise SystemExit(f"a rank failed: {failure}") from None
+    rows = run_ranks_or_exit(spec, _rank, args, timeout_s=1800)
     asks = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
     print(
         f"AllToAll of {args.size} B, {args.ranks} ranks; THP_MEM_ALLOC_ENABLE={asks}, kernel "

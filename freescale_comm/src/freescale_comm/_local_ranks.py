@@ -379,6 +379,17 @@ def run_ranks(
         group.close()
 
 
+def run_ranks_or_exit(
+    spec: GroupSpec, fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0, **kwargs: Any
+) -> list[Any]:
+    """``run_ranks`` for a command line: a failing rank ends the program with its report
+    (``SystemExit``) instead of a traceback of the launcher."""
+    try:
+        return run_ranks(spec, fn, *args, timeout_s=timeout_s, **kwargs)
+    except RankFailure as failure:
+        raise SystemExit(f"a rank failed: {failure}") from None
+
+
 class Replies:
     """The queue a reporting target puts its replies on, in ``run_reporting_ranks``."""
 

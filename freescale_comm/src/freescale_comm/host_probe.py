@@ -19,12 +19,12 @@ where every rank of the group has it (the group agrees on that first).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -49,7 +49,7 @@ _CHECK_S = 0.2
 _verdicts: dict[tuple[str, ...], ProbeVerdict] = {}
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ProbeVerdict:
     """What the ranks of one host measured, and the path chosen from it.
 
@@ -58,11 +58,14 @@ class ProbeVerdict:
         rings_s: the median over the rounds through the rings of the slowest rank's time in
             the round, in seconds.
         reads_s: the same by read.
+        measured_s: how long this rank took to measure, wait for its peers' figures included
+            (0 where nobody measured).
     """
 
     reads: bool
     rings_s: float
     reads_s: float
+    measured_s: float = 0.0
 
     def why(self) -> str:
         chosen = "the reads" if self.reads else "the rings"
@@ -133,7 +136,8 @@ def measure_host(
     at = host_ranks.index(rank)
     to_peer = host_ranks[(at + 1) % len(host_ranks)]
     from_peer = host_ranks[at - 1]
-    deadline = time.monotonic() + timeout_s
+    began = time.monotonic()
+    deadline = began + timeout_s
     send = np.ones(PROBE_BYTES, dtype=np.uint8)  # touched: no page faults in the rounds
     recv = np.zeros(PROBE_BYTES, dtype=np.uint8)
     rounds: dict[bool, list[float]] = {False: [], True: []}
@@ -156,7 +160,8 @@ def measure_host(
     keys = [f"freescale/host_probe/{r}" for r in host_ranks]
     _wait_for_keys(store, keys, deadline, stop)
     figures = [json.loads(bytes(v)) for v in store.multi_get(keys)]
-    return reads_win([f[0] for f in figures], [f[1] for f in figures])
+    verdict = reads_win([f[0] for f in figures], [f[1] for f in figures])
+    return dataclasses.replace(verdict, measured_s=time.monotonic() - began)
 
 
 def _finish(hub: Any, requests: list[Any], deadline: float, stop: Callable[[], str | None]) -> None:
