@@ -14,6 +14,8 @@ identical groups. Unlike the bench it leaves torch's thread settings alone unles
 is given (a training process runs with torch's default, one intra-op thread per core).
 ``--in-flight N`` issues the calls of a block N at a time, asynchronously, each into an output
 of its own, then waits for the N (as a pipeline with collectives in flight does).
+``--ops send_recv``: every rank sends its input to the next rank and receives the previous
+one's (point-to-point, which a freescale group runs on its Gloo backend).
 ``--work-mib M`` puts CPU work before each call (or batch), as a training step computes between
 its collectives: every rank copies M MiB between two tensors of its own. The ranks then reach a
 call at different times, and a rank that waits for a peer still at work shares the cores with
@@ -119,6 +121,13 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
 
                 def call(g: Any, k: int = 0, inp: torch.Tensor = inp, outs: list = outs) -> Any:
                     return dist.all_to_all_single(outs[k], inp, group=g, async_op=k > 0)
+            elif op == "send_recv":
+                inp = torch.rand(elements, device=args.device)
+
+                def call(g: Any, k: int = 0, inp: torch.Tensor = inp, outs: list = outs) -> Any:
+                    sent = dist.isend(inp, (rank + 1) % n, group=g)
+                    dist.recv(outs[k], (rank - 1) % n, group=g)
+                    sent.wait()
             else:
                 inp = torch.rand(elements // n, device=args.device)
 
@@ -246,6 +255,10 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     args.ops = args.ops.split(",")
+    if not set(args.ops) <= {"all_to_all", "all_gather", "send_recv"}:
+        parser.error("--ops: all_to_all, all_gather, send_recv")
+    if "send_recv" in args.ops and (args.in_flight > 1 or args.device == "cuda"):
+        parser.error("--ops send_recv: CPU tensors, one call in flight")
     args.variant = args.variant or [("freescale", FreescaleOptions())]
     if len({name for name, _ in args.variant}) != len(args.variant):
         parser.error("variant names must differ")

@@ -18,7 +18,8 @@ from freescale_comm import FreescaleOptions
 def _loop_until_error(group: dist.ProcessGroup | None, what: str, op: str = "all_to_all") -> float:
     """Runs collectives until one raises; re-raises with the time it took. ``op``: the group's
     own AllToAll, or ``all_reduce`` / ``barrier`` / a step of a small DDP model (whose backward
-    waits on its allreduce's future), which the group delegates to Gloo."""
+    waits on its allreduce's future) / a ring of sends and receives, which the group delegates
+    to Gloo."""
     n = dist.get_world_size(group)
     x = torch.ones(n * 64)
     if op == "ddp":
@@ -26,6 +27,26 @@ def _loop_until_error(group: dist.ProcessGroup | None, what: str, op: str = "all
 
         def step() -> None:
             model(x.view(n, 64)).sum().backward()
+
+    elif op == "send_recv":
+        rank = dist.get_rank(group)
+        received, summed = torch.empty_like(x), torch.empty_like(x)
+
+        def step() -> None:
+            # With an AllReduce on Gloo beside it, which the abort's failure of Gloo's pairs
+            # reaches too: its wait must raise the abort's error, not Gloo's.
+            reduced = dist.all_reduce(summed, group=group, async_op=True)
+            sent = dist.isend(x, (rank + 1) % n, group=group)
+            try:
+                dist.recv(received, (rank - 1) % n, group=group)
+                sent.wait()
+            except RuntimeError as err:
+                try:
+                    reduced.wait()
+                except RuntimeError as beside:
+                    raise RuntimeError(f"{err} [all_reduce: {type(beside).__name__}]") from err
+                raise
+            reduced.wait()
 
     else:
         step = {
@@ -78,11 +99,13 @@ def stop_during_collective(victim: int, delay_s: float, op: str = "all_to_all") 
             os.kill(pids[victim], signal.SIGCONT)
 
 
-def abort_during_collective(aborter: int, delay_s: float) -> dict[str, object]:
-    """One rank calls ``abort()`` on a freescale subgroup the others are using (short liveness
-    periods, as ``FAST_FAILURE_ENV`` gives a world); every rank then destroys it, and the world
-    must still work. Returns the rank's error message (the aborter: ``None``) and the world's
-    AllGather after it."""
+def abort_during_collective(
+    aborter: int, delay_s: float, op: str = "all_to_all"
+) -> dict[str, object]:
+    """One rank calls ``abort()`` on a freescale subgroup the others are using for ``op``
+    (``_loop_until_error``; short liveness periods, as ``FAST_FAILURE_ENV`` gives a world);
+    every rank then destroys it, and the world must still work. Returns the rank's error
+    message (the aborter: ``None``) and the world's AllGather after it."""
     from freescale_comm import FreescaleOptions
 
     rank = dist.get_rank()
@@ -96,7 +119,7 @@ def abort_during_collective(aborter: int, delay_s: float) -> dict[str, object]:
         time.sleep(delay_s)
         group.abort()
     else:
-        error = _error_of(lambda: _loop_until_error(group, f"rank {rank}"))
+        error = _error_of(lambda: _loop_until_error(group, f"rank {rank}", op))
     dist.destroy_process_group(group)
     dist.all_gather_into_tensor(out, torch.tensor([float(rank)]))
     return {"error": error, "world": out.tolist()}

@@ -323,8 +323,9 @@ def delegated_ops() -> list[float]:
     """Collectives the backend hands to Gloo: all_reduce, broadcast, reduce_scatter, barrier
     (also one asked for a CUDA device, as ``dist.barrier`` asks wherever CUDA exists: on Gloo
     too, not on NCCL), reduce, and a ring of point-to-point messages in which rank 0 comes
-    0.3 s late, so that its successor's receive and its predecessor's send wait for it (waits
-    on Gloo's handles are taken in steps, which its send and recv must not see)."""
+    0.3 s late, so that its successor's receive and its predecessor's send wait for it (a
+    wait with a limit that runs out fails Gloo's send and recv), a receive from any source and
+    a batch of sends and receives."""
     rank, n = dist.get_rank(), dist.get_world_size()
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
@@ -344,6 +345,22 @@ def delegated_ops() -> list[float]:
     receive = dist.irecv(received, src=(rank - 1) % n)
     dist.send(torch.tensor([float(rank)]), dst=(rank + 1) % n)
     receive.wait()
+    # A receive from any source names its sender (the handle's source rank), and a batch of
+    # sends and receives is waited on handle by handle.
+    sender = -1
+    if rank == 0:
+        sender = dist.recv(torch.empty(1))
+    elif rank == n - 1:
+        dist.send(torch.tensor([1.0]), dst=0)
+    batched = torch.empty(1)
+    ops = [
+        dist.P2POp(dist.isend, torch.tensor([float(rank)]), (rank + 1) % n),
+        dist.P2POp(dist.irecv, batched, (rank - 1) % n),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    if sender not in (-1, n - 1) or batched.item() != received.item():
+        raise AssertionError(f"recv from any source: {sender}, batched: {batched.item()}")
     return [t.item(), b.item(), rs.item(), reduced.item() if rank == 0 else 0.0, received.item()]
 
 

@@ -501,12 +501,19 @@ def _fast_group(world_size: int) -> LocalGroup:
 
 @pytest.mark.parametrize(
     ("world_size", "op"),
-    [(2, "all_to_all"), (4, "all_to_all"), (3, "all_reduce"), (3, "barrier"), (3, "ddp")],
+    [
+        (2, "all_to_all"),
+        (4, "all_to_all"),
+        (3, "all_reduce"),
+        (3, "barrier"),
+        (3, "ddp"),
+        (3, "send_recv"),
+    ],
 )
 def test_stopped_peer_makes_every_survivor_raise(world_size, op):
-    # all_reduce, barrier and DDP's allreduce run on the group's Gloo backend, whose wait for a
-    # stopped peer lasted until the group timeout (60 s here): the liveness thread's abort now
-    # ends it too, DDP's wait on the future in its backward included.
+    # all_reduce, barrier, DDP's allreduce, send and recv run on the group's Gloo backend,
+    # whose wait for a stopped peer lasts until the group timeout (60 s here): the liveness
+    # thread's abort ends it too, DDP's wait on the future in its backward included.
     group = _fast_group(world_size)
     victim = world_size - 1
     try:
@@ -521,15 +528,18 @@ def test_stopped_peer_makes_every_survivor_raise(world_size, op):
         kind, detail = failure.value.failures[survivor]
         assert kind == "error" and f"survivor {survivor} raised after" in detail, detail
         assert f"rank {victim}" in detail.split(f"survivor {survivor} raised after")[1]
+        if op == "send_recv":
+            assert "[all_reduce: FreescalePeerError]" in detail, detail
         seconds = _raised_after(detail)
         # dead_after_s = 3 after the stop (0.5 s in), plus the 2 s the bound allows.
         assert seconds < 0.5 + 3 + 2, detail
 
 
-def test_abort_makes_every_other_rank_raise_at_once(fs_group4):
+@pytest.mark.parametrize("op", ["all_to_all", "send_recv"])
+def test_abort_makes_every_other_rank_raise_at_once(fs_group4, op):
     # On a subgroup of the shared world: the others' errors come back as results, and the world
     # outlives the aborted group.
-    results = fs_group4.run(liveness_ranks.abort_during_collective, 1, 0.5, timeout_s=30)
+    results = fs_group4.run(liveness_ranks.abort_during_collective, 1, 0.5, op, timeout_s=30)
     assert results[1]["error"] is None  # the aborting rank returned
     for rank in (0, 2, 3):
         detail = results[rank]["error"]

@@ -1002,6 +1002,17 @@ class GroupContext:
             return self._broken
         return self.liveness.abort_reason
 
+    def broken_after_gloo_failed(self) -> str | None:
+        """``broken``, once Gloo failed a call of this group: waiting up to two liveness polls
+        for an abort on its way, since where a peer aborted the group (``point_to_point``),
+        Gloo's connections to it close before this rank's next poll reads why."""
+        if self.broken is None and self.liveness is not None:
+            arrived = threading.Event()
+            forget = self.on_abort(arrived.set)
+            arrived.wait(2 * self.liveness.poll_s)
+            forget()
+        return self.broken
+
     def describe_peers(self, peers: list[int]) -> str:
         """ "ranks [a, b]" plus how long each watched one has been silent, where that is notable."""
         return self.liveness.describe(peers)

@@ -186,8 +186,8 @@ class DelegatedWork(dist.Work):
         self._future: torch.futures.Future | None = None
         self._future_lock = threading.Lock()
 
-    def _aborted(self) -> FreescalePeerError | None:
-        reason = self._group.broken
+    def _aborted(self, after_gloo_failed: bool = False) -> FreescalePeerError | None:
+        reason = self._group.broken_after_gloo_failed() if after_gloo_failed else self._group.broken
         if reason is None:
             return None
         return FreescalePeerError(f"{self._label}: the group was aborted by {reason}")
@@ -206,14 +206,22 @@ class DelegatedWork(dist.Work):
                     )
             try:  # at least 1 ms: a timedelta that rounds to 0 would wait without a limit
                 return self._inner.wait(timedelta(seconds=max(step, 1e-3)))
-            except RuntimeError:
+            except RuntimeError as err:
                 # Gloo's own error, or the end of a step: a step's end leaves it not completed
                 # (but for a collective that completed just after: its wait returns at once).
                 if self._inner.is_completed():
-                    return self._inner.wait()
-            error = self._aborted()
-            if error is not None:
-                raise error
+                    try:
+                        return self._inner.wait()
+                    except RuntimeError as failed:
+                        # Where an abort failed Gloo's pairs (``point_to_point``), its error
+                        # says why; Gloo's would not.
+                        error = self._aborted(after_gloo_failed=True)
+                        if error is None:
+                            raise
+                        raise error from failed
+                error = self._aborted()
+                if error is not None:
+                    raise error from err
 
     def get_future(self) -> torch.futures.Future:
         with self._future_lock:
@@ -235,9 +243,15 @@ class DelegatedWork(dist.Work):
     def _outcome(self, _trigger: torch.futures.Future) -> Any:
         """The future's value: Gloo's, or its error, or the abort's."""
         gloo = self._inner.get_future()  # done before the handle says it is completed
-        if not gloo.done():
-            raise self._aborted() or FreescalePeerError(f"{self._label}: the group was aborted")
-        return gloo.value()
+        if gloo.done():
+            try:
+                return gloo.value()
+            except RuntimeError as err:
+                error = self._aborted(after_gloo_failed=True)  # the abort failed its pairs?
+                if error is None:
+                    raise
+                raise error from err
+        raise self._aborted() or FreescalePeerError(f"{self._label}: the group was aborted")
 
     def is_completed(self) -> bool:
         return self._inner.is_completed()
