@@ -61,6 +61,8 @@ def _run(script: str, *argv: str, timeout: float) -> subprocess.CompletedProcess
                 "1",
                 "--work-mib",
                 "1",
+                "--ops",
+                "all_to_all,all_gather,send_recv",
             ],
             "--json",
         ),
