@@ -18,8 +18,8 @@ from freescale_comm import FreescaleOptions
 def _loop_until_error(group: dist.ProcessGroup | None, what: str, op: str = "all_to_all") -> float:
     """Runs collectives until one raises; re-raises with the time it took. ``op``: the group's
     own AllToAll, or ``all_reduce`` / ``barrier`` / a step of a small DDP model (whose backward
-    waits on its allreduce's future) / a ring of sends and receives, which the group delegates
-    to Gloo."""
+    waits on its allreduce's future) / a ring of sends and receives (from the previous rank, or
+    from any source) / sends never waited for, which the group delegates to Gloo."""
     n = dist.get_world_size(group)
     x = torch.ones(n * 64)
     if op == "ddp":
@@ -28,9 +28,10 @@ def _loop_until_error(group: dist.ProcessGroup | None, what: str, op: str = "all
         def step() -> None:
             model(x.view(n, 64)).sum().backward()
 
-    elif op == "send_recv":
+    elif op in ("send_recv", "recv_any"):
         rank = dist.get_rank(group)
         received, summed = torch.empty_like(x), torch.empty_like(x)
+        source = None if op == "recv_any" else (rank - 1) % n
 
         def step() -> None:
             # With an AllReduce on Gloo beside it, which the abort's failure of Gloo's pairs
@@ -38,7 +39,7 @@ def _loop_until_error(group: dist.ProcessGroup | None, what: str, op: str = "all
             reduced = dist.all_reduce(summed, group=group, async_op=True)
             sent = dist.isend(x, (rank + 1) % n, group=group)
             try:
-                dist.recv(received, (rank - 1) % n, group=group)
+                dist.recv(received, source, group=group)
                 sent.wait()
             except RuntimeError as err:
                 try:
@@ -47,6 +48,12 @@ def _loop_until_error(group: dist.ProcessGroup | None, what: str, op: str = "all
                     raise RuntimeError(f"{err} [all_reduce: {type(beside).__name__}]") from err
                 raise
             reduced.wait()
+
+    elif op == "isend":
+        rank = dist.get_rank(group)
+
+        def step() -> None:
+            dist.isend(x, (rank + 1) % n, group=group)
 
     else:
         step = {

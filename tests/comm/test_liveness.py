@@ -491,9 +491,13 @@ def _raised_after(detail: str) -> float:
     return float(re.findall(r"raised after (\d+\.\d) s", detail)[-1])
 
 
-def _fast_group(world_size: int) -> LocalGroup:
+def _fast_group(world_size: int, env: dict[str, str] | None = None) -> LocalGroup:
     group = LocalGroup(
-        world_size, backend="freescale", setup=SETUP, init_timeout_s=30, env=FAST_FAILURE_ENV
+        world_size,
+        backend="freescale",
+        setup=SETUP,
+        init_timeout_s=30,
+        env={**FAST_FAILURE_ENV, **(env or {})},
     )
     group.start()
     return group
@@ -508,13 +512,17 @@ def _fast_group(world_size: int) -> LocalGroup:
         (3, "barrier"),
         (3, "ddp"),
         (3, "send_recv"),
+        (3, "recv_any"),
+        (3, "send_recv:two_gloo_devices"),
     ],
 )
 def test_stopped_peer_makes_every_survivor_raise(world_size, op):
     # all_reduce, barrier, DDP's allreduce, send and recv run on the group's Gloo backend,
     # whose wait for a stopped peer lasts until the group timeout (60 s here): the liveness
-    # thread's abort ends it too, DDP's wait on the future in its backward included.
-    group = _fast_group(world_size)
+    # thread's abort ends it too, DDP's wait on the future in its backward included; also
+    # where Gloo has a context per network device (a send or recv takes one by its tag).
+    op, _, devices = op.partition(":")
+    group = _fast_group(world_size, {"GLOO_SOCKET_IFNAME": "lo,lo"} if devices else None)
     victim = world_size - 1
     try:
         # The victim answers once every survivor raised (survivor 0 resumes it), so a passing
@@ -528,15 +536,17 @@ def test_stopped_peer_makes_every_survivor_raise(world_size, op):
         kind, detail = failure.value.failures[survivor]
         assert kind == "error" and f"survivor {survivor} raised after" in detail, detail
         assert f"rank {victim}" in detail.split(f"survivor {survivor} raised after")[1]
-        if op == "send_recv":
+        if op in ("send_recv", "recv_any"):
             assert "[all_reduce: FreescalePeerError]" in detail, detail
         seconds = _raised_after(detail)
         # dead_after_s = 3 after the stop (0.5 s in), plus the 2 s the bound allows.
         assert seconds < 0.5 + 3 + 2, detail
 
 
-@pytest.mark.parametrize("op", ["all_to_all", "send_recv"])
+@pytest.mark.parametrize("op", ["all_to_all", "send_recv", "recv_any", "isend"])
 def test_abort_makes_every_other_rank_raise_at_once(fs_group4, op):
+    # isend: sends posted back to back, never waited for; the aborting rank's connections close
+    # before the others read the abort key, and a post must still raise the abort's error.
     # On a subgroup of the shared world: the others' errors come back as results, and the world
     # outlives the aborted group.
     results = fs_group4.run(liveness_ranks.abort_during_collective, 1, 0.5, op, timeout_s=30)

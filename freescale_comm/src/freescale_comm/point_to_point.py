@@ -3,16 +3,20 @@
 Gloo's wait for a peer that stopped, hung or lost its host (no closed connection tells Gloo)
 lasts until the group's timeout, 30 min by default. Its send / recv handle cannot be waited on in
 steps, as ``work.DelegatedWork`` does for collectives: a wait whose limit runs out fails every
-transfer of that Gloo backend ("Application timeout caused pair closure"), and the handle does
+transfer of that Gloo context ("Application timeout caused pair closure"), and the handle does
 not say it is complete before a wait. That failure is what ends them here: once the group is
-aborted, ``GlooBreaker`` waits 1 ms for a receive that never comes, and every pending send and
-recv of the group's Gloo raises, which the handle turns into the abort's ``FreescalePeerError``.
-The waits themselves stay Gloo's, in the caller's thread.
+aborted, ``GlooBreaker`` waits 1 ms for a receive that never comes in each of the Gloo
+backend's contexts (one per network device), and every pending send and recv there raises,
+which the handle turns into the abort's ``FreescalePeerError``. Those waits stay Gloo's, in the
+caller's thread. A receive from any source is queued outside the connections that this fails:
+its wait runs on a thread of its own (``AnySourceReceiveWork``), and the caller waits for that
+thread or the abort, whichever comes first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -24,9 +28,14 @@ from freescale_comm.errors import FreescalePeerError
 if TYPE_CHECKING:
     from freescale_comm.group import GroupContext
 
-# The tag of the receive that breaks the Gloo backend's pairs: one no caller's send carries.
+# The tags of the receives that break the Gloo backend's contexts (Gloo picks a send's or a
+# receive's context by its tag modulo their count): ones no caller's send carries.
 _BREAK_TAG = 2**31 - 1
 _BREAK_WAIT = timedelta(milliseconds=1)
+# How long an abort waits for the breaker: with Gloo's lazy connections
+# (``TORCH_GLOO_LAZY_INIT``), a receive from a stopped peer never connected to waits for its
+# connection until Gloo's timeout, on the breaker's thread alone.
+_BREAK_JOIN_S = 0.5
 
 
 class GlooBreaker:
@@ -35,26 +44,38 @@ class GlooBreaker:
 
     Args:
         plain: the group's plain twin, whose CPU send / recv run on its Gloo backend.
+        contexts: how many contexts that Gloo backend has (one per network device).
         group: the group's context (its abort).
     """
 
-    def __init__(self, plain: dist.ProcessGroup, group: GroupContext) -> None:
+    def __init__(self, plain: dist.ProcessGroup, contexts: int, group: GroupContext) -> None:
         self._plain = plain
-        self._forget = group.on_abort(self._break)
+        self._contexts = contexts
+        self._forget = group.on_abort(self._break_soon)
 
     def close(self) -> None:
         """Forgets the abort hook, which refers back to the group."""
         self._forget()
 
+    def _break_soon(self) -> None:
+        """Breaks on a thread of its own, waited for at most ``_BREAK_JOIN_S``: the abort's
+        later hooks and the liveness thread must not wait for a connection."""
+        breaker = threading.Thread(target=self._break, name="freescale-comm-break", daemon=True)
+        breaker.start()
+        breaker.join(_BREAK_JOIN_S)
+
     def _break(self) -> None:
         rank, size = self._plain.rank(), self._plain.size()
-        # A receive from a peer whose connection is closed (one that failed its own pairs
-        # first) fails at once, without the timeout that fails the others: each peer in turn.
-        # Once one timed out, every later receive fails at once.
-        for step in range(1, size):
-            with contextlib.suppress(RuntimeError):
-                probe = self._plain.recv([torch.empty(1)], (rank + step) % size, _BREAK_TAG)
-                probe.wait(_BREAK_WAIT)
+        for context in range(self._contexts):
+            # A receive from a peer whose connection is closed (one that failed its own pairs
+            # first) fails at once, without the timeout that fails the others: each peer in
+            # turn. Once one timed out, every later receive of that context fails at once.
+            for step in range(1, size):
+                with contextlib.suppress(RuntimeError):
+                    probe = self._plain.recv(
+                        [torch.empty(1)], (rank + step) % size, _BREAK_TAG - context
+                    )
+                    probe.wait(_BREAK_WAIT)
 
 
 class PointToPointWork(dist.Work):
@@ -107,3 +128,49 @@ class PointToPointWork(dist.Work):
 
     def synchronize(self) -> None:
         self.wait()
+
+
+class AnySourceReceiveWork(PointToPointWork):
+    """The handle of a receive from any source the group ran on Gloo, which no failure of
+    Gloo's connections ends: its first ``wait`` waits for Gloo's on a thread of its own
+    (started then; left waiting until Gloo's timeout where the group is aborted first)."""
+
+    def __init__(self, inner: dist.Work, group: GroupContext, name: str) -> None:
+        super().__init__(inner, group, name)
+        self._ended = threading.Event()
+        self._outcome: tuple[bool, Any] | None = None  # (returned, its value or its error)
+        self._start_lock = threading.Lock()
+        self._waiter: threading.Thread | None = None
+
+    def _wait_on_gloo(self, timeout: timedelta | None) -> None:
+        try:
+            self._outcome = (True, super().wait(timeout))
+        except BaseException as err:  # raised in the caller's thread
+            self._outcome = (False, err)
+        self._ended.set()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        with self._start_lock:
+            if self._waiter is None:
+                self._waiter = threading.Thread(
+                    target=self._wait_on_gloo,
+                    args=(timeout,),
+                    name="freescale-comm-recv-any",
+                    daemon=True,
+                )
+                self._waiter.start()
+        forget = self._group.on_abort(self._ended.set)
+        self._ended.wait()
+        forget()
+        if self._outcome is None:
+            raise FreescalePeerError(
+                f"rank {self._group.rank}: {self._name} on Gloo: the group was aborted by "
+                f"{self._group.broken}"
+            )
+        returned, value = self._outcome
+        if not returned:
+            raise value
+        return value
+
+    def is_completed(self) -> bool:
+        return self._outcome is not None and self._outcome[0]

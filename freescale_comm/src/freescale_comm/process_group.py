@@ -35,7 +35,7 @@ from freescale_comm.collective import Collective
 from freescale_comm.errors import FreescaleError, FreescalePeerError
 from freescale_comm.group import GroupContext
 from freescale_comm.options import FreescaleOptions
-from freescale_comm.point_to_point import GlooBreaker, PointToPointWork
+from freescale_comm.point_to_point import AnySourceReceiveWork, GlooBreaker, PointToPointWork
 from freescale_comm.work import DelegatedWork, FreescaleWork
 
 BACKEND_NAME = "freescale"
@@ -155,7 +155,8 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         if isinstance(getattr(getattr(gloo, "options", None), "_timeout", None), timedelta):
             self._ctx.follow_timeout(lambda: gloo.options._timeout)
         self._rank_size = (rank, size)
-        self._gloo_breaker = GlooBreaker(self._plain, self._ctx)  # for point-to-point waits
+        contexts = len(getattr(getattr(gloo, "options", None), "_devices", ())) or 1
+        self._gloo_breaker = GlooBreaker(self._plain, contexts, self._ctx)  # ``_point_to_point``
         # The paths of CUDA bytes and the AllGather algorithm for them are the group's, fixed
         # at its creation: decided once here, not on every call.
         ctx = self._ctx
@@ -541,18 +542,19 @@ def _point_to_point(name: str) -> Any:
         try:
             work = getattr(self._plain, name)(*args, **kwargs)
         except RuntimeError as err:  # Gloo's pairs, failed by an abort (``point_to_point``)
-            reason = self._ctx.broken
+            reason = self._ctx.broken_after_gloo_failed()
             if reason is None:
                 raise
             raise FreescalePeerError(
-                f"rank {self.rank()}: {name} on Gloo: the group was aborted earlier by {reason}"
+                f"rank {self.rank()}: {name} on Gloo: the group was aborted by {reason}"
             ) from err
         # (tensors, peer, tag), as c10d passes them: each line here costs microseconds per call
         # on a busy host (``_first_tensor`` is for the collectives' shapes).
         tensors = args[0] if args else kwargs["tensors"]
         if not tensors[0].is_cpu:
             return work
-        return PointToPointWork(work, self._ctx, name)
+        handle = AnySourceReceiveWork if name == "recv_anysource" else PointToPointWork
+        return handle(work, self._ctx, name)
 
     method.__name__ = method.__qualname__ = name
     method.__doc__ = f"``{name}`` on the Gloo / NCCL backend, entered without the GIL."
