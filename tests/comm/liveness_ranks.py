@@ -282,10 +282,14 @@ def outlive_the_store(stall_s: float) -> dict[str, object]:
     return {"calls": calls, "error": error}
 
 
-def store_host_stopped(stop_after_s: float, resume_after_s: float) -> dict[str, object]:
-    """Rank 0 hosts the job's store and stops itself (SIGSTOP) during the AllToAlls of a
-    freescale group judging liveness after 2 s: rank 1's requests to the store then go
-    unanswered (no connection error), as with a store host cut off. Rank 1 must still raise
+def store_host_stopped(
+    stop_after_s: float, resume_after_s: float, op: str = "all_to_all"
+) -> dict[str, object]:
+    """Rank 0 hosts the job's store and stops itself (SIGSTOP) during the calls of a
+    freescale group judging liveness after 2 s (its AllToAll, or ``all_reduce`` / a
+    ``send_recv`` exchange / a step of a small DDP model on its Gloo backend): rank 1's
+    requests to the store then go unanswered (no connection error), as with a store host cut
+    off. Rank 1 must still raise
     within about ``dead_after_s``, not once the store answers again; it resumes rank 0 once
     it has raised, or after ``resume_after_s`` if it has not by then (so that the run ends).
     Returns, per rank, the seconds from the stop to the raise and the error."""
@@ -300,6 +304,7 @@ def store_host_stopped(stop_after_s: float, resume_after_s: float) -> dict[str, 
     dist.init_process_group("gloo", store=job, rank=rank, world_size=2)
     options = FreescaleOptions(heartbeat_s=0.5, dead_after_s=2.0)
     group = dist.new_group(backend="freescale", timeout=timedelta(seconds=60), pg_options=options)
+    model = _ddp_model(group) if op == "ddp" else None  # (its set-up before the stop)
     dist.barrier(group=group)
     if rank == 0:
         threading.Timer(stop_after_s, os.kill, (os.getpid(), signal.SIGSTOP)).start()
@@ -310,9 +315,22 @@ def store_host_stopped(stop_after_s: float, resume_after_s: float) -> dict[str, 
         resume.start()
     error = None
     x = torch.ones(2 * 64)
+
+    def call() -> None:
+        if model is not None:  # its backward waits on its allreduce's future
+            model(x.view(2, 64)).sum().backward()
+        elif op == "all_reduce":
+            dist.all_reduce(x, group=group)
+        elif op == "send_recv":
+            sent = dist.isend(x, 1 - rank, group=group)
+            dist.recv(torch.empty_like(x), 1 - rank, group=group)
+            sent.wait()
+        else:
+            dist.all_to_all_single(torch.empty_like(x), x, group=group)
+
     try:
         for _ in range(10_000_000):
-            dist.all_to_all_single(torch.empty_like(x), x, group=group)
+            call()
     except RuntimeError as err:
         error = str(err)
     raised_after = None

@@ -661,14 +661,16 @@ def test_a_peer_process_gone_is_reported_while_the_store_is_down():
         child.wait()
 
 
-def test_a_stopped_store_host_is_reported_within_dead_after_s():
+@pytest.mark.parametrize("op", ["all_to_all", "all_reduce", "send_recv", "ddp"])
+def test_a_stopped_store_host_is_reported_within_dead_after_s(op):
     # Before: rank 1's liveness poll and its abort waited for the stopped store's answer (up
     # to the store's timeout), on the engine thread and in the caller: rank 1 raised only once
-    # the store's host was resumed, and other groups' collectives stalled with it.
+    # the store's host was resumed, and other groups' collectives stalled with it. A wait on
+    # the group's Gloo backend (all_reduce, send / recv) lasted until Gloo's timeout (60 s).
     group = LocalGroup(2, backend=None, setup=SETUP, init_timeout_s=30)
     try:
         group.start()
-        results = group.run(liveness_ranks.store_host_stopped, 1.0, 12.0, timeout_s=90)
+        results = group.run(liveness_ranks.store_host_stopped, 1.0, 12.0, op, timeout_s=90)
     finally:
         group.close()
     survivor = results[1]

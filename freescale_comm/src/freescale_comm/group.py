@@ -156,6 +156,8 @@ class GroupContext:
         self.express_runs = 0  # collectives run to their end in their call (``Collective``)
         # Where the group's timeout is read again (``follow_timeout``).
         self._timeout_source: Callable[[], timedelta] | None = None
+        self._gloo_waits: dict[int, float] = {}  # when each wait on Gloo began
+        self._gloo_wait_keys = itertools.count()
         self._sealed = _SealedDeadlines(self.inflight, self._upkeep)
         self._links: list[Any] = [None] * size
         self._hub: Any = None
@@ -777,13 +779,34 @@ class GroupContext:
 
     def _upkeep(self) -> None:
         """Each second on the engine thread: takes up a timeout set on the group since
-        (``follow_timeout``: the group's own waits outside collectives use it too); once the
+        (``follow_timeout``: the group's own waits outside collectives use it too); aborts the
+        group where a wait on its Gloo backend cannot end (``gloo_wait_began``); once the
         group is aborted, releases the IPC waits again until the streams drain
         (``IpcPath.keep_released``)."""
         self.current_timeout_s()
+        started = list(self._gloo_waits.values())
+        if started and self._broken is None:
+            # As for the group's own collectives (``health_error``): the liveness thread,
+            # blocked in a store request that is never answered, cannot abort it then.
+            waited = time.monotonic() - min(started)
+            error = self.health_error(waited)
+            if error is not None:
+                self.abort(f"rank {self.rank}: a wait on the Gloo backend: {error}")
         if self._broken is not None:
             for path in list(self._ipc.values()):
                 path.keep_released()
+
+    def gloo_wait_began(self) -> int:
+        """Marks a wait on the group's Gloo backend begun (a collective or a send / recv it
+        runs there), which the abort ends (``work.DelegatedWork``, ``point_to_point``);
+        returns what ``gloo_wait_ended`` takes. Where it lasts past ``dead_after_s`` while the
+        store has not answered that long, the group is aborted (``_upkeep``)."""
+        key = next(self._gloo_wait_keys)
+        self._gloo_waits[key] = time.monotonic()
+        return key
+
+    def gloo_wait_ended(self, key: int) -> None:
+        self._gloo_waits.pop(key, None)
 
     def mailbox_path(self) -> IpcPath | None:
         """The IPC path whose mailbox the peers of this host push into: the first one made

@@ -97,6 +97,7 @@ class PointToPointWork(dist.Work):
         self._name = name
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        key = self._group.gloo_wait_began()
         try:
             return self._inner.wait() if timeout is None else self._inner.wait(timeout)
         except RuntimeError as err:
@@ -106,6 +107,8 @@ class PointToPointWork(dist.Work):
             raise FreescalePeerError(
                 f"rank {self._group.rank}: {self._name} on Gloo: the group was aborted by {reason}"
             ) from err
+        finally:
+            self._group.gloo_wait_ended(key)
 
     def is_completed(self) -> bool:
         return self._inner.is_completed()

@@ -193,6 +193,13 @@ class DelegatedWork(dist.Work):
         return FreescalePeerError(f"{self._label}: the group was aborted by {reason}")
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        key = self._group.gloo_wait_began()
+        try:
+            return self._wait(timeout)
+        finally:
+            self._group.gloo_wait_ended(key)
+
+    def _wait(self, timeout: timedelta | None) -> bool:
         # 0 (c10d's "no timeout") and None leave the bound to Gloo's own timeout.
         limit = None if timeout is None or not timeout else max(timeout.total_seconds(), 0.0)
         until = None if limit is None else time.monotonic() + limit
@@ -232,9 +239,11 @@ class DelegatedWork(dist.Work):
                 trigger: torch.futures.Future = torch.futures.Future()
                 self._future = trigger.then(self._outcome)
                 forget = self._group.on_abort(lambda: _set_once(trigger))
+                key = self._group.gloo_wait_began()  # a waiter on the future may never wait
 
                 def done(_: torch.futures.Future) -> None:
                     forget()
+                    self._group.gloo_wait_ended(key)
                     _set_once(trigger)
 
                 self._inner.get_future().add_done_callback(done)
