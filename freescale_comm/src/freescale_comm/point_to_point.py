@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from freescale_comm.errors import FreescalePeerError
+from freescale_comm.work import GlooHandle
 
 if TYPE_CHECKING:
     from freescale_comm.group import GroupContext
@@ -78,7 +79,7 @@ class GlooBreaker:
                     probe.wait(_BREAK_WAIT)
 
 
-class PointToPointWork(dist.Work):
+class PointToPointWork(GlooHandle):
     """The handle of a ``send`` / ``recv`` the group ran on Gloo: ``wait`` returns or raises
     what Gloo's does, with the same ``timeout``, but raises a ``FreescalePeerError`` naming the
     abort's reason once the group is aborted (a peer found stopped or dead by the liveness
@@ -91,8 +92,7 @@ class PointToPointWork(dist.Work):
     """
 
     def __init__(self, inner: dist.Work, group: GroupContext, name: str) -> None:
-        super().__init__()
-        self._inner = inner
+        super().__init__(inner)
         self._group = group
         self._name = name
 
@@ -110,27 +110,11 @@ class PointToPointWork(dist.Work):
         finally:
             self._group.gloo_wait_ended(key)
 
-    def is_completed(self) -> bool:
-        return self._inner.is_completed()
-
-    def is_success(self) -> bool:
-        return self._inner.is_success()
-
-    def exception(self) -> Any:
-        return self._inner.exception()
-
     def source_rank(self) -> int:
         return self._inner.source_rank()
 
     def _source_rank(self) -> int:
         return self._inner._source_rank()
-
-    def result(self) -> list[torch.Tensor]:
-        self.wait()
-        return self._inner.result()
-
-    def synchronize(self) -> None:
-        self.wait()
 
 
 class AnySourceReceiveWork(PointToPointWork):

@@ -160,7 +160,32 @@ class FreescaleWork(dist.Work):
         self._wait_done(None)
 
 
-class DelegatedWork(dist.Work):
+class GlooHandle(dist.Work):
+    """A handle over Gloo's (``inner``) whose ``wait`` its subclasses bound; the rest is
+    Gloo's."""
+
+    def __init__(self, inner: dist.Work) -> None:
+        super().__init__()
+        self._inner = inner
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self._inner.is_success()
+
+    def exception(self) -> Any:
+        return self._inner.exception()
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._inner.result()
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+class DelegatedWork(GlooHandle):
     """The handle of a collective the group ran on its Gloo backend, whose waits also end once
     the group is aborted (a peer found dead or stopped by the liveness thread, ``abort()``).
 
@@ -179,8 +204,7 @@ class DelegatedWork(dist.Work):
     """
 
     def __init__(self, inner: dist.Work, group: GroupContext, label: str) -> None:
-        super().__init__()
-        self._inner = inner
+        super().__init__(inner)
         self._group = group
         self._label = label
         self._future: torch.futures.Future | None = None
@@ -261,22 +285,6 @@ class DelegatedWork(dist.Work):
                     raise
                 raise error from err
         raise self._aborted() or FreescalePeerError(f"{self._label}: the group was aborted")
-
-    def is_completed(self) -> bool:
-        return self._inner.is_completed()
-
-    def is_success(self) -> bool:
-        return self._inner.is_success()
-
-    def exception(self) -> Any:
-        return self._inner.exception()
-
-    def result(self) -> list[torch.Tensor]:
-        self.wait()
-        return self._inner.result()
-
-    def synchronize(self) -> None:
-        self.wait()
 
 
 def _set_once(future: torch.futures.Future) -> None:
