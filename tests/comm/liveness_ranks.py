@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from freescale_comm import FreescaleOptions
+from freescale_comm.errors import FreescaleTimeoutError
 
 
 def _loop_until_error(group: dist.ProcessGroup | None, what: str, op: str = "all_to_all") -> float:
@@ -286,8 +287,9 @@ def store_host_stopped(
     stop_after_s: float, resume_after_s: float, op: str = "all_to_all"
 ) -> dict[str, object]:
     """Rank 0 hosts the job's store and stops itself (SIGSTOP) during the calls of a
-    freescale group judging liveness after 2 s (its AllToAll, or ``all_reduce`` / a
-    ``send_recv`` exchange / a step of a small DDP model on its Gloo backend): rank 1's
+    freescale group judging liveness after 2 s (its AllToAll, or ``all_reduce`` (also waited
+    for in slices) / a ``send_recv`` exchange / a step of a small DDP model on its Gloo
+    backend): rank 1's
     requests to the store then go unanswered (no connection error), as with a store host cut
     off. Rank 1 must still raise
     within about ``dead_after_s``, not once the store answers again; it resumes rank 0 once
@@ -321,6 +323,12 @@ def store_host_stopped(
             model(x.view(2, 64)).sum().backward()
         elif op == "all_reduce":
             dist.all_reduce(x, group=group)
+        elif op == "all_reduce_sliced":  # waited for in slices, as a caller that polls does
+            work = dist.all_reduce(x, group=group, async_op=True)
+            while True:
+                with contextlib.suppress(FreescaleTimeoutError):
+                    work.wait(timedelta(seconds=0.5))
+                    return
         elif op == "send_recv":
             sent = dist.isend(x, 1 - rank, group=group)
             dist.recv(torch.empty_like(x), 1 - rank, group=group)

@@ -661,7 +661,9 @@ def test_a_peer_process_gone_is_reported_while_the_store_is_down():
         child.wait()
 
 
-@pytest.mark.parametrize("op", ["all_to_all", "all_reduce", "send_recv", "ddp"])
+@pytest.mark.parametrize(
+    "op", ["all_to_all", "all_reduce", "all_reduce_sliced", "send_recv", "ddp"]
+)
 def test_a_stopped_store_host_is_reported_within_dead_after_s(op):
     # Before: rank 1's liveness poll and its abort waited for the stopped store's answer (up
     # to the store's timeout), on the engine thread and in the caller: rank 1 raised only once

@@ -791,18 +791,25 @@ class GroupContext:
             waited = time.monotonic() - min(started)
             error = self.health_error(waited)
             if error is not None:
-                self.abort(f"rank {self.rank}: a wait on the Gloo backend: {error}")
+                # On a thread of its own: the abort waits for the liveness thread, blocked in
+                # the store request, and the engine thread serves every group.
+                reason = f"rank {self.rank}: a wait on the Gloo backend: {error}"
+                threading.Thread(
+                    target=self.abort, args=(reason,), name="freescale-comm-abort", daemon=True
+                ).start()
         if self._broken is not None:
             for path in list(self._ipc.values()):
                 path.keep_released()
 
-    def gloo_wait_began(self) -> int:
+    def gloo_wait_began(self, since: float) -> int:
         """Marks a wait on the group's Gloo backend begun (a collective or a send / recv it
-        runs there), which the abort ends (``work.DelegatedWork``, ``point_to_point``);
-        returns what ``gloo_wait_ended`` takes. Where it lasts past ``dead_after_s`` while the
-        store has not answered that long, the group is aborted (``_upkeep``)."""
+        runs there), which the abort ends (``work.DelegatedWork``, ``point_to_point``), waiting
+        since ``since`` (``time.monotonic()`` of the first wait on its handle: a caller may
+        wait in slices); returns what ``gloo_wait_ended`` takes. Where it lasts past
+        ``dead_after_s`` while the store has not answered that long, the group is aborted
+        (``_upkeep``)."""
         key = next(self._gloo_wait_keys)
-        self._gloo_waits[key] = time.monotonic()
+        self._gloo_waits[key] = since
         return key
 
     def gloo_wait_ended(self, key: int) -> None:

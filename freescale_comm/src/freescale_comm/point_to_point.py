@@ -97,7 +97,7 @@ class PointToPointWork(GlooHandle):
         self._name = name
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        key = self._group.gloo_wait_began()
+        key = self._group.gloo_wait_began(self._waiting_since())
         try:
             return self._inner.wait() if timeout is None else self._inner.wait(timeout)
         except RuntimeError as err:

@@ -167,6 +167,13 @@ class GlooHandle(dist.Work):
     def __init__(self, inner: dist.Work) -> None:
         super().__init__()
         self._inner = inner
+        self._first_wait: float | None = None
+
+    def _waiting_since(self) -> float:
+        """When the first wait on this handle began (``GroupContext.gloo_wait_began``)."""
+        if self._first_wait is None:
+            self._first_wait = time.monotonic()
+        return self._first_wait
 
     def is_completed(self) -> bool:
         return self._inner.is_completed()
@@ -217,7 +224,7 @@ class DelegatedWork(GlooHandle):
         return FreescalePeerError(f"{self._label}: the group was aborted by {reason}")
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        key = self._group.gloo_wait_began()
+        key = self._group.gloo_wait_began(self._waiting_since())
         try:
             return self._wait(timeout)
         finally:
@@ -263,7 +270,8 @@ class DelegatedWork(GlooHandle):
                 trigger: torch.futures.Future = torch.futures.Future()
                 self._future = trigger.then(self._outcome)
                 forget = self._group.on_abort(lambda: _set_once(trigger))
-                key = self._group.gloo_wait_began()  # a waiter on the future may never wait
+                # A waiter on the future may never wait on the handle.
+                key = self._group.gloo_wait_began(self._waiting_since())
 
                 def done(_: torch.futures.Future) -> None:
                     forget()
