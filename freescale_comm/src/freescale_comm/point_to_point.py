@@ -88,25 +88,18 @@ class PointToPointWork(GlooHandle):
     Args:
         inner: Gloo's handle.
         group: the group's context (why it was aborted).
-        name: what the call was (``send``, ``recv``), for the error.
+        what: what the call was (``send``, ``recv``), for the error.
     """
-
-    def __init__(self, inner: dist.Work, group: GroupContext, name: str) -> None:
-        super().__init__(inner)
-        self._group = group
-        self._name = name
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         key = self._group.gloo_wait_began(self._waiting_since())
         try:
             return self._inner.wait() if timeout is None else self._inner.wait(timeout)
         except RuntimeError as err:
-            reason = self._group.broken_after_gloo_failed()
-            if reason is None:
+            error = self._aborted(after_gloo_failed=True)
+            if error is None:
                 raise
-            raise FreescalePeerError(
-                f"rank {self._group.rank}: {self._name} on Gloo: the group was aborted by {reason}"
-            ) from err
+            raise error from err
         finally:
             self._group.gloo_wait_ended(key)
 
@@ -122,8 +115,8 @@ class AnySourceReceiveWork(PointToPointWork):
     Gloo's connections ends: its first ``wait`` waits for Gloo's on a thread of its own
     (started then; left waiting until Gloo's timeout where the group is aborted first)."""
 
-    def __init__(self, inner: dist.Work, group: GroupContext, name: str) -> None:
-        super().__init__(inner, group, name)
+    def __init__(self, inner: dist.Work, group: GroupContext, what: str) -> None:
+        super().__init__(inner, group, what)
         self._ended = threading.Event()
         self._outcome: tuple[bool, Any] | None = None  # (returned, its value or its error)
         self._start_lock = threading.Lock()
@@ -149,11 +142,8 @@ class AnySourceReceiveWork(PointToPointWork):
         forget = self._group.on_abort(self._ended.set)
         self._ended.wait()
         forget()
-        if self._outcome is None:
-            raise FreescalePeerError(
-                f"rank {self._group.rank}: {self._name} on Gloo: the group was aborted by "
-                f"{self._group.broken}"
-            )
+        if self._outcome is None:  # ended by the abort
+            raise self._aborted() or FreescalePeerError(f"{self._what} on Gloo: aborted")
         returned, value = self._outcome
         if not returned:
             raise value

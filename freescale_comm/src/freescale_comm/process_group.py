@@ -36,7 +36,7 @@ from freescale_comm.errors import FreescaleError, FreescalePeerError
 from freescale_comm.group import GroupContext
 from freescale_comm.options import FreescaleOptions
 from freescale_comm.point_to_point import AnySourceReceiveWork, GlooBreaker, PointToPointWork
-from freescale_comm.work import DelegatedWork, FreescaleWork
+from freescale_comm.work import DelegatedWork, FreescaleWork, aborted_error
 
 BACKEND_NAME = "freescale"
 
@@ -459,11 +459,12 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         them."""
         if not on_gloo:
             return call(*args, **kwargs)
-        label = f"rank {self.rank()}: {name} on Gloo"
         reason = self._ctx.broken
         if reason is not None:
-            raise FreescalePeerError(f"{label}: the group was aborted earlier by {reason}")
-        return DelegatedWork(call(*args, **kwargs), self._ctx, label)
+            raise FreescalePeerError(
+                f"rank {self.rank()}: {name} on Gloo: the group was aborted earlier by {reason}"
+            )
+        return DelegatedWork(call(*args, **kwargs), self._ctx, name)
 
     # ----------------------------------------------------------------- lifecycle
     def shutdown(self) -> None:
@@ -542,12 +543,10 @@ def _point_to_point(name: str) -> Any:
         try:
             work = getattr(self._plain, name)(*args, **kwargs)
         except RuntimeError as err:  # Gloo's pairs, failed by an abort (``point_to_point``)
-            reason = self._ctx.broken_after_gloo_failed()
-            if reason is None:
+            error = aborted_error(self._ctx, name, after_gloo_failed=True)
+            if error is None:
                 raise
-            raise FreescalePeerError(
-                f"rank {self.rank()}: {name} on Gloo: the group was aborted by {reason}"
-            ) from err
+            raise error from err
         # (tensors, peer, tag), as c10d passes them: each line here costs microseconds per call
         # on a busy host (``_first_tensor`` is for the collectives' shapes).
         tensors = args[0] if args else kwargs["tensors"]

@@ -160,14 +160,33 @@ class FreescaleWork(dist.Work):
         self._wait_done(None)
 
 
-class GlooHandle(dist.Work):
-    """A handle over Gloo's (``inner``) whose ``wait`` its subclasses bound; the rest is
-    Gloo's."""
+def aborted_error(
+    group: GroupContext, what: str, after_gloo_failed: bool = False
+) -> FreescalePeerError | None:
+    """The error of ``what`` (``send``, ``all_reduce``, ...) that the group ran on Gloo, where
+    the group is aborted, or None; ``after_gloo_failed``: Gloo failed it, which an abort on
+    its way may explain (``GroupContext.broken_after_gloo_failed``)."""
+    reason = group.broken_after_gloo_failed() if after_gloo_failed else group.broken
+    if reason is None:
+        return None
+    return FreescalePeerError(
+        f"rank {group.rank}: {what} on Gloo: the group was aborted by {reason}"
+    )
 
-    def __init__(self, inner: dist.Work) -> None:
+
+class GlooHandle(dist.Work):
+    """A handle over Gloo's (``inner``) of ``what`` the group ran there, whose ``wait`` its
+    subclasses bound; the rest is Gloo's."""
+
+    def __init__(self, inner: dist.Work, group: GroupContext, what: str) -> None:
         super().__init__()
         self._inner = inner
+        self._group = group
+        self._what = what
         self._first_wait: float | None = None
+
+    def _aborted(self, after_gloo_failed: bool = False) -> FreescalePeerError | None:
+        return aborted_error(self._group, self._what, after_gloo_failed)
 
     def _waiting_since(self) -> float:
         """When the first wait on this handle began (``GroupContext.gloo_wait_began``)."""
@@ -207,21 +226,13 @@ class DelegatedWork(GlooHandle):
     Args:
         inner: Gloo's handle.
         group: the group's context (whose ``broken`` says why it was aborted).
-        label: what the collective was, for the error.
+        what: what the collective was (``all_reduce``, ...), for the error.
     """
 
-    def __init__(self, inner: dist.Work, group: GroupContext, label: str) -> None:
-        super().__init__(inner)
-        self._group = group
-        self._label = label
+    def __init__(self, inner: dist.Work, group: GroupContext, what: str) -> None:
+        super().__init__(inner, group, what)
         self._future: torch.futures.Future | None = None
         self._future_lock = threading.Lock()
-
-    def _aborted(self, after_gloo_failed: bool = False) -> FreescalePeerError | None:
-        reason = self._group.broken_after_gloo_failed() if after_gloo_failed else self._group.broken
-        if reason is None:
-            return None
-        return FreescalePeerError(f"{self._label}: the group was aborted by {reason}")
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         key = self._group.gloo_wait_began(self._waiting_since())
@@ -240,7 +251,8 @@ class DelegatedWork(GlooHandle):
                 step = min(step, until - time.monotonic())
                 if step <= 0:  # (Gloo would take a wait of 0 for one without a limit)
                     raise FreescaleTimeoutError(
-                        f"{self._label}: not finished within the {limit:g} s wait"
+                        f"rank {self._group.rank}: {self._what} on Gloo: not finished within "
+                        f"the {limit:g} s wait"
                     )
             try:  # at least 1 ms: a timedelta that rounds to 0 would wait without a limit
                 return self._inner.wait(timedelta(seconds=max(step, 1e-3)))
@@ -292,7 +304,9 @@ class DelegatedWork(GlooHandle):
                 if error is None:
                     raise
                 raise error from err
-        raise self._aborted() or FreescalePeerError(f"{self._label}: the group was aborted")
+        raise self._aborted() or FreescalePeerError(
+            f"rank {self._group.rank}: {self._what} on Gloo: the group was aborted"
+        )
 
 
 def _set_once(future: torch.futures.Future) -> None:
