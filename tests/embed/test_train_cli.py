@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from freescale_embed.train import cli
 from freescale_embed.train import job as _job
-from freescale_embed.train.config import FREESCALE, TrainConfig, auto_mode
+from freescale_embed.train.config import FREESCALE, TrainConfig, auto_mode, shared_cores
+from freescale_embed.train.report import table
 
 _SMALL = [
     "--steps", "6", "--batch-size", "8", "--max-history", "32", "--users", "256",
@@ -36,6 +37,10 @@ def test_freescale_train_runs_both_runs_side_by_side_and_draws_them(tmp_path, ca
         lines = (out / summary["run"]["name"] / "steps.jsonl").read_text().splitlines()
         assert [json.loads(line)["step"] for line in lines] == list(range(1, 7))
     assert (tmp_path / "ck" / "freescale" / ".metadata").exists()
+    # 2 ranks of one torch thread on this machine's cores: FreeScale balanced.
+    assert summaries[1]["balancing"]["balanced"] and "did not balance" not in printed
+    summaries[1]["balancing"] = {"balanced": False, "skipped": "the reason"}
+    assert "freescale: did not balance (the reason)" in table(summaries)
     assert cli.main(["report", str(out)]) == 0
     assert (out / "report.png").stat().st_size > 10_000
 
@@ -72,6 +77,35 @@ def test_auto_resolves_by_this_hosts_cores_and_an_explicit_mode_stays(monkeypatc
             assert run.mode == mode and run.name == FREESCALE.name
         explicit = replace(FREESCALE, mode="prioritized")
         assert _job._chosen_mode(explicit, TrainConfig()) == (explicit, None)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("cores", "local_ranks", "threads", "shared"),
+    [(2, 2, 1, False), (2, 4, 1, True), (16, 4, 4, False), (16, 4, 5, True), (1, 1, 1, False)],
+)  # fmt: skip
+def test_ranks_share_cores_where_their_torch_threads_outnumber_them(
+    cores, local_ranks, threads, shared
+):
+    why = shared_cores(cores, local_ranks, threads)
+    assert (why is not None) == shared
+    if shared:
+        assert f"{local_ranks} local ranks of {threads} torch thread" in why
+        assert f"share {cores} cores" in why
+
+
+def test_a_run_does_not_balance_ranks_that_share_their_compute(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        config = TrainConfig()
+        monkeypatch.setattr(_job, "_usable_cores", lambda: 2)
+        assert _job._shared_compute(FREESCALE, config, False) == shared_cores(2, 4, 1)
+        assert _job._shared_compute(replace(FREESCALE, policy="none"), config, False) is None
+        assert _job._shared_compute(FREESCALE, config, True) == "ranks share a GPU"
+        monkeypatch.setattr(_job, "_usable_cores", lambda: 4)
+        assert _job._shared_compute(FREESCALE, config, False) is None
     finally:
         dist.destroy_process_group()
 

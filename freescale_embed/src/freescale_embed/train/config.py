@@ -65,8 +65,10 @@ class TrainConfig:
         fit_cost_model: FBS and KK balance with a cost model fit online to the ranks'
             measured compute times (``BalancerConfig.fit``); ``False``: the FLOP model.
 
-    Ranks that share a GPU never balance (their compute is that GPU's, however samples are
-    split): a run with a policy then trains unbalanced, and its summary says so.
+    Ranks that share their compute never balance (a GPU, or a host's cores where its ranks run
+    more torch threads than it has: ``shared_cores``), since that compute does the same work
+    however samples are split: a run with a policy then trains unbalanced, and its summary and
+    table say why.
     """
 
     dataset: Dataset = "synthetic"
@@ -130,6 +132,20 @@ def auto_mode(cores: int, local_ranks: int, threads: int) -> tuple[str, str]:
     if cores >= needed:
         return "prioritized", f"{why}; a spare core per rank for its background thread"
     return "sync", f"{why}; prioritized mode's background threads would need {needed} cores"
+
+
+def shared_cores(cores: int, local_ranks: int, threads: int) -> str | None:
+    """Why the ``local_ranks`` of one host share its ``cores``, or None where each rank's
+    ``threads`` torch threads have cores of their own. Sharing, the cores run every rank's work
+    in turn, so a sample moved from one rank to another leaves the step's compute as it was and
+    adds the shuffle's. A heuristic, as ``auto_mode``: it counts only the torch threads."""
+    if cores >= local_ranks * threads:
+        return None
+    each = f"{threads} torch thread{'s' if threads > 1 else ''} each"
+    return (
+        f"{local_ranks} local ranks of {each} share {cores} cores: balancing would move "
+        "samples between ranks that run on the same cores"
+    )
 
 
 def check_run(run: RunConfig) -> None:

@@ -30,7 +30,7 @@ from freescale_embed.pipeline import (
     resident_bytes,
 )
 from freescale_embed.pipeline_telemetry import StepReport
-from freescale_embed.train.config import RunConfig, TrainConfig, auto_mode
+from freescale_embed.train.config import RunConfig, TrainConfig, auto_mode, shared_cores
 from freescale_embed.train.data import Data
 
 _EVAL_BATCH = 64
@@ -95,11 +95,12 @@ def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dic
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     run, mode_why = _chosen_mode(run, config)
+    shared_gpu = device.type == "cuda" and torch.cuda.device_count() < world
+    unbalanced_why = _shared_compute(run, config, shared_gpu)
     group = _group(run.backend, timeout)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # runs share the process: peaks per run
     # NCCL cannot put two ranks on one GPU: ranks sharing GPUs all-reduce dense gradients on Gloo.
-    shared_gpu = device.type == "cuda" and torch.cuda.device_count() < world
     dense_group = _group("gloo", timeout) if shared_gpu else group
     model_config = SASRecConfig(
         num_items=data.num_items,
@@ -121,10 +122,7 @@ def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dic
     model = SASRec(model_config, embeddings).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     balancer = None
-    # Ranks that share a GPU share its compute: moving samples from one to the other changes
-    # neither's step (the faster one's time goes to the other's kernels) and costs the shuffle.
-    balanced = run.policy != "none" and not shared_gpu
-    if balanced:
+    if unbalanced_why is None:
         # The balancer moves CPU tensors on a background thread: Gloo, whatever the backend
         # (freescale's CPU path bought nothing there and its engine threads took the GIL from
         # the training thread).
@@ -163,7 +161,7 @@ def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dic
         checkpoint.save(saved, pipeline)
     quality = _evaluate(model, embeddings, data, device)
     quality["digest"] = _digest(model, embeddings)
-    balancing = _balancing(run, balancer, shared_gpu)
+    balancing = _balancing(balancer, unbalanced_why)
     pipeline.close()
     embeddings.close()
     if balancer is not None:
@@ -181,11 +179,30 @@ def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dic
     return summary
 
 
-def _balancing(run: RunConfig, balancer: Balancer | None, shared_gpu: bool) -> dict[str, Any]:
+def _shared_compute(run: RunConfig, config: TrainConfig, shared_gpu: bool) -> str | None:
+    """Why ``run`` trains unbalanced although it names a policy, or None where it balances (the
+    same on every rank; collective where the run balances on CPU). Ranks that share their
+    compute share its time: moving samples from one to another changes no rank's step (the
+    faster one's time goes to the other's work) and costs the shuffle."""
+    if run.policy == "none":
+        return None
+    if shared_gpu:
+        return "ranks share a GPU"
+    if config.device != "cpu":
+        return None
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    why = shared_cores(_usable_cores(), local_ranks, config.threads)
+    anywhere = torch.tensor([why is not None], dtype=torch.int32)
+    dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+    if why is None and anywhere.item():
+        why = "some host's ranks share its cores"
+    return why
+
+
+def _balancing(balancer: Balancer | None, unbalanced_why: str | None) -> dict[str, Any]:
     """Whether the run balanced, and with which cost model at its end (the same on every rank)."""
     if balancer is None:
-        reason = "ranks share a GPU" if run.policy != "none" and shared_gpu else None
-        return {"balanced": False, "skipped": reason}
+        return {"balanced": False, "skipped": unbalanced_why}
     model = balancer.cost_model
     return {
         "balanced": True,

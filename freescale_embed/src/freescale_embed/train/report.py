@@ -68,6 +68,9 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
                 f"{summary['run']['name']}: mode auto chose {summary['run']['mode']} "
                 f"({summary['mode_auto']})"
             )
+        skipped = summary.get("balancing", {}).get("skipped")
+        if skipped:
+            text.append(f"{summary['run']['name']}: did not balance ({skipped})")
     base = summaries[0]
     for other in summaries[1:]:
         difference = loss_agreement(base["losses"], other["losses"])
