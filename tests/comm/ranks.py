@@ -985,6 +985,47 @@ def own_pieces_on_helper_threads(
     }
 
 
+def _huge_page_kb(address: int) -> int:
+    """This process's ``AnonHugePages`` in the mapping that holds ``address`` (kB)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and ":" not in head:  # a mapping's first line: its address range
+                low, high = (int(part, 16) for part in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+def sends_on_huge_pages(enabled: bool) -> dict[str, Any]:
+    """AllToAlls of 8 MiB per peer, read from the sender's memory (``shm_max_bytes`` 512 KiB),
+    sending one input three times, on a group with ``host_huge_pages=enabled``: every result
+    against the reference; then how many ranges this process collapsed meanwhile, the huge
+    pages behind the input, and the messages read."""
+    from freescale_comm.huge_pages import huge_pages
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = freescale_group(60, shm_max_bytes=1 << 19, host_huge_pages=enabled)
+    rows = 1 << 20  # float64: 8 MiB per peer
+    x = torch.arange(n * rows, dtype=torch.float64) + 1e7 * rank
+    before = huge_pages.collapsed
+    for k in range(3):
+        out = torch.full_like(x, -1.0)
+        dist.all_to_all_single(out, x, group=group)
+        base = torch.arange(rows * rank, rows * rank + rows, dtype=torch.float64)
+        _same(out, torch.cat([base + 1e7 * r for r in range(n)]), f"call #{k}")
+    paths = group.paths()
+    dist.destroy_process_group(group)
+    return {
+        "collapsed": huge_pages.collapsed - before,
+        "unsupported": huge_pages.off,
+        "huge_kb": _huge_page_kb(x.data_ptr()),
+        "reads": sum(p["ring_reads"] for p in paths),
+    }
+
+
 def early_data_after_a_bad_verdict(rounds: int) -> int:
     """Medium AllToAlls (128 KiB per peer: over the rings, sent with the headers) whose splits
     disagree on one rank, each followed by a good one of the same shape: the bad one fails on

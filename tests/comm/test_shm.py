@@ -92,6 +92,26 @@ def test_own_pieces_and_reads_on_helper_threads_match_gloo(fs_group, threads, sh
             assert (result["split_reads"] > 0) == result["readable"]
 
 
+@pytest.mark.skipif(not reads_allowed(), reason="the kernel refuses reads of a peer's memory")
+@pytest.mark.parametrize("enabled", [True, False], ids=["huge_pages", "off"])
+def test_a_send_buffer_sent_again_is_moved_onto_huge_pages(local_groups, enabled):
+    results = local_groups.get(2, backend="freescale", setup=SETUP, init_timeout_s=60).run(
+        ranks.sends_on_huge_pages, enabled, timeout_s=120
+    )
+    for result in results:
+        assert result["reads"] > 0  # every message of 8 MiB was read from its sender
+        if result["unsupported"]:  # a kernel older than 6.1: no MADV_COLLAPSE
+            continue
+        if enabled:
+            # Collapsed once, by the second call: the 2 MiB pages inside its 16 MiB.
+            assert result["collapsed"] == 1
+            assert result["huge_kb"] >= 14 << 10
+        else:
+            assert result["collapsed"] == 0
+            if not tensors_get_huge_pages():
+                assert result["huge_kb"] == 0
+
+
 def test_every_collective_through_the_outboxes_matches_gloo(fs_group):
     # Boxes of 4 KiB: the headers and the data that fits go through the outboxes, larger data
     # through the rings; four collectives in flight at once make a rank wait for its peers to

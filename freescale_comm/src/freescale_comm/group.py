@@ -31,6 +31,7 @@ from freescale_comm.cpu import usable_cores
 from freescale_comm.engine import Engine, idle_poll_s
 from freescale_comm.errors import FreescaleError, FreescalePeerError, FreescaleValidationError
 from freescale_comm.futures import CallbackRunner
+from freescale_comm.huge_pages import huge_pages
 from freescale_comm.liveness import Liveness, own_connection, process_identity
 from freescale_comm.local_copies import LocalCopies, helper_threads
 from freescale_comm.options import EVERY_SIZE, READ_ABOVE_BYTES, FreescaleOptions
@@ -541,6 +542,11 @@ class GroupContext:
             # Larger: read by the receiver from the sender's memory where that direction
             # allows it (both sides know: ``shm.open_links``), else UCX.
             if sub != 0 and (link.host.reads_out if send else link.host.reads_in):
+                if send and self.options.host_huge_pages:
+                    # The whole tensor the message is a piece of (a plan's byte views are
+                    # slices of one flat view per tensor): its every 2 MiB page, once.
+                    whole = buffer.base if isinstance(buffer.base, np.ndarray) else buffer
+                    huge_pages.sending(whole.ctypes.data, whole.nbytes, tag >> SUB_BITS)
                 return self._hub.post(link, buffer, tag, send, by_read=True)
         return self.post_ucx(peer, buffer, tag, send)
 

@@ -108,6 +108,11 @@ class FreescaleOptions:
             but a sender that died fails the collective instead of aborting the reader), where
             the kernel allows it (probed per direction at set-up); else, or with False, UCX.
             ``FREESCALE_HOST_READS``.
+        host_huge_pages: a CPU send buffer that a peer reads from this process's memory
+            (``host_reads``) and that a second collective sends again is moved onto 2 MiB
+            pages once (``huge_pages``: ``madvise(MADV_COLLAPSE)``, Linux 6.1+; about one
+            copy of it), so that the peers' reads pin one page per 2 MiB instead of 512. A
+            rank's own choice. ``FREESCALE_HOST_HUGE_PAGES``.
         shm_slot_bytes: size of one ring slot (the pipelining unit). Same on every rank.
             ``FREESCALE_SHM_SLOT_BYTES``.
         shm_pool_bytes: the rings a process receives into, per group: split over its peers on
@@ -160,6 +165,7 @@ class FreescaleOptions:
     host_path: HostPath = "auto"
     shm_max_bytes: int = -1
     host_reads: bool = True
+    host_huge_pages: bool = True
     shm_slot_bytes: int = 256 << 10
     shm_pool_bytes: int = 4 << 20
     shm_outbox_bytes: int = 2 << 20
