@@ -108,7 +108,8 @@ def test_a_send_buffer_sent_again_is_moved_onto_huge_pages(local_groups, enabled
             assert result["huge_kb"] >= 14 << 10
         else:
             assert result["collapsed"] == 0
-            if not tensors_get_huge_pages():
+            # (Memory an earlier test in these processes collapsed may hold the input.)
+            if not tensors_get_huge_pages() and not result["collapsed_before"]:
                 assert result["huge_kb"] == 0
 
 
