@@ -11,6 +11,7 @@ from freescale_comm.huge_pages import (
     _REMEMBERED,
     HUGE_PAGE_BYTES,
     MADV_COLLAPSE,
+    STEP_BYTES,
     HugePages,
 )
 
@@ -83,3 +84,18 @@ def test_ranges_are_remembered_up_to_a_bound():
     assert kernel.calls == [(last, 8 * MIB, MADV_COLLAPSE)]
     pages.sending(0, 8 * MIB, collective=1)  # the least recent, forgotten: its first again
     assert len(kernel.calls) == 1
+
+
+def test_a_large_range_is_collapsed_a_step_per_collective():
+    kernel = Kernel(0, errno.EAGAIN, 0)
+    pages = HugePages(kernel)
+    size = 2 * STEP_BYTES + 6 * MIB
+    for collective in range(6):
+        pages.sending(0, size, collective)
+    assert kernel.calls == [
+        (0, STEP_BYTES, MADV_COLLAPSE),
+        (STEP_BYTES, STEP_BYTES, MADV_COLLAPSE),  # declined: the same step again
+        (STEP_BYTES, STEP_BYTES, MADV_COLLAPSE),
+        (2 * STEP_BYTES, 6 * MIB, MADV_COLLAPSE),
+    ]
+    assert pages.collapsed == 1

@@ -14,8 +14,9 @@ The collapse runs in the sending thread before the buffer's descriptor is posted
 reads it then; one that still reads it for an earlier collective keeps its pages pinned, and the
 kernel then declines (``EAGAIN``), which a later collective retries. The content and the
 addresses stay as they were: only the page size behind them changes. A collapse costs about one
-copy of the range, once; a range whose memory is later unmapped and mapped again at the same
-place (the allocator's churn) is not collapsed a second time.
+copy of the range, once, and a collective collapses at most ``STEP_BYTES`` (a larger tensor is
+moved over several); a range whose memory is later unmapped and mapped again at the same place
+(the allocator's churn) is not collapsed a second time.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from collections.abc import Callable
 
 HUGE_PAGE_BYTES = 2 << 20
 MADV_COLLAPSE = 25  # include/uapi/asm-generic/mman-common.h
-# Ranges remembered, the least recently sent forgotten first, and how often a range the kernel
+# The most one collective collapses (about a copy of it: tens of ms on a slow host), so that a
+# tensor of GiBs is moved over many collectives rather than stalling one for seconds.
+STEP_BYTES = 64 << 20
+# Ranges remembered, the least recently sent forgotten first, and how often a step the kernel
 # declined (its pages pinned meanwhile) is tried again.
 _REMEMBERED = 256
 _ATTEMPTS = 3
@@ -52,12 +56,13 @@ def _libc_madvise() -> Madvise:
 
 
 class _Range:
-    __slots__ = ("attempts", "done", "last_collective", "sends")
+    __slots__ = ("attempts", "done", "last_collective", "next", "sends")
 
-    def __init__(self) -> None:
+    def __init__(self, low: int) -> None:
         self.last_collective = -1
         self.sends = 0  # collectives that sent it
-        self.attempts = 0
+        self.next = low  # where its collapse goes on
+        self.attempts = 0  # of the step at ``next``
         self.done = False  # collapsed, or not to be tried again
 
 
@@ -78,20 +83,21 @@ class HugePages:
 
     @property
     def collapsed(self) -> int:
-        """Ranges this process has collapsed."""
+        """Ranges this process has collapsed whole."""
         return self._collapsed
 
     def sending(self, address: int, nbytes: int, collective: int) -> None:
-        """Notes that ``collective`` sends ``nbytes`` at ``address`` for a peer to read, and
-        collapses the huge pages inside them the second time a collective does (or again,
-        after the kernel declined, up to ``_ATTEMPTS`` times)."""
+        """Notes that ``collective`` sends ``nbytes`` at ``address`` for a peer to read; from
+        the second collective that does, collapses the huge pages inside them, at most
+        ``STEP_BYTES`` per collective (a step the kernel declined is tried again, up to
+        ``_ATTEMPTS`` times)."""
         low = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
         high = (address + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
         if high <= low or self.off:
             return
         with self._lock:
             key = (low, high)
-            found = self._ranges.pop(key, None) or _Range()
+            found = self._ranges.pop(key, None) or _Range(low)
             self._ranges[key] = found
             if len(self._ranges) > _REMEMBERED:
                 self._ranges.popitem(last=False)
@@ -102,20 +108,22 @@ class HugePages:
             if found.sends < 2:
                 return
             found.attempts += 1
-            found.done = found.attempts >= _ATTEMPTS
+            step_low = found.next
+            step_high = min(high, step_low + STEP_BYTES)
         if self._madvise is None:
             self._madvise = _libc_madvise()
-        failure = self._madvise(low, high - low, MADV_COLLAPSE)
+        failure = self._madvise(step_low, step_high - step_low, MADV_COLLAPSE)
         with self._lock:
             if failure == 0:
-                found.done = True
-                self._collapsed += 1
+                found.next, found.attempts = step_high, 0
+                found.done = step_high == high
+                self._collapsed += found.done
             elif failure == errno.EINVAL:
                 found.done = True  # not anonymous memory, or no MADV_COLLAPSE at all
                 self._invalid += 1
                 self.off = self._collapsed == 0 and self._invalid >= _INVALID_BEFORE_OFF
-            elif failure != errno.EAGAIN:
-                found.done = True  # ENOMEM: no huge page free; anything else: leave it
+            elif failure != errno.EAGAIN or found.attempts >= _ATTEMPTS:
+                found.done = True  # ENOMEM: no huge page free; EAGAIN: pinned each time
 
 
 huge_pages = HugePages()
