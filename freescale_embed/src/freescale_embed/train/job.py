@@ -181,7 +181,7 @@ def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dic
 
 def _shared_compute(run: RunConfig, config: TrainConfig, shared_gpu: bool) -> str | None:
     """Why ``run`` trains unbalanced although it names a policy, or None where it balances (the
-    same on every rank; collective where the run balances on CPU). Ranks that share their
+    same on every rank; collective for a run that names a policy on CPU). Ranks that share their
     compute share its time: moving samples from one to another changes no rank's step (the
     faster one's time goes to the other's work) and costs the shuffle."""
     if run.policy == "none":
