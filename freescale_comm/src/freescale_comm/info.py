@@ -270,9 +270,13 @@ def format_info(info: dict[str, Any]) -> str:
             "benchmarks/comm_host_paths.py; other hosts: UCX"
         )
     lines.append(f"host bytes: {rule}")
-    lines.append(
-        f"torch CPU tensors: {page_rule(info['torch_huge_pages'], info['transparent_huge_pages'])}"
-    )
+    pages = page_rule(info["torch_huge_pages"], info["transparent_huge_pages"])
+    if opts["host_reads"] and opts["host_huge_pages"]:
+        pages += (
+            "; a tensor that peers read and that a second collective sends again is moved "
+            "onto 2 MiB pages once (host_huge_pages, Linux 6.1+)"
+        )
+    lines.append(f"torch CPU tensors: {pages}")
     for k, row in enumerate(info.get("paths", [])):  # sorted by rank: its first row
         if "waits" in row and (k == 0 or info["paths"][k - 1]["rank"] != row["rank"]):
             lines.append(f"  rank {row['rank']}, waiting for its peers: {row['waits']}")
