@@ -1021,7 +1021,7 @@ def sends_on_huge_pages(enabled: bool) -> dict[str, Any]:
     return {
         "collapsed": huge_pages.collapsed - before,
         "collapsed_before": before,  # by an earlier test in this process
-        "unsupported": huge_pages.off,
+        "unsupported": not huge_pages.supported(),
         "huge_kb": _huge_page_kb(x.data_ptr()),
         "reads": sum(p["ring_reads"] for p in paths),
     }

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+ENGINE_THREAD = "freescale-comm-engine"  # the name of the process's progress thread
 # Bound of one epoll sleep while collectives are in flight. Most completions wake the sleeper (UCX
 # events; CUDA copies through ``cuda.StreamWatcher``); this bounds the cost of a wake-up lost in a
 # race, or of a CUDA end event nobody hands to a watcher (an unawaited collective the engine
@@ -139,7 +140,7 @@ class Engine:
         self._driving = False
         self._watches: list[Watch] = []
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="freescale-comm-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD, daemon=True)
         self._thread.start()
 
     @classmethod

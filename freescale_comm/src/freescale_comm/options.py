@@ -111,7 +111,7 @@ class FreescaleOptions:
         host_huge_pages: a CPU send buffer that a peer reads from this process's memory
             (``host_reads``) and that a second collective sends again is moved onto 2 MiB
             pages once (``huge_pages``: ``madvise(MADV_COLLAPSE)``, Linux 6.1+; about one
-            copy of it), so that the peers' reads pin one page per 2 MiB instead of 512. A
+            copy of it), so that the peers' reads look up one page per 2 MiB instead of 512. A
             rank's own choice. ``FREESCALE_HOST_HUGE_PAGES``.
         shm_slot_bytes: size of one ring slot (the pipelining unit). Same on every rank.
             ``FREESCALE_SHM_SLOT_BYTES``.
