@@ -37,8 +37,10 @@ def test_freescale_train_runs_both_runs_side_by_side_and_draws_them(tmp_path, ca
         lines = (out / summary["run"]["name"] / "steps.jsonl").read_text().splitlines()
         assert [json.loads(line)["step"] for line in lines] == list(range(1, 7))
     assert (tmp_path / "ck" / "freescale" / ".metadata").exists()
-    # 2 ranks of one torch thread on this machine's cores: FreeScale balanced.
-    assert summaries[1]["balancing"]["balanced"] and "did not balance" not in printed
+    # 2 ranks of one torch thread: FreeScale balanced, unless this machine has one core.
+    shared = shared_cores(_job._usable_cores(), 2, 1)
+    assert summaries[1]["balancing"]["balanced"] == (shared is None)
+    assert ("did not balance" in printed) == (shared is not None)
     summaries[1]["balancing"] = {"balanced": False, "skipped": "the reason"}
     assert "freescale: did not balance (the reason)" in table(summaries)
     assert cli.main(["report", str(out)]) == 0
@@ -101,11 +103,16 @@ def test_a_run_does_not_balance_ranks_that_share_their_compute(monkeypatch):
     try:
         config = TrainConfig()
         monkeypatch.setattr(_job, "_usable_cores", lambda: 2)
-        assert _job._shared_compute(FREESCALE, config, False) == shared_cores(2, 4, 1)
-        assert _job._shared_compute(replace(FREESCALE, policy="none"), config, False) is None
-        assert _job._shared_compute(FREESCALE, config, True) == "ranks share a GPU"
-        monkeypatch.setattr(_job, "_usable_cores", lambda: 4)
-        assert _job._shared_compute(FREESCALE, config, False) is None
+        host = _job._host_ranks_and_cores()
+        assert host == (4, 2)
+        assert _job._shared_compute(FREESCALE, config, False, host) == shared_cores(2, 4, 1)
+        none = replace(FREESCALE, policy="none")
+        assert _job._shared_compute(none, config, False, host) is None
+        assert _job._shared_compute(FREESCALE, config, True, host) == "ranks share a GPU"
+        assert _job._shared_compute(FREESCALE, config, False, (4, 4)) is None
+        # Without LOCAL_WORLD_SIZE: the ranks of this host identity (this one).
+        monkeypatch.delenv("LOCAL_WORLD_SIZE")
+        assert _job._host_ranks_and_cores() == (1, 2)
     finally:
         dist.destroy_process_group()
 

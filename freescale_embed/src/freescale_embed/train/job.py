@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import statistics
 import sys
 import time
@@ -56,17 +57,44 @@ def _usable_cores() -> int:
     return usable_cores()
 
 
-def _chosen_mode(run: RunConfig, config: TrainConfig) -> tuple[RunConfig, str | None]:
+def _host_identity() -> str:
+    """This host's identity as freescale_comm tells hosts apart, else its hostname."""
+    try:
+        from freescale_comm.shm import host_identity
+    except ImportError:
+        return socket.gethostname()
+    return host_identity()
+
+
+def _host_ranks_and_cores() -> tuple[int, int]:
+    """How many ranks run on this rank's host, and how many cores they may use between them
+    (collective). The ranks: ``LOCAL_WORLD_SIZE`` where the launcher sets it (torchrun), else
+    those whose host identity is this rank's. The cores: this process's (``_usable_cores``)
+    where the host's ranks share one affinity mask, else the union of their masks (ranks
+    pinned to cores of their own)."""
+    mask = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    mine = (_host_identity(), mask)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    masks = [m for host, m in everyone if host == mine[0]]
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", len(masks)))
+    if all(m == mask for m in masks):
+        return ranks, _usable_cores()
+    return ranks, len(set().union(*masks))
+
+
+def _chosen_mode(
+    run: RunConfig, config: TrainConfig, host: tuple[int, int] | None = None
+) -> tuple[RunConfig, str | None]:
     """``run`` with ``mode="auto"`` resolved (``auto_mode``), the same on every rank:
-    prioritized only where every host leaves each of its ranks a spare core. Returns the run
+    prioritized only where every host leaves each of its ranks a spare core. ``host``: this
+    host's ranks and cores (``_host_ranks_and_cores``; asked here if not given). Returns the run
     and why this rank's host chose its mode (``None`` for an explicit mode; the summary keeps
     rank 0's)."""
     if run.mode != "auto":
         return run, None
-    # torchrun sets LOCAL_WORLD_SIZE; freescale train's own ranks are all on this host. Another
-    # launcher spanning hosts overcounts them, which errs towards sync.
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    mode, why = auto_mode(_usable_cores(), local_ranks, config.threads)
+    local_ranks, cores = host if host is not None else _host_ranks_and_cores()
+    mode, why = auto_mode(cores, local_ranks, config.threads)
     everywhere = torch.tensor([mode == "prioritized"], dtype=torch.int32)
     dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
     if mode == "prioritized" and not everywhere.item():
@@ -94,9 +122,10 @@ def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dic
     if device.type == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    run, mode_why = _chosen_mode(run, config)
-    shared_gpu = device.type == "cuda" and torch.cuda.device_count() < world
-    unbalanced_why = _shared_compute(run, config, shared_gpu)
+    host = _host_ranks_and_cores()
+    run, mode_why = _chosen_mode(run, config, host)
+    shared_gpu = _shared_gpu(device, host[0])
+    unbalanced_why = _shared_compute(run, config, shared_gpu, host)
     group = _group(run.backend, timeout)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # runs share the process: peaks per run
@@ -179,19 +208,32 @@ def train_run(config: TrainConfig, run: RunConfig, data: Data, out: Path) -> dic
     return summary
 
 
-def _shared_compute(run: RunConfig, config: TrainConfig, shared_gpu: bool) -> str | None:
-    """Why ``run`` trains unbalanced although it names a policy, or None where it balances (the
-    same on every rank; collective for a run that names a policy on CPU). Ranks that share their
-    compute share its time: moving samples from one to another changes no rank's step (the
-    faster one's time goes to the other's work) and costs the shuffle."""
+def _shared_gpu(device: torch.device, local_ranks: int) -> bool:
+    """Whether ranks share GPUs: some host has fewer GPUs than ranks (collective on CUDA, so
+    that every rank agrees)."""
+    if device.type != "cuda":
+        return False
+    fewer = torch.tensor([torch.cuda.device_count() < local_ranks], dtype=torch.int32)
+    dist.all_reduce(fewer, op=dist.ReduceOp.MAX)
+    return bool(fewer.item())
+
+
+def _shared_compute(
+    run: RunConfig, config: TrainConfig, shared_gpu: bool, host: tuple[int, int]
+) -> str | None:
+    """Why ``run`` trains unbalanced although it names a policy, or None where it balances
+    (whether it does is the same on every rank: collective for a run that names a policy on
+    CPU; the reason is this host's). Ranks that share their compute share its time: moving
+    samples from one to another changes no rank's step (the faster one's time goes to the
+    other's work) and costs the shuffle. ``host``: this host's ranks and cores."""
     if run.policy == "none":
         return None
     if shared_gpu:
         return "ranks share a GPU"
     if config.device != "cpu":
         return None
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    why = shared_cores(_usable_cores(), local_ranks, config.threads)
+    local_ranks, cores = host
+    why = shared_cores(cores, local_ranks, config.threads)
     anywhere = torch.tensor([why is not None], dtype=torch.int32)
     dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
     if why is None and anywhere.item():
