@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from freescale_comm.errors import FreescalePeerError
 from freescale_comm.work import GlooHandle
 
 if TYPE_CHECKING:
@@ -143,7 +142,7 @@ class AnySourceReceiveWork(PointToPointWork):
         self._ended.wait()
         forget()
         if self._outcome is None:  # ended by the abort
-            raise self._aborted() or FreescalePeerError(f"{self._what} on Gloo: aborted")
+            raise self._ended_by_abort()
         returned, value = self._outcome
         if not returned:
             raise value

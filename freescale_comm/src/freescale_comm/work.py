@@ -188,6 +188,12 @@ class GlooHandle(dist.Work):
     def _aborted(self, after_gloo_failed: bool = False) -> FreescalePeerError | None:
         return aborted_error(self._group, self._what, after_gloo_failed)
 
+    def _ended_by_abort(self) -> FreescalePeerError:
+        """The error of a wait that the group's abort ended."""
+        return self._aborted() or FreescalePeerError(
+            f"rank {self._group.rank}: {self._what} on Gloo: the group was aborted"
+        )
+
     def _waiting_since(self) -> float:
         """When the first wait on this handle began (``GroupContext.gloo_wait_began``)."""
         if self._first_wait is None:
@@ -304,9 +310,7 @@ class DelegatedWork(GlooHandle):
                 if error is None:
                     raise
                 raise error from err
-        raise self._aborted() or FreescalePeerError(
-            f"rank {self._group.rank}: {self._what} on Gloo: the group was aborted"
-        )
+        raise self._ended_by_abort()
 
 
 def _set_once(future: torch.futures.Future) -> None:
