@@ -62,6 +62,7 @@ def test_a_declined_collapse_is_retried_a_bounded_number_of_times():
     for collective in range(10):
         pages.sending(0, 8 * MIB, collective)
     assert len(kernel.calls) == _ATTEMPTS and pages.collapsed == 0
+    assert pages.refusals == {"EAGAIN": _ATTEMPTS}
 
 
 def test_a_range_refused_as_invalid_leaves_the_others_collapsing():
@@ -73,6 +74,7 @@ def test_a_range_refused_as_invalid_leaves_the_others_collapsing():
     for collective in range(2):
         pages.sending(64 * MIB, 8 * MIB, collective)
     assert len(kernel.calls) == 2 and pages.collapsed == 1
+    assert pages.refusals == {"EINVAL": 1}
 
 
 def test_a_kernel_without_collapse_is_never_asked_twice():

@@ -20,7 +20,7 @@ from freescale_comm.info import tensors_get_huge_pages
 from freescale_comm.options import EVERY_SIZE
 from tests.comm import ranks
 from tests.comm.conftest import SETUP
-from tests.harness import reads_allowed
+from tests.harness import LocalGroup, reads_allowed
 
 # Rings a rank maps per same-host peer: host bytes each way, and where CUDA is, staging rings.
 _RINGS_PER_PEER = 4 if torch.cuda.is_available() else 2
@@ -94,23 +94,29 @@ def test_own_pieces_and_reads_on_helper_threads_match_gloo(fs_group, threads, sh
 
 @pytest.mark.skipif(not reads_allowed(), reason="the kernel refuses reads of a peer's memory")
 @pytest.mark.parametrize("enabled", [True, False], ids=["huge_pages", "off"])
-def test_a_send_buffer_sent_again_is_moved_onto_huge_pages(local_groups, enabled):
-    results = local_groups.get(2, backend="freescale", setup=SETUP, init_timeout_s=60).run(
-        ranks.sends_on_huge_pages, enabled, timeout_s=120
-    )
+def test_a_send_buffer_sent_again_is_moved_onto_huge_pages(enabled):
+    # Ranks of their own: in processes shared with earlier tests the input may take the place
+    # of a range already collapsed (and then unmapped), which is not collapsed a second time.
+    group = LocalGroup(2, backend="freescale", setup=SETUP, init_timeout_s=60)
+    try:
+        group.start()
+        results = group.run(ranks.sends_on_huge_pages, enabled, timeout_s=120)
+    finally:
+        group.close()
     for result in results:
         assert result["reads"] > 0  # every message of 8 MiB was read from its sender
         if result["unsupported"]:  # a kernel older than 6.1: no MADV_COLLAPSE
             continue
         if enabled:
+            if not result["collapsed"] and set(result["refusals"]) == {"ENOMEM"}:
+                pytest.skip(f"the kernel found no free huge page: {result}")
             # Collapsed once, by the second call: the 2 MiB pages inside its 16 MiB.
-            assert result["collapsed"] == 1
-            assert result["huge_kb"] >= 14 << 10
+            assert result["collapsed"] == 1, result
+            assert result["huge_kb"] >= 14 << 10, result
         else:
-            assert result["collapsed"] == 0
-            # (Memory an earlier test in these processes collapsed may hold the input.)
-            if not tensors_get_huge_pages() and not result["collapsed_before"]:
-                assert result["huge_kb"] == 0
+            assert result["collapsed"] == 0 and not result["refusals"], result
+            if not tensors_get_huge_pages():
+                assert result["huge_kb"] == 0, result
 
 
 def test_every_collective_through_the_outboxes_matches_gloo(fs_group):

@@ -100,11 +100,19 @@ class HugePages:
         self._queued: collections.deque[tuple[_Range, int, int, int]] = collections.deque()
         self._worker: threading.Thread | None = None
         self._collapsed = 0
+        self._refusals: collections.Counter[str] = collections.Counter()
 
     @property
     def collapsed(self) -> int:
         """Ranges this process has collapsed whole."""
         return self._collapsed
+
+    @property
+    def refusals(self) -> dict[str, int]:
+        """How often the kernel declined a step, by its error's name (``ENOMEM``: no huge
+        page free, or none the memory cgroup allows; ``EAGAIN``: pages pinned by a reader)."""
+        with self._lock:
+            return dict(self._refusals)
 
     def supported(self) -> bool:
         """Whether this kernel collapses ranges onto huge pages (asked once)."""
@@ -167,7 +175,9 @@ class HugePages:
                 found.next, found.attempts = high, 0
                 found.done = high == end
                 self._collapsed += found.done
-            elif failure != errno.EAGAIN or found.attempts >= _ATTEMPTS:
+                return
+            self._refusals[errno.errorcode.get(failure, str(failure))] += 1
+            if failure != errno.EAGAIN or found.attempts >= _ATTEMPTS:
                 # EINVAL: memory that cannot be collapsed (a shared mapping not 2 MiB-aligned);
                 # ENOMEM / EBUSY: no huge page free, or none its memory cgroup allows;
                 # EAGAIN: pinned by a reader each time.
