@@ -1001,16 +1001,17 @@ def _huge_page_kb(address: int) -> int:
 
 def sends_on_huge_pages(enabled: bool) -> dict[str, Any]:
     """AllToAlls of 8 MiB per peer, read from the sender's memory (``shm_max_bytes`` 512 KiB),
-    sending one input three times, on a group with ``host_huge_pages=enabled``: every result
-    against the reference; then how many ranges this process (a new one) collapsed and the
-    kernel's refusals by name, the huge pages behind the input, and the messages read."""
+    sending one input five times (the collapse tried from the second on, at most three times),
+    on a group with ``host_huge_pages=enabled``: every result against the reference; then how
+    many ranges this process (a new one) collapsed and the kernel's refusals by name, the huge
+    pages behind the input, and the messages read."""
     from freescale_comm.huge_pages import huge_pages
 
     rank, n = dist.get_rank(), dist.get_world_size()
     group = freescale_group(60, shm_max_bytes=1 << 19, host_huge_pages=enabled)
     rows = 1 << 20  # float64: 8 MiB per peer
     x = torch.arange(n * rows, dtype=torch.float64) + 1e7 * rank
-    for k in range(3):
+    for k in range(5):
         out = torch.full_like(x, -1.0)
         dist.all_to_all_single(out, x, group=group)
         base = torch.arange(rows * rank, rows * rank + rows, dtype=torch.float64)

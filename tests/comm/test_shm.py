@@ -110,7 +110,8 @@ def test_a_send_buffer_sent_again_is_moved_onto_huge_pages(enabled):
         if enabled:
             if not result["collapsed"] and set(result["refusals"]) == {"ENOMEM"}:
                 pytest.skip(f"the kernel found no free huge page: {result}")
-            # Collapsed once, by the second call: the 2 MiB pages inside its 16 MiB.
+            # Collapsed once, from the second call on (a step the kernel declined is tried
+            # again): the 2 MiB pages inside its 16 MiB.
             assert result["collapsed"] == 1, result
             assert result["huge_kb"] >= 14 << 10, result
         else:
