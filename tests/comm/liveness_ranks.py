@@ -16,11 +16,22 @@ from freescale_comm import FreescaleOptions
 from freescale_comm.errors import FreescaleTimeoutError
 
 
+def _poll(work: dist.Work) -> None:
+    """Polls ``work`` until it is completed, as a caller's own loop does instead of waiting,
+    then raises its error, if any."""
+    while not work.is_completed():
+        time.sleep(1e-3)
+    if not work.is_success():
+        raise work.exception()
+
+
 def _loop_until_error(group: dist.ProcessGroup | None, what: str, op: str = "all_to_all") -> float:
     """Runs collectives until one raises; re-raises with the time it took. ``op``: the group's
-    own AllToAll, or ``all_reduce`` / ``barrier`` / a step of a small DDP model (whose backward
-    waits on its allreduce's future) / a ring of sends and receives (from the previous rank, or
-    from any source) / sends never waited for, which the group delegates to Gloo."""
+    own AllToAll, or ``all_reduce`` (``all_reduce_polled``: polled, never waited for) /
+    ``barrier`` / a step of a small DDP model (whose backward waits on its allreduce's future)
+    / a ring of sends and receives (from the previous rank, or from any source, waited for or
+    polled: ``recv_any_polled``) / sends never waited for, which the group delegates to
+    Gloo."""
     n = dist.get_world_size(group)
     x = torch.ones(n * 64)
     if op == "ddp":
@@ -29,10 +40,10 @@ def _loop_until_error(group: dist.ProcessGroup | None, what: str, op: str = "all
         def step() -> None:
             model(x.view(n, 64)).sum().backward()
 
-    elif op in ("send_recv", "recv_any"):
+    elif op in ("send_recv", "recv_any", "recv_any_polled"):
         rank = dist.get_rank(group)
         received, summed = torch.empty_like(x), torch.empty_like(x)
-        source = None if op == "recv_any" else (rank - 1) % n
+        source = None if op.startswith("recv_any") else (rank - 1) % n
 
         def step() -> None:
             # With an AllReduce on Gloo beside it, which the abort's failure of Gloo's pairs
@@ -40,7 +51,10 @@ def _loop_until_error(group: dist.ProcessGroup | None, what: str, op: str = "all
             reduced = dist.all_reduce(summed, group=group, async_op=True)
             sent = dist.isend(x, (rank + 1) % n, group=group)
             try:
-                dist.recv(received, source, group=group)
+                if op == "recv_any_polled":
+                    _poll(dist.irecv(received, source, group=group))
+                else:
+                    dist.recv(received, source, group=group)
                 sent.wait()
             except RuntimeError as err:
                 try:
@@ -60,6 +74,7 @@ def _loop_until_error(group: dist.ProcessGroup | None, what: str, op: str = "all
         step = {
             "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(x), x, group=group),
             "all_reduce": lambda: dist.all_reduce(x, group=group),
+            "all_reduce_polled": lambda: _poll(dist.all_reduce(x, group=group, async_op=True)),
             "barrier": lambda: dist.barrier(group=group),
         }[op]
     start = time.monotonic()
@@ -288,8 +303,8 @@ def store_host_stopped(
 ) -> dict[str, object]:
     """Rank 0 hosts the job's store and stops itself (SIGSTOP) during the calls of a
     freescale group judging liveness after 2 s (its AllToAll, or ``all_reduce`` (also waited
-    for in slices) / a ``send_recv`` exchange / a step of a small DDP model on its Gloo
-    backend): rank 1's
+    for in slices, or polled) / a ``send_recv`` exchange (its receive also polled) / a step of
+    a small DDP model on its Gloo backend): rank 1's
     requests to the store then go unanswered (no connection error), as with a store host cut
     off. Rank 1 must still raise
     within about ``dead_after_s``, not once the store answers again; it resumes rank 0 once
@@ -329,9 +344,15 @@ def store_host_stopped(
                 with contextlib.suppress(FreescaleTimeoutError):
                     work.wait(timedelta(seconds=0.5))
                     return
-        elif op == "send_recv":
+        elif op == "all_reduce_polled":
+            _poll(dist.all_reduce(x, group=group, async_op=True))
+        elif op in ("send_recv", "recv_polled"):
             sent = dist.isend(x, 1 - rank, group=group)
-            dist.recv(torch.empty_like(x), 1 - rank, group=group)
+            received = dist.irecv(torch.empty_like(x), 1 - rank, group=group)
+            if op == "recv_polled":
+                _poll(received)
+            else:
+                received.wait()
             sent.wait()
         else:
             dist.all_to_all_single(torch.empty_like(x), x, group=group)

@@ -780,7 +780,7 @@ def test_an_aborted_group_releases_its_ipc_waits_again_each_second_until_they_dr
     ctx = GroupContext.__new__(GroupContext)
     path = _Path()
     ctx._timeout_source, ctx._broken, ctx._ipc, ctx.timeout_s = None, None, {0: path}, 60.0
-    ctx._gloo_waits = {}  # no wait on Gloo in progress
+    ctx._gloo_waits, ctx._gloo_polls = {}, {}  # no wait on Gloo in progress
     ctx._upkeep()
     assert path.releases == 0  # a healthy group's waits are met by its peers
     ctx._broken = "rank 1 died"

@@ -158,6 +158,7 @@ class GroupContext:
         # Where the group's timeout is read again (``follow_timeout``).
         self._timeout_source: Callable[[], timedelta] | None = None
         self._gloo_waits: dict[int, float] = {}  # when each wait on Gloo began
+        self._gloo_polls: dict[int, tuple[float, dist.Work]] = {}  # ``gloo_polled``
         self._gloo_wait_keys = itertools.count()
         self._sealed = _SealedDeadlines(self.inflight, self._upkeep)
         self._links: list[Any] = [None] * size
@@ -786,11 +787,14 @@ class GroupContext:
     def _upkeep(self) -> None:
         """Each second on the engine thread: takes up a timeout set on the group since
         (``follow_timeout``: the group's own waits outside collectives use it too); aborts the
-        group where a wait on its Gloo backend cannot end (``gloo_wait_began``); once the
-        group is aborted, releases the IPC waits again until the streams drain
-        (``IpcPath.keep_released``)."""
+        group where a wait on its Gloo backend, or a poll of one, cannot end
+        (``gloo_wait_began``, ``gloo_polled``); once the group is aborted, releases the IPC
+        waits again until the streams drain (``IpcPath.keep_released``)."""
         self.current_timeout_s()
-        started = list(self._gloo_waits.values())
+        for key, (_, work) in list(self._gloo_polls.items()):
+            if work.is_completed():
+                self._gloo_polls.pop(key, None)
+        started = [*self._gloo_waits.values(), *(since for since, _ in self._gloo_polls.values())]
         if started and self._broken is None:
             # As for the group's own collectives (``health_error``): the liveness thread,
             # blocked in a store request that is never answered, cannot abort it then.
@@ -820,6 +824,12 @@ class GroupContext:
 
     def gloo_wait_ended(self, key: int) -> None:
         self._gloo_waits.pop(key, None)
+
+    def gloo_polled(self, work: dist.Work, since: float) -> None:
+        """Marks Gloo's ``work`` polled by a caller that has not seen it completed since
+        ``since`` (``GlooHandle.is_completed``): it counts as a wait on Gloo
+        (``gloo_wait_began``) until it completes."""
+        self._gloo_polls[next(self._gloo_wait_keys)] = (since, work)
 
     def mailbox_path(self) -> IpcPath | None:
         """The IPC path whose mailbox the peers of this host push into: the first one made

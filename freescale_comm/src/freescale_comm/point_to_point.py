@@ -147,6 +147,3 @@ class AnySourceReceiveWork(PointToPointWork):
         if not returned:
             raise value
         return value
-
-    def is_completed(self) -> bool:
-        return self._outcome is not None and self._outcome[0]

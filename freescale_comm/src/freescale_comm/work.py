@@ -176,7 +176,10 @@ def aborted_error(
 
 class GlooHandle(dist.Work):
     """A handle over Gloo's (``inner``) of ``what`` the group ran there, whose ``wait`` its
-    subclasses bound; the rest is Gloo's."""
+    subclasses bound. It is completed where Gloo's is or once the group is aborted (its wait
+    raises the abort's error then; Gloo's may never end): a caller that polls it instead of
+    waiting sees a dead peer too, and counts as waiting for a store that stopped answering
+    (``GroupContext.gloo_polled``)."""
 
     def __init__(self, inner: dist.Work, group: GroupContext, what: str) -> None:
         super().__init__()
@@ -184,6 +187,7 @@ class GlooHandle(dist.Work):
         self._group = group
         self._what = what
         self._first_wait: float | None = None
+        self._polled = False
 
     def _aborted(self, after_gloo_failed: bool = False) -> FreescalePeerError | None:
         return aborted_error(self._group, self._what, after_gloo_failed)
@@ -201,12 +205,19 @@ class GlooHandle(dist.Work):
         return self._first_wait
 
     def is_completed(self) -> bool:
-        return self._inner.is_completed()
+        if self._inner.is_completed() or self._aborted() is not None:
+            return True
+        if not self._polled:
+            self._polled = True
+            self._group.gloo_polled(self._inner, self._waiting_since())
+        return False
 
     def is_success(self) -> bool:
-        return self._inner.is_success()
+        return self.is_completed() and self._inner.is_completed() and self._inner.is_success()
 
     def exception(self) -> Any:
+        if not self._inner.is_completed() and self._aborted() is not None:
+            return self._ended_by_abort()
         return self._inner.exception()
 
     def result(self) -> list[torch.Tensor]:
