@@ -95,8 +95,9 @@ def test_own_pieces_and_reads_on_helper_threads_match_gloo(fs_group, threads, sh
 @pytest.mark.skipif(not reads_allowed(), reason="the kernel refuses reads of a peer's memory")
 @pytest.mark.parametrize("enabled", [True, False], ids=["huge_pages", "off"])
 def test_a_send_buffer_sent_again_is_moved_onto_huge_pages(enabled):
-    # Ranks of their own: in processes shared with earlier tests the input may take the place
-    # of a range already collapsed (and then unmapped), which is not collapsed a second time.
+    # Ranks of their own: in processes shared with earlier tests, what they left at the
+    # input's address (a range collapsed or refused there before, never tried again) could
+    # decide the count.
     group = LocalGroup(2, backend="freescale", setup=SETUP, init_timeout_s=60)
     try:
         group.start()
