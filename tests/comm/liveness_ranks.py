@@ -25,13 +25,40 @@ def _poll(work: dist.Work) -> None:
         raise work.exception()
 
 
+def polled_collective_is_forgotten_once_done() -> dict[str, Any]:
+    """An AllReduce on the group's Gloo backend that rank 0 polls (rank 1 calls it 0.3 s late):
+    how many polled works rank 0's group counted while it ran, and after its completion and
+    two upkeeps (each second); its sum."""
+    from tests.comm.ranks import freescale_group
+
+    rank = dist.get_rank()
+    group = freescale_group(30)
+    x = torch.full((4,), float(rank + 1))
+    if rank == 1:
+        time.sleep(0.3)
+    work = dist.all_reduce(x, group=group, async_op=True)
+    counted = []
+    while not work.is_completed():
+        counted.append(len(group._ctx._gloo_polls))
+        time.sleep(1e-3)
+    error = work.exception()
+    time.sleep(2.2)
+    left = len(group._ctx._gloo_polls)
+    dist.destroy_process_group(group)
+    return {
+        "counted": max(counted, default=0),
+        "left": left,
+        "sum": x.tolist(),
+        "error": None if error is None else repr(error),
+    }
+
+
 def _loop_until_error(group: dist.ProcessGroup | None, what: str, op: str = "all_to_all") -> float:
     """Runs collectives until one raises; re-raises with the time it took. ``op``: the group's
     own AllToAll, or ``all_reduce`` (``all_reduce_polled``: polled, never waited for) /
     ``barrier`` / a step of a small DDP model (whose backward waits on its allreduce's future)
-    / a ring of sends and receives (from the previous rank, or from any source, waited for or
-    polled: ``recv_any_polled``) / sends never waited for, which the group delegates to
-    Gloo."""
+    / a ring of sends and receives (from the previous rank, or from any source) / sends never
+    waited for, which the group delegates to Gloo."""
     n = dist.get_world_size(group)
     x = torch.ones(n * 64)
     if op == "ddp":
@@ -40,10 +67,10 @@ def _loop_until_error(group: dist.ProcessGroup | None, what: str, op: str = "all
         def step() -> None:
             model(x.view(n, 64)).sum().backward()
 
-    elif op in ("send_recv", "recv_any", "recv_any_polled"):
+    elif op in ("send_recv", "recv_any"):
         rank = dist.get_rank(group)
         received, summed = torch.empty_like(x), torch.empty_like(x)
-        source = None if op.startswith("recv_any") else (rank - 1) % n
+        source = None if op == "recv_any" else (rank - 1) % n
 
         def step() -> None:
             # With an AllReduce on Gloo beside it, which the abort's failure of Gloo's pairs
@@ -51,10 +78,7 @@ def _loop_until_error(group: dist.ProcessGroup | None, what: str, op: str = "all
             reduced = dist.all_reduce(summed, group=group, async_op=True)
             sent = dist.isend(x, (rank + 1) % n, group=group)
             try:
-                if op == "recv_any_polled":
-                    _poll(dist.irecv(received, source, group=group))
-                else:
-                    dist.recv(received, source, group=group)
+                dist.recv(received, source, group=group)
                 sent.wait()
             except RuntimeError as err:
                 try:
@@ -303,8 +327,8 @@ def store_host_stopped(
 ) -> dict[str, object]:
     """Rank 0 hosts the job's store and stops itself (SIGSTOP) during the calls of a
     freescale group judging liveness after 2 s (its AllToAll, or ``all_reduce`` (also waited
-    for in slices, or polled) / a ``send_recv`` exchange (its receive also polled) / a step of
-    a small DDP model on its Gloo backend): rank 1's
+    for in slices, or polled) / a ``send_recv`` exchange / a step of a small DDP model on its
+    Gloo backend): rank 1's
     requests to the store then go unanswered (no connection error), as with a store host cut
     off. Rank 1 must still raise
     within about ``dead_after_s``, not once the store answers again; it resumes rank 0 once
@@ -346,13 +370,9 @@ def store_host_stopped(
                     return
         elif op == "all_reduce_polled":
             _poll(dist.all_reduce(x, group=group, async_op=True))
-        elif op in ("send_recv", "recv_polled"):
+        elif op == "send_recv":
             sent = dist.isend(x, 1 - rank, group=group)
-            received = dist.irecv(torch.empty_like(x), 1 - rank, group=group)
-            if op == "recv_polled":
-                _poll(received)
-            else:
-                received.wait()
+            dist.recv(torch.empty_like(x), 1 - rank, group=group)
             sent.wait()
         else:
             dist.all_to_all_single(torch.empty_like(x), x, group=group)

@@ -794,7 +794,8 @@ class GroupContext:
         for key, (_, work) in list(self._gloo_polls.items()):
             if work.is_completed():
                 self._gloo_polls.pop(key, None)
-        started = [*self._gloo_waits.values(), *(since for since, _ in self._gloo_polls.values())]
+        polled = list(self._gloo_polls.values())  # (a caller may add one meanwhile)
+        started = [*self._gloo_waits.values(), *(since for since, _ in polled)]
         if started and self._broken is None:
             # As for the group's own collectives (``health_error``): the liveness thread,
             # blocked in a store request that is never answered, cannot abort it then.
@@ -826,9 +827,10 @@ class GroupContext:
         self._gloo_waits.pop(key, None)
 
     def gloo_polled(self, work: dist.Work, since: float) -> None:
-        """Marks Gloo's ``work`` polled by a caller that has not seen it completed since
-        ``since`` (``GlooHandle.is_completed``): it counts as a wait on Gloo
-        (``gloo_wait_began``) until it completes."""
+        """Marks Gloo's collective ``work`` polled by a caller that has not seen it completed
+        since ``since`` (``DelegatedWork.is_completed``): it counts as a wait on Gloo
+        (``gloo_wait_began``) until it completes (not Gloo's send / recv, which are completed
+        only once waited for)."""
         self._gloo_polls[next(self._gloo_wait_keys)] = (since, work)
 
     def mailbox_path(self) -> IpcPath | None:
@@ -1130,6 +1132,7 @@ class GroupContext:
         # whose threads end when it is freed.
         self._sealed = None
         self._timeout_source = None
+        self._gloo_polls.clear()  # Gloo's works (and their tensors), some never to complete
         if self.liveness is not None:
             self.liveness.stop(finished=left_after)
         self.engine.release()

@@ -147,3 +147,6 @@ class AnySourceReceiveWork(PointToPointWork):
         if not returned:
             raise value
         return value
+
+    def is_completed(self) -> bool:
+        return self._outcome is not None and self._outcome[0]

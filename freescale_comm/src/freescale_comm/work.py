@@ -176,10 +176,7 @@ def aborted_error(
 
 class GlooHandle(dist.Work):
     """A handle over Gloo's (``inner``) of ``what`` the group ran there, whose ``wait`` its
-    subclasses bound. It is completed where Gloo's is or once the group is aborted (its wait
-    raises the abort's error then; Gloo's may never end): a caller that polls it instead of
-    waiting sees a dead peer too, and counts as waiting for a store that stopped answering
-    (``GroupContext.gloo_polled``)."""
+    subclasses bound; the rest is Gloo's."""
 
     def __init__(self, inner: dist.Work, group: GroupContext, what: str) -> None:
         super().__init__()
@@ -187,7 +184,6 @@ class GlooHandle(dist.Work):
         self._group = group
         self._what = what
         self._first_wait: float | None = None
-        self._polled = False
 
     def _aborted(self, after_gloo_failed: bool = False) -> FreescalePeerError | None:
         return aborted_error(self._group, self._what, after_gloo_failed)
@@ -205,19 +201,12 @@ class GlooHandle(dist.Work):
         return self._first_wait
 
     def is_completed(self) -> bool:
-        if self._inner.is_completed() or self._aborted() is not None:
-            return True
-        if not self._polled:
-            self._polled = True
-            self._group.gloo_polled(self._inner, self._waiting_since())
-        return False
+        return self._inner.is_completed()
 
     def is_success(self) -> bool:
-        return self.is_completed() and self._inner.is_completed() and self._inner.is_success()
+        return self._inner.is_success()
 
     def exception(self) -> Any:
-        if not self._inner.is_completed() and self._aborted() is not None:
-            return self._ended_by_abort()
         return self._inner.exception()
 
     def result(self) -> list[torch.Tensor]:
@@ -240,6 +229,11 @@ class DelegatedWork(GlooHandle):
     cancelled: Gloo has no way to; the group is unusable after an abort anyway. Not for Gloo's
     send and recv, whose wait with a limit fails the transfer when the limit runs out.
 
+    It is completed where Gloo's is or once the group is aborted (``exception`` then names
+    what ``wait`` raises), so a caller that polls it instead of waiting sees an abort too; while
+    such a caller has not seen it completed, the group counts it as waiting on Gloo
+    (``GroupContext.gloo_polled``: a store that stopped answering aborts the group then).
+
     Args:
         inner: Gloo's handle.
         group: the group's context (whose ``broken`` says why it was aborted).
@@ -250,6 +244,29 @@ class DelegatedWork(GlooHandle):
         super().__init__(inner, group, what)
         self._future: torch.futures.Future | None = None
         self._future_lock = threading.Lock()
+        self._polled = False
+
+    def is_completed(self) -> bool:
+        if self._inner.is_completed() or self._aborted() is not None:
+            return True
+        if not self._polled:
+            self._polled = True
+            self._group.gloo_polled(self._inner, self._waiting_since())
+        return False
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self.exception() is None
+
+    def exception(self) -> Any:
+        """What ``wait`` raises (None: it returns), or None while Gloo's collective runs and
+        the group is not aborted. Where Gloo failed it, waits as ``wait`` does for an abort on
+        its way, whose error is the one to name."""
+        if self._inner.is_completed():
+            error = self._inner.exception()
+            if error is None:
+                return None
+            return self._aborted(after_gloo_failed=True) or error
+        return self._ended_by_abort() if self._aborted() is not None else None
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         key = self._group.gloo_wait_began(self._waiting_since())
