@@ -791,11 +791,12 @@ class GroupContext:
         (``gloo_wait_began``, ``gloo_polled``); once the group is aborted, releases the IPC
         waits again until the streams drain (``IpcPath.keep_released``)."""
         self.current_timeout_s()
-        for key, (_, work) in list(self._gloo_polls.items()):
+        started = list(self._gloo_waits.values())
+        for key, (since, work) in list(self._gloo_polls.items()):  # (a caller may add one)
             if work.is_completed():
                 self._gloo_polls.pop(key, None)
-        polled = list(self._gloo_polls.values())  # (a caller may add one meanwhile)
-        started = [*self._gloo_waits.values(), *(since for since, _ in polled)]
+            else:
+                started.append(since)
         if started and self._broken is None:
             # As for the group's own collectives (``health_error``): the liveness thread,
             # blocked in a store request that is never answered, cannot abort it then.

@@ -213,9 +213,14 @@ def _shared_gpu(device: torch.device, local_ranks: int) -> bool:
     that every rank agrees)."""
     if device.type != "cuda":
         return False
-    fewer = torch.tensor([torch.cuda.device_count() < local_ranks], dtype=torch.int32)
-    dist.all_reduce(fewer, op=dist.ReduceOp.MAX)
-    return bool(fewer.item())
+    return _on_any_rank(torch.cuda.device_count() < local_ranks)
+
+
+def _on_any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on some rank (collective)."""
+    anywhere = torch.tensor([flag], dtype=torch.int32)
+    dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+    return bool(anywhere.item())
 
 
 def _shared_compute(
@@ -234,9 +239,7 @@ def _shared_compute(
         return None
     local_ranks, cores = host
     why = shared_cores(cores, local_ranks, config.threads)
-    anywhere = torch.tensor([why is not None], dtype=torch.int32)
-    dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
-    if why is None and anywhere.item():
+    if _on_any_rank(why is not None) and why is None:
         why = "some host's ranks share its cores"
     return why
 
