@@ -800,15 +800,17 @@ def test_outboxes_write_once_read_in_place_and_reuse_a_box_only_once_consumed(tm
 
 
 @contextlib.contextmanager
-def _host_channels(tmp_path, reader_pid: int) -> Iterator[tuple[Any, Any]]:
+def _host_channels(tmp_path, reader_pid: int, read_threads: int = 1) -> Iterator[tuple[Any, Any]]:
     """Two host channels of this process over one pair of rings, closed on exit: ``a`` sends
     large messages by read, ``b`` reads them from process ``reader_pid`` (this one, or a dead
-    one)."""
+    one), on ``read_threads`` reader threads (1: itself)."""
     hub = shm.Hub.get()
     rings = [shm.Ring(str(tmp_path / n), 3, 64, create=True) for n in ("ab", "ba")]
     a = shm.Channel(hub, rings[0], rings[1], hub.name, peer_pid=os.getpid(), reads_out=True)
     mapped = [shm.Ring(str(tmp_path / n), 3, 64, create=False) for n in ("ba", "ab")]
-    b = shm.Channel(hub, *mapped, hub.name, peer_pid=reader_pid, reads_in=True)
+    b = shm.Channel(
+        hub, *mapped, hub.name, peer_pid=reader_pid, reads_in=True, read_threads=read_threads
+    )
     try:
         yield a, b
     finally:
@@ -833,6 +835,107 @@ def test_a_large_message_is_read_from_the_senders_memory_once_its_receive_is_pos
         a.progress()
         assert sent.completed and sent.error is None
         assert int(a.out.ctrl[0]) == 1 and int(b.out.ctrl[0]) == 0  # one slot, no answer slot
+
+
+def _progress_until(channel: Any, request: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not request.completed and time.monotonic() < deadline:
+        channel.progress()
+        time.sleep(0.0005)
+
+
+def test_reads_on_reader_threads_run_while_the_channel_goes_on_and_wake_the_process(tmp_path):
+    import select
+
+    import numpy as np
+
+    hub = shm.Hub.get()
+    with _host_channels(tmp_path, os.getpid(), read_threads=3) as (a, b):
+        data = np.arange(9 << 18, dtype=np.uint32).view(np.uint8)  # 9 MiB: two parts of 4.5
+        tag = (5 << 16) | 1
+        sent = a.send(data, tag, by_read=True)
+        out = np.zeros_like(data)
+        received = b.recv(out, tag)
+        hub.drain()
+        b.progress()  # starts the read on reader threads
+        assert b.split_reads == 1
+        assert select.select([hub.sock], [], [], 10)[0]  # a part that ended woke the process
+        _progress_until(b, received)
+        assert received.completed and received.error is None and b.reads == 1
+        assert np.array_equal(out, data) and int(b.inc.ctrl[shm._READS_DONE]) == 1
+        a.progress()
+        assert sent.completed and sent.error is None
+
+
+def test_reads_that_end_out_of_order_are_counted_done_in_ring_order(tmp_path, monkeypatch):
+    # The sender completes its sends by the count: a later read that ended first must not
+    # complete the earlier send, whose buffer the reader still reads.
+    import threading
+
+    import numpy as np
+
+    gate = threading.Event()
+    real_read = shm.read_process
+
+    def gated_read(pid: int, local: int, remote: int, nbytes: int) -> str | None:
+        if nbytes == 8192:  # the first message's read
+            gate.wait(10)
+        return real_read(pid, local, remote, nbytes)
+
+    monkeypatch.setattr(shm, "read_process", gated_read)
+    with _host_channels(tmp_path, os.getpid(), read_threads=2) as (a, b):
+        first, second = np.full(8192, 1, dtype=np.uint8), np.full(4096, 2, dtype=np.uint8)
+        sends = [
+            a.send(first, (7 << 16) | 1, by_read=True),
+            a.send(second, (8 << 16) | 1, by_read=True),
+        ]
+        outs = [np.zeros_like(first), np.zeros_like(second)]
+        receives = [b.recv(outs[0], (7 << 16) | 1), b.recv(outs[1], (8 << 16) | 1)]
+        deadline = time.monotonic() + 10
+        while not (outs[1] == 2).all() and time.monotonic() < deadline:
+            b.progress()
+        assert (outs[1] == 2).all()  # the second read ended
+        for _ in range(3):
+            b.progress()
+            a.progress()
+        assert not any(r.completed for r in receives) and not any(s.completed for s in sends)
+        assert int(b.inc.ctrl[shm._READS_DONE]) == 0
+        gate.set()
+        _progress_until(b, receives[1])
+        a.progress()
+        assert all(r.completed and r.error is None for r in receives)
+        assert all(s.completed for s in sends) and (outs[0] == 1).all()
+
+
+def test_a_discarded_collective_and_a_closed_channel_wait_for_their_reads(tmp_path, monkeypatch):
+    # The caller may reuse a failed collective's buffers, or free a closed group's: no reader
+    # thread may write into them afterwards.
+    import threading
+
+    import numpy as np
+
+    started, writes = threading.Event(), []
+    real_read = shm.read_process
+
+    def slow_read(pid: int, local: int, remote: int, nbytes: int) -> str | None:
+        started.set()
+        time.sleep(0.2)
+        writes.append(nbytes)
+        return real_read(pid, local, remote, nbytes)
+
+    monkeypatch.setattr(shm, "read_process", slow_read)
+    with _host_channels(tmp_path, os.getpid(), read_threads=2) as (a, b):
+        for prefix in (9, 10):
+            a.send(np.ones(4096, dtype=np.uint8), (prefix << 16) | 1, by_read=True)
+            b.recv(np.zeros(4096, dtype=np.uint8), (prefix << 16) | 1)
+            started.clear()
+            b.progress()
+            assert started.wait(10)
+            if prefix == 9:
+                b.discard(9)
+            else:
+                b.close()
+            assert len(writes) == prefix - 8  # its read had ended
 
 
 def test_a_read_is_counted_done_past_data_that_fills_the_readers_own_ring(tmp_path):

@@ -19,7 +19,7 @@ from freescale_comm import FreescaleOptions
 from freescale_comm.cpu import cgroup_cpu_quota, usable_cores
 from freescale_comm.engine import POLL_S, YIELD_S, idle_poll_s
 from freescale_comm.errors import FreescaleError
-from freescale_comm.local_copies import LocalCopies, helper_threads, run_in_parts, split
+from freescale_comm.local_copies import LocalCopies, helper_threads, split, start_in_parts
 from freescale_comm.transport import MAX_SUB, make_tag
 from freescale_comm.validation import (
     NEEDS_TABLE,
@@ -129,26 +129,41 @@ def test_jobs_the_pool_refuses_run_on_the_calling_thread(monkeypatch):
     pending = copies.start([(dst, src)])
     pending.wait()
     assert np.array_equal(dst, src) and copies.jobs == 1
-    parts = run_in_parts(lambda a, b: (a, b), nbytes=16 << 20, threads=4)
-    assert parts == [(k << 22, (k + 1) << 22) for k in range(4)]
+    monkeypatch.setattr(local_copies, "_reader_pool", lambda threads: RefusesAfterOne())
+    here = threading.current_thread().name
+    futures = start_in_parts(
+        lambda a, b: (a, b, threading.current_thread().name), 16 << 20, 4, lambda: None
+    )
+    parts = [future.result() for future in futures]
+    assert [part[:2] for part in parts] == [(k << 22, (k + 1) << 22) for k in range(4)]
+    assert [part[2] == here for part in parts] == [False, True, True, True]
     real.shutdown()
 
 
-def test_a_read_split_into_parts_covers_every_byte_once_on_helpers():
-    seen = []
+def test_reads_in_parts_cover_every_byte_once_on_reader_threads_and_wake_per_part():
+    seen, woken = [], []
     total = (17 << 20) + 5
+    release = threading.Event()
 
     def part(start: int, end: int) -> int:
+        release.wait(10)
         seen.append((start, end, threading.current_thread().name))
         return end - start
 
-    results = run_in_parts(part, nbytes=total, threads=8)
-    assert sum(results) == total and len(results) == 4  # parts of 4 MiB or more
+    futures = start_in_parts(part, nbytes=total, threads=8, wake=lambda: woken.append(1))
+    assert len(futures) == 4 and not any(f.done() for f in futures)  # started, not waited for
+    release.set()
+    assert sum(f.result(timeout=10) for f in futures) == total
     spans = sorted((start, end) for start, end, _ in seen)
     assert spans[0][0] == 0 and spans[-1][1] == total
     assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
-    assert sum(name.startswith("freescale-copy") for *_, name in seen) == 3  # the first here
-    assert run_in_parts(lambda a, b: (a, b), nbytes=100, threads=8) == [(0, 100)]
+    assert all(name.startswith("freescale-read") for *_, name in seen)
+    deadline = time.monotonic() + 5
+    while len(woken) < 4 and time.monotonic() < deadline:  # from each part's thread
+        time.sleep(0.001)
+    assert len(woken) == 4
+    small = start_in_parts(lambda a, b: (a, b), nbytes=100, threads=8, wake=lambda: None)
+    assert [f.result(timeout=10) for f in small] == [(0, 100)]
 
 
 def test_local_copies_run_on_helpers_from_4_mib_and_wake_the_progressing_thread():

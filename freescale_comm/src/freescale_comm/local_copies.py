@@ -1,5 +1,5 @@
 """Helper threads where the host has cores to spare: a CPU collective's own host pieces (its local
-copies), and reads of a sender's memory (``shm.Channel``) split between them.
+copies), and reads of the senders' memory (``shm.Channel``).
 
 On a host whose cores outnumber its ranks one thread copies memory far slower than the host can:
 on the 16-vCPU GPU machine a 64 MiB copy ran at 4.0–4.9 GB/s on one thread and at 25–31 GB/s
@@ -10,15 +10,16 @@ moved. Here that copy is split over helper threads (numpy releases the GIL while
 the progressing thread moves the messages meanwhile; the collective completes once both are
 done, and each helper wakes it as it finishes (``Transport.wake``). Where each rank has fewer
 than two cores (the 2-core CI machine with 2 ranks) the copies stay on the progressing thread
-(``host_copy``), which measured fastest there. A large message read from a peer's
-memory is split the same way (``run_in_parts``), and where every rank has helpers the group
-reads messages above 512 KiB instead of cutting them into ring slots (``GroupContext._ring_limit``):
-there a 2-rank AllToAll of 64 MiB took 4.3 ms against 18.8 through the rings on one thread.
+(``host_copy``), which measured fastest there. Reads of peers' messages out of their memory
+run on reader threads too, as many at once as the rank has helpers (``start_in_parts``: the
+messages of several peers at once, a large one split between them), and where every rank has
+helpers the group reads messages above 512 KiB instead of cutting them into ring slots
+(``GroupContext._ring_limit``): there a 2-rank AllToAll of 64 MiB took 4.3 ms against 18.8
+through the rings on one thread.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import threading
 from collections.abc import Callable, Sequence
@@ -39,6 +40,7 @@ AUTO_MAX_THREADS = 8
 T = TypeVar("T")
 
 _pool: ThreadPoolExecutor | None = None
+_reader_pools: dict[int, ThreadPoolExecutor] = {}
 _pool_lock = threading.Lock()
 
 
@@ -132,35 +134,39 @@ class LocalCopies:
                 host_copy(dst, src)
             return None
         jobs = split(copies, self.threads)
-        futures = _submit([lambda job=job: _copy_job(job) for job in jobs])
+        futures = _submit([lambda job=job: _copy_job(job) for job in jobs], _shared_pool())
         for job in jobs[len(futures) :]:  # the pool took no more (interpreter shutting down)
             _copy_job(job)
         self.jobs += len(futures)
         return PendingCopies(futures, self._wake) if futures else None
 
 
-def run_in_parts(job: Callable[[int, int], T], nbytes: int, threads: int) -> list[T]:
-    """``job(start, end)`` over [0, ``nbytes``) cut into at most ``threads`` parts of at least
-    ``PART_BYTES``: the first part on this thread, the others on helpers; waits for them all
-    (a read of another process's memory split so: ``shm.Channel``)."""
+def start_in_parts(
+    job: Callable[[int, int], T], nbytes: int, threads: int, wake: Callable[[], None]
+) -> list[Future[T]]:
+    """Starts ``job(start, end)`` over [0, ``nbytes``) cut into at most ``threads`` parts of at
+    least ``PART_BYTES``, each on one of the process's ``threads`` reader threads (so that the
+    reads of several peers' messages run at once, but no more of them than the rank's share of
+    the cores); ``wake`` is called as each ends. A part the pool refuses (interpreter shutting
+    down) runs here: its future is done on return."""
     ranges = parts(nbytes, threads)
-    futures = _submit([lambda a=a, b=b: job(a, b) for a, b in ranges[1:]])
-    try:
-        results = [job(*ranges[0])]
-        # Parts the pool did not take (interpreter shutting down) run here.
-        results += [job(a, b) for a, b in ranges[1 + len(futures) :]]
-    finally:  # no helper may still write once this returns or raises
-        concurrent.futures.wait(futures)
-    return [results[0], *(future.result() for future in futures), *results[1:]]
+    futures = _submit([lambda a=a, b=b: job(a, b) for a, b in ranges], _reader_pool(threads))
+    for a, b in ranges[len(futures) :]:
+        done: Future[T] = Future()
+        try:
+            done.set_result(job(a, b))
+        except Exception as err:  # kept in its future, as a helper's would be
+            done.set_exception(err)
+        futures.append(done)
+    for future in futures:
+        future.add_done_callback(lambda _: wake())
+    return futures
 
 
-def _submit(jobs: list[Callable[[], T]]) -> list[Future[T]]:
-    """The futures of ``jobs`` on the helpers, in order, up to the first the pool refuses
-    (after interpreter shutdown began, or when no thread can be started): the caller runs the
-    rest itself."""
-    if not jobs:
-        return []
-    pool = _shared_pool()
+def _submit(jobs: list[Callable[[], T]], pool: ThreadPoolExecutor) -> list[Future[T]]:
+    """The futures of ``jobs`` on ``pool``, in order, up to the first the pool refuses (after
+    interpreter shutdown began, or when no thread can be started): the caller runs the rest
+    itself."""
     futures = []
     for job in jobs:
         try:
@@ -183,3 +189,14 @@ def _shared_pool() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="freescale-copy")
         return _pool
+
+
+def _reader_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's ``threads`` reader threads (one pool per count, shared by its groups)."""
+    with _pool_lock:
+        pool = _reader_pools.get(threads)
+        if pool is None:
+            pool = _reader_pools[threads] = ThreadPoolExecutor(
+                max_workers=threads, thread_name_prefix="freescale-read"
+            )
+        return pool

@@ -50,6 +50,7 @@ does not use the rings.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import ctypes
 import mmap
@@ -60,13 +61,14 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from freescale_comm.errors import FreescaleError
-from freescale_comm.local_copies import run_in_parts
+from freescale_comm.local_copies import start_in_parts
 from freescale_comm.options import HOST_ENV
 
 _PREFIX = "freescale-ring-"
@@ -408,6 +410,28 @@ def _retire_done(queue: collections.deque[tuple[Any, Request | None]], copies: C
     return count
 
 
+class _Read(NamedTuple):
+    """A read descriptor this rank took from the ring: its receive (None: dropped) and the
+    parts of the read (none: nothing to read), until it is counted done."""
+
+    request: Request | None
+    length: int
+    parts: list[Future[str | None]]
+
+    def done(self) -> bool:
+        return all(part.done() for part in self.parts)
+
+    def failure(self) -> str | None:
+        """Why a part of the read failed, or None."""
+        for part in self.parts:
+            error = part.exception()
+            if error is not None:
+                return f"{type(error).__name__}: {error}"
+            if part.result() is not None:
+                return part.result()
+        return None
+
+
 class Channel:
     """Both directions between this process and one peer over one pair of rings.
 
@@ -428,8 +452,11 @@ class Channel:
         reads_out: the peer reads this rank's sends posted ``by_read`` from its memory.
         reads_in: this rank reads such sends of the peer (the same answer on both sides of a
             direction: probed at set-up by the reader, ``open_links``).
-        read_threads: threads that read one such message, split between them (1: the
-            progressing thread alone; ``local_copies.run_in_parts``).
+        read_threads: the process's reader threads that read such messages (1: the
+            progressing thread reads them itself, one after another). With 2 or more, the
+            reads of several messages (of this peer and others) run at once, a large one
+            split between them (``local_copies.start_in_parts``), while the progressing thread
+            goes on; each wakes it as it ends, and the channel counts them done in ring order.
     """
 
     DEVICE_CHUNKS_PER_PUSH = 2
@@ -468,6 +495,7 @@ class Channel:
         self._awaiting: collections.deque[Request] = collections.deque()
         self._reads_seen = int(outgoing.ctrl[_READS_DONE])
         self._reads_done = int(incoming.ctrl[_READS_DONE])
+        self._reading: collections.deque[_Read] = collections.deque()  # in ring order
         self.reads = 0  # messages this rank read from the peer's memory (tests check the path)
         self.closed = False
         # Collectives (tag >> SUB_BITS) whose early messages are dropped on arrival.
@@ -514,6 +542,7 @@ class Channel:
             return False
         if (
             not (self._sends or self._filling or self._draining or self._awaiting)
+            and not self._reading
             and int(self.inc.ctrl[0]) == self._consumed
         ):
             return False  # the common case, polled several times per collective and peer
@@ -650,6 +679,8 @@ class Channel:
             consumed += 1
             moved = True
         self._consumed = consumed
+        if self._reading and self._count_reads():
+            moved = True
         tail = self._tail + _retire_done(draining, copies)
         if tail != self._tail:
             self._tail = tail
@@ -658,22 +689,53 @@ class Channel:
         return moved
 
     def _read_slot(self, tag: int, length: int, chunk: np.ndarray, request: Request | None) -> bool:
-        """Reads a read descriptor's bytes into its posted receive, then counts it done (the
-        sender may reuse its buffer); a dropped or failed one is counted too, so that the
-        count completes the sender's sends in order. False: the receive is not posted yet
-        (read descriptors travel only after the sender's verdict, so the receive comes with
-        this rank's own)."""
+        """Starts reading a read descriptor's bytes into its posted receive (``_count_reads``
+        counts it done once read, and then the sender may reuse its buffer); a dropped one is
+        counted too, so that the count completes the sender's sends in order. False: the
+        receive is not posted yet (read descriptors travel only after the sender's verdict, so
+        the receive comes with this rank's own)."""
         if request is None:
             if tag >> _SUB_BITS not in self._discarded:
                 return False
+            self._reading.append(_Read(None, length, []))
+            return True
+        del self._recvs[tag]
+        error = _length_error(length, request)
+        if error is not None:
+            request.error = error
+            self._reading.append(_Read(request, length, []))
+            return True
+        local, remote = request.buffer.ctypes.data, int(chunk.view(np.uint64)[0])
+        pid = self.peer_pid
+        if self.read_threads < 2:
+            done: Future[str | None] = Future()
+            done.set_result(read_process(pid, local, remote, length))
+            parts = [done]
         else:
-            del self._recvs[tag]
-            error = _length_error(length, request)
-            if error is not None:
-                request.error = error
-            else:
-                source = int(chunk.view(np.uint64)[0])
-                failed = self._read(request.buffer.ctypes.data, source, length)
+            parts = start_in_parts(
+                lambda a, b: read_process(pid, local + a, remote + a, b - a),
+                length,
+                self.read_threads,
+                self._wake_self,
+            )
+            self.split_reads += len(parts) > 1
+        self._reading.append(_Read(request, length, parts))
+        return True
+
+    def _wake_self(self) -> None:
+        """Ends this process's epoll sleep (a reader thread's read ended)."""
+        self.hub.signal(self.hub.name)
+
+    def _count_reads(self) -> bool:
+        """Completes the leading reads that ended and counts them done for the sender (in ring
+        order); True if any."""
+        reading = self._reading
+        if not reading[0].done():
+            return False
+        while reading and reading[0].done():
+            request, length, _ = entry = reading.popleft()
+            if request is not None and request.error is None:
+                failed = entry.failure()
                 if failed is None:
                     request.done_bytes = length
                     self.reads += 1
@@ -682,21 +744,24 @@ class Channel:
                         f"reading {length} bytes from process {self.peer_pid} failed: {failed} "
                         "(has it exited?)"
                     )
-            request.completed = True  # after the error: a thread that sees it sees the error
-        self._reads_done += 1
-        self.inc.ctrl[_READS_DONE] = self._reads_done  # after the read: the sender's bytes
+            if request is not None:
+                request.completed = True  # after the error: a thread that sees it sees the error
+            self._reads_done += 1
+        self.inc.ctrl[_READS_DONE] = self._reads_done  # after the reads: the sender's bytes
         return True
 
-    def _read(self, local: int, remote: int, nbytes: int) -> str | None:
-        """Reads ``nbytes`` of the peer's memory, on ``read_threads`` threads; why it failed."""
-        if self.read_threads < 2:
-            return read_process(self.peer_pid, local, remote, nbytes)
-        pid = self.peer_pid
-        failures = run_in_parts(
-            lambda a, b: read_process(pid, local + a, remote + a, b - a), nbytes, self.read_threads
+    def _wait_for_reads(self, prefix: int | None = None) -> None:
+        """Waits until no reader thread writes into a receive of collective ``prefix`` (None:
+        of any); bounded, a copy out of another process's memory."""
+        concurrent.futures.wait(
+            [
+                part
+                for entry in self._reading
+                if entry.request is not None
+                and (prefix is None or entry.request.tag >> _SUB_BITS == prefix)
+                for part in entry.parts
+            ]
         )
-        self.split_reads += len(failures) > 1
-        return next((failure for failure in failures if failure is not None), None)
 
     def discard(self, prefix: int) -> None:
         """Drops the messages of one collective (``tag >> SUB_BITS == prefix``) that failed
@@ -707,6 +772,7 @@ class Channel:
             del self._unexpected[tag]
         for tag in [t for t in self._recvs if t >> _SUB_BITS == prefix]:
             del self._recvs[tag]
+        self._wait_for_reads(prefix)
         self._discarded[prefix] = None
         while len(self._discarded) > 256:
             self._discarded.popitem(last=False)
@@ -742,6 +808,7 @@ class Channel:
         if self.closed:
             return
         self.closed = True
+        self._wait_for_reads()  # their receives' owners may free them once this returns
         self._sends.clear()
         self._recvs.clear()
         self._unexpected.clear()
