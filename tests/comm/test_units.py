@@ -19,7 +19,7 @@ from freescale_comm import FreescaleOptions
 from freescale_comm.cpu import cgroup_cpu_quota, usable_cores
 from freescale_comm.engine import POLL_S, YIELD_S, idle_poll_s
 from freescale_comm.errors import FreescaleError
-from freescale_comm.local_copies import LocalCopies, helper_threads, split, start_in_parts
+from freescale_comm.local_copies import LocalCopies, helper_threads, split, start_reads
 from freescale_comm.transport import MAX_SUB, make_tag
 from freescale_comm.validation import (
     NEEDS_TABLE,
@@ -116,11 +116,11 @@ def test_jobs_the_pool_refuses_run_on_the_calling_thread(monkeypatch):
     class RefusesAfterOne:
         taken = 0
 
-        def submit(self, fn):
+        def submit(self, fn, *args):
             if self.taken:
                 raise RuntimeError("cannot schedule new futures after interpreter shutdown")
             self.taken += 1
-            return real.submit(fn)
+            return real.submit(fn, *args)
 
     monkeypatch.setattr(local_copies, "_shared_pool", RefusesAfterOne)
     src = np.arange(16 << 20, dtype=np.uint8)
@@ -129,10 +129,11 @@ def test_jobs_the_pool_refuses_run_on_the_calling_thread(monkeypatch):
     pending = copies.start([(dst, src)])
     pending.wait()
     assert np.array_equal(dst, src) and copies.jobs == 1
-    monkeypatch.setattr(local_copies, "_reader_pool", lambda threads: RefusesAfterOne())
+    refusing = RefusesAfterOne()
+    monkeypatch.setattr(local_copies, "_reader_pool", lambda threads: refusing)
     here = threading.current_thread().name
-    futures = start_in_parts(
-        lambda a, b: (a, b, threading.current_thread().name), 16 << 20, 4, lambda: None
+    [futures] = start_reads(
+        [(lambda a, b: (a, b, threading.current_thread().name), 16 << 20, 4)], lambda: None
     )
     parts = [future.result() for future in futures]
     assert [part[:2] for part in parts] == [(k << 22, (k + 1) << 22) for k in range(4)]
@@ -140,30 +141,31 @@ def test_jobs_the_pool_refuses_run_on_the_calling_thread(monkeypatch):
     real.shutdown()
 
 
-def test_reads_in_parts_cover_every_byte_once_on_reader_threads_and_wake_per_part():
+def test_reads_start_at_once_in_parts_the_last_one_here_and_helpers_wake_as_they_end():
     seen, woken = [], []
-    total = (17 << 20) + 5
+    here = threading.current_thread().name
     release = threading.Event()
 
     def part(start: int, end: int) -> int:
-        release.wait(10)
+        if threading.current_thread().name != here:
+            release.wait(10)  # helpers' parts are still running when start_reads returns
         seen.append((start, end, threading.current_thread().name))
         return end - start
 
-    futures = start_in_parts(part, nbytes=total, threads=8, wake=lambda: woken.append(1))
-    assert len(futures) == 4 and not any(f.done() for f in futures)  # started, not waited for
+    sizes = [(17 << 20) + 5, 1 << 20]  # a message cut into 4 parts, then a small one
+    reads = start_reads([(part, n, 8) for n in sizes], wake=lambda: woken.append(1))
+    assert [len(futures) for futures in reads] == [4, 1]
+    assert reads[1][0].done() and not any(f.done() for f in reads[0])  # the last part: here
     release.set()
-    assert sum(f.result(timeout=10) for f in futures) == total
-    spans = sorted((start, end) for start, end, _ in seen)
-    assert spans[0][0] == 0 and spans[-1][1] == total
-    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
-    assert all(name.startswith("freescale-read") for *_, name in seen)
+    assert [sum(f.result(timeout=10) for f in futures) for futures in reads] == sizes
+    first = sorted((a, b) for a, b, name in seen if b - a > (1 << 20))
+    assert first[0][0] == 0 and first[-1][1] == sizes[0]
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(first))
+    assert sum(name.startswith("freescale-read") for *_, name in seen) == 4
     deadline = time.monotonic() + 5
-    while len(woken) < 4 and time.monotonic() < deadline:  # from each part's thread
+    while len(woken) < 4 and time.monotonic() < deadline:  # one per helper's part
         time.sleep(0.001)
     assert len(woken) == 4
-    small = start_in_parts(lambda a, b: (a, b), nbytes=100, threads=8, wake=lambda: None)
-    assert [f.result(timeout=10) for f in small] == [(0, 100)]
 
 
 def test_local_copies_run_on_helpers_from_4_mib_and_wake_the_progressing_thread():

@@ -60,7 +60,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any, NamedTuple, Protocol
@@ -68,7 +68,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from freescale_comm.errors import FreescaleError
-from freescale_comm.local_copies import start_in_parts
+from freescale_comm.local_copies import start_reads
 from freescale_comm.options import HOST_ENV
 
 _PREFIX = "freescale-ring-"
@@ -410,20 +410,24 @@ def _retire_done(queue: collections.deque[tuple[Any, Request | None]], copies: C
     return count
 
 
-class _Read(NamedTuple):
+class _Read:
     """A read descriptor this rank took from the ring: its receive (None: dropped) and the
-    parts of the read (none: nothing to read), until it is counted done."""
+    parts of its read (None: not started yet; empty: nothing to read), until it is counted
+    done."""
 
-    request: Request | None
-    length: int
-    parts: list[Future[str | None]]
+    __slots__ = ("length", "parts", "request")
+
+    def __init__(
+        self, request: Request | None, length: int, parts: list[Future[str | None]] | None
+    ) -> None:
+        self.request, self.length, self.parts = request, length, parts
 
     def done(self) -> bool:
-        return all(part.done() for part in self.parts)
+        return self.parts is not None and all(part.done() for part in self.parts)
 
     def failure(self) -> str | None:
         """Why a part of the read failed, or None."""
-        for part in self.parts:
+        for part in self.parts or ():
             error = part.exception()
             if error is not None:
                 return f"{type(error).__name__}: {error}"
@@ -453,10 +457,11 @@ class Channel:
         reads_in: this rank reads such sends of the peer (the same answer on both sides of a
             direction: probed at set-up by the reader, ``open_links``).
         read_threads: the process's reader threads that read such messages (1: the
-            progressing thread reads them itself, one after another). With 2 or more, the
-            reads of several messages (of this peer and others) run at once, a large one
-            split between them (``local_copies.start_in_parts``), while the progressing thread
-            goes on; each wakes it as it ends, and the channel counts them done in ring order.
+            progressing thread reads each as it comes, one after another). With 2 or more, the
+            reads that one progress pass over the process's rings finds (of this peer and
+            others) run at once, a large one split between them, the last part on the
+            progressing thread and the others on reader threads (``Hub.start_reads``); each
+            wakes the process as it ends, and the channel counts them done in ring order.
     """
 
     DEVICE_CHUNKS_PER_PUSH = 2
@@ -496,6 +501,8 @@ class Channel:
         self._reads_seen = int(outgoing.ctrl[_READS_DONE])
         self._reads_done = int(incoming.ctrl[_READS_DONE])
         self._reading: collections.deque[_Read] = collections.deque()  # in ring order
+        # Of those, the reads to start at the end of the progress pass, and how.
+        self._unstarted: list[tuple[_Read, Callable[[int, int], str | None]]] = []
         self.reads = 0  # messages this rank read from the peer's memory (tests check the path)
         self.closed = False
         # Collectives (tag >> SUB_BITS) whose early messages are dropped on arrival.
@@ -536,8 +543,9 @@ class Channel:
         return request
 
     # --------------------------------------------------------------- progress (hub lock held)
-    def progress(self) -> bool:
-        """Moves whatever can move in both directions; True if anything did."""
+    def progress(self, start_reads: bool = True) -> bool:
+        """Moves whatever can move in both directions; True if anything did. ``start_reads``:
+        starts the reads it took from the ring (else the caller does, ``Hub.start_reads``)."""
         if self.closed:
             return False
         if (
@@ -547,6 +555,8 @@ class Channel:
         ):
             return False  # the common case, polled several times per collective and peer
         pulled = self._pull()
+        if start_reads and self._unstarted:
+            self.hub.start_reads([self])
         pushed = self._push() if self._sends or self._filling else False
         if pushed or pulled:
             self.wake_peer()
@@ -710,30 +720,29 @@ class Channel:
         if self.read_threads < 2:
             done: Future[str | None] = Future()
             done.set_result(read_process(pid, local, remote, length))
-            parts = [done]
+            self._reading.append(_Read(request, length, [done]))
         else:
-            parts = start_in_parts(
-                lambda a, b: read_process(pid, local + a, remote + a, b - a),
-                length,
-                self.read_threads,
-                self._wake_self,
+            entry = _Read(request, length, None)
+            self._reading.append(entry)
+            self._unstarted.append(
+                (entry, lambda a, b: read_process(pid, local + a, remote + a, b - a))
             )
-            self.split_reads += len(parts) > 1
-        self._reading.append(_Read(request, length, parts))
         return True
 
-    def _wake_self(self) -> None:
-        """Ends this process's epoll sleep (a reader thread's read ended)."""
-        self.hub.signal(self.hub.name)
+    def take_unstarted(self) -> list[tuple[_Read, Callable[[int, int], str | None]]]:
+        """The reads taken from the ring and not started yet, which the caller starts."""
+        taken, self._unstarted = self._unstarted, []
+        return taken
 
     def _count_reads(self) -> bool:
         """Completes the leading reads that ended and counts them done for the sender (in ring
         order); True if any."""
         reading = self._reading
-        if not reading[0].done():
+        if not (reading and reading[0].done()):
             return False
         while reading and reading[0].done():
-            request, length, _ = entry = reading.popleft()
+            entry = reading.popleft()
+            request, length = entry.request, entry.length
             if request is not None and request.error is None:
                 failed = entry.failure()
                 if failed is None:
@@ -759,7 +768,7 @@ class Channel:
                 for entry in self._reading
                 if entry.request is not None
                 and (prefix is None or entry.request.tag >> _SUB_BITS == prefix)
-                for part in entry.parts
+                for part in entry.parts or ()
             ]
         )
 
@@ -809,6 +818,7 @@ class Channel:
             return
         self.closed = True
         self._wait_for_reads()  # their receives' owners may free them once this returns
+        self._unstarted.clear()
         self._sends.clear()
         self._recvs.clear()
         self._unexpected.clear()
@@ -864,7 +874,9 @@ class Link:
         return self.staging is not None and self.staging.busy
 
     def progress(self) -> bool:
-        moved = self.host.progress()
+        """Progresses both channels; the host channel's reads are left for the hub to start
+        with those of the other links (``Hub.start_reads``)."""
+        moved = self.host.progress(start_reads=False)
         if self.staging is not None:
             moved |= self.staging.progress()
         return moved
@@ -983,6 +995,7 @@ class Hub:
             moved = False
             for link in self.links:
                 moved |= link.progress()
+            moved |= self.start_reads(link.host for link in self.links)
             for outboxes in self.outboxes:
                 moved |= outboxes.moved()
             if self._lent and time.monotonic() - self._reclaimed_at > _RECLAIM_EVERY_S:
@@ -990,6 +1003,25 @@ class Hub:
             return moved
         finally:
             self.lock.release()
+
+    def start_reads(self, channels: Iterable[Channel]) -> bool:
+        """Starts the reads that ``channels`` took from their rings (hub lock held): at once,
+        the last part on this thread (``local_copies.start_reads``), then counts those done;
+        True if any started."""
+        taken = [(c, entry, job) for c in channels for entry, job in c.take_unstarted()]
+        if not taken:
+            return False
+        started = start_reads(
+            [(job, entry.length, c.read_threads) for c, entry, job in taken],
+            wake=lambda: self.signal(self.name),
+        )
+        for (channel, entry, _), parts in zip(taken, started, strict=True):
+            entry.parts = parts
+            channel.split_reads += len(parts) > 1
+        for channel in dict.fromkeys(c for c, _, _ in taken):
+            if channel._count_reads():
+                channel.wake_peer()
+        return True
 
     @contextlib.contextmanager
     def sleeping(self) -> Iterator[bool]:
