@@ -86,7 +86,7 @@ def test_own_pieces_and_reads_on_helper_threads_match_gloo(fs_group, threads, sh
             assert "reads peers' memory itself (host_copy_threads=1)" in result["waits"]
             assert result["helper_copy_jobs"] == 0 and result["split_reads"] == 0
         else:
-            assert "reads peers' memory on 3 helper threads" in result["waits"]
+            assert "reads peers' memory on 3 helper and 3 reader threads" in result["waits"]
             assert result["helper_copy_jobs"] > 0  # own pieces of 8.8 MB: 2 jobs each time
             # Reads of 8.8 MB: two parts each.
             assert (result["split_reads"] > 0) == result["readable"]
@@ -524,7 +524,7 @@ def test_info_says_which_path_each_pair_takes(capsys):
     poll_us = 2000 if usable_cores() < 2 else 100
     waits = f"polls for {poll_us} us, yielding its core, then sleeps"
     assert f"  rank 0, waiting for its peers: {waits} (idle_wait=auto; 2 ranks on this host" in out
-    copies = f"on {helpers} helper threads" if helpers > 1 else "itself"
+    copies = f"on {helpers} helper and {helpers} reader threads" if helpers > 1 else "itself"
     assert f"copies its own pieces and reads peers' memory {copies} (host_copy_threads=0)" in out
 
 
@@ -909,33 +909,57 @@ def test_reads_that_end_out_of_order_are_counted_done_in_ring_order(tmp_path, mo
 
 def test_a_discarded_collective_and_a_closed_channel_wait_for_their_reads(tmp_path, monkeypatch):
     # The caller may reuse a failed collective's buffers, or free a closed group's: no reader
-    # thread may write into them afterwards.
+    # thread may write into them afterwards. Two messages of one collective in one pass: the
+    # first is read on a reader thread (slowly), the second here.
     import threading
 
     import numpy as np
 
-    started, writes = threading.Event(), []
+    started, ended = threading.Event(), []
     real_read = shm.read_process
 
-    def slow_read(pid: int, local: int, remote: int, nbytes: int) -> str | None:
-        started.set()
-        time.sleep(0.2)
-        writes.append(nbytes)
-        return real_read(pid, local, remote, nbytes)
+    def slow_on_reader_threads(pid: int, local: int, remote: int, nbytes: int) -> str | None:
+        if threading.current_thread().name.startswith("freescale-read"):
+            started.set()
+            time.sleep(0.3)
+        failed = real_read(pid, local, remote, nbytes)
+        ended.append(nbytes)
+        return failed
 
-    monkeypatch.setattr(shm, "read_process", slow_read)
+    monkeypatch.setattr(shm, "read_process", slow_on_reader_threads)
     with _host_channels(tmp_path, os.getpid(), read_threads=2) as (a, b):
         for prefix in (9, 10):
-            a.send(np.ones(4096, dtype=np.uint8), (prefix << 16) | 1, by_read=True)
-            b.recv(np.zeros(4096, dtype=np.uint8), (prefix << 16) | 1)
+            for sub in (1, 2):
+                a.send(np.ones(4096, dtype=np.uint8), (prefix << 16) | sub, by_read=True)
+                b.recv(np.zeros(4096, dtype=np.uint8), (prefix << 16) | sub)
             started.clear()
             b.progress()
             assert started.wait(10)
             if prefix == 9:
                 b.discard(9)
+                assert len(ended) == 2  # both reads had ended when it returned
+                assert int(b.inc.ctrl[shm._READS_DONE]) == 2  # and the sender was told
             else:
                 b.close()
-            assert len(writes) == prefix - 8  # its read had ended
+                assert len(ended) == 4
+
+
+def test_a_discarded_collectives_reads_not_started_yet_are_counted_but_never_read(tmp_path):
+    import numpy as np
+
+    hub = shm.Hub.get()
+    with _host_channels(tmp_path, os.getpid(), read_threads=2) as (a, b):
+        tag = (11 << 16) | 1
+        sent = a.send(np.ones(4096, dtype=np.uint8), tag, by_read=True)
+        out = np.zeros(4096, dtype=np.uint8)
+        b.recv(out, tag)
+        b.progress(start_reads=False)  # taken from the ring, left for the hub to start
+        b.discard(11)  # (the pass failed before the hub started them)
+        hub.start_reads([b])
+        b.progress()
+        a.progress()
+        assert not out.any() and b.reads == 0
+        assert int(b.inc.ctrl[shm._READS_DONE]) == 1 and sent.completed
 
 
 def test_a_read_is_counted_done_past_data_that_fills_the_readers_own_ring(tmp_path):

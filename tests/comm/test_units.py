@@ -141,6 +141,28 @@ def test_jobs_the_pool_refuses_run_on_the_calling_thread(monkeypatch):
     real.shutdown()
 
 
+def test_a_part_the_pool_queued_but_refused_runs_once(monkeypatch):
+    # Python's pool queues a job before it starts a thread for it; where no thread could be
+    # started, submit raises with the job queued, and a busy thread of the pool may run it
+    # after the caller did: a second read into an output already counted done.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from freescale_comm import local_copies
+
+    real = ThreadPoolExecutor(1)
+
+    class QueuesThenRefuses:
+        def submit(self, fn, *args):
+            real.submit(fn, *args)
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(local_copies, "_reader_pool", lambda threads: QueuesThenRefuses())
+    runs = []
+    [futures] = start_reads([(lambda a, b: runs.append((a, b)), 8 << 20, 2)], lambda: None)
+    real.shutdown(wait=True)  # the queued copies have run (or been skipped) by now
+    assert all(f.done() for f in futures) and sorted(runs) == [(0, 4 << 20), (4 << 20, 8 << 20)]
+
+
 def test_reads_start_at_once_in_parts_the_last_one_here_and_helpers_wake_as_they_end():
     seen, woken = [], []
     here = threading.current_thread().name

@@ -620,7 +620,7 @@ class GroupContext:
             )
             + f"(idle_wait={options.idle_wait}; {len(self.directory.same_host)} ranks on this "
             f"host, {self._cores} cores); copies its own pieces and reads peers' memory "
-            + (f"on {threads} helper threads" if threads > 1 else "itself")
+            + (f"on {threads} helper and {threads} reader threads" if threads > 1 else "itself")
             + f" (host_copy_threads={options.host_copy_threads})"
         )
         for peer in range(self.size):

@@ -24,7 +24,7 @@ import itertools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -134,9 +134,9 @@ class LocalCopies:
                 host_copy(dst, src)
             return None
         jobs = split(copies, self.threads)
-        futures = _submit([lambda job=job: _copy_job(job) for job in jobs], _shared_pool())
-        for job in jobs[len(futures) :]:  # the pool took no more (interpreter shutting down)
-            _copy_job(job)
+        futures, refused = _submit([lambda job=job: _copy_job(job) for job in jobs], _shared_pool())
+        for job in refused:  # interpreter shutting down: copied here
+            job()
         self.jobs += len(futures)
         return PendingCopies(futures, self._wake) if futures else None
 
@@ -158,40 +158,55 @@ def start_reads(
     flat = [part for read in cut for part in read]
     futures: list[Future[T]] = []
     for job, a, b, threads in flat[:-1]:
-        try:
-            future = _reader_pool(threads).submit(job, a, b)
-        except RuntimeError:
-            future = _run_here(job, a, b)
-        else:
+        taken, refused = _submit([lambda job=job, a=a, b=b: job(a, b)], _reader_pool(threads))
+        for future in taken:
             future.add_done_callback(lambda _: wake())
-        futures.append(future)
+        futures += taken + [_run_here(part) for part in refused]
     job, a, b, _ = flat[-1]
-    futures.append(_run_here(job, a, b))
+    futures.append(_run_here(lambda: job(a, b)))
     starts = list(itertools.accumulate((len(read) for read in cut), initial=0))
     return [futures[start:end] for start, end in itertools.pairwise(starts)]
 
 
-def _run_here(job: Callable[[int, int], T], a: int, b: int) -> Future[T]:
-    """``job(a, b)`` on this thread, as a done future (its exception kept, as a helper's)."""
+def _run_here(job: Callable[[], T]) -> Future[T]:
+    """``job()`` on this thread, as a done future (its exception kept, as a helper's)."""
     done: Future[T] = Future()
     try:
-        done.set_result(job(a, b))
+        done.set_result(job())
     except Exception as err:
         done.set_exception(err)
     return done
 
 
-def _submit(jobs: list[Callable[[], T]], pool: ThreadPoolExecutor) -> list[Future[T]]:
+class _RunOnce:
+    """A job that runs at most once, whoever calls it first: a pool that could not start a
+    thread for it raises from ``submit`` with the job already queued, so a busy thread of the
+    pool may still run it after the caller did (a read or copy into an output that is done)."""
+
+    def __init__(self, job: Callable[[], T]) -> None:
+        self._job = job
+        self._claimed = threading.Lock()
+
+    def __call__(self) -> Any:
+        if self._claimed.acquire(blocking=False):  # never released: the one run
+            return self._job()
+        return None
+
+
+def _submit(
+    jobs: list[Callable[[], T]], pool: ThreadPoolExecutor
+) -> tuple[list[Future[T]], list[Callable[[], T]]]:
     """The futures of ``jobs`` on ``pool``, in order, up to the first the pool refuses (after
-    interpreter shutdown began, or when no thread can be started): the caller runs the rest
-    itself."""
-    futures = []
-    for job in jobs:
+    interpreter shutdown began, or when no thread can be started), and the jobs from that one
+    on, which the caller runs itself (each runs once, also where the pool queued it)."""
+    once = [_RunOnce(job) for job in jobs]
+    futures: list[Future[T]] = []
+    for job in once:
         try:
             futures.append(pool.submit(job))
         except RuntimeError:
             break
-    return futures
+    return futures, once[len(futures) :]
 
 
 def _copy_job(job: list[tuple[np.ndarray, np.ndarray]]) -> None:

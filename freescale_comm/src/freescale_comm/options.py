@@ -142,8 +142,10 @@ class FreescaleOptions:
             ``FREESCALE_IDLE_WAIT``.
         host_copy_threads: helper threads that copy a CPU collective's own pieces (its local
             copies) of 4 MiB and more in all, split between them, while the thread that
-            progresses it moves its messages (``local_copies``). 1: that thread copies them
-            itself once the messages are posted. 0 (``auto``): the cores this process may use
+            progresses it moves its messages (``local_copies``), and as many reader threads,
+            which read the messages of several peers from their memory at once (``shm``). 1:
+            that thread copies them itself once the messages are posted, and reads one message
+            after another. 0 (``auto``): the cores this process may use
             per rank of the group on this host, at most 8, and 1 where that is below 2 (a host
             with a core or less per rank copies fastest on one thread). At most 64; a rank's
             own choice. ``FREESCALE_HOST_COPY_THREADS``.

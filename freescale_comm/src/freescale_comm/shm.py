@@ -776,12 +776,20 @@ class Channel:
         """Drops the messages of one collective (``tag >> SUB_BITS == prefix``) that failed
         (its verdict, or later): those that arrived or will arrive, and its receives still
         posted, whose buffers the caller may reuse once it has seen the failure (on a staging
-        channel, copies of earlier chunks already queued on its streams still land there)."""
+        channel, copies of earlier chunks already queued on its streams still land there).
+        Its reads from the peer's memory not started yet are dropped, and it waits for those
+        running (a copy each), then counts them done for the sender."""
         for tag in [t for t in self._unexpected if t >> _SUB_BITS == prefix]:
             del self._unexpected[tag]
         for tag in [t for t in self._recvs if t >> _SUB_BITS == prefix]:
             del self._recvs[tag]
+        for entry, _ in self._unstarted:
+            if entry.request is not None and entry.request.tag >> _SUB_BITS == prefix:
+                entry.request, entry.parts = None, []  # counted, never read
+        self._unstarted = [(entry, job) for entry, job in self._unstarted if entry.parts is None]
         self._wait_for_reads(prefix)
+        if self._count_reads():
+            self.wake_peer()
         self._discarded[prefix] = None
         while len(self._discarded) > 256:
             self._discarded.popitem(last=False)
@@ -811,7 +819,8 @@ class Channel:
         request.completed = True
 
     def close(self) -> None:
-        """Unmaps the rings (hub lock held). Sends the peer has not counted read yet (a group
+        """Unmaps the rings (hub lock held), once no reader thread writes into a receive (reads
+        not started yet are dropped). Sends the peer has not counted read yet (a group
         destroyed during a collective) go to the hub with their ring: the peer may still read
         their buffers, which must not be freed and reused under it."""
         if self.closed:
@@ -993,9 +1002,11 @@ class Hub:
             return False
         try:
             moved = False
-            for link in self.links:
-                moved |= link.progress()
-            moved |= self.start_reads(link.host for link in self.links)
+            try:
+                for link in self.links:
+                    moved |= link.progress()
+            finally:  # no read taken from a ring is left unstarted
+                moved |= self.start_reads(link.host for link in self.links)
             for outboxes in self.outboxes:
                 moved |= outboxes.moved()
             if self._lent and time.monotonic() - self._reclaimed_at > _RECLAIM_EVERY_S:
