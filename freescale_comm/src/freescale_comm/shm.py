@@ -788,7 +788,7 @@ class Channel:
                 entry.request, entry.parts = None, []  # counted, never read
         self._unstarted = [(entry, job) for entry, job in self._unstarted if entry.parts is None]
         self._wait_for_reads(prefix)
-        if self._count_reads():
+        if not self.closed and self._count_reads():  # (a closed channel's rings are unmapped)
             self.wake_peer()
         self._discarded[prefix] = None
         while len(self._discarded) > 256:
@@ -828,6 +828,7 @@ class Channel:
         self.closed = True
         self._wait_for_reads()  # their receives' owners may free them once this returns
         self._unstarted.clear()
+        self._reading.clear()
         self._sends.clear()
         self._recvs.clear()
         self._unexpected.clear()
