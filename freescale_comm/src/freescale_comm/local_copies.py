@@ -149,9 +149,9 @@ def start_reads(
     ``PART_BYTES``. Every part but the last runs on the process's reader threads (``threads``
     of them: the reads of several peers' messages at once, but no more of them than the rank's
     share of the cores), ``wake`` called as each ends; the last part runs here before this
-    returns (a read alone then costs no hand-over to another thread and no wake-up: 45–60 µs
-    of a 1 MiB read on the 2-core machine). Returns each read's futures, in order; the ones run
-    here (also those the pool refused: interpreter shutting down) are done on return."""
+    returns (a read alone then costs no hand-over to another thread and no wake-up). Returns
+    each read's futures, in order; the ones run here (also those the pool refused: interpreter
+    shutting down) are done on return."""
     cut = [
         [(job, a, b, threads) for a, b in parts(nbytes, threads)] for job, nbytes, threads in reads
     ]
