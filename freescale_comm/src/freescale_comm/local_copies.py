@@ -161,14 +161,14 @@ def start_reads(
         taken, refused = _submit([lambda job=job, a=a, b=b: job(a, b)], _reader_pool(threads))
         for future in taken:
             future.add_done_callback(lambda _: wake())
-        futures += taken + [_run_here(part) for part in refused]
+        futures += taken + [run_here(part) for part in refused]
     job, a, b, _ = flat[-1]
-    futures.append(_run_here(lambda: job(a, b)))
+    futures.append(run_here(lambda: job(a, b)))
     starts = list(itertools.accumulate((len(read) for read in cut), initial=0))
     return [futures[start:end] for start, end in itertools.pairwise(starts)]
 
 
-def _run_here(job: Callable[[], T]) -> Future[T]:
+def run_here(job: Callable[[], T]) -> Future[T]:
     """``job()`` on this thread, as a done future (its exception kept, as a helper's)."""
     done: Future[T] = Future()
     try:

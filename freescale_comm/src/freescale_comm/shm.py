@@ -68,7 +68,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from freescale_comm.errors import FreescaleError
-from freescale_comm.local_copies import start_reads
+from freescale_comm.local_copies import run_here, start_reads
 from freescale_comm.options import HOST_ENV
 
 _PREFIX = "freescale-ring-"
@@ -431,8 +431,9 @@ class _Read:
             error = part.exception()
             if error is not None:
                 return f"{type(error).__name__}: {error}"
-            if part.result() is not None:
-                return part.result()
+            failed = part.result()
+            if failed is not None:
+                return failed
         return None
 
 
@@ -718,8 +719,7 @@ class Channel:
         local, remote = request.buffer.ctypes.data, int(chunk.view(np.uint64)[0])
         pid = self.peer_pid
         if self.read_threads < 2:
-            done: Future[str | None] = Future()
-            done.set_result(read_process(pid, local, remote, length))
+            done = run_here(lambda: read_process(pid, local, remote, length))
             self._reading.append(_Read(request, length, [done]))
         else:
             entry = _Read(request, length, None)
