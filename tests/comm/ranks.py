@@ -965,13 +965,14 @@ def own_pieces_on_helper_threads(
         work.wait()
     for k, (got, want) in enumerate(checks):
         _same(got, want, f"in flight #{k}")
-    for k in range(3):
-        x = torch.full((n * rows,), float(100 * rank + k), dtype=torch.float64)
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=group)
-        x.fill_(-1.0)
-        want = torch.arange(n, dtype=torch.float64).repeat_interleave(rows) * 100 + k
-        _same(out, want, f"overwritten input #{k}")
+    with _data_phase_order() as orders:
+        for k in range(3):
+            x = torch.full((n * rows,), float(100 * rank + k), dtype=torch.float64)
+            out = torch.empty_like(x)
+            dist.all_to_all_single(out, x, group=group)
+            x.fill_(-1.0)
+            want = torch.arange(n, dtype=torch.float64).repeat_interleave(rows) * 100 + k
+            _same(out, want, f"overwritten input #{k}")
     paths = group.paths()
     dist.destroy_process_group(group)
     return {
@@ -982,7 +983,53 @@ def own_pieces_on_helper_threads(
         "readable": all("read from the sender's memory" in p["path"] for p in paths),
         "why": paths[0]["why"],
         "helper_copy_jobs": paths[0]["helper_copy_jobs"],
+        "data_phase_orders": orders,
     }
+
+
+@contextlib.contextmanager
+def _data_phase_order() -> Iterator[list[list[str]]]:
+    """Records, per collective's start of its data phase, what the starting thread did in
+    order: ``helpers`` (own pieces handed to helper threads), ``read`` (a peer's message read
+    on this thread)."""
+    from freescale_comm import collective, local_copies, shm
+
+    orders: list[list[str]] = []
+    current = threading.local()
+    start_data, start_copies, read = (
+        collective.Collective._start_data,
+        local_copies.LocalCopies.start,
+        shm.read_process,
+    )
+
+    def note(event: str) -> None:
+        events = getattr(current, "events", None)
+        if events is not None:
+            events.append(event)
+
+    def traced_start_data(self):
+        current.events = []
+        try:
+            return start_data(self)
+        finally:
+            orders.append(current.events)
+            current.events = None
+
+    def traced_start(self, copies):
+        if self.on_helpers(copies):
+            note("helpers")
+        return start_copies(self, copies)
+
+    def traced_read(*args):
+        note("read")
+        return read(*args)
+
+    with (
+        mock.patch.object(collective.Collective, "_start_data", traced_start_data),
+        mock.patch.object(local_copies.LocalCopies, "start", traced_start),
+        mock.patch.object(shm, "read_process", traced_read),
+    ):
+        yield orders
 
 
 def _huge_page_kb(address: int) -> int:

@@ -58,7 +58,7 @@ from freescale_comm.errors import (
     FreescaleValidationError,
 )
 from freescale_comm.futures import CollectiveFuture
-from freescale_comm.local_copies import MIN_BYTES, host_copy
+from freescale_comm.local_copies import host_copy
 from freescale_comm.transport import make_tag
 from freescale_comm.validation import (
     NEEDS_TABLE,
@@ -365,12 +365,11 @@ class Collective:
         """``_express_layout``'s answer, worked out from the plan."""
         g, plan = self.group, self.plan
         peers = [(g.rank + step) % g.size for step in range(1, g.size)]
-        own_bytes = sum(len(dst) for dst, _ in plan.local_copies)
         if not (
             all(g.reaches_by_outbox(peer) for peer in peers)
             and self._may_fold()
             and not plan.copy_back
-            and (g.local_copies.threads < 2 or own_bytes < MIN_BYTES)
+            and not g.local_copies.on_helpers(plan.local_copies)
         ):
             return None
         index = {id(t): k for k, t in enumerate(plan.transfers)}
@@ -1026,12 +1025,16 @@ class Collective:
             else:
                 self._unposted.append(transfer)
         self._data_posted = True
+        # After posting: peers pull this rank's pieces while it copies its own. Helpers start
+        # before the progress below, which may read a peer's message on this thread.
+        own = self.plan.local_copies if not self.on_cuda else []
+        on_helpers = g.local_copies.on_helpers(own)
+        if on_helpers:
+            self._local_pending = g.local_copies.start(own)
         if posted or self.on_cuda:  # a receive posted after its rendezvous arrived needs one
             g.transport.progress()
-        if not self.on_cuda:
-            # After posting: peers pull this rank's pieces while it copies its own (on helper
-            # threads where the host has cores to spare, while this thread moves the messages).
-            self._local_pending = g.local_copies.start(self.plan.local_copies)
+        if own and not on_helpers:
+            g.local_copies.start(own)
 
     def _start_cuda_data(self, unfolded: list[Transfer]) -> list[Transfer]:
         """Queues the local copies and the H2D copies of folded data; returns the messages to

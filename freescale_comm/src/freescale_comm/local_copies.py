@@ -126,10 +126,14 @@ class LocalCopies:
         self._wake = wake
         self.jobs = 0  # jobs that helpers ran (``freescale comm info``, tests)
 
+    def on_helpers(self, copies: Sequence[tuple[np.ndarray, np.ndarray]]) -> bool:
+        """Whether ``start`` gives ``copies`` to helpers (else it copies them itself)."""
+        return self.threads >= 2 and sum(len(dst) for dst, _ in copies) >= MIN_BYTES
+
     def start(self, copies: Sequence[tuple[np.ndarray, np.ndarray]]) -> PendingCopies | None:
         """Starts ``copies`` (dst, src host bytes); None when they are done already (copied
         here: small, or no helpers)."""
-        if self.threads < 2 or sum(len(dst) for dst, _ in copies) < MIN_BYTES:
+        if not self.on_helpers(copies):
             for dst, src in copies:
                 host_copy(dst, src)
             return None
