@@ -152,7 +152,8 @@ def abort_during_collective(
     """One rank calls ``abort()`` on a freescale subgroup the others are using for ``op``
     (``_loop_until_error``; short liveness periods, as ``FAST_FAILURE_ENV`` gives a world);
     every rank then destroys it, and the world must still work. Returns the rank's error
-    message (the aborter: ``None``) and the world's AllGather after it."""
+    message (the aborter: ``None``), that of an ``all_reduce`` it calls after it (``later``),
+    and the world's AllGather after it."""
     from freescale_comm import FreescaleOptions
 
     rank = dist.get_rank()
@@ -161,15 +162,16 @@ def abort_during_collective(
     out = torch.empty(dist.get_world_size())
     dist.all_gather_into_tensor(out, torch.tensor([float(rank)]), group=group)
     dist.barrier()
-    error = None
+    error = later = None
     if rank == aborter:
         time.sleep(delay_s)
         group.abort()
     else:
         error = _error_of(lambda: _loop_until_error(group, f"rank {rank}", op))
+        later = _error_of(lambda: dist.all_reduce(torch.ones(1), group=group))
     dist.destroy_process_group(group)
     dist.all_gather_into_tensor(out, torch.tensor([float(rank)]))
-    return {"error": error, "world": out.tolist()}
+    return {"error": error, "later": later, "world": out.tolist()}
 
 
 def dead_peer_in_one_of_two_groups(victim: int, rounds: int) -> dict[str, object]:

@@ -563,6 +563,9 @@ def test_abort_makes_every_other_rank_raise_at_once(fs_group4, op):
         assert "aborted by rank 1: abort() was called" in detail, detail
         seconds = _raised_after(detail)
         assert seconds < 0.5 + 2, detail  # the abort key, not dead_after_s
+        # A collective on Gloo called after the abort is refused at once, naming it.
+        later = results[rank]["later"]
+        assert f"rank {rank}: allreduce on Gloo: the group was aborted earlier by rank 1: " in later
     assert all(r["world"] == [0.0, 1.0, 2.0, 3.0] for r in results), results
 
 

@@ -32,7 +32,7 @@ from torch.distributed.distributed_c10d import BackendConfig
 from freescale_comm import algorithms, directory
 from freescale_comm.algorithms import Plan
 from freescale_comm.collective import Collective
-from freescale_comm.errors import FreescaleError, FreescalePeerError
+from freescale_comm.errors import FreescaleError
 from freescale_comm.group import GroupContext
 from freescale_comm.options import FreescaleOptions
 from freescale_comm.point_to_point import AnySourceReceiveWork, GlooBreaker, PointToPointWork
@@ -459,11 +459,9 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         them."""
         if not on_gloo:
             return call(*args, **kwargs)
-        reason = self._ctx.broken
-        if reason is not None:
-            raise FreescalePeerError(
-                f"rank {self.rank()}: {name} on Gloo: the group was aborted earlier by {reason}"
-            )
+        error = aborted_error(self._ctx, name, before_call=True)
+        if error is not None:
+            raise error
         return DelegatedWork(call(*args, **kwargs), self._ctx, name)
 
     # ----------------------------------------------------------------- lifecycle

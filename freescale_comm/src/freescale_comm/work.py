@@ -161,16 +161,18 @@ class FreescaleWork(dist.Work):
 
 
 def aborted_error(
-    group: GroupContext, what: str, after_gloo_failed: bool = False
+    group: GroupContext, what: str, after_gloo_failed: bool = False, before_call: bool = False
 ) -> FreescalePeerError | None:
-    """The error of ``what`` (``send``, ``all_reduce``, ...) that the group ran on Gloo, where
+    """The error of ``what`` (``send``, ``all_reduce``, ...) that the group runs on Gloo, where
     the group is aborted, or None; ``after_gloo_failed``: Gloo failed it, which an abort on
-    its way may explain (``GroupContext.broken_after_gloo_failed``)."""
+    its way may explain (``GroupContext.broken_after_gloo_failed``); ``before_call``: the
+    abort came before the call, which is refused."""
     reason = group.broken_after_gloo_failed() if after_gloo_failed else group.broken
     if reason is None:
         return None
+    when = "earlier " if before_call else ""
     return FreescalePeerError(
-        f"rank {group.rank}: {what} on Gloo: the group was aborted by {reason}"
+        f"rank {group.rank}: {what} on Gloo: the group was aborted {when}by {reason}"
     )
 
 
