@@ -588,6 +588,45 @@ def a_thread_preempted_before_its_start(elements: int) -> dict[str, list[float]]
     return gathered
 
 
+def a_launch_beside_an_express_poll(late_s: float) -> dict[str, Any]:
+    """Rank 0 calls a small AllToAll on one thread, which the express path runs in its call,
+    polling for its peers' headers while it holds the group's launch lock (for up to 30 s
+    here: ``idle_wait=yield`` with ``engine.YIELD_S`` raised), and 0.2 s later starts a second
+    one from another thread; the other ranks call both ``late_s`` late. Returns how long rank
+    0's second call took to return its handle (``started_after_s``) and both results."""
+    from freescale_comm import engine
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    with mock.patch.object(engine, "YIELD_S", 30.0):
+        group = freescale_group(60, idle_wait="yield")
+    x = torch.full((n,), float(rank))
+    first, second = torch.empty(n), torch.empty(n)
+    started_after_s = 0.0
+    if rank == 0:
+        caller = threading.Thread(target=dist.all_to_all_single, args=(first, x, None, None, group))
+        caller.start()
+        time.sleep(0.2)
+        began = time.monotonic()
+        work = dist.all_to_all_single(second, x + 10, group=group, async_op=True)
+        started_after_s = time.monotonic() - began
+        work.wait()
+        caller.join(60)
+    else:
+        time.sleep(late_s)
+        works = [
+            dist.all_to_all_single(out, x + shift, group=group, async_op=True)
+            for out, shift in ((first, 0), (second, 10))
+        ]
+        for work in works:
+            work.wait()
+    dist.destroy_process_group(group)
+    return {
+        "started_after_s": started_after_s,
+        "first": first.tolist(),
+        "second": second.tolist(),
+    }
+
+
 def all_gather_single_is_own() -> tuple[bool, list[str]]:
     """``dist.all_gather_single`` (torch 2.13's name for ``all_gather_into_tensor``): whether it
     gathered every rank's piece, and the own collectives it ran (none: it went to Gloo)."""

@@ -107,6 +107,17 @@ def test_collectives_of_two_threads_start_in_the_order_they_are_numbered(fs_grou
     assert fs_group.run(ranks.a_thread_preempted_before_its_start, elements) == [want] * n
 
 
+def test_a_collective_started_beside_an_express_poll_starts_at_once(fs_group):
+    # The express path polls for late peers holding the group's launch lock; a second thread's
+    # collective waited for that poll to end (here 30 s, or the peers' arrival 1.5 s later).
+    n = fs_group.spec.world_size
+    results = fs_group.run(ranks.a_launch_beside_an_express_poll, 1.5, timeout_s=90)
+    assert results[0]["started_after_s"] < 0.75, results[0]
+    for result in results:
+        assert result["first"] == [float(r) for r in range(n)], result
+        assert result["second"] == [float(r + 10) for r in range(n)], result
+
+
 @pytest.mark.skipif(not hasattr(torch.distributed, "all_gather_single"), reason="torch 2.13's API")
 def test_all_gather_single_takes_the_own_all_gather(fs_group):
     n = fs_group.spec.world_size

@@ -393,10 +393,10 @@ class Collective:
         every piece folded in), polls the peers' outboxes for up to the group's poll window,
         and, if their headers came and form a consistent table (one judged so before for this
         template, or judged here), copies the pieces out and finishes. Anything else (a box
-        not yet writable, a late peer, a table with a problem, an abort) leaves it as the general
-        path's ``_post_headers`` and ``_read_outboxes`` would have: the engine or the caller's
-        wait goes on from there. The same bytes reach the outboxes either way, so peers on
-        either path pair up."""
+        not yet writable, a late peer, a table with a problem, an abort, another thread waiting
+        to start a collective of the group) leaves it as the general path's ``_post_headers``
+        and ``_read_outboxes`` would have: the engine or the caller's wait goes on from there.
+        The same bytes reach the outboxes either way, so peers on either path pair up."""
         g, plan = self.group, self.plan
         boxes = g.outboxes
         transfers = plan.transfers
@@ -425,7 +425,7 @@ class Collective:
             now = time.monotonic()
             if not until:
                 until = now + self.idle_poll_s
-            if now >= until or g.broken:
+            if now >= until or g.broken or g.launch_waiting:
                 self._leave_express(layout, None, headers, waiting)
                 return
             os.sched_yield()

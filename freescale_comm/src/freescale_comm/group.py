@@ -149,6 +149,7 @@ class GroupContext:
         self._abort_hooks: dict[int, Callable[[], None]] = {}
         self._abort_hook_keys = itertools.count()
         self._launch_lock = threading.Lock()  # ``launch``
+        self._launches_waiting = 0  # threads in ``launch`` waiting for its lock
         self._cuda: dict[int, CudaSupport] = {}
         self._ipc: dict[int, IpcPath] = {}
         self._closed = False
@@ -907,7 +908,8 @@ class GroupContext:
             self.refuse_wait_on_engine_thread(
                 lambda: f"freescale {op.name} (group {self.group_id})"
             )
-        with self._launch_lock:
+        self._take_launch_lock()
+        try:
             self._refuse_if_closed(op)  # ``close`` sets it under this lock
             departed = self.departure_error(self._last_seq + 1)
             if departed is not None:  # no number taken, no abort: every peer knows as well
@@ -931,6 +933,8 @@ class GroupContext:
                     self._inflight = [c for c in self._inflight if not c.finished]
                     if not op.finished:
                         self._inflight.append(op)
+        finally:
+            self._launch_lock.release()
         if failure is not None:
             # This rank took the collective's sequence number, its peers never see its
             # messages: they would wait out the group timeout, and every later collective
@@ -949,6 +953,25 @@ class GroupContext:
         may_drive = caller_waits and (not op.on_cuda or _current_device() == op.plan.cuda_index)
         if not (may_drive and self.engine.claim(op)):
             self.engine.submit(op)
+
+    def _take_launch_lock(self) -> None:
+        """Takes the launch lock, counted among the threads that wait for it while it does
+        (``launch_waiting``)."""
+        if self._launch_lock.acquire(blocking=False):
+            return
+        with self._inflight_lock:
+            self._launches_waiting += 1
+        try:
+            self._launch_lock.acquire()
+        finally:
+            with self._inflight_lock:
+                self._launches_waiting -= 1
+
+    @property
+    def launch_waiting(self) -> bool:
+        """Whether another thread waits to start a collective of this group (an express
+        collective, which holds the lock while it polls, then leaves its polls to the engine)."""
+        return self._launches_waiting > 0
 
     def _refuse_if_closed(self, op: Collective) -> None:
         """Raises if the group is shut down: a collective started then (a callback the
