@@ -87,8 +87,8 @@ def test_own_pieces_and_reads_on_helper_threads_match_gloo(fs_group, threads, sh
             assert result["helper_copy_jobs"] == 0 and result["split_reads"] == 0
         else:
             assert "reads peers' memory on 3 helper and 3 reader threads" in result["waits"]
-            assert result["helper_copy_jobs"] > 0  # own pieces of 8.8 MB: 2 jobs each time
-            # Reads of 8.8 MB: two parts each.
+            assert result["helper_copy_jobs"] > 0  # own pieces of 8.8 MB: 3 jobs each time
+            # Reads of 8.8 MB: three parts each.
             assert (result["split_reads"] > 0) == result["readable"]
             # The own piece goes to the helpers before this thread reads a peer's message.
             orders = result["data_phase_orders"]

@@ -90,13 +90,13 @@ def test_auto_copy_helpers_only_where_each_rank_has_two_cores_or_more():
         FreescaleOptions(host_copy_threads=65)
 
 
-def test_own_pieces_are_split_into_jobs_of_4_mib_or_more_covering_every_byte():
+def test_own_pieces_are_split_into_jobs_of_2_mib_or_more_covering_every_byte():
     mib = 1 << 20
     src = [np.arange(n, dtype=np.uint64).view(np.uint8) for n in (5 * mib // 8, 7 * mib // 8)]
     dst = [np.zeros_like(s) for s in src]
     jobs = split(list(zip(dst, src, strict=True)), threads=8)
-    assert len(jobs) == 3  # 5 + 7 MiB: three jobs of 4 MiB, one crossing the two copies
-    assert all(sum(len(d) for d, _ in job) == 4 * mib for job in jobs)
+    assert len(jobs) == 6  # 5 + 7 MiB: six jobs of 2 MiB, one crossing the two copies
+    assert all(sum(len(d) for d, _ in job) == 2 * mib for job in jobs)
     for job in jobs:
         for d, s in job:
             d[:] = s
@@ -175,7 +175,7 @@ def test_reads_start_at_once_in_parts_the_last_one_here_and_helpers_wake_as_they
         return end - start
 
     sizes = [(17 << 20) + 5, 1 << 20]  # a message cut into 4 parts, then a small one
-    reads = start_reads([(part, n, 8) for n in sizes], wake=lambda: woken.append(1))
+    reads = start_reads([(part, n, 4) for n in sizes], wake=lambda: woken.append(1))
     assert [len(futures) for futures in reads] == [4, 1]
     assert reads[1][0].done() and not any(f.done() for f in reads[0])  # the last part: here
     release.set()
@@ -190,12 +190,12 @@ def test_reads_start_at_once_in_parts_the_last_one_here_and_helpers_wake_as_they
     assert len(woken) == 4
 
 
-def test_local_copies_run_on_helpers_from_4_mib_and_wake_the_progressing_thread():
+def test_local_copies_run_on_helpers_from_2_mib_and_wake_the_progressing_thread():
     woken = []
     src = np.arange(12 << 20, dtype=np.uint8)
     dst = np.zeros_like(src)
     copies = LocalCopies(threads=3, wake=lambda: woken.append(1))
-    small = (4 << 20) - 1
+    small = (2 << 20) - 1
     assert copies.start([(dst[:small], src[:small])]) is None  # small: copied here, at once
     assert np.array_equal(dst[:small], src[:small]) and not woken
     pending = copies.start([(dst, src)])
@@ -205,6 +205,10 @@ def test_local_copies_run_on_helpers_from_4_mib_and_wake_the_progressing_thread(
     while len(woken) < 3 and time.monotonic() < deadline:  # one wake-up per job, from its thread
         time.sleep(0.001)
     assert len(woken) == 3
+    whole = 2 << 20  # the least that goes to a helper (one job)
+    pending = copies.start([(dst[:whole], src[:whole])])
+    assert pending is not None
+    pending.wait()
     assert LocalCopies(threads=1, wake=lambda: None).start([(dst, src)]) is None
 
 

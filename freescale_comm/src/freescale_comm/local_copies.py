@@ -28,12 +28,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-# Copies of fewer bytes in all stay on the progressing thread: on the GPU machine a 2-rank
-# AllToAll of 4 MiB (an own piece of 2 MiB on helpers) took 9% longer, one of 16 MiB 11% less.
-MIN_BYTES = 4 << 20
-# No helper copies or reads less than this: on the GPU machine a read of 32 MiB split 8 ways took
-# a third of one thread's time, one of 8 MiB split 8 ways longer than one thread's.
-PART_BYTES = 4 << 20
+# Copies of fewer bytes in all stay on the progressing thread, and no helper copies or reads
+# less than a part: on the GPU machine's host, 2 MiB against 4 MiB took 2-rank AllToAlls of 4-8
+# MiB to 0.26-0.46x Gloo's time from 0.46-0.58x and AllGathers of 2-8 MiB to 0.23-0.45x from
+# 0.32-0.65x (three runs); 1 MiB was slower than either, as was a read of 8 MiB in 8 parts
+# (``benchmarks/results/comm_cpu/many_core_host/copy_thresholds/``).
+MIN_BYTES = 2 << 20
+PART_BYTES = 2 << 20
 # The most helpers ``auto`` gives one rank (8 reached 25–31 GB/s on the GPU machine).
 AUTO_MAX_THREADS = 8
 

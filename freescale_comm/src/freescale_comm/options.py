@@ -141,7 +141,7 @@ class FreescaleOptions:
             beside its collectives, such as a training step's background threads.
             ``FREESCALE_IDLE_WAIT``.
         host_copy_threads: helper threads that copy a CPU collective's own pieces (its local
-            copies) of 4 MiB and more in all, split between them, while the thread that
+            copies) of 2 MiB and more in all, split between them, while the thread that
             progresses it moves its messages (``local_copies``), and as many reader threads,
             which read the messages of several peers from their memory at once (``shm``). 1:
             that thread copies them itself once the messages are posted, and reads one message
