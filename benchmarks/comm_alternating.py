@@ -106,7 +106,10 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
     paths = {}
     for name, group in groups.items():
         if group is not None:
-            row = next(r for r in group.paths() if r["peer"] == (rank + 1) % n)
+            row = next(
+                (r for r in group.paths() if r["peer"] == (rank + 1) % n),
+                {"path": "none", "why": "one rank: its own pieces only"},
+            )
             paths[name] = {"path": row["path"], "why": row["why"]}
             if rank == 0:
                 print(f"{name}: {row['path']} ({row['why']})", flush=True)

@@ -1004,7 +1004,7 @@ def own_pieces_on_helper_threads(
         work.wait()
     for k, (got, want) in enumerate(checks):
         _same(got, want, f"in flight #{k}")
-    with _data_phase_order() as orders:
+    with _data_phase_order() as orders, _yields_beside_helpers() as yields:
         for k in range(3):
             x = torch.full((n * rows,), float(100 * rank + k), dtype=torch.float64)
             out = torch.empty_like(x)
@@ -1023,7 +1023,26 @@ def own_pieces_on_helper_threads(
         "why": paths[0]["why"],
         "helper_copy_jobs": paths[0]["helper_copy_jobs"],
         "data_phase_orders": orders,
+        "yields_beside_helpers": yields,
     }
+
+
+@contextlib.contextmanager
+def _yields_beside_helpers() -> Iterator[list[int]]:
+    """Counts (in its one element) the times a progressing thread yielded its core to poll while
+    this process's helper or reader threads had work (they need the GIL, which a polling
+    thread takes back first: it should sleep instead)."""
+    from freescale_comm import engine, local_copies
+
+    counted = [0]
+    real_yield = os.sched_yield
+
+    def counting_yield() -> None:
+        counted[0] += local_copies.helpers_busy()
+        real_yield()
+
+    with mock.patch.object(engine.os, "sched_yield", counting_yield):
+        yield counted
 
 
 @contextlib.contextmanager

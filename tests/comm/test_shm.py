@@ -93,6 +93,8 @@ def test_own_pieces_and_reads_on_helper_threads_match_gloo(fs_group, threads, sh
             # The own piece goes to the helpers before this thread reads a peer's message.
             orders = result["data_phase_orders"]
             assert orders and all(order[:1] == ["helpers"] for order in orders), orders
+            # Meanwhile the progressing thread slept, not polled, while the helpers worked.
+            assert result["yields_beside_helpers"] == [0], result
 
 
 @pytest.mark.skipif(not reads_allowed(), reason="the kernel refuses reads of a peer's memory")

@@ -139,6 +139,33 @@ def test_jobs_the_pool_refuses_run_on_the_calling_thread(monkeypatch):
     assert [part[:2] for part in parts] == [(k << 22, (k + 1) << 22) for k in range(4)]
     assert [part[2] == here for part in parts] == [False, True, True, True]
     real.shutdown()
+    _until(lambda: not local_copies.helpers_busy())  # the refused jobs were never counted
+
+
+def _until(condition, seconds: float = 5.0) -> None:
+    """Waits (bounded) for ``condition``, which a pool thread makes true just after a future
+    it completed is seen done (its callbacks run after the waiters wake)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_helpers_are_busy_while_a_job_is_queued_or_running():
+    from freescale_comm.local_copies import helpers_busy
+
+    release = threading.Event()
+    here = threading.current_thread().name
+
+    def part(start: int, end: int) -> None:
+        if threading.current_thread().name != here:
+            release.wait(10)
+
+    [futures] = start_reads([(part, 8 << 20, 2)], wake=lambda: None)
+    assert helpers_busy() and not futures[0].done()  # the first part waits on a reader thread
+    release.set()
+    futures[0].result(timeout=10)
+    _until(lambda: not helpers_busy())
 
 
 def test_a_part_the_pool_queued_but_refused_runs_once(monkeypatch):

@@ -9,7 +9,9 @@ nothing moved it sleeps in an epoll over the worker's events (GIL released) unti
 event, something calls ``Transport.wake`` (a new collective, a finished CUDA copy) or
 ``_EPOLL_MS`` passes — so an arriving message wakes it at once and an idle wait costs no CPU.
 Before it sleeps it polls for a while, yielding its core between polls (``idle_poll_s``: a
-peer's message that comes within that window is seen without a wake-up). While no collective is
+peer's message that comes within that window is seen without a wake-up), unless the process's
+helper or reader threads have work (``local_copies.helpers_busy``): they need the GIL, which a
+polling thread takes back before they get it, so it sleeps at once. While no collective is
 in flight it sleeps on a condition. In flight or not, it runs each group's periodic watches when
 due (the deadlines of collectives left to their CUDA end event, ``group``). A collective's
 health check only reads what the group's liveness thread last found (``liveness``): no store
@@ -33,6 +35,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
+
+from freescale_comm.local_copies import helpers_busy
 
 if TYPE_CHECKING:
     from freescale_comm.transport import Transport
@@ -276,8 +280,9 @@ class Engine:
     def _idle(self, ops: list[Op], idle_s: float) -> None:
         """Waits after a step that moved nothing, for ``idle_s`` so far: yields the core while
         that is shorter than an op's group polls for (``idle_poll_s``), else sleeps in the
-        epoll."""
-        if any(idle_s < op.idle_poll_s for op in ops):
+        epoll; sleeps at once while helper threads have work (``local_copies.helpers_busy``:
+        they wake it as each job ends)."""
+        if not helpers_busy() and any(idle_s < op.idle_poll_s for op in ops):
             os.sched_yield()
         else:
             self._transport.wait_event(_EPOLL_MS)
