@@ -51,9 +51,9 @@ def helpers_busy() -> bool:
     """Whether a job of this process is queued or running on a helper or reader thread. A
     thread waiting for one should sleep rather than poll: a helper needs the GIL to take its
     job and to report it done, and a thread that polls with ``os.sched_yield`` takes the GIL
-    back before a waking helper gets it (in a probe on the CI machine a 1 MiB read on a helper
-    was seen done after a median of 180 ms while the caller polled so, 0.13 ms while it slept in
-    ``select``)."""
+    back before a waking helper gets it (on the CI machine a 1 MiB read on a helper was seen
+    done after a median of 480 ms while the caller polled so, 135 µs while it slept in
+    ``select``: ``benchmarks/results/comm_cpu/helpers_sleep/``)."""
     return _busy > 0
 
 
