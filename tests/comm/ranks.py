@@ -591,9 +591,10 @@ def a_thread_preempted_before_its_start(elements: int) -> dict[str, list[float]]
 def a_launch_beside_an_express_poll(late_s: float) -> dict[str, Any]:
     """Rank 0 calls a small AllToAll on one thread, which the express path runs in its call,
     polling for its peers' headers while it holds the group's launch lock (for up to 30 s
-    here: ``idle_wait=yield`` with ``engine.YIELD_S`` raised), and 0.2 s later starts a second
-    one from another thread; the other ranks call both ``late_s`` late. Returns how long rank
-    0's second call took to return its handle (``started_after_s``) and both results."""
+    here: ``idle_wait=yield`` with ``engine.YIELD_S`` raised), and once that one has written
+    its headers starts a second one from another thread; the other ranks call both ``late_s``
+    late. Returns how long rank 0's second call took to return its handle (``started_after_s``)
+    and both results."""
     from freescale_comm import engine
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -603,9 +604,14 @@ def a_launch_beside_an_express_poll(late_s: float) -> dict[str, Any]:
     first, second = torch.empty(n), torch.empty(n)
     started_after_s = 0.0
     if rank == 0:
+        boxes = group._ctx.outboxes
+        posted = boxes.posted
         caller = threading.Thread(target=dist.all_to_all_single, args=(first, x, None, None, group))
         caller.start()
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while boxes.posted == posted and time.monotonic() < deadline:  # now in its poll
+            time.sleep(0.001)
+        time.sleep(0.05)
         began = time.monotonic()
         work = dist.all_to_all_single(second, x + 10, group=group, async_op=True)
         started_after_s = time.monotonic() - began

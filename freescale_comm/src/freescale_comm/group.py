@@ -908,33 +908,38 @@ class GroupContext:
             self.refuse_wait_on_engine_thread(
                 lambda: f"freescale {op.name} (group {self.group_id})"
             )
-        self._take_launch_lock()
+        self._count_launch_waiting(1)
+        counted = True
         try:
-            self._refuse_if_closed(op)  # ``close`` sets it under this lock
-            departed = self.departure_error(self._last_seq + 1)
-            if departed is not None:  # no number taken, no abort: every peer knows as well
-                where = f"group {self.group_id}, rank {self.rank} of {self.size}"
-                raise FreescalePeerError(f"freescale {op.name} ({where}): {departed}")
-            alone = True
-            for earlier in self.inflight():
-                earlier.poll_final()  # the CUDA ones whose end event completed since
-                alone = alone and earlier.finished
-            op.seq = self._last_seq = self.next_seq()
-            try:
-                # Alone in flight, a collective its caller waits for may run to its end here
-                # (``Collective.start``): no earlier one can still need its place in the
-                # outboxes or rings, and none can start meanwhile (this lock).
-                op.start(express=caller_waits and alone)
-            except BaseException as err:  # an interrupt too: the number is taken all the same
-                failure: BaseException | None = err
-            else:
-                failure = None
-                with self._inflight_lock:
-                    self._inflight = [c for c in self._inflight if not c.finished]
-                    if not op.finished:
-                        self._inflight.append(op)
+            with self._launch_lock:  # a ``with``: no interrupt can leave it taken
+                self._count_launch_waiting(-1)
+                counted = False
+                self._refuse_if_closed(op)  # ``close`` sets it under this lock
+                departed = self.departure_error(self._last_seq + 1)
+                if departed is not None:  # no number taken, no abort: every peer knows as well
+                    where = f"group {self.group_id}, rank {self.rank} of {self.size}"
+                    raise FreescalePeerError(f"freescale {op.name} ({where}): {departed}")
+                alone = True
+                for earlier in self.inflight():
+                    earlier.poll_final()  # the CUDA ones whose end event completed since
+                    alone = alone and earlier.finished
+                op.seq = self._last_seq = self.next_seq()
+                try:
+                    # Alone in flight, a collective its caller waits for may run to its end here
+                    # (``Collective.start``): no earlier one can still need its place in the
+                    # outboxes or rings, and none can start meanwhile (this lock).
+                    op.start(express=caller_waits and alone)
+                except BaseException as err:  # an interrupt too: the number is taken all the same
+                    failure: BaseException | None = err
+                else:
+                    failure = None
+                    with self._inflight_lock:
+                        self._inflight = [c for c in self._inflight if not c.finished]
+                        if not op.finished:
+                            self._inflight.append(op)
         finally:
-            self._launch_lock.release()
+            if counted:  # the wait for the lock was interrupted
+                self._count_launch_waiting(-1)
         if failure is not None:
             # This rank took the collective's sequence number, its peers never see its
             # messages: they would wait out the group timeout, and every later collective
@@ -954,18 +959,10 @@ class GroupContext:
         if not (may_drive and self.engine.claim(op)):
             self.engine.submit(op)
 
-    def _take_launch_lock(self) -> None:
-        """Takes the launch lock, counted among the threads that wait for it while it does
-        (``launch_waiting``)."""
-        if self._launch_lock.acquire(blocking=False):
-            return
+    def _count_launch_waiting(self, change: int) -> None:
+        """Counts a thread in ``launch`` that waits for its lock (``launch_waiting``)."""
         with self._inflight_lock:
-            self._launches_waiting += 1
-        try:
-            self._launch_lock.acquire()
-        finally:
-            with self._inflight_lock:
-                self._launches_waiting -= 1
+            self._launches_waiting += change
 
     @property
     def launch_waiting(self) -> bool:

@@ -228,13 +228,17 @@ def _submit(
     for job in once:
         with _busy_lock:
             _busy += 1
+        counted = False  # whether the job's end will take it off the count
         try:
             future = pool.submit(job)
+            future.add_done_callback(_job_ended)
+            counted = True
         except RuntimeError:
-            with _busy_lock:
-                _busy -= 1
             break
-        future.add_done_callback(_job_ended)
+        finally:
+            if not counted:  # refused, or interrupted before its callback was attached
+                with _busy_lock:
+                    _busy -= 1
         futures.append(future)
     return futures, once[len(futures) :]
 
