@@ -908,12 +908,16 @@ class GroupContext:
             self.refuse_wait_on_engine_thread(
                 lambda: f"freescale {op.name} (group {self.group_id})"
             )
-        self._count_launch_waiting(1)
-        counted = True
+        # Counted only where the lock is taken now (an uncontended launch pays nothing; one that
+        # loses a race for a free lock waits uncounted, as before the count).
+        counted = self._launch_lock.locked()
+        if counted:
+            self._count_launch_waiting(1)
         try:
             with self._launch_lock:  # a ``with``: no interrupt can leave it taken
-                self._count_launch_waiting(-1)
-                counted = False
+                if counted:
+                    self._count_launch_waiting(-1)
+                    counted = False
                 self._refuse_if_closed(op)  # ``close`` sets it under this lock
                 departed = self.departure_error(self._last_seq + 1)
                 if departed is not None:  # no number taken, no abort: every peer knows as well
