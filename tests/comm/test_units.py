@@ -211,9 +211,7 @@ def test_reads_start_at_once_in_parts_the_last_one_here_and_helpers_wake_as_they
     assert first[0][0] == 0 and first[-1][1] == sizes[0]
     assert all(a[1] == b[0] for a, b in itertools.pairwise(first))
     assert sum(name.startswith("freescale-read") for *_, name in seen) == 4
-    deadline = time.monotonic() + 5
-    while len(woken) < 4 and time.monotonic() < deadline:  # one per helper's part
-        time.sleep(0.001)
+    _until(lambda: len(woken) >= 4)  # one per helper's part
     assert len(woken) == 4
 
 
@@ -228,14 +226,12 @@ def test_local_copies_run_on_helpers_from_2_mib_and_wake_the_progressing_thread(
     pending = copies.start([(dst, src)])
     pending.wait()
     assert pending.done() and pending.error() is None and np.array_equal(dst, src)
-    deadline = time.monotonic() + 5
-    while len(woken) < 3 and time.monotonic() < deadline:  # one wake-up per job, from its thread
-        time.sleep(0.001)
+    _until(lambda: len(woken) >= 3)  # one wake-up per job, from its thread
     assert len(woken) == 3
     whole = 2 << 20  # the least that goes to a helper (one job)
-    pending = copies.start([(dst[:whole], src[:whole])])
-    assert pending is not None
-    pending.wait()
+    jobs = copies.jobs
+    copies.start([(dst[:whole], src[:whole])]).wait()
+    assert copies.jobs == jobs + 1
     assert LocalCopies(threads=1, wake=lambda: None).start([(dst, src)]) is None
 
 
