@@ -58,7 +58,7 @@ from freescale_comm.errors import (
     FreescaleValidationError,
 )
 from freescale_comm.futures import CollectiveFuture
-from freescale_comm.local_copies import host_copy
+from freescale_comm.local_copies import host_copies
 from freescale_comm.transport import make_tag
 from freescale_comm.validation import (
     NEEDS_TABLE,
@@ -438,8 +438,7 @@ class Collective:
             for index, lo, hi in spans:
                 transfers[index].buffer[:] = message[lo:hi]
         boxes.release(seq)
-        for dst, src in plan.local_copies:
-            host_copy(dst, src)
+        host_copies(plan.local_copies)
         g.express_runs += 1  # under the group's launch lock
         # Finished as ``_finish`` would, but never listed in flight: nothing to retire.
         self._phase = "data"
@@ -1033,8 +1032,8 @@ class Collective:
             self._local_pending = g.local_copies.start(own)
         if posted or self.on_cuda:  # a receive posted after its rendezvous arrived needs one
             g.transport.progress()
-        if own and not on_helpers:
-            g.local_copies.start(own)
+        if not on_helpers:
+            host_copies(own)
 
     def _start_cuda_data(self, unfolded: list[Transfer]) -> list[Transfer]:
         """Queues the local copies and the H2D copies of folded data; returns the messages to

@@ -83,6 +83,12 @@ def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst, src)
 
 
+def host_copies(copies: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    """``host_copy`` of each (dst, src) in ``copies``, in order, on the calling thread."""
+    for dst, src in copies:
+        host_copy(dst, src)
+
+
 def parts(nbytes: int, threads: int) -> list[tuple[int, int]]:
     """[0, ``nbytes``) cut into at most ``threads`` ranges of nearly equal bytes, none of less
     than ``PART_BYTES`` unless the whole is less."""
@@ -153,11 +159,11 @@ class LocalCopies:
         """Starts ``copies`` (dst, src host bytes); None when they are done already (copied
         here: small, or no helpers)."""
         if not self.on_helpers(copies):
-            for dst, src in copies:
-                host_copy(dst, src)
+            host_copies(copies)
             return None
         jobs = split(copies, self.threads)
-        futures, refused = _submit([lambda job=job: _copy_job(job) for job in jobs], _shared_pool())
+        copy_jobs = [lambda job=job: host_copies(job) for job in jobs]
+        futures, refused = _submit(copy_jobs, _shared_pool())
         for job in refused:  # interpreter shutting down: copied here
             job()
         self.jobs += len(futures)
@@ -241,11 +247,6 @@ def _submit(
                     _busy -= 1
         futures.append(future)
     return futures, once[len(futures) :]
-
-
-def _copy_job(job: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    for dst, src in job:
-        host_copy(dst, src)
 
 
 def _shared_pool() -> ThreadPoolExecutor:
