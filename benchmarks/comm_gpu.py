@@ -77,16 +77,6 @@ PARTS = ("correctness", "kernels", "busbw", "latency", "staged_rates", "overlap"
 BUSBW_SIZES = [64 * MIB, 128 * MIB, 256 * MIB, 512 * MIB, 1024 * MIB]
 BUSBW_REPEATS = 7
 LATENCY_SIZES = [8, 64 << 10, 1 << 20]
-LATENCY_PATHS = (
-    "ipc",
-    "staged",
-    "direct",
-    "staged_ucx",
-    "gloo_host",
-    "freescale_host",
-    "gated_host",
-    "gated_host_engine",
-)
 # Staging rings with more or larger slots than the default 8 x 4 MiB per direction and pair.
 POOL_VARIANTS = {
     "staged_16x4MiB": {"staging_pool_bytes": 128 * MIB},
@@ -361,11 +351,8 @@ def _latency(groups: dict[str, Any]) -> list[dict[str, Any]]:
     (per call). Medians; the slower rank. Beside the paths, ``gloo_host``: the caller copies
     its input D2H into page-locked memory, waits for it, runs Gloo's AllToAll on host memory
     and copies the result H2D (a host path through a mature CPU library, and on one GPU the
-    least that two contexts' copies around a CPU exchange take), ``freescale_host``, the
-    same over freescale's own CPU path (the ``ipc`` group with host tensors), and
-    ``gated_host`` / ``gated_host_engine``, that route with the caller's CPU not waiting for
-    its stream (``_gated_through_host``). ``COMM_GPU_LATENCY_PATHS`` (comma-separated) picks
-    a subset."""
+    least that two contexts' copies around a CPU exchange take), and ``freescale_host``, the
+    same over freescale's own CPU path (the ``ipc`` group with host tensors)."""
     import torch
     import torch.distributed as dist
 
@@ -375,13 +362,11 @@ def _latency(groups: dict[str, Any]) -> list[dict[str, Any]]:
     for nbytes in LATENCY_SIZES:
         x = torch.ones(max(2, nbytes // 4), device=dev)
         y = torch.empty_like(x)
-        for path in os.environ.get("COMM_GPU_LATENCY_PATHS", ",".join(LATENCY_PATHS)).split(","):
+        for path in ("ipc", "staged", "direct", "staged_ucx", "gloo_host", "freescale_host"):
             if path == "gloo_host":
                 call = _through_host(y, x, gloo)
             elif path == "freescale_host":
                 call = _through_host(y, x, groups["ipc"])
-            elif path.startswith("gated_host"):
-                call = _gated_through_host(y, x, groups["ipc"], path.endswith("engine"))
             else:
                 call = functools.partial(dist.all_to_all_single, y, x, group=groups[path])
             for _ in range(10):
@@ -433,78 +418,6 @@ def _through_host(y: Any, x: Any, gloo: Any) -> Any:
         copied.synchronize()
         dist.all_to_all_single(host_y, host_x, group=gloo)
         y.copy_(host_y, non_blocking=True)
-
-    return call
-
-
-class _HostGate:
-    """A stream gate that costs the GPU nothing: a host function (``cuLaunchHostFunc``) that is
-    libc's ``sem_wait`` on a semaphore of its own, so the stream's later work waits until the
-    CPU posts it, with no Python (and no GIL) in the driver's callback thread."""
-
-    def __init__(self) -> None:
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-        self._sem_init, self._sem_post = libc.sem_init, libc.sem_post
-        self._sem_wait = ctypes.cast(libc.sem_wait, ctypes.c_void_p).value
-        cuda = ctypes.CDLL("libcuda.so.1")
-        self._launch = cuda.cuLaunchHostFunc
-        self._launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        self._memory = ctypes.create_string_buffer(64)  # a sem_t (32 bytes on x86-64 Linux)
-        self._sem = ctypes.addressof(self._memory)
-        assert self._sem_init(ctypes.c_void_p(self._sem), 0, 0) == 0
-
-    def close_on(self, stream: int) -> None:
-        """The stream's work queued from now on waits for ``open``."""
-        code = self._launch(stream, self._sem_wait, self._sem)
-        assert code == 0, f"cuLaunchHostFunc: CUresult {code}"
-
-    def open(self) -> None:
-        import ctypes
-
-        self._sem_post(ctypes.c_void_p(self._sem))
-
-
-def _gated_through_host(y: Any, x: Any, group: Any, engine: bool = False) -> Any:
-    """``all_to_all_single(y, x)`` of CUDA tensors through the host without the caller's CPU
-    waiting for its stream: D2H into page-locked memory and a gate (``_HostGate``) on the
-    current stream, then the H2D behind the gate; a thread of the caller's waits for the D2H,
-    runs the AllToAll over ``group`` on host memory and opens the gate. One stream, calls in
-    order, so one pair of host buffers serves them all. ``engine``: the AllToAll is
-    asynchronous, so freescale's engine thread runs it (``gated_host_engine``), not the thread
-    that waits (the express path)."""
-    import queue
-    import threading
-
-    import torch
-    import torch.distributed as dist
-
-    host_x = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    host_y = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)
-    jobs: queue.SimpleQueue[tuple[Any, _HostGate]] = queue.SimpleQueue()
-
-    def exchange() -> None:
-        while True:
-            copied, gate = jobs.get()
-            copied.synchronize()
-            work = dist.all_to_all_single(host_y, host_x, group=group, async_op=engine)
-            if engine:
-                work.wait()
-            gate.open()
-
-    threading.Thread(target=exchange, daemon=True, name="gated-host-route").start()
-    # One semaphore serves every call: its waits and posts come in the calls' order.
-    gate = _HostGate()
-
-    def call() -> None:
-        stream = torch.cuda.current_stream()
-        host_x.copy_(x, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(stream)
-        gate.close_on(stream.cuda_stream)
-        y.copy_(host_y, non_blocking=True)
-        jobs.put((copied, gate))
 
     return call
 
