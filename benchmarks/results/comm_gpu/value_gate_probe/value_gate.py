@@ -1,7 +1,7 @@
 """A small CUDA AllToAll through the host, the stream gated by a stream memory operation.
 
 ``torchrun --nproc-per-node 2 value_gate.py SWEEP`` on one GPU that both ranks share
-(``SWEEP``: 1-4, the sweep of each run in this folder). Per size and route: whether 30
+(``SWEEP``: 1-5, the sweep of each run in this folder). Per size and route: whether 30
 calls on changing inputs summed to the right result, the kernels of 3 calls (``pad_*``
 routes), and the slower rank's medians of one call's host time, one call until
 ``torch.cuda.synchronize`` returns (``done``) and back-to-back calls (100, three times).
@@ -25,7 +25,9 @@ Routes:
 - ``pad_headers``: ``pad_scratch`` after an 8-byte AllToAll on the caller's thread (over a
   group of its own), standing in for the header round trip that a verdict before the call
   returns costs. ``pad_hdrbare``: that round trip, then ``value_flag`` (a verdict before
-  the call returns needs no landing buffer: a bad one would queue no copy).
+  the call returns needs no landing buffer: a bad one would queue no copy). ``pad_hdrlate``:
+  the D2H and its flag queued first, then the round trip, then the gate and the H2D (the
+  round trip overlaps the D2H).
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ SWEEPS: dict[str, list[tuple[int, tuple[str, ...]]]] = {
         for size in (8, 4 << 10, 64 << 10, 8)
     ],
     "4": [(size, ("ipc", "value_flag", "pad_hdrbare")) for size in (8, 4 << 10, 64 << 10, 8)],
+    "5": [
+        (size, ("ipc", "value_flag", "pad_hdrbare", "pad_hdrlate"))
+        for size in (8, 4 << 10, 64 << 10, 8)
+    ],
 }
 PADDED_ELEMENTS = 16384  # 64 KiB of float32: the allocation every tensor here is a view of
 TIMEOUT = timedelta(seconds=60)
@@ -106,6 +112,7 @@ class ValueGated:
         self.poll_flag = route != "value_event"
         self.scratch = route in ("pad_scratch", "pad_headers")
         self.headers_first = route in ("pad_headers", "pad_hdrbare")
+        self.headers_late = route == "pad_hdrlate"
         padded_in = route in ("pad_d2h", "pad_both")
         self.x, self.y = x, y
         self.src_x = x._base if padded_in else x
@@ -159,6 +166,8 @@ class ValueGated:
         else:
             copied = torch.cuda.Event()
             copied.record()
+        if self.headers_late:
+            dist.all_to_all_single(self.tiny_out, self.tiny_in, group=self.header_group)
         assert cu.wait_value64(stream, go, number, 0) == 0
         if self.scratch:
             scratch, landing = self.device_scratch, self.landing
