@@ -43,7 +43,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -70,7 +70,7 @@ from freescale_comm.validation import (
 )
 
 if TYPE_CHECKING:
-    from freescale_comm.cuda import CopyStreams, CudaSupport
+    from freescale_comm.cuda import CopyStreams, CudaSupport, StreamWatcher
     from freescale_comm.group import GroupContext
     from freescale_comm.ipc import Export, GatedPulls, IpcPath, Piece
     from freescale_comm.local_copies import PendingCopies
@@ -238,6 +238,9 @@ class Collective:
         # which hands ``final`` to a watcher thread. Guarded by ``_future_lock``.
         self._final_watcher: Any = None  # the watcher ``final`` goes to once asked for
         self._prompt = False  # somebody waits: ``final`` goes to the watcher once sealed
+        # Called once the collective has ended, succeeded or failed (``host_route`` opens the
+        # gate its caller's stream waits at): cheap, never raises.
+        self.on_end: Callable[[], None] | None = None
 
     @property
     def future(self) -> CollectiveFuture:
@@ -311,6 +314,13 @@ class Collective:
     def label(self) -> str:
         g = self.group
         return f"freescale {self.name} #{self.seq} (group {g.group_id}, rank {g.rank} of {g.size})"
+
+    def wait_for_input(self, ready: torch.cuda.Event, watcher: StreamWatcher) -> None:
+        """A CPU collective whose input a D2H copy is still writing (``host_route``): its data
+        leaves once ``ready`` has completed, and ``watcher`` wakes the engine then. Called
+        before ``launch``; for an unvalidated group, whose data leaves in phase ``ready``."""
+        self._ready = ready
+        watcher.watch(ready)
 
     # ----------------------------------------------------------------- start (caller thread)
     def start(self, express: bool = False) -> None:
@@ -1262,6 +1272,8 @@ class Collective:
 
     def _resolve(self) -> None:
         """Completes a finished collective: buffers released, future and event set."""
+        if self.on_end is not None:
+            self.on_end()
         self._pinned = []
         self._ring_events = []
         plan = self.plan
@@ -1329,6 +1341,8 @@ class Collective:
             self._local_pending = None
         self.error = _ERRORS[kind](f"{self.label}: {reason}")  # first: seen with ``finished``
         self.finished = True
+        if self.on_end is not None:
+            self.on_end()
         self._headers = []
         self._release_outboxes()
         # The buffers (and the staging slots still held) of the cancelled requests stay
