@@ -70,7 +70,7 @@ from freescale_comm.validation import (
 )
 
 if TYPE_CHECKING:
-    from freescale_comm.cuda import CopyStreams, CudaSupport, StreamWatcher
+    from freescale_comm.cuda import CopyStreams, CudaSupport
     from freescale_comm.group import GroupContext
     from freescale_comm.ipc import Export, GatedPulls, IpcPath, Piece
     from freescale_comm.local_copies import PendingCopies
@@ -314,13 +314,6 @@ class Collective:
     def label(self) -> str:
         g = self.group
         return f"freescale {self.name} #{self.seq} (group {g.group_id}, rank {g.rank} of {g.size})"
-
-    def wait_for_input(self, ready: torch.cuda.Event, watcher: StreamWatcher) -> None:
-        """A CPU collective whose input a D2H copy is still writing (``host_route``): its data
-        leaves once ``ready`` has completed, and ``watcher`` wakes the engine then. Called
-        before ``launch``; for an unvalidated group, whose data leaves in phase ``ready``."""
-        self._ready = ready
-        watcher.watch(ready)
 
     # ----------------------------------------------------------------- start (caller thread)
     def start(self, express: bool = False) -> None:

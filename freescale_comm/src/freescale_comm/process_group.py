@@ -213,6 +213,8 @@ class ProcessGroupFreescale(dist.ProcessGroup):
 
     def _own(self, plan: Plan, opts: Any) -> FreescaleWork:
         """Starts ``plan`` (CUDA tensors on the configured path)."""
+        if self._host_route is not None:
+            self._host_route.drain()  # the routed calls before this one start first
         device = plan.signature.device
         ctx = self._ctx
         path = self._cuda_path if device == "cuda" else device
