@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 AllGatherAlgorithm = Literal["auto", "direct", "ring"]
-CudaPath = Literal["auto", "direct", "staged", "ipc", "host"]
+CudaPath = Literal["auto", "direct", "staged", "ipc"]
 HostPath = Literal["auto", "ucx", "shm"]
 IdleWait = Literal["auto", "sleep", "yield"]
 
@@ -79,12 +79,8 @@ class FreescaleOptions:
             ``direct`` if UCX has CUDA, else ``staged``). A call IPC cannot carry (a ring, or
             descriptors past a header's room) takes that other path with every peer. Under
             ``ipc`` and ``auto`` CUDA AllGathers take the direct algorithm, in a group spanning
-            hosts unless ``allgather="ring"``. ``host`` (needs ``validate=False``):
-            ``all_to_all_single`` and ``all_gather_into_tensor`` of contiguous tensors move
-            through page-locked host memory and the CPU path, the caller's stream gated on the
-            GPU until they arrive (``host_route``; fastest for small collectives on a GPU that
-            ranks share without MPS), the other CUDA collectives ``staged``. The same on every
-            rank (validation checks it). ``FREESCALE_CUDA_PATH``.
+            hosts unless ``allgather="ring"``. The same on every rank (validation checks it).
+            ``FREESCALE_CUDA_PATH``.
         staging_pool_bytes: page-locked host memory of a group's staged path (half for send
             chunks, half for receive chunks, at least four chunks; allocated on the first staged
             collective, freed when the group is destroyed). ``FREESCALE_STAGING_POOL_BYTES``.
@@ -183,7 +179,7 @@ class FreescaleOptions:
     def __post_init__(self) -> None:
         choices = {
             "allgather": ("auto", "direct", "ring"),
-            "cuda_path": ("auto", "direct", "staged", "ipc", "host"),
+            "cuda_path": ("auto", "direct", "staged", "ipc"),
             "host_path": ("auto", "ucx", "shm"),
             "idle_wait": ("auto", "sleep", "yield"),
         }
@@ -223,11 +219,6 @@ class FreescaleOptions:
             raise ValueError("host_copy_threads must be 0 (auto) to 64")
         if not (self.heartbeat_s > 0 and self.dead_after_s > 2 * self.heartbeat_s):
             raise ValueError("heartbeat_s must be > 0 and dead_after_s > 2 * heartbeat_s")
-        if self.cuda_path == "host" and self.validate:
-            raise ValueError(
-                "cuda_path='host' needs validate=False: its outputs are written behind a gate "
-                "on the caller's stream whatever the peers sent, with no verdict before"
-            )
 
     def shared(self) -> str:
         """The fields every rank of a group must set alike (``SHARED_FIELDS``), as text: a group
