@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,6 +49,9 @@ import torch.distributed as dist
 
 from freescale_comm import FreescaleOptions
 from freescale_comm.cuda import driver
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # benchmarks/
+from comm_gpu import _through_host
 
 SWEEPS: dict[str, list[tuple[int, tuple[str, ...]]]] = {
     "1": [
@@ -83,22 +87,6 @@ def worst(value: float, gloo: Any) -> float:
     box = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(box, op=dist.ReduceOp.MAX, group=gloo)
     return box.item()
-
-
-def through_host(y: torch.Tensor, x: torch.Tensor, group: Any) -> Callable[[], None]:
-    """The caller's own host route: its CPU waits for the D2H."""
-    host_x = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    host_y = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)
-    copied = torch.cuda.Event()
-
-    def call() -> None:
-        host_x.copy_(x, non_blocking=True)
-        copied.record()
-        copied.synchronize()
-        dist.all_to_all_single(host_y, host_x, group=group)
-        y.copy_(host_y, non_blocking=True)
-
-    return call
 
 
 class ValueGated:
@@ -206,7 +194,7 @@ def measure(route: str, nbytes: int, groups: dict[str, Any], rank: int) -> dict[
     if route == "ipc":
         call = lambda: dist.all_to_all_single(y, x, group=groups["ipc"])  # noqa: E731
     elif route == "freescale_host":
-        call = through_host(y, x, groups["ipc"])
+        call = _through_host(y, x, groups["ipc"])  # the caller's CPU waits for the D2H
     else:
         call = ValueGated(y, x, route, groups["ipc"], groups["header"])
     half = numel // 2
