@@ -372,23 +372,8 @@ def _latency(groups: dict[str, Any]) -> list[dict[str, Any]]:
             for _ in range(10):
                 call()
             torch.cuda.synchronize()
-            host, done = [], []
-            for _ in range(LATENCY_CALLS // 4):
-                dist.barrier(group=gloo)
-                t0 = time.perf_counter()
-                call()
-                host.append(time.perf_counter() - t0)
-                torch.cuda.synchronize()
-                done.append(time.perf_counter() - t0)
-            per_call = []
-            for _ in range(3):
-                torch.cuda.synchronize()
-                dist.barrier(group=gloo)
-                t0 = time.perf_counter()
-                for _ in range(LATENCY_CALLS // 2):
-                    call()
-                torch.cuda.synchronize()
-                per_call.append((time.perf_counter() - t0) / (LATENCY_CALLS // 2))
+            host, done = _single_calls(call, gloo, LATENCY_CALLS // 4)
+            per_call = _back_to_back(call, gloo, LATENCY_CALLS // 2)
             rows.append(
                 {
                     "path": path,
@@ -399,6 +384,45 @@ def _latency(groups: dict[str, Any]) -> list[dict[str, Any]]:
                 }
             )
     return rows
+
+
+def _single_calls(
+    call: Any, gloo: Any, count: int, after: Any = None
+) -> tuple[list[float], list[float]]:
+    """``count`` calls, each after a barrier with the GPU idle: per call its host time (call to
+    return) and its time until done (to the end of ``torch.cuda.synchronize``); ``after(start)``
+    runs after each, with the call's start (``time.perf_counter``)."""
+    import torch
+    import torch.distributed as dist
+
+    host, done = [], []
+    for _ in range(count):
+        dist.barrier(group=gloo)
+        start = time.perf_counter()
+        call()
+        host.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        done.append(time.perf_counter() - start)
+        if after is not None:
+            after(start)
+    return host, done
+
+
+def _back_to_back(call: Any, gloo: Any, calls: int, rounds: int = 3) -> list[float]:
+    """Per round, the time per call of ``calls`` back-to-back calls and one synchronize."""
+    import torch
+    import torch.distributed as dist
+
+    per_call = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        dist.barrier(group=gloo)
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+        per_call.append((time.perf_counter() - start) / calls)
+    return per_call
 
 
 def _through_host(y: Any, x: Any, gloo: Any) -> Any:

@@ -51,7 +51,7 @@ from freescale_comm import FreescaleOptions
 from freescale_comm.cuda import driver
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # benchmarks/
-from comm_gpu import _through_host
+from comm_gpu import _back_to_back, _single_calls, _through_host
 
 SWEEPS: dict[str, list[tuple[int, tuple[str, ...]]]] = {
     "1": [
@@ -209,27 +209,16 @@ def measure(route: str, nbytes: int, groups: dict[str, Any], rank: int) -> dict[
     correct = bool(torch.equal(total, want))
     kernels = kernels_of(call, rank) if route.startswith("pad") else None
     x.fill_(1.0)
-    host, done, seen, opened = [], [], [], []
-    for _ in range(40):
-        dist.barrier(group=gloo)
-        start = time.perf_counter()
-        call()
-        host.append(time.perf_counter() - start)
-        torch.cuda.synchronize()
-        done.append(time.perf_counter() - start)
+    seen, opened = [], []
+
+    def mark(start: float) -> None:
         if isinstance(call, ValueGated):
             marks = call.marks[call.calls]
             seen.append(marks["seen"] - start)
             opened.append(marks["opened"] - start)
-    per_call = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        dist.barrier(group=gloo)
-        start = time.perf_counter()
-        for _ in range(100):
-            call()
-        torch.cuda.synchronize()
-        per_call.append((time.perf_counter() - start) / 100)
+
+    host, done = _single_calls(call, gloo, 40, mark)
+    per_call = _back_to_back(call, gloo, 100)
     row: dict[str, Any] = {
         "path": route,
         "bytes": nbytes,
