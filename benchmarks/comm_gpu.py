@@ -53,7 +53,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -387,7 +387,7 @@ def _latency(groups: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _single_calls(
-    call: Any, gloo: Any, count: int, after: Any = None
+    call: Any, gloo: Any, count: int, after: Callable[[float], None] | None = None
 ) -> tuple[list[float], list[float]]:
     """``count`` calls, each after a barrier with the GPU idle: per call its host time (call to
     return) and its time until done (to the end of ``torch.cuda.synchronize``); ``after(start)``

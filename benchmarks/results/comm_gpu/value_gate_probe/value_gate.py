@@ -51,7 +51,7 @@ from freescale_comm import FreescaleOptions
 from freescale_comm.cuda import driver
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # benchmarks/
-from comm_gpu import _back_to_back, _single_calls, _through_host
+from comm_gpu import _back_to_back, _max, _single_calls, _through_host
 
 SWEEPS: dict[str, list[tuple[int, tuple[str, ...]]]] = {
     "1": [
@@ -80,13 +80,6 @@ SWEEPS: dict[str, list[tuple[int, tuple[str, ...]]]] = {
 }
 PADDED_ELEMENTS = 16384  # 64 KiB of float32: the allocation every tensor here is a view of
 TIMEOUT = timedelta(seconds=60)
-
-
-def worst(value: float, gloo: Any) -> float:
-    """The largest of the ranks' values."""
-    box = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=gloo)
-    return box.item()
 
 
 class ValueGated:
@@ -224,13 +217,13 @@ def measure(route: str, nbytes: int, groups: dict[str, Any], rank: int) -> dict[
         "bytes": nbytes,
         "correct": correct,
         "kernels": kernels,
-        "host_ms": 1e3 * worst(statistics.median(host), gloo),
-        "done_ms": 1e3 * worst(statistics.median(done), gloo),
-        "back_to_back_ms": 1e3 * worst(statistics.median(per_call), gloo),
+        "host_ms": 1e3 * _max(statistics.median(host), gloo),
+        "done_ms": 1e3 * _max(statistics.median(done), gloo),
+        "back_to_back_ms": 1e3 * _max(statistics.median(per_call), gloo),
     }
     if seen:
-        row["ready_seen_ms"] = 1e3 * worst(statistics.median(seen), gloo)
-        row["gate_opened_ms"] = 1e3 * worst(statistics.median(opened), gloo)
+        row["ready_seen_ms"] = 1e3 * _max(statistics.median(seen), gloo)
+        row["gate_opened_ms"] = 1e3 * _max(statistics.median(opened), gloo)
     return row
 
 
