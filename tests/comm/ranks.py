@@ -2942,3 +2942,177 @@ def express_calls(rounds: int) -> dict[str, Any]:
     checked("even", torch.float32, rounds + 3)
     checked("even", torch.float32, rounds + 4)
     return {"first": first, "last": ours._ctx.express_runs, "errors": errors}
+
+
+def host_route_checks(seed: int, validate: bool) -> dict[str, Any]:
+    """``cuda_path="host"``: uneven AllToAlls (empty pieces among them) and AllGathers into a
+    tensor of tiny to MiB pieces in four dtypes, their inputs written behind a GPU sleep,
+    against local results; a strided input and output; a list AllGather (staged); ``wait``
+    returning while the GPU sleeps, then the result right on the caller's stream; the
+    profiler's kernel count; the path ``freescale comm info`` names. Returns what the rank
+    saw."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev, group = cuda_group(cuda_path="host", validate=validate)
+    report: dict[str, Any] = {"why": {row["peer"]: row["cuda"] for row in group.paths()}}
+    width, checked = 4, 0
+    for k, dtype in enumerate((torch.float32, torch.bfloat16, torch.int64, torch.uint8)):
+        for unit in (1, 300, 70_000):  # rows: bytes, KiB, past the rings' limit
+            splits = [[((i + 2 * j + k) % 3) * unit + i for j in range(n)] for i in range(n)]
+            inputs = [
+                [
+                    make_tensor((splits[r][j], width), dtype, seed * 1000 + 100 * k + 10 * r + j)
+                    for j in range(n)
+                ]
+                for r in range(n)
+            ]
+            sent = _produce_late(torch.cat(inputs[rank]), dev, 2_000_000)
+            out = torch.full(
+                (sum(splits[j][rank] for j in range(n)), width), 7, dtype=dtype, device=dev
+            )
+            dist.all_to_all_single(
+                out, sent, [splits[j][rank] for j in range(n)], splits[rank], group=group
+            )
+            want = torch.cat([inputs[j][rank] for j in range(n)])
+            _same(out.cpu(), want, f"host route a2a {dtype} unit {unit}")
+            rows = unit + k
+            pieces = [make_tensor((rows, width), dtype, seed * 7 + 10 * k + r) for r in range(n)]
+            gathered = torch.empty((n * rows, width), dtype=dtype, device=dev)
+            mine = _produce_late(pieces[rank], dev, 2_000_000)
+            dist.all_gather_into_tensor(gathered, mine, group=group)
+            _same(gathered.cpu(), torch.cat(pieces), f"host route all_gather {dtype} unit {unit}")
+            checked += 2
+    # Strided: the input a column of a wider tensor, the output a transposed view.
+    pieces = [make_tensor((2 * n, 3), torch.float32, seed + 11 * r) for r in range(n)]
+    wide = torch.zeros((2 * n, 5), device=dev)
+    wide[:, 1:4] = pieces[rank].to(dev)
+    out_t = torch.empty((3, 2 * n * n), device=dev).t()
+    dist.all_gather_into_tensor(out_t, wide[:, 1:4], group=group)
+    _same(out_t.cpu(), torch.cat(pieces), "host route all_gather, strided")
+    pieces = [make_tensor((3, width), torch.float32, seed + r) for r in range(n)]
+    outs = [torch.empty((3, width), device=dev) for _ in range(n)]
+    dist.all_gather(outs, pieces[rank].to(dev), group=group)
+    _same(torch.cat([o.cpu() for o in outs]), torch.cat(pieces), "list AllGather, staged")
+    report["checked"] = checked + 2
+    # Stream order: a GPU sleep queued before the input is written; the output consumed and
+    # the input overwritten on the caller's stream right after the call.
+    numel = 1 << 14
+    x = torch.zeros(numel, device=dev)
+    y = torch.full((numel,), -1.0, device=dev)
+    source = torch.arange(numel, dtype=torch.float32, device=dev) + rank * numel
+    want = torch.cat(
+        [(torch.arange(numel, dtype=torch.float32) + r * numel).view(n, -1)[rank] for r in range(n)]
+    )
+    calls = {}
+    for async_op in (False, True):
+        y.fill_(-1.0)
+        torch.cuda.synchronize()
+        dist.barrier(group=gloo_group())
+        torch.cuda._sleep(200_000_000)
+        x.copy_(source)
+        start = time.perf_counter()
+        work = dist.all_to_all_single(y, x, group=group, async_op=async_op)
+        if async_op:
+            work.wait()
+        returned = time.perf_counter() - start
+        got = y.clone()
+        x.zero_()
+        torch.cuda.synchronize()
+        calls[str(async_op)] = {
+            "call_s": returned,
+            "done_s": time.perf_counter() - start,
+            "correct": bool(torch.equal(got.cpu(), want)),
+        }
+    report["stream"] = calls
+    src = torch.randn(n << 12, device=dev)
+    dst = torch.empty_like(src)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            dist.all_to_all_single(dst, src, group=group)
+            dist.all_gather_into_tensor(dst, src[: src.numel() // n], group=group)
+            dist.all_to_all_single(dst, src, group=group, async_op=True).wait()
+        torch.cuda.synchronize()
+    report["kernels"] = sorted(
+        {
+            e.name
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.name.startswith(("Memcpy", "Memset"))
+        }
+    )
+    dist.destroy_process_group(group)
+    return report
+
+
+def die_during_host_route_collective(victim: int) -> dict[str, float]:
+    """The victim dies once its first collective on the host route is done: the survivors'
+    next calls queue their gates and the collective behind them fails (peer dead, or the
+    timeout). They must raise, and their streams drain (the gates open on the abort)."""
+    rank = dist.get_rank()
+    dev, group = cuda_group(timeout_s=20, cuda_path="host")
+    x = torch.ones(dist.get_world_size() * 1024, device=dev)
+    dist.all_to_all_single(torch.empty_like(x), x, group=group)
+    torch.cuda.synchronize()
+    dist.barrier(group=gloo_group())
+    if rank == victim:
+        os._exit(7)
+    start = time.monotonic()
+    try:
+        for _ in range(1_000_000):
+            work = dist.all_to_all_single(torch.empty_like(x), x, group=group, async_op=True)
+            work.synchronize()
+    except Exception as err:
+        raised = time.monotonic() - start
+        drained = threading.Event()
+
+        def drain() -> None:
+            torch.cuda.synchronize()
+            drained.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        if not drained.wait(15):
+            raise RuntimeError(f"survivor {rank}: its GPU stream never drained") from err
+        raise RuntimeError(
+            f"survivor {rank} raised after {raised:.1f} s, GPU drained after "
+            f"{time.monotonic() - start:.1f} s: {err}"
+        ) from err
+    return {"raised": -1.0}
+
+
+def host_route_mismatch(local: bool) -> dict[str, Any]:
+    """A mismatched AllToAll on the host route (validated), after a good one: ``local``, rank
+    1's splits do not add up to its input (it raises at the call); else the ranks' splits
+    disagree (each call is fine alone). Every rank must raise the mismatch (the work's
+    ``synchronize``, the group's next call), and the output must keep its bytes."""
+    from freescale_comm import FreescaleValidationError
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev, group = cuda_group(timeout_s=30, cuda_path="host")
+    x = torch.arange(4 * n, dtype=torch.float32, device=dev)
+    y = torch.empty_like(x)
+    dist.all_to_all_single(y, x, group=group)
+    out = torch.full((4 * n,), 7.0, device=dev)
+    splits = [4] * n
+    if rank == 1:  # local: its input splits miss a row; else it sends rank 0 one row less
+        splits = [4] * (n - 1) + [3] if local else [3, 5] + [4] * (n - 2)
+    output_splits = splits if rank == 1 and not local else None
+    report: dict[str, Any] = {"at_call": "", "synchronize": "", "next_call": ""}
+    try:
+        work = dist.all_to_all_single(out, x, output_splits, splits, group=group, async_op=True)
+    except FreescaleValidationError as err:
+        report["at_call"] = str(err)
+    else:
+        try:
+            work.synchronize()
+        except FreescaleValidationError as err:
+            report["synchronize"] = str(err)
+    torch.cuda.synchronize()
+    report["output_kept"] = bool(torch.equal(out.cpu(), torch.full((4 * n,), 7.0)))
+    try:
+        dist.all_to_all_single(y, x, group=group)
+    except Exception as err:
+        report["next_call"] = f"{type(err).__name__}: {err}"
+    dist.destroy_process_group(group)
+    return report

@@ -231,3 +231,46 @@ def test_ipc_collectives_end_without_a_watcher_thread_unless_awaited(fs_group):
         assert max(report["futures_after_gpu_s"]) < 0.2, report
         assert report["is_completed_after_gpu"], report
         assert report["synchronize_after_gpu_s"] < 0.2, report
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_host_route_matches_reference_without_kernels_or_cpu_waits(fs_group, validate):
+    for report in fs_group.run(ranks.host_route_checks, 3, validate, timeout_s=240):
+        assert report["checked"] == 26, report
+        assert all(why.startswith("host: ") for why in report["why"].values()), report["why"]
+        for call in report["stream"].values():  # wait() returns while the GPU still sleeps
+            assert call["correct"] and call["call_s"] < call["done_s"] / 2, report["stream"]
+        assert report["kernels"] == [], report["kernels"]
+
+
+def test_host_route_cases_match_reference_between_pretend_hosts(fs_group):
+    # Each rank on a pretend host of its own: the CPU path between them is UCX.
+    n = fs_group.spec.world_size
+    reports = fs_group.run(ranks.run_cuda_cases, 6, 30, "host", n, timeout_s=240)
+    for report in reports:
+        assert report["cases"] == 30
+        assert {path for path, _ in report["paths"].values()} == {"host"}, report["paths"]
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_a_mismatch_on_the_host_route_raises_on_every_rank_and_keeps_the_output(fs_group, local):
+    reports = fs_group.run(ranks.host_route_mismatch, local, timeout_s=120)
+    words = "split sizes add up" if local else "split sizes disagree across ranks"
+    for rank, report in enumerate(reports):
+        assert report["output_kept"], report
+        raised = report["at_call"] if local and rank == 1 else report["synchronize"]
+        assert words in raised, report
+        assert "FreescalePeerError" in report["next_call"] and words in report["next_call"]
+
+
+def test_killed_peer_on_the_host_route_releases_the_gpu():
+    group = LocalGroup(2, backend="freescale", setup=SETUP, init_timeout_s=30, env=FAST_FAILURE_ENV)
+    try:
+        group.start()
+        with pytest.raises(RankFailure) as failure:
+            group.run(ranks.die_during_host_route_collective, 1, timeout_s=60)
+    finally:
+        group.close()
+    report = str(failure.value)
+    assert "rank 1: died" in report
+    assert "survivor 0 raised after" in report and "GPU drained after" in report, report
