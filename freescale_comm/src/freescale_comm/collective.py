@@ -238,8 +238,8 @@ class Collective:
         # which hands ``final`` to a watcher thread. Guarded by ``_future_lock``.
         self._final_watcher: Any = None  # the watcher ``final`` goes to once asked for
         self._prompt = False  # somebody waits: ``final`` goes to the watcher once sealed
-        # Called once the collective has ended, succeeded or failed (``host_route`` opens the
-        # gate its caller's stream waits at): cheap, never raises.
+        # Called once the collective has ended, succeeded or failed, before its event is set
+        # (``host_route`` opens the gate its caller's stream waits at): cheap, never raises.
         self.on_end: Callable[[], None] | None = None
 
     @property
@@ -446,6 +446,8 @@ class Collective:
         # Finished as ``_finish`` would, but never listed in flight: nothing to retire.
         self._phase = "data"
         self._outbox_released = self.finished = True
+        if self.on_end is not None:
+            self.on_end()
         self._set_outcome(True, plan.result if plan.value is None else plan.value)
         self.event.set()
 

@@ -152,20 +152,29 @@ class HostRoute:
             self.wait_done(number - SLOTS, f"{name}: the call {SLOTS} calls before")
             host_input = self._twin(input, number)
             host_output = self._twin(output, number)
-            plan = build(host_output, host_input)
-            op = Collective(group, name, plan, timeout_s)
-            local_error = plan.signature.error
-            if local_error and not self._validate:
-                # As ``GroupContext.launch`` does: the peers must not wait for this call.
-                self._done[slot] = number  # nothing queued: its twins are free
-                group.abort(f"rank {group.rank}: {op.label} could not start: {local_error}")
-                raise FreescaleValidationError(f"{op.label}: {local_error}")
+            label = f"freescale {name} (group {group.group_id}, rank {group.rank})"
+            plan = None
+            if not self._validate:  # this rank's own errors, before anything is queued
+                plan = build(host_output, host_input)
+                if plan.signature.error:
+                    # As ``GroupContext.launch`` does: the peers must not wait for this call.
+                    self._done[slot] = number  # nothing queued: its twins are free
+                    group.abort(
+                        f"rank {group.rank}: {label} could not start: {plan.signature.error}"
+                    )
+                    raise FreescaleValidationError(f"{label}: {plan.signature.error}")
             try:
                 self._queue(stream, device, slot, number, host_input, host_output, input, output)
+                # Planned while the GPU copies the input (the output keeps its bytes if the
+                # plan is refused: validation fails on every rank).
+                if plan is None:
+                    plan = build(host_output, host_input)
+                op = Collective(group, name, plan, timeout_s)
             except BaseException as err:
                 self._open(slot, number)
-                group.abort(f"rank {group.rank}: {op.label} could not be queued: {err}")
+                group.abort(f"rank {group.rank}: {label} could not be queued: {err}")
                 raise
+            local_error = plan.signature.error
             if self._released:
                 gate[slot] = _OPEN
             op.on_end = lambda: self._ended(op, slot, number)
@@ -208,19 +217,30 @@ class HostRoute:
         output: torch.Tensor,
     ) -> None:
         """Queues call ``number``'s D2H copies, ``ready`` write, gate, H2D and ``done`` write
-        on ``stream``."""
+        on ``stream``, the caller's current one. A strided tensor goes through a contiguous
+        copy of it on the device (torch's, on the same stream), as on the other paths."""
         ops = StreamOps()
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # made by torch: strided
-        self._copy(ops, copies, stream, host_input, input)
+        # Held until the copies are queued: torch's allocator may hand freed memory out again
+        # before a copy queued on the side would run.
+        sent = input.contiguous()
+        kept = output.contiguous() if self._validate else output
+        self._copy_out(ops, stream, host_input, sent)
         if self._validate:  # a failed validation writes the output's own bytes back
-            self._copy(ops, copies, stream, host_output, output)
-        self._flush(ops, copies, device, stream)
+            self._copy_out(ops, stream, host_output, kept)
         ops.write(stream, self._address(self._ready, slot), number)
         ops.wait(stream, self._address(self._gate, slot), number)
-        self._copy(ops, copies, stream, output, host_output)
-        self._flush(ops, copies, device, stream)
+        landing = output if output.is_contiguous() else torch.empty_like(output).contiguous()
+        self._copy_out(ops, stream, landing, host_output)
+        if landing is not output:
+            ops.run(device)
+            output.copy_(landing)
         ops.write(stream, self._address(self._done, slot), number)
         ops.run(device)
+
+    @staticmethod
+    def _copy_out(ops: StreamOps, stream: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queues ``dst <- src``, both contiguous, as one driver copy."""
+        ops.copy(stream, dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
 
     def drain(self) -> None:
         """Blocks until every routed call made before has started (another collective of the
@@ -347,36 +367,6 @@ class HostRoute:
                     "stream within the group timeout"
                 )
             time.sleep(_NAP_S)
-
-    @staticmethod
-    def _copy(
-        ops: StreamOps,
-        copies: list[tuple[torch.Tensor, torch.Tensor]],
-        stream: int,
-        dst: torch.Tensor,
-        src: torch.Tensor,
-    ) -> None:
-        """Queues ``dst <- src`` as one driver copy, or for torch where either is strided."""
-        if dst.is_contiguous() and src.is_contiguous():
-            ops.copy(stream, dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
-        else:
-            copies.append((dst, src))
-
-    @staticmethod
-    def _flush(
-        ops: StreamOps,
-        copies: list[tuple[torch.Tensor, torch.Tensor]],
-        device: int,
-        stream: int,
-    ) -> None:
-        """Makes the collected calls, then torch's strided copies on the same stream."""
-        if not copies:
-            return
-        ops.run(device)
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
-            for dst, src in copies:
-                dst.copy_(src, non_blocking=True)
-        copies.clear()
 
     def _flag_pages(self) -> np.ndarray:
         """The gate page (the three pages made on the first call)."""
