@@ -83,7 +83,6 @@ POOL_VARIANTS = {
     "staged_8x8MiB": {"staging_pool_bytes": 128 * MIB, "chunk_bytes": 8 * MIB},
 }
 LATENCY_CALLS = 200
-LATENCY_PATHS = ("ipc", "host", "staged", "direct", "staged_ucx", "gloo_host", "freescale_host")
 
 if triton is not None:
 
@@ -353,9 +352,7 @@ def _latency(groups: dict[str, Any]) -> list[dict[str, Any]]:
     its input D2H into page-locked memory, waits for it, runs Gloo's AllToAll on host memory
     and copies the result H2D (a host path through a mature CPU library, and on one GPU the
     least that two contexts' copies around a CPU exchange take), and ``freescale_host``, the
-    same over freescale's own CPU path (the ``ipc`` group with host tensors). ``host`` is the
-    backend's host route (``cuda_path="host"``): that CPU path with the caller's stream gated
-    on the GPU instead of its CPU waiting."""
+    same over freescale's own CPU path (the ``ipc`` group with host tensors)."""
     import torch
     import torch.distributed as dist
 
@@ -365,7 +362,7 @@ def _latency(groups: dict[str, Any]) -> list[dict[str, Any]]:
     for nbytes in LATENCY_SIZES:
         x = torch.ones(max(2, nbytes // 4), device=dev)
         y = torch.empty_like(x)
-        for path in LATENCY_PATHS:
+        for path in ("ipc", "staged", "direct", "staged_ucx", "gloo_host", "freescale_host"):
             if path == "gloo_host":
                 call = _through_host(y, x, gloo)
             elif path == "freescale_host":
@@ -732,10 +729,6 @@ def _join_groups() -> dict[str, Any]:
     )
     groups["staged"] = dist.new_group(
         backend="freescale", timeout=timeout, pg_options=FreescaleOptions(cuda_path="staged")
-    )
-    # The host route: through page-locked memory and the CPU path, the stream gated on the GPU.
-    groups["host"] = dist.new_group(
-        backend="freescale", timeout=timeout, pg_options=FreescaleOptions(cuda_path="host")
     )
     # The staged path as between hosts (each rank looks as if on a host of its own): the
     # pinned pool and UCX host messages.

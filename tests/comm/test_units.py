@@ -69,12 +69,6 @@ def test_options_from_env_and_explicit_values(monkeypatch):
     assert "dead_after_s=30.0" in FreescaleOptions(dead_after_s=30).shared()
 
 
-def test_the_host_route_is_an_option(monkeypatch):
-    assert FreescaleOptions(cuda_path="host").cuda_path == "host"
-    monkeypatch.setenv("FREESCALE_CUDA_PATH", "host")
-    assert FreescaleOptions.from_env().cuda_path == "host"
-
-
 def test_a_misspelt_option_variable_is_warned_of(monkeypatch, caplog):
     monkeypatch.setenv("FREESCALE_EAGER_BYTE", "0")
     monkeypatch.setenv("FREESCALE_KERNELS_BACKEND", "torch")  # another package's: no warning

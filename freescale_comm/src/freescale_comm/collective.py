@@ -43,7 +43,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -238,9 +238,6 @@ class Collective:
         # which hands ``final`` to a watcher thread. Guarded by ``_future_lock``.
         self._final_watcher: Any = None  # the watcher ``final`` goes to once asked for
         self._prompt = False  # somebody waits: ``final`` goes to the watcher once sealed
-        # Called once the collective has ended, succeeded or failed, before its event is set
-        # (``host_route`` opens the gate its caller's stream waits at): cheap, never raises.
-        self.on_end: Callable[[], None] | None = None
 
     @property
     def future(self) -> CollectiveFuture:
@@ -446,8 +443,6 @@ class Collective:
         # Finished as ``_finish`` would, but never listed in flight: nothing to retire.
         self._phase = "data"
         self._outbox_released = self.finished = True
-        if self.on_end is not None:
-            self.on_end()
         self._set_outcome(True, plan.result if plan.value is None else plan.value)
         self.event.set()
 
@@ -1267,8 +1262,6 @@ class Collective:
 
     def _resolve(self) -> None:
         """Completes a finished collective: buffers released, future and event set."""
-        if self.on_end is not None:
-            self.on_end()
         self._pinned = []
         self._ring_events = []
         plan = self.plan
@@ -1336,8 +1329,6 @@ class Collective:
             self._local_pending = None
         self.error = _ERRORS[kind](f"{self.label}: {reason}")  # first: seen with ``finished``
         self.finished = True
-        if self.on_end is not None:
-            self.on_end()
         self._headers = []
         self._release_outboxes()
         # The buffers (and the staging slots still held) of the cancelled requests stay

@@ -700,7 +700,7 @@ class GroupContext:
         and ``staged`` otherwise; the same answer on every rank whose UCX agrees (a plan's
         signature carries it)."""
         path = self.options.cuda_path
-        if path in ("ipc", "host"):  # host: the collectives the host route does not take
+        if path == "ipc":
             return "staged"
         if path == "auto":
             return "direct" if self.transport.cuda_support else "staged"
@@ -716,12 +716,6 @@ class GroupContext:
         """How CUDA bytes travel to ``peer``, and why (``freescale comm info``)."""
         if _cuda_device() is None:
             return "none: this process sees no CUDA device"
-        if self.options.cuda_path == "host":
-            return (
-                "host: all_to_all_single and all_gather_into_tensor through page-locked host "
-                "memory and the host path above, the caller's stream gated on the GPU until "
-                "they arrive; the other CUDA collectives staged"
-            )
         path = self.cuda_path()
         if path == "ipc" and peer in self.ipc_peers:
             from freescale_comm.ipc import MAILBOX_SLOT_BYTES

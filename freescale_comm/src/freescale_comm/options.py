@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 AllGatherAlgorithm = Literal["auto", "direct", "ring"]
-CudaPath = Literal["auto", "direct", "staged", "ipc", "host"]
+CudaPath = Literal["auto", "direct", "staged", "ipc"]
 HostPath = Literal["auto", "ucx", "shm"]
 IdleWait = Literal["auto", "sleep", "yield"]
 
@@ -79,12 +79,8 @@ class FreescaleOptions:
             ``direct`` if UCX has CUDA, else ``staged``). A call IPC cannot carry (a ring, or
             descriptors past a header's room) takes that other path with every peer. Under
             ``ipc`` and ``auto`` CUDA AllGathers take the direct algorithm, in a group spanning
-            hosts unless ``allgather="ring"``. ``host``: ``all_to_all_single`` and
-            ``all_gather_into_tensor`` move through page-locked host memory and the CPU path,
-            the caller's stream gated on the GPU until they arrive (``host_route``: for small
-            collectives on a GPU that ranks share without MPS; a mismatch found by validation
-            aborts the group), the other CUDA collectives ``staged``. The same on every
-            rank (validation checks it). ``FREESCALE_CUDA_PATH``.
+            hosts unless ``allgather="ring"``. The same on every rank (validation checks it).
+            ``FREESCALE_CUDA_PATH``.
         staging_pool_bytes: page-locked host memory of a group's staged path (half for send
             chunks, half for receive chunks, at least four chunks; allocated on the first staged
             collective, freed when the group is destroyed). ``FREESCALE_STAGING_POOL_BYTES``.
@@ -183,7 +179,7 @@ class FreescaleOptions:
     def __post_init__(self) -> None:
         choices = {
             "allgather": ("auto", "direct", "ring"),
-            "cuda_path": ("auto", "direct", "staged", "ipc", "host"),
+            "cuda_path": ("auto", "direct", "staged", "ipc"),
             "host_path": ("auto", "ucx", "shm"),
             "idle_wait": ("auto", "sleep", "yield"),
         }

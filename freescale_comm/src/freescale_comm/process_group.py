@@ -34,7 +34,6 @@ from freescale_comm.algorithms import Plan
 from freescale_comm.collective import Collective
 from freescale_comm.errors import FreescaleError
 from freescale_comm.group import GroupContext
-from freescale_comm.host_route import HostRoute
 from freescale_comm.options import FreescaleOptions
 from freescale_comm.point_to_point import AnySourceReceiveWork, GlooBreaker, PointToPointWork
 from freescale_comm.work import DelegatedWork, FreescaleWork, aborted_error
@@ -182,9 +181,6 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         self._plans = algorithms.PlanCache(ctx.ipc_fits if self._ipc_reaches_all else None)
         self._direct_gather = dataclasses.replace(options, allgather="direct")
         self._elsewhere: frozenset[str] | None = None  # ``_own_unless_elsewhere``
-        # cuda_path="host": CUDA AllToAll / AllGather into a tensor through the host path,
-        # the caller's stream gated on the GPU.
-        self._host_route = HostRoute(ctx) if options.cuda_path == "host" else None
 
     def name(self) -> str:
         return BACKEND_NAME
@@ -213,8 +209,6 @@ class ProcessGroupFreescale(dist.ProcessGroup):
 
     def _own(self, plan: Plan, opts: Any) -> FreescaleWork:
         """Starts ``plan`` (CUDA tensors on the configured path)."""
-        if self._host_route is not None:
-            self._host_route.drain()  # the routed calls before this one start first
         device = plan.signature.device
         ctx = self._ctx
         path = self._cuda_path if device == "cuda" else device
@@ -233,7 +227,11 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         # Written in place, as by an in-place op: autograd must see that saved tensors changed
         # (Gloo's outputs get the same bump; a backward through a stale one raises).
         torch.autograd.graph.increment_version(plan.result)
-        op = Collective(self._ctx, plan.signature.op, plan, _call_timeout_s(opts))
+        # A timeout in the call's options (C++ and ProcessGroup callers; unset: negative)
+        # bounds this collective, as on Gloo.
+        timeout = getattr(opts, "timeout", None)
+        own_s = timeout.total_seconds() if isinstance(timeout, timedelta) else 0.0
+        op = Collective(self._ctx, plan.signature.op, plan, own_s if own_s > 0 else None)
         # c10d sets asyncOp=False when it will wait at once; C++ callers leave the default.
         self._ctx.launch(op, caller_waits=not getattr(opts, "asyncOp", True))
         return FreescaleWork(op)
@@ -320,21 +318,6 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> FreescaleWork:
         """``dist.all_gather_into_tensor`` (torch 2.13 name)."""
-        route = self._host_route
-        if route is not None and route.takes(output, input):
-
-            def host_plan(gathered: torch.Tensor, piece: torch.Tensor) -> Plan:
-                return algorithms.all_gather_into_tensor(
-                    "all_gather_into_tensor",
-                    *self._rs(),
-                    [gathered],
-                    [piece],
-                    self._gather_options([piece]),
-                    self._plans,
-                )
-
-            timeout_s = _call_timeout_s(opts)
-            return route.run("all_gather_into_tensor", host_plan, output, input, timeout_s)
         plan = algorithms.all_gather_into_tensor(
             "all_gather_into_tensor",
             *self._rs(),
@@ -400,22 +383,18 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         opts: Any = None,
     ) -> FreescaleWork:
         """``dist.all_to_all_single``; empty split lists mean even splits (torch 2.13 name)."""
-
-        def plan(received: torch.Tensor, sent: torch.Tensor) -> Plan:
-            return algorithms.all_to_all_single(
+        return self._own(
+            algorithms.all_to_all_single(
                 "all_to_all_single",
                 *self._rs(),
-                received,
-                sent,
+                output,
+                input,
                 output_split_sizes,
                 input_split_sizes,
                 self._plans,
-            )
-
-        route = self._host_route
-        if route is not None and route.takes(output, input):
-            return route.run("all_to_all_single", plan, output, input, _call_timeout_s(opts))
-        return self._own(plan(output, input), opts)
+            ),
+            opts,
+        )
 
     @_own_unless_elsewhere
     def alltoall_base(
@@ -491,8 +470,6 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         does), then releases the UCX worker and threads."""
         self._gloo_breaker.close()
         self._ctx.close()
-        if self._host_route is not None:
-            self._host_route.close()
         for delegate in self._delegates:
             # The Gloo / NCCL backends built here are c10d's to shut down only through us.
             delegate.shutdown()
@@ -502,8 +479,6 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         self._ctx.abort(f"rank {self.rank()}: abort() was called")
         self._gloo_breaker.close()
         self._ctx.close(wait_for_callbacks=False)
-        if self._host_route is not None:
-            self._host_route.close()
 
 
 # The delegated collectives that ``PyProcessGroup`` (torch's trampoline) intercepts, under their
@@ -527,14 +502,6 @@ _DELEGATED = (
 # Their Gloo handles cannot be waited on in steps, as ``work.DelegatedWork``'s are
 # (``point_to_point``); ``recv_anysource`` is reached by name (``dist.recv`` from any source).
 _POINT_TO_POINT = ("send", "recv", "recv_anysource")
-
-
-def _call_timeout_s(opts: Any) -> float | None:
-    """A timeout in the call's options (C++ and ProcessGroup callers; unset: negative), which
-    bounds that collective as on Gloo; None: the group's."""
-    timeout = getattr(opts, "timeout", None)
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else 0.0
-    return seconds if seconds > 0 else None
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# For a tree at a21b38d (cuda_path="host", reverted after these runs).
 # One device call, from the project root with .whl/ carried: the host route's CUDA tests, the
 # latency part of comm_gpu.py (its "host" row beside the IPC path and the caller's host
 # routes), then the rest of the CUDA tests (REST=0 skips them). Logs in $OUT/r.tgz.
