@@ -11,8 +11,11 @@ the sender's pages (page-table walks, reference counts), libc's copies (the rank
 and the Python interpreter. Run it with and without ``THP_MEM_ALLOC_ENABLE=1`` (torch asks for
 huge pages for its tensors of 2 MiB and more) to see what huge pages change.
 
+``--backend gloo`` runs the same loop over Gloo instead, as the baseline.
+
     [THP_MEM_ALLOC_ENABLE=1] python benchmarks/host_reads_profile.py [--ranks 4] [--size 16M]
-        [--calls 4000] [--perf]   (perf needs root or perf_event_paranoid <= -1)
+        [--calls 4000] [--backend freescale|gloo] [--perf]
+        (perf needs root or perf_event_paranoid <= -1)
 """
 
 from __future__ import annotations
@@ -148,21 +151,24 @@ def main() -> None:
     parser.add_argument("--ranks", type=int_at_least(2), default=4)
     parser.add_argument("--size", type=byte_size, default="16M", help="bytes per rank")
     parser.add_argument("--calls", type=int_at_least(1), default=4000)
+    parser.add_argument("--backend", choices=("freescale", "gloo"), default="freescale")
     parser.add_argument("--perf", action="store_true", help="sample the run with perf")
     args = parser.parse_args()
-    # Reads above 512 KiB whatever the pages (by default 4 KiB pages take the rings).
+    ours = args.backend == "freescale"
     spec = GroupSpec(
         args.ranks,
-        "freescale",
+        args.backend,
         init_timeout_s=120,
-        setup="freescale_comm:register",
+        setup="freescale_comm:register" if ours else None,
         threads=None,
-        env={"FREESCALE_SHM_MAX_BYTES": str(READ_ABOVE_BYTES)},
+        # Reads above 512 KiB whatever the pages (by default 4 KiB pages take the rings).
+        env={"FREESCALE_SHM_MAX_BYTES": str(READ_ABOVE_BYTES)} if ours else {},
     )
     rows = run_ranks_or_exit(spec, _rank, args, timeout_s=1800)
     asks = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
     print(
-        f"AllToAll of {args.size} B, {args.ranks} ranks; THP_MEM_ALLOC_ENABLE={asks}, kernel "
+        f"{args.backend} AllToAll of {args.size} B, {args.ranks} ranks; "
+        f"THP_MEM_ALLOC_ENABLE={asks}, kernel "
         f"huge pages: {transparent_huge_pages()}"
     )
     for rank, row in enumerate(rows):
