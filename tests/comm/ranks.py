@@ -2942,3 +2942,25 @@ def express_calls(rounds: int) -> dict[str, Any]:
     checked("even", torch.float32, rounds + 3)
     checked("even", torch.float32, rounds + 4)
     return {"first": first, "last": ours._ctx.express_runs, "errors": errors}
+
+
+def completed_once_the_future_is(calls: int) -> list[bool]:
+    """What ``is_completed`` answers between a collective's future completing and its event
+    being set (a thread woken by the future asks then), for ``calls`` async AllToAlls.
+    ``_done`` is what ``is_completed`` answers after its hand-over, which must not run under the
+    collective's lock that completes the future."""
+    from freescale_comm import collective as collective_module
+    from freescale_comm.work import FreescaleWork
+
+    seen: list[bool] = []
+    complete = collective_module.Collective._set_outcome
+
+    def set_outcome(op: Any, ok: bool, value: Any) -> None:
+        complete(op, ok, value)
+        seen.append(FreescaleWork(op)._done())
+
+    x = torch.arange(dist.get_world_size() * 4, dtype=torch.float32)
+    with mock.patch.object(collective_module.Collective, "_set_outcome", set_outcome):
+        for _ in range(calls):
+            dist.all_to_all_single(torch.empty_like(x), x, async_op=True).get_future().wait()
+    return seen

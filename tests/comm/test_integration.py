@@ -98,6 +98,12 @@ def test_async_and_futures(fs_group):
     assert fs_group.run(ranks.async_ops, 3) == [True] * fs_group.spec.world_size
 
 
+def test_a_work_is_completed_once_its_future_is(fs_group):
+    # A thread woken by the future asked before the event was set, and heard "not completed".
+    for seen in fs_group.run(ranks.completed_once_the_future_is, 5):
+        assert seen and all(seen), seen
+
+
 @pytest.mark.parametrize("elements", [300_000])  # sent to the rings with the headers
 def test_collectives_of_two_threads_start_in_the_order_they_are_numbered(fs_group, elements):
     # A thread preempted between taking its collective's number and starting it let a later

@@ -302,6 +302,11 @@ class Collective:
             finally:
                 self._completing_in = None
 
+    def outcome_set(self) -> bool:
+        """Whether the collective has ended and its outcome is set (its future completes with
+        it; ``event`` is set after)."""
+        return self._outcome is not None
+
     def completing_here(self) -> bool:
         """Whether the calling thread is completing this collective's future (and so runs
         the callbacks C++ chained to it): its outcome is set, its ``event`` not yet."""

@@ -130,8 +130,9 @@ class FreescaleWork(dist.Work):
         return self
 
     def _done(self) -> bool:
-        # In the thread completing it (a callback chained in C++), before its event is set.
-        return self._op.event.is_set() or self._op.completing_here()
+        # Done once its outcome is set: its future completes then, before the event is set, and
+        # a thread woken by the future (or a callback chained in C++) may ask in between.
+        return self._op.event.is_set() or self._op.outcome_set()
 
     def is_completed(self) -> bool:
         return self._unclaim()._done()
