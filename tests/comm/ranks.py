@@ -1983,12 +1983,14 @@ def an_internal_error_on_one_rank() -> str:
 
     if rank == 0:
         collective.Collective._start_data = broken
-    per_peer = 1 << 20  # 4 MiB: posted in the data phase (not folded, not sent early)
+    per_peer = 1 << 20  # 4 MiB: moved in the data phase (not folded, not sent early)
     try:
+        # Asynchronous: a synchronous call whose pieces are all read at named addresses runs
+        # in its call (``Collective._express``), which has no ``_start_data``.
         message = _error_after(
             lambda: dist.all_to_all_single(
-                torch.empty(n * per_peer), torch.ones(n * per_peer), group=group
-            )
+                torch.empty(n * per_peer), torch.ones(n * per_peer), group=group, async_op=True
+            ).wait()
         )
     finally:
         collective.Collective._start_data = original
@@ -2964,3 +2966,70 @@ def completed_once_the_future_is(calls: int) -> list[bool]:
         for _ in range(calls):
             dist.all_to_all_single(torch.empty_like(x), x, async_op=True).get_future().wait()
     return seen
+
+
+def reads_at_named_addresses(threads: int) -> dict[str, Any]:
+    """Collectives whose pieces above 512 KiB are read from their sender's memory at the
+    address its header names (``named_reads``), each result compared with Gloo's, on a group
+    with ``host_copy_threads=threads``: AllToAll even (1 MiB per peer), uneven (a large piece
+    to the next rank, small ones, folded into the headers, to the others), AllGather; a call
+    rank 0 enters 50 ms late (its peers' poll window runs out); two in flight, waited in
+    reverse; and inputs overwritten as soon as a call returns (a call ends only once its
+    pieces are read). Returns the ring messages and the reads of the peers' memory of the
+    group's paths before and after, and the express count before and after."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ours = freescale_group(30, shm_max_bytes=1 << 19, idle_wait="yield", host_copy_threads=threads)
+    gloo = gloo_group()
+    large, small = 1 << 18, 25  # float32 elements: 1 MiB, 100 B
+
+    def paths() -> tuple[int, int]:
+        rows = ours.paths()
+        return sum(sum(r["ring_messages"]) for r in rows), sum(r["ring_reads"] for r in rows)
+
+    def alltoall(split_of: Any, salt: int, group: Any, **kw: Any) -> torch.Tensor:
+        send = [split_of(rank, j) for j in range(n)]
+        recv = [split_of(j, rank) for j in range(n)]
+        values = make_tensor((sum(send),), torch.float32, _tensor_seed(salt, 0, rank))
+        out = torch.empty(sum(recv))
+        work = dist.all_to_all_single(out, values, recv, send, group=group, **kw)
+        return out if work is None else (work, out)
+
+    def even(src: int, dst: int) -> int:
+        return large
+
+    def uneven(src: int, dst: int) -> int:
+        return large if dst == (src + 1) % n else small
+
+    def gathered(salt: int, group: Any) -> torch.Tensor:
+        out = torch.empty(n * large)
+        values = make_tensor((large,), torch.float32, _tensor_seed(salt, 1, rank))
+        dist.all_gather_into_tensor(out, values, group=group)
+        return out
+
+    before, express_before = paths(), ours._ctx.express_runs
+    for salt in range(3):
+        _same(alltoall(even, salt, ours), alltoall(even, salt, gloo), f"even #{salt}")
+        _same(alltoall(uneven, salt, ours), alltoall(uneven, salt, gloo), f"uneven #{salt}")
+        _same(gathered(salt, ours), gathered(salt, gloo), f"all_gather #{salt}")
+    if rank == 0:
+        time.sleep(0.05)
+    _same(alltoall(even, 10, ours), alltoall(even, 10, gloo), "late rank 0")
+    in_flight = [alltoall(kind, 20, ours, async_op=True) for kind in (even, uneven)]
+    for work, _ in reversed(in_flight):
+        work.wait()
+    for (_, got), kind in zip(in_flight, (even, uneven), strict=True):
+        _same(got, alltoall(kind, 20, gloo), f"in flight {kind.__name__}")
+    for k in range(3):
+        x = torch.full((n * large,), float(100 * rank + k))
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=ours)
+        x.fill_(-1.0)
+        want = torch.arange(n, dtype=torch.float32).repeat_interleave(large) * 100 + k
+        _same(out, want, f"overwritten input #{k}")
+    after, express_after = paths(), ours._ctx.express_runs
+    dist.destroy_process_group(ours)
+    return {
+        "ring_messages": (before[0], after[0]),
+        "reads": (before[1], after[1]),
+        "express": (express_before, express_after),
+    }

@@ -98,6 +98,27 @@ def test_own_pieces_and_reads_on_helper_threads_match_gloo(fs_group, threads, sh
 
 
 @pytest.mark.skipif(not reads_allowed(), reason="the kernel refuses reads of a peer's memory")
+@pytest.mark.parametrize("threads", [1, 3])
+def test_pieces_read_at_the_addresses_headers_name_match_gloo_and_take_no_ring(fs_group, threads):
+    results = fs_group.run(ranks.reads_at_named_addresses, threads, timeout_s=180)
+    n = len(results)
+    for result in results:
+        # Neither the large pieces nor their read descriptors took a ring: the addresses
+        # travelled in the headers, through the outboxes (the small pieces inside them).
+        before, after = result["ring_messages"]
+        assert after == before, result
+        # Read per call: AllToAll even 3 + 1 + 3 + 1 (in flight) calls from every peer,
+        # uneven 3 + 1 from one, AllGather 3 from every peer.
+        reads = (n - 1) * (3 + 1 + 3 + 1 + 3) + (3 + 1)
+        assert result["reads"][1] - result["reads"][0] == reads, result
+        express_before, express_after = result["express"]
+        if threads == 1:  # most of them read on the calling thread, in their call
+            assert express_after - express_before >= 6, result
+        else:  # reads on reader threads: the general path, which waits for them
+            assert express_after == express_before, result
+
+
+@pytest.mark.skipif(not reads_allowed(), reason="the kernel refuses reads of a peer's memory")
 @pytest.mark.parametrize("enabled", [True, False], ids=["huge_pages", "off"])
 def test_a_send_buffer_sent_again_is_moved_onto_huge_pages(enabled):
     # Ranks of their own: in processes shared with earlier tests, what they left at the

@@ -23,7 +23,10 @@ starts it):
    IPC paths do not wait on the CPU: their streams wait for that work on the GPU (an IPC part
    is queued in this phase, before the CPU wait its collective's UCX messages need).
 3. ``data``: local copies, then either every message posted (CPU, direct CUDA; ring forwards as
-   soon as the receive they forward has completed) or the staged pipeline (``staged``).
+   soon as the receive they forward has completed) or the staged pipeline (``staged``). A CPU
+   piece that a peer on this host reads from the sender's memory travels as its address in the
+   sender's header instead (``named_reads``): read once the verdict is good, the peers'
+   outboxes released only then, and the sender complete once its readers have released its.
 4. ``sealed`` (CUDA): every copy is enqueued, the last one followed by the collective's end
    event (``work.wait()`` makes the caller's stream wait for it). The collective finishes (its
    future completed) once that event has: at once where somebody waits for it (a watcher
@@ -50,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from freescale_comm import named_reads
 from freescale_comm.algorithms import Plan, Transfer
 from freescale_comm.errors import (
     FreescaleError,
@@ -105,10 +109,14 @@ _NOT_SEALED = _NotSealed()
 @dataclass(frozen=True)
 class _ExpressLayout:
     """Where a CPU plan's bytes go when every one of its messages travels inside the headers
-    between outboxes (``Collective._express``), by index into ``plan.transfers``."""
+    between outboxes, or as an address in them (``named_reads``), read on the calling thread
+    (``Collective._express``), by index into ``plan.transfers``."""
 
-    sends: list[tuple[int, list[int]]]  # (peer, its folded sends), in the order headers go
+    # (peer, its folded sends, or those it reads), in the order headers go
+    sends: list[tuple[int, list[int]]]
+    readers: list[int]  # the peers of ``sends`` that read this rank's pieces
     receives: list[tuple[int, list[tuple[int, int, int]]]]  # (peer, [(receive, lo, hi)])
+    reads: list[tuple[int, list[int]]]  # (peer, the receives read from its memory)
     sources: list[int]  # the peers whose headers are read, in the order the general path reads
     header_bytes: int  # the signature's part of each header
 
@@ -209,6 +217,15 @@ class Collective:
         self._outbox_from: dict[int, bool] = {}
         self._outbox_released = False
         self._folded: set[int] = set()  # ids of transfers that travel inside a header
+        # Pieces read at the addresses the senders' headers name (``named_reads``): ids of the
+        # transfers, the reads to start (once judged), the reads started, the peers that read
+        # this rank's pieces, and whether the reads were named (judged good: from then on a
+        # failure keeps the peers' outboxes, whose release would say their pieces were read).
+        self._named: set[int] = set()
+        self._named_receives: list[tuple[int, Any, int, np.ndarray]] = []
+        self._reading: named_reads.PendingReads | None = None
+        self._readers: list[int] = []
+        self._reads_named = False
         # ids of sends posted with the headers (shared-memory rings only): the receiver keeps
         # them out of its outputs until the verdict, so they need not wait for it.
         self._early: set[int] = set()
@@ -355,8 +372,9 @@ class Collective:
 
     def _express_layout(self) -> _ExpressLayout | None:
         """The express layout of this call (kept with its template, if it has one), or None: a
-        peer not reached by outbox, a message too large to fold, or an own piece large enough
-        for the helper threads."""
+        peer not reached by outbox, a message too large to fold and not read at a named
+        address (or read where the rank has reader threads), or an own piece large enough for
+        the helper threads."""
         template = self.plan.template
         if template is None:  # splits that change from call to call: made for this call
             return self._make_express_layout()
@@ -380,36 +398,54 @@ class Collective:
         index = {id(t): k for k, t in enumerate(plan.transfers)}
         size = Signature.size(g.size)
         sends = self._foldable(send=True)
+        read_sends, reads = self._named_reads(send=True), self._named_reads(send=False)
+        if (read_sends or reads) and g.local_copies.threads >= 2:
+            return None  # reads on reader threads: the general path waits for them
         received: dict[int, list[tuple[int, int, int]]] = {}
         for peer, transfer, lo, hi in self._folded_receives(size):
             received.setdefault(peer, []).append((index[id(transfer)], lo, hi))
-        folded = sum(map(len, sends.values())) + sum(map(len, received.values()))
-        if folded != len(plan.transfers):
+        carried = sum(map(len, sends.values())) + sum(map(len, received.values()))
+        carried += sum(map(len, read_sends.values())) + sum(map(len, reads.values()))
+        if carried != len(plan.transfers):
             return None
+        sources = [(g.rank - step) % g.size for step in range(1, g.size)]
         return _ExpressLayout(
-            sends=[(p, [index[id(t)] for t in sends.get(p, [])]) for p in peers],
+            sends=[
+                (p, [index[id(t)] for t in read_sends.get(p) or sends.get(p, [])]) for p in peers
+            ],
+            readers=list(read_sends),
             receives=list(received.items()),
-            sources=[(g.rank - step) % g.size for step in range(1, g.size)],
+            reads=[(p, [index[id(t)] for t in reads[p]]) for p in sources if p in reads],
+            sources=sources,
             header_bytes=size,
         )
 
     def _express(self, layout: _ExpressLayout) -> None:
         """Runs a collective of ``layout`` on the calling thread: writes the headers (with
-        every piece folded in), polls the peers' outboxes for up to the group's poll window,
-        and, if their headers came and form a consistent table (one judged so before for this
-        template, or judged here), copies the pieces out and finishes. Anything else (a box
-        not yet writable, a late peer, a table with a problem, an abort, another thread waiting
-        to start a collective of the group) leaves it as the general path's ``_post_headers``
-        and ``_read_outboxes`` would have: the engine or the caller's wait goes on from there.
-        The same bytes reach the outboxes either way, so peers on either path pair up."""
+        every piece folded in, or the address of a piece its peer reads), polls the peers'
+        outboxes for up to the group's poll window, and, if their headers came and form a
+        consistent table (one judged so before for this template, or judged here), copies the
+        pieces out, reads the pieces named, and finishes once the peers have read its own
+        within the window too. A box not yet writable, a late peer, a table with a problem, an
+        abort or another thread waiting to start a collective of the group leaves it as the
+        general path's ``_post_headers`` and ``_read_outboxes`` would have; readers not done
+        within the window, or a failed read, leave it in the data phase. The engine or the
+        caller's wait goes on from there. The same bytes reach the outboxes either way, so
+        peers on either path pair up."""
         g, plan = self.group, self.plan
         boxes = g.outboxes
         transfers = plan.transfers
         own = self._own_header()
         self._outbox_seq = seq = g.next_outbox_seq()
-        messages = [
-            (peer, [own, *[transfers[i].buffer for i in sent]]) for peer, sent in layout.sends
-        ]
+        messages = []
+        for peer, sent in layout.sends:
+            pieces = [transfers[i].buffer for i in sent]
+            if peer not in layout.readers:
+                messages.append((peer, [own, *pieces]))
+                continue
+            for i in sent:
+                g.offer_to_reader(transfers[i].buffer, self._tag(peer, transfers[i].sub, True))
+            messages.append((peer, [own, named_reads.addresses(pieces)]))
         headers = [None] * g.size
         headers[g.rank] = own
         if not boxes.writable(seq):
@@ -438,12 +474,31 @@ class Collective:
             # A problem, or size digests that differ: ``_judge`` names it on every rank.
             self._leave_express(layout, None, headers, [])
             return
+        reads = []
+        for peer, received in layout.reads:
+            found = named_reads.decode(headers[peer], layout.header_bytes, len(received))
+            if found is None:  # ``_judge`` fails it, naming the peer
+                self._leave_express(layout, None, headers, [])
+                return
+            channel = g.reader_of(peer)
+            for address, i in zip(found, received, strict=True):
+                reads.append((peer, channel, address, transfers[i].buffer))
         for peer, spans in layout.receives:
             message = headers[peer]
             for index, lo, hi in spans:
                 transfers[index].buffer[:] = message[lo:hi]
+        if reads or layout.readers:
+            self._reads_named, self._readers = True, layout.readers
+            reading = named_reads.PendingReads(reads, 1, g.transport.wake)
+            if reading.failure() is not None:  # the engine fails it, outside the launch lock
+                self._leave_express_in_data(reading)
+                return
         boxes.release(seq)
+        self._outbox_released = True
         host_copies(plan.local_copies)
+        if layout.readers and not self._poll_readers():
+            self._leave_express_in_data(None)
+            return
         g.express_runs += 1  # under the group's launch lock
         # Finished as ``_finish`` would, but never listed in flight: nothing to retire.
         self._phase = "data"
@@ -463,9 +518,34 @@ class Collective:
         written yet (``unwritten``), the headers read, the peers still to read from."""
         transfers = self.plan.transfers
         self._outbox_msgs = unwritten
-        self._folded = {id(transfers[i]) for _, sent in layout.sends for i in sent}
+        readers = layout.readers
+        for peer, sent in layout.sends:
+            carried = self._named if peer in readers else self._folded
+            carried.update(id(transfers[i]) for i in sent)
+        self._named.update(id(transfers[i]) for _, received in layout.reads for i in received)
         self._headers = headers
         self._outbox_from = dict.fromkeys(waiting, False)
+
+    def _poll_readers(self) -> bool:
+        """Polls, for up to the group's poll window, until the peers that read this rank's
+        pieces have read them; False if they have not by then (or the group broke, or another
+        thread waits to start a collective)."""
+        g = self.group
+        boxes, seq, readers = g.outboxes, self._outbox_seq, self._readers
+        until = time.monotonic() + self.idle_poll_s
+        while not boxes.reads_done(seq, readers):
+            if time.monotonic() >= until or g.broken or g.launch_waiting:
+                return False
+            os.sched_yield()
+        return True
+
+    def _leave_express_in_data(self, failed: named_reads.PendingReads | None) -> None:
+        """Leaves an express collective to the general path in its data phase: its own pieces
+        copied and its reads done (or ``failed``, which the first advance reports), waiting
+        for its readers."""
+        self._phase = "data"
+        self._data_posted = True
+        self._reading = failed
 
     def _own_header(self) -> np.ndarray:
         """This rank's header (its template's, encoded once, where the plan has one)."""
@@ -479,6 +559,9 @@ class Collective:
         size = Signature.size(g.size)
         own = self._own_header()
         sends = self._foldable(send=True)
+        named = self._named_reads(send=True)
+        self._named = {id(t) for pieces in named.values() for t in pieces}
+        self._named.update(id(t) for pieces in self._named_reads(False).values() for t in pieces)
         # CUDA: a peer's header is received into page-locked memory only if its data will be
         # copied H2D from there (the receives this rank's sizes fold).
         pinned_from = set(self._foldable(send=False)) if self.on_cuda else set()
@@ -518,6 +601,11 @@ class Collective:
                 self._send_header(dst, [own, self._export.descriptor(dst)])
             elif not every_peer:
                 pass  # a peer IPC does not reach, without validation: no header
+            elif dst in named:
+                pieces = [t.buffer for t in named[dst]]
+                for transfer in named[dst]:
+                    g.offer_to_reader(transfer.buffer, self._tag(dst, transfer.sub, True))
+                self._send_header(dst, [own, named_reads.addresses(pieces)])
             elif dst not in sends:
                 self._send_header(dst, [own])
             else:
@@ -827,6 +915,8 @@ class Collective:
                 and self._ipc_gated is None
                 and (self._pipeline is None or self._pipeline.sealable)
                 and self._local_copies_done()
+                and self._named_reads_ended()
+                and self._read_by_peers()
             ):
                 progressed |= self._complete()
         if self._phase == "sealed":
@@ -894,9 +984,35 @@ class Collective:
             else:
                 transfer.buffer[:] = self._headers[peer][lo:hi]
             self._folded.add(id(transfer))
+        if self._named:
+            if not self._name_reads(size):
+                return
+        else:
+            self._release_outboxes()
         self._headers = []
-        self._release_outboxes()
         self._phase = "ready"
+
+    def _name_reads(self, size: int) -> bool:
+        """Takes the addresses of the pieces this rank reads from the peers' headers (the
+        outboxes stay held until they are read); False if a header names too few (the
+        collective failed)."""
+        g = self.group
+        self._reads_named = True  # the peers judged alike and read this rank's pieces now
+        for peer, transfers in self._named_reads(send=False).items():
+            found = named_reads.decode(self._headers[peer], size, len(transfers))
+            if found is None:
+                self._headers = []
+                self._fail_locked(f"rank {peer}'s header names no address of its pieces", "peer")
+                return False
+            channel = g.reader_of(peer)
+            self._named_receives += [
+                (peer, channel, remote, t.buffer)
+                for remote, t in zip(found, transfers, strict=True)
+            ]
+        self._readers = list(self._named_reads(send=True))
+        if not self._named_receives:  # nothing to read here: the peers' outboxes are done with
+            self._release_outboxes()
+        return True
 
     def _verdict(self, headers: list[Any], size: int) -> str | object | None:
         """``judge``'s verdict on the table of ``headers`` (their first ``size`` bytes). A table
@@ -1016,7 +1132,7 @@ class Collective:
                 return
         if self._ipc_gated is not None and not self._ipc_partial:  # sealed once it is through
             return
-        folded, early, ipc_peers = self._folded, self._early, self.plan.ipc_peers
+        folded, early, ipc_peers = self._folded | self._named, self._early, self.plan.ipc_peers
         unfolded = [
             t
             for t in self.plan.transfers
@@ -1037,6 +1153,15 @@ class Collective:
             self._local_pending = g.local_copies.start(own)
         if posted or self.on_cuda:  # a receive posted after its rendezvous arrived needs one
             g.transport.progress()
+        if self._named_receives:
+            self._reading = named_reads.PendingReads(
+                self._named_receives, g.local_copies.threads, g.transport.wake
+            )
+            self._named_receives = []
+            # Read here (one reader thread): the peers learn it before this rank's own copy.
+            self._named_reads_ended()
+            if self.finished:
+                return
         if not on_helpers:
             host_copies(own)
 
@@ -1160,6 +1285,62 @@ class Collective:
             self._fail_locked(error, "raised")
             return False
         return True
+
+    def _named_reads_ended(self) -> bool:
+        """Whether this rank's reads of its peers' pieces (``named_reads``) have ended; once
+        they have, the peers' outboxes of this collective are released (a failed read fails
+        the collective)."""
+        reading = self._reading
+        if reading is None:
+            return True
+        if not reading.done():
+            return False
+        self._reading = None
+        failed = reading.failure()
+        if failed is not None:
+            self._fail_locked(failed, "peer")
+            return False
+        self._release_outboxes()
+        return True
+
+    def _read_by_peers(self) -> bool:
+        """Whether every peer that reads this rank's pieces at the addresses its header names
+        has read them (released this collective's outbox)."""
+        return not self._readers or self.group.outboxes.reads_done(self._outbox_seq, self._readers)
+
+    def _named_reads(self, send: bool) -> dict[int, list[Transfer]]:
+        """Per peer, the sends (or receives) its receiver reads at the addresses the sender's
+        header names (``GroupContext.reads_named``), in message order. Sender and receiver pick
+        the same pieces once the verdict found the sizes consistent: both decide by each
+        piece's size."""
+        if self.on_cuda or self.plan.forwarding:
+            return {}
+        plan = self.plan
+        template = plan.template
+        if template is not None:  # the same pieces as for the call that made the template
+            indices = template.derived.get(("named", send))
+            if indices is None:
+                indices = template.derived["named", send] = {
+                    peer: [plan.transfers.index(t) for t in pieces]
+                    for peer, pieces in self._pick_named(send).items()
+                }
+            transfers = plan.transfers
+            return {peer: [transfers[i] for i in idx] for peer, idx in indices.items()}
+        return self._pick_named(send)
+
+    def _pick_named(self, send: bool) -> dict[int, list[Transfer]]:
+        folded = self._foldable(send)
+        reads_named = self.group.reads_named
+        by_peer: dict[int, list[Transfer]] = {}
+        for transfer in self.plan.transfers:
+            peer = transfer.peer
+            if (
+                transfer.send == send
+                and peer not in folded
+                and reads_named(peer, len(transfer.buffer), send)
+            ):
+                by_peer.setdefault(peer, []).append(transfer)
+        return by_peer
 
     def _complete(self) -> bool:
         """Every message of the collective is done (a staged pipeline's copies queued)."""
@@ -1301,6 +1482,11 @@ class Collective:
             parts.append(f"no data yet from {self.group.describe_peers(waiting)}")
         if unsent:
             parts.append(f"sends to ranks {unsent} not completed")
+        if self._reads_named and self._reading is None and self._readers:
+            boxes = self.group.outboxes
+            unread = [p for p in self._readers if not boxes.reads_done(self._outbox_seq, [p])]
+            if unread:
+                parts.append(f"{self.group.describe_peers(unread)} did not read its pieces")
         if self._ipc_gated is not None:
             peers = self.group.describe_peers(self._ipc_gated.waiting_for)
             parts.append(f"its CUDA IPC copies wait for the flags of {peers}")
@@ -1332,10 +1518,17 @@ class Collective:
             # them after that (a memcpy: bounded).
             self._local_pending.wait()
             self._local_pending = None
+        if self._reading is not None:  # the same for reads into the outputs
+            self._reading.wait()
+            self._reading = None
         self.error = _ERRORS[kind](f"{self.label}: {reason}")  # first: seen with ``finished``
         self.finished = True
         self._headers = []
-        self._release_outboxes()
+        if not self._reads_named:
+            # Once reads are named, a release tells the peers their pieces were read: a
+            # peer would then complete while this rank's caller may already reuse its
+            # inputs. The group is aborted (only a verdict fails without it, before that).
+            self._release_outboxes()
         # The buffers (and the staging slots still held) of the cancelled requests stay
         # referenced by the group.
         in_flight = [t.request for t in self._posted if t.request is not None]

@@ -544,13 +544,36 @@ class GroupContext:
             # Larger: read by the receiver from the sender's memory where that direction
             # allows it (both sides know: ``shm.open_links``), else UCX.
             if sub != 0 and (link.host.reads_out if send else link.host.reads_in):
-                if send and self.options.host_huge_pages:
-                    # The whole tensor the message is a piece of (a plan's byte views are
-                    # slices of one flat view per tensor): its every 2 MiB page, once.
-                    whole = buffer.base if isinstance(buffer.base, np.ndarray) else buffer
-                    huge_pages.sending(whole.ctypes.data, whole.nbytes, tag >> SUB_BITS)
+                if send:
+                    self.offer_to_reader(buffer, tag)
                 return self._hub.post(link, buffer, tag, send, by_read=True)
         return self.post_ucx(peer, buffer, tag, send)
+
+    def reads_named(self, peer: int, nbytes: int, send: bool) -> bool:
+        """Whether a CPU data message of ``nbytes`` sent to (``send``) or received from
+        ``peer`` is read by its receiver from the sender's memory at the address the sender's
+        header names (``named_reads``): the headers are judged (``validate``) and go through
+        the outboxes, and ``post`` would have the receiver read the message."""
+        link = self._links[peer]
+        return (
+            link is not None
+            and self.options.validate
+            and self.reaches_by_outbox(peer)
+            and nbytes > self.ring_max_bytes
+            and (link.host.reads_out if send else link.host.reads_in)
+        )
+
+    def offer_to_reader(self, buffer: np.ndarray, tag: int) -> None:
+        """Notes a send that a peer reads from this process's memory (``host_huge_pages``):
+        the whole tensor it is a piece of (a plan's byte views are slices of one flat view per
+        tensor) goes onto 2 MiB pages once it recurs."""
+        if self.options.host_huge_pages:
+            whole = buffer.base if isinstance(buffer.base, np.ndarray) else buffer
+            huge_pages.sending(whole.ctypes.data, whole.nbytes, tag >> SUB_BITS)
+
+    def reader_of(self, peer: int) -> Any:
+        """The host channel to ``peer`` (``reads_named``): its process id, the reads counted."""
+        return self._links[peer].host
 
     def post_ucx(self, peer: int, buffer: Any, tag: int, send: bool) -> Any:
         """Posts one tagged send to / receive from ``peer`` on UCX, whatever its host: UCX

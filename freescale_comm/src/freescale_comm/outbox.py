@@ -30,10 +30,13 @@ import numpy as np
 from freescale_comm import shm
 from freescale_comm.errors import FreescaleError
 
-# u64 words, one cache line apart: posted, consumed, "wake me when you consume", and "left the
-# group having finished N collectives" as N + 1 (``mark_left``).
+# u64 words, one cache line apart: posted, consumed, "wake me when you consume" (raised while
+# a write waits for a box), "left the group having finished N collectives" as N + 1
+# (``mark_left``), and "wake me when you consume" for good (raised once a collective waited for
+# its peers' reads of its pieces, ``reads_done``: several threads may wait for them at once, so
+# none lowers it).
 _CTRL_BYTES = 4096
-_POSTED, _CONSUMED, _WANTS_CONSUMED, _LEFT = 0, 8, 16, 24
+_POSTED, _CONSUMED, _WANTS_CONSUMED, _LEFT, _WANTS_READS_DONE = 0, 8, 16, 24, 32
 _ALIGN = 64
 
 
@@ -146,6 +149,20 @@ class Outboxes:
         """Whether every peer has consumed collective ``seq`` (its box may be written)."""
         return all(s.ctrl[_CONSUMED] >= seq for s in self._peers.values())
 
+    def reads_done(self, seq: int, readers: Sequence[int]) -> bool:
+        """Whether each of ``readers`` has consumed collective ``seq``: a peer that reads
+        pieces named in this rank's header consumes it only once it has read them
+        (``named_reads``)."""
+        peers = self._peers
+        if all(peers[p].ctrl[_CONSUMED] >= seq for p in readers):
+            return True
+        if not self._own.ctrl[_WANTS_READS_DONE]:
+            self._own.ctrl[_WANTS_READS_DONE] = 1
+            # Read again after the flag's store, as ``writable`` does.
+            shm.full_fence()
+            return all(peers[p].ctrl[_CONSUMED] >= seq for p in readers)
+        return False
+
     def write(self, seq: int, messages: Sequence[tuple[int, Sequence[np.ndarray]]]) -> None:
         """Writes (peer, message parts) into box ``seq % 2`` and publishes it (``writable``
         must hold). A message made of the same buffer objects as an earlier one (a plan hands
@@ -205,7 +222,7 @@ class Outboxes:
                 moved = True
             if moved:
                 self._own.ctrl[_CONSUMED] = self._consumed
-                self._wake_locked(lambda segment: segment.ctrl[_WANTS_CONSUMED] != 0)
+                self._wake_locked(_waits_for_consumed)
 
     # ------------------------------------------------------------------- sleeping and waking
     def moved(self) -> bool:
@@ -250,6 +267,12 @@ class Outboxes:
         self._peer_boxes = {}
         for segment in (self._own, *self._peers.values()):
             segment.close()
+
+
+def _waits_for_consumed(segment: Segment) -> bool:
+    """Whether the owner of ``segment`` asked to be woken when a peer consumes."""
+    ctrl = segment.ctrl
+    return ctrl[_WANTS_CONSUMED] != 0 or ctrl[_WANTS_READS_DONE] != 0
 
 
 def open_outboxes(

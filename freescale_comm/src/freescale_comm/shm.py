@@ -427,14 +427,20 @@ class _Read:
 
     def failure(self) -> str | None:
         """Why a part of the read failed, or None."""
-        for part in self.parts or ():
-            error = part.exception()
-            if error is not None:
-                return f"{type(error).__name__}: {error}"
-            failed = part.result()
-            if failed is not None:
-                return failed
-        return None
+        return read_failure(self.parts or ())
+
+
+def read_failure(parts: Iterable[Future[str | None]]) -> str | None:
+    """Why a part of a read of another process's memory failed (every part has ended), or
+    None."""
+    for part in parts:
+        error = part.exception()
+        if error is not None:
+            return f"{type(error).__name__}: {error}"
+        failed = part.result()
+        if failed is not None:
+            return failed
+    return None
 
 
 class Channel:
