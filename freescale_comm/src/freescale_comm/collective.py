@@ -438,14 +438,16 @@ class Collective:
         own = self._own_header()
         self._outbox_seq = seq = g.next_outbox_seq()
         messages = []
+        offered: list[np.ndarray] = []
         for peer, sent in layout.sends:
             pieces = [transfers[i].buffer for i in sent]
             if peer not in layout.readers:
                 messages.append((peer, [own, *pieces]))
                 continue
-            for i in sent:
-                g.offer_to_reader(transfers[i].buffer, self._tag(peer, transfers[i].sub, True))
+            offered += pieces
             messages.append((peer, [own, named_reads.addresses(pieces)]))
+        if offered:
+            g.offer_to_readers(offered, self._tag(g.rank, 0, True))
         headers = [None] * g.size
         headers[g.rank] = own
         if not boxes.writable(seq):
@@ -603,8 +605,7 @@ class Collective:
                 pass  # a peer IPC does not reach, without validation: no header
             elif dst in named:
                 pieces = [t.buffer for t in named[dst]]
-                for transfer in named[dst]:
-                    g.offer_to_reader(transfer.buffer, self._tag(dst, transfer.sub, True))
+                g.offer_to_readers(pieces, self._tag(dst, 0, True))
                 self._send_header(dst, [own, named_reads.addresses(pieces)])
             elif dst not in sends:
                 self._send_header(dst, [own])

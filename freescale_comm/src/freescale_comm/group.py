@@ -19,7 +19,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -545,7 +545,7 @@ class GroupContext:
             # allows it (both sides know: ``shm.open_links``), else UCX.
             if sub != 0 and (link.host.reads_out if send else link.host.reads_in):
                 if send:
-                    self.offer_to_reader(buffer, tag)
+                    self.offer_to_readers([buffer], tag)
                 return self._hub.post(link, buffer, tag, send, by_read=True)
         return self.post_ucx(peer, buffer, tag, send)
 
@@ -563,12 +563,17 @@ class GroupContext:
             and (link.host.reads_out if send else link.host.reads_in)
         )
 
-    def offer_to_reader(self, buffer: np.ndarray, tag: int) -> None:
-        """Notes a send that a peer reads from this process's memory (``host_huge_pages``):
-        the whole tensor it is a piece of (a plan's byte views are slices of one flat view per
-        tensor) goes onto 2 MiB pages once it recurs."""
-        if self.options.host_huge_pages:
+    def offer_to_readers(self, buffers: Iterable[np.ndarray], tag: int) -> None:
+        """Notes sends of the collective of ``tag`` that peers read from this process's memory
+        (``host_huge_pages``): the whole tensor each is a piece of (a plan's byte views are
+        slices of one flat view per tensor) goes onto 2 MiB pages once it recurs."""
+        if not self.options.host_huge_pages:
+            return
+        wholes = {}
+        for buffer in buffers:
             whole = buffer.base if isinstance(buffer.base, np.ndarray) else buffer
+            wholes[id(whole)] = whole
+        for whole in wholes.values():
             huge_pages.sending(whole.ctypes.data, whole.nbytes, tag >> SUB_BITS)
 
     def reader_of(self, peer: int) -> Any:

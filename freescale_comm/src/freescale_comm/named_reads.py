@@ -18,13 +18,13 @@ AllToAll, ``benchmarks/results/comm_cpu/named_reads/``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
 from freescale_comm import shm
-from freescale_comm.local_copies import run_here, start_reads
+from freescale_comm.local_copies import start_reads
 
 _ADDRESS_BYTES = 8
 
@@ -44,9 +44,9 @@ def decode(header: np.ndarray, offset: int, count: int) -> list[int] | None:
 
 
 class PendingReads:
-    """One collective's reads of its peers' pieces, started at once: on this thread (one
-    reader thread), or split over the process's reader threads (``local_copies.start_reads``,
-    the last part here).
+    """One collective's reads of its peers' pieces, started at once: on this thread, one after
+    another (one reader thread), or split over the process's reader threads
+    (``local_copies.start_reads``, the last part here).
 
     Args:
         reads: (the peer, its channel, its address of the piece, the receive buffer) per
@@ -64,15 +64,23 @@ class PendingReads:
         self._reads = reads
         jobs = [_job(channel.peer_pid, remote, buffer) for _, channel, remote, buffer in reads]
         lengths = [len(buffer) for *_, buffer in reads]
-        sized = list(zip(jobs, lengths, strict=True))
+        # Why each read failed (None: it did not), once all have ended; else their parts.
+        self._failures: list[str | None] | None = None
+        self._parts: list[list[Future[str | None]]] = []
         if threads < 2:
-            self._parts = [[run_here(partial(job, 0, n))] for job, n in sized]
+            self._failures = [_run(job, n) for job, n in zip(jobs, lengths, strict=True)]
+            self._count([1] * len(reads))
         else:
-            self._parts = start_reads([(job, n, threads) for job, n in sized], wake)
-        self._counted = False
+            sized = [(job, n, threads) for job, n in zip(jobs, lengths, strict=True)]
+            self._parts = start_reads(sized, wake)
 
     def done(self) -> bool:
-        return all(part.done() for parts in self._parts for part in parts)
+        if self._failures is None:
+            if not all(part.done() for parts in self._parts for part in parts):
+                return False
+            self._failures = [shm.read_failure(parts) for parts in self._parts]
+            self._count([len(parts) for parts in self._parts])
+        return True
 
     def wait(self) -> None:
         """Blocks until every part has ended, whatever its outcome (bounded: a copy)."""
@@ -81,21 +89,28 @@ class PendingReads:
                 part.exception()
 
     def failure(self) -> str | None:
-        """Why a read failed (``done`` holds), or None; the first call counts the reads in
-        their channels (``freescale comm info``, tests)."""
-        for (peer, channel, _, buffer), parts in zip(self._reads, self._parts, strict=True):
-            failed = shm.read_failure(parts)
+        """Why a read failed (``done`` holds), or None."""
+        for (peer, channel, _, buffer), failed in zip(self._reads, self._failures, strict=True):
             if failed is not None:
                 return (
                     f"reading {len(buffer)} bytes from rank {peer} (process {channel.peer_pid}) "
                     f"failed: {failed} (has it exited?)"
                 )
-        if not self._counted:
-            self._counted = True
-            for (_, channel, _, _), parts in zip(self._reads, self._parts, strict=True):
-                channel.reads += 1
-                channel.split_reads += len(parts) > 1
         return None
+
+    def _count(self, parts: list[int]) -> None:
+        """Counts the reads in their channels (``freescale comm info``, tests)."""
+        for (_, channel, _, _), count in zip(self._reads, parts, strict=True):
+            channel.reads += 1
+            channel.split_reads += count > 1
+
+
+def _run(job: Callable[[int, int], str | None], nbytes: int) -> str | None:
+    """``job`` over [0, ``nbytes``) here: why it failed, or None."""
+    try:
+        return job(0, nbytes)
+    except Exception as err:  # as a reader thread's would: the collective fails with it
+        return f"{type(err).__name__}: {err}"
 
 
 def _job(pid: int, remote: int, buffer: np.ndarray) -> Callable[[int, int], str | None]:
