@@ -1526,9 +1526,10 @@ class Collective:
         self.finished = True
         self._headers = []
         if not self._reads_named:
-            # Once reads are named, a release tells the peers their pieces were read: a
-            # peer would then complete while this rank's caller may already reuse its
-            # inputs. The group is aborted (only a verdict fails without it, before that).
+            # Once reads are named, a release would let the peers complete, and one still
+            # reading this rank's inputs, which its caller may reuse once this raises, would
+            # complete with what it read. Held, the peers fail with the group's abort (every
+            # failure after a good verdict aborts it).
             self._release_outboxes()
         # The buffers (and the staging slots still held) of the cancelled requests stay
         # referenced by the group.
