@@ -823,6 +823,39 @@ def test_an_outbox_reads_its_peers_counters_again_after_raising_its_wake_flag():
     assert own[outbox._WANTS_CONSUMED] == 0  # lowered again: no wake-up owed
 
 
+def test_a_wait_for_readers_raises_its_wake_flag_for_good_and_reads_again_once():
+    # A reader that consumed between the first read and the flag's store read the flag as 0
+    # and sent no wake-up: the sender must see the counter on its second read. The flag then
+    # stays raised (several threads may wait for readers at once; none lowers it), so a later
+    # wait reads the counters once.
+    from freescale_comm import outbox
+
+    class _PeerCounters:  # the reader's control block: "consumed" moves after the first read
+        def __init__(self, values: list[int]) -> None:
+            self.values, self.reads = values, 0
+
+        def __getitem__(self, index: int) -> int:
+            assert index == outbox._CONSUMED
+            self.reads += 1
+            return self.values[min(self.reads, len(self.values)) - 1]
+
+    class _Segment:
+        def __init__(self, ctrl: Any) -> None:
+            self.ctrl = ctrl
+
+    boxes = outbox.Outboxes.__new__(outbox.Outboxes)
+    own = [0] * 5 * 8
+    reader, other = _PeerCounters([3, 4]), _PeerCounters([0])  # ``other`` reads nothing
+    boxes._own, boxes._peers = _Segment(own), {1: _Segment(reader), 2: _Segment(other)}
+    assert boxes.reads_done(4, [1]) and reader.reads == 2 and other.reads == 0
+    assert own[outbox._WANTS_READS_DONE] == 1 and own[outbox._WANTS_CONSUMED] == 0
+    later = _PeerCounters([4])
+    boxes._peers[1] = _Segment(later)
+    assert not boxes.reads_done(5, [1]) and later.reads == 1
+    assert own[outbox._WANTS_READS_DONE] == 1
+    assert outbox._waits_for_consumed(boxes._own)
+
+
 def test_an_aborted_group_releases_its_ipc_waits_again_each_second_until_they_drain():
     # A live peer's GPU may write a flag of a collective it queued before the abort after
     # this rank released its waits, setting the flag back below a wait still queued here.
