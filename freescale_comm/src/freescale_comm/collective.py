@@ -46,7 +46,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -762,18 +762,24 @@ class Collective:
         """
         if not self._may_fold():
             return {}
+        return self._kept(("fold", send), lambda: self._pick_foldable(send))
+
+    def _kept(
+        self, key: tuple[str, bool], pick: Callable[[], dict[int, list[Transfer]]]
+    ) -> dict[int, list[Transfer]]:
+        """``pick()``'s transfers per peer, kept by index with the plan's template under
+        ``key`` (the same pieces as for the call that made the template)."""
         plan = self.plan
         template = plan.template
-        if template is not None:  # the same pieces as for the call that made the template
-            indices = template.derived.get(("fold", send))
-            if indices is None:
-                indices = template.derived["fold", send] = {
-                    peer: [plan.transfers.index(t) for t in pieces]
-                    for peer, pieces in self._pick_foldable(send).items()
-                }
-            transfers = plan.transfers
-            return {peer: [transfers[i] for i in idx] for peer, idx in indices.items()}
-        return self._pick_foldable(send)
+        if template is None:
+            return pick()
+        indices = template.derived.get(key)
+        if indices is None:
+            indices = template.derived[key] = {
+                peer: [plan.transfers.index(t) for t in pieces] for peer, pieces in pick().items()
+            }
+        transfers = plan.transfers
+        return {peer: [transfers[i] for i in idx] for peer, idx in indices.items()}
 
     def _folded_receives(self, size: int) -> Iterator[tuple[int, Transfer, int, int]]:
         """Each receive folded into a peer's header: (peer, the receive, where its bytes start
@@ -1316,18 +1322,7 @@ class Collective:
         piece's size."""
         if self.on_cuda or self.plan.forwarding:
             return {}
-        plan = self.plan
-        template = plan.template
-        if template is not None:  # the same pieces as for the call that made the template
-            indices = template.derived.get(("named", send))
-            if indices is None:
-                indices = template.derived["named", send] = {
-                    peer: [plan.transfers.index(t) for t in pieces]
-                    for peer, pieces in self._pick_named(send).items()
-                }
-            transfers = plan.transfers
-            return {peer: [transfers[i] for i in idx] for peer, idx in indices.items()}
-        return self._pick_named(send)
+        return self._kept(("named", send), lambda: self._pick_named(send))
 
     def _pick_named(self, send: bool) -> dict[int, list[Transfer]]:
         folded = self._foldable(send)
