@@ -112,8 +112,9 @@ def test_pieces_read_at_the_addresses_headers_name_match_gloo_and_take_no_ring(f
         reads = (n - 1) * (3 + 1 + 3 + 1 + 3) + (3 + 1)
         assert result["reads"][1] - result["reads"][0] == reads, result
         express_before, express_after = result["express"]
-        if threads == 1:  # most of them read on the calling thread, in their call
-            assert express_after - express_before >= 6, result
+        if threads == 1:  # read on the calling thread, in their call (those whose peers came
+            # within the poll window; where ranks outnumber cores, fewer: ``yield_core``)
+            assert express_after > express_before, result
         else:  # reads on reader threads: the general path, which waits for them
             assert express_after == express_before, result
 

@@ -10,6 +10,7 @@ import threading
 import time
 from importlib.metadata import entry_points
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import torch
 
 from freescale_comm import FreescaleOptions
 from freescale_comm.cpu import cgroup_cpu_quota, usable_cores
-from freescale_comm.engine import POLL_S, YIELD_S, idle_poll_s
+from freescale_comm.engine import ALONE_YIELDS, POLL_S, YIELD_S, alone_yields, idle_poll_s
 from freescale_comm.errors import FreescaleError
 from freescale_comm.local_copies import LocalCopies, helper_threads, split, start_reads
 from freescale_comm.transport import MAX_SUB, make_tag
@@ -233,6 +234,21 @@ def test_local_copies_run_on_helpers_from_2_mib_and_wake_the_progressing_thread(
     copies.start([(dst[:whole], src[:whole])]).wait()
     assert copies.jobs == jobs + 1
     assert LocalCopies(threads=1, wake=lambda: None).start([(dst, src)]) is None
+
+
+def test_a_poller_sleeps_once_its_yields_keep_finding_no_other_thread_where_ranks_outnumber_cores():
+    from freescale_comm import engine
+
+    assert alone_yields(host_ranks=4, cores=2) == ALONE_YIELDS
+    assert alone_yields(host_ranks=2, cores=2) == 0  # a core per rank: polling alone is the plan
+    results = {}
+    for name, yields in (("alone", lambda: None), ("shared", lambda: time.sleep(1e-4))):
+        with mock.patch.object(engine.os, "sched_yield", yields):
+            results[name] = [engine.yield_core(ALONE_YIELDS) for _ in range(2 * ALONE_YIELDS)]
+            results[name + " no limit"] = all(engine.yield_core(0) for _ in range(ALONE_YIELDS))
+    # Alone: told to sleep at the limit, then counted again from zero.
+    assert results["alone"].count(False) == 2 and not results["alone"][ALONE_YIELDS - 1]
+    assert all(results["shared"]) and results["alone no limit"] and results["shared no limit"]
 
 
 def test_auto_idle_wait_polls_long_only_where_the_hosts_ranks_outnumber_its_cores():

@@ -43,7 +43,6 @@ keeps the buffers referenced by the group, so a late UCX access never touches fr
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -55,6 +54,7 @@ import torch
 
 from freescale_comm import named_reads
 from freescale_comm.algorithms import Plan, Transfer
+from freescale_comm.engine import yield_core
 from freescale_comm.errors import (
     FreescaleError,
     FreescalePeerError,
@@ -186,6 +186,7 @@ class Collective:
         # CUDA: set once every copy is enqueued and ``final`` recorded (or the collective failed).
         self.on_cuda = plan.on_cuda  # read on every step: the plan derives it from its signature
         self.idle_poll_s = group.idle_poll_s
+        self.alone_yields = group.alone_yields
         self.sealed = _Done() if self.on_cuda else _NOT_SEALED
         # IPC reaches only some peers: the others take the remote path in this collective.
         self._ipc_partial = plan.ipc and len(plan.ipc_peers) < group.size - 1
@@ -468,10 +469,9 @@ class Collective:
             now = time.monotonic()
             if not until:
                 until = now + self.idle_poll_s
-            if now >= until or g.broken or g.launch_waiting:
+            if now >= until or g.broken or g.launch_waiting or not yield_core(self.alone_yields):
                 self._leave_express(layout, None, headers, waiting)
                 return
-            os.sched_yield()
         if self._verdict(headers, layout.header_bytes) is not None:
             # A problem, or size digests that differ: ``_judge`` names it on every rank.
             self._leave_express(layout, None, headers, [])
@@ -536,9 +536,13 @@ class Collective:
         boxes, seq, readers = g.outboxes, self._outbox_seq, self._readers
         until = time.monotonic() + self.idle_poll_s
         while not boxes.reads_done(seq, readers):
-            if time.monotonic() >= until or g.broken or g.launch_waiting:
+            if (
+                time.monotonic() >= until
+                or g.broken
+                or g.launch_waiting
+                or not yield_core(self.alone_yields)
+            ):
                 return False
-            os.sched_yield()
         return True
 
     def _leave_express_in_data(self, failed: named_reads.PendingReads | None) -> None:

@@ -11,7 +11,9 @@ event, something calls ``Transport.wake`` (a new collective, a finished CUDA cop
 Before it sleeps it polls for a while, yielding its core between polls (``idle_poll_s``: a
 peer's message that comes within that window is seen without a wake-up), unless the process's
 helper or reader threads have work (``local_copies.helpers_busy``): they need the GIL, which a
-polling thread takes back before they get it, so it sleeps at once. While no collective is
+polling thread takes back before they get it, so it sleeps at once. Where ranks outnumber
+cores it also sleeps once its yields keep finding no other thread ready on its core
+(``yield_core``). While no collective is
 in flight it sleeps on a condition. In flight or not, it runs each group's periodic watches when
 due (the deadlines of collectives left to their CUDA end event, ``group``). A collective's
 health check only reads what the group's liveness thread last found (``liveness``): no store
@@ -68,6 +70,42 @@ YIELD_S = 0.002
 POLL_S = 100e-6
 
 
+# A yield that returns within this long gave the core to nobody: no other thread was ready on it.
+_ALONE_YIELD_S = 5e-6
+# Where a group's ranks outnumber the cores, a thread whose yields give its core to nobody this
+# many times in a row sleeps instead of polling on (``yield_core``): polling alone on a core, it
+# keeps the scheduler from moving a rank that waits for a core onto it (an idle core pulls a
+# waiting thread over; a busy one does not). With 4 ranks on 2 cores one rank was seen polling
+# through whole AllToAlls of 1-8 MiB, its CPU time per call equal to the call's, which then
+# took 1.3-1.5x as long (``benchmarks/results/comm_cpu/alone_yields/``).
+ALONE_YIELDS = 16
+_yields = threading.local()
+
+
+def alone_yields(host_ranks: int, cores: int) -> int:
+    """The ``yield_core`` limit of a group's waiting threads: ``ALONE_YIELDS`` where its
+    ``host_ranks`` on this host outnumber the ``cores`` this process may use, else 0 (none: a
+    rank with a core of its own polls alone on it by design)."""
+    return ALONE_YIELDS if host_ranks > cores else 0
+
+
+def yield_core(alone_limit: int) -> bool:
+    """Yields the calling thread's core (``os.sched_yield``); with ``alone_limit``, False once
+    that many of this thread's yields in a row returned at once (no other thread was ready on
+    its core): the caller should sleep instead of polling on."""
+    if not alone_limit:
+        os.sched_yield()
+        return True
+    start = time.perf_counter()
+    os.sched_yield()
+    if time.perf_counter() - start > _ALONE_YIELD_S:
+        _yields.alone = 0
+        return True
+    alone = getattr(_yields, "alone", 0) + 1
+    _yields.alone = 0 if alone >= alone_limit else alone
+    return alone < alone_limit
+
+
 def idle_poll_s(idle_wait: str, host_ranks: int, cores: int) -> float:
     """How long a group's waiting threads poll, yielding their core between polls, before they
     sleep in the epoll (``FreescaleOptions.idle_wait``): ``sleep`` not at all, ``yield`` up to
@@ -92,6 +130,7 @@ class Op(Protocol):
     queued_behind: bool  # nothing moves it before an earlier op does: skipped by a pass
     uses_transport: bool  # a step progresses the transport for it (else it reads counters)
     idle_poll_s: float  # how long a wait polls before it sleeps (``idle_poll_s``)
+    alone_yields: int  # ... or after how many yields that found no other thread (``yield_core``)
 
     def advance(self) -> bool:
         """Polls requests and posts what became possible; True if anything progressed."""
@@ -279,13 +318,17 @@ class Engine:
 
     def _idle(self, ops: list[Op], idle_s: float) -> None:
         """Waits after a step that moved nothing, for ``idle_s`` so far: yields the core while
-        that is shorter than an op's group polls for (``idle_poll_s``), else sleeps in the
-        epoll; sleeps at once while helper threads have work (``local_copies.helpers_busy``:
-        they wake it as each job ends)."""
-        if not helpers_busy() and any(idle_s < op.idle_poll_s for op in ops):
-            os.sched_yield()
-        else:
-            self._transport.wait_event(_EPOLL_MS)
+        that is shorter than an op's group polls for (``idle_poll_s``) and the yields find
+        other threads on the core (``yield_core``), else sleeps in the epoll; sleeps at once
+        while helper threads have work (``local_copies.helpers_busy``: they wake it as each
+        job ends)."""
+        if (
+            not helpers_busy()
+            and any(idle_s < op.idle_poll_s for op in ops)
+            and yield_core(max(op.alone_yields for op in ops))
+        ):
+            return
+        self._transport.wait_event(_EPOLL_MS)
 
     def _idle_wait(self) -> None:
         """Sleeps on the condition (lock held) until an op, a liveness tick, a stop or an

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from freescale_comm import directory
 from freescale_comm.cpu import usable_cores
-from freescale_comm.engine import Engine, idle_poll_s
+from freescale_comm.engine import Engine, alone_yields, idle_poll_s
 from freescale_comm.errors import FreescaleError, FreescalePeerError, FreescaleValidationError
 from freescale_comm.futures import CallbackRunner
 from freescale_comm.huge_pages import huge_pages
@@ -246,6 +246,7 @@ class GroupContext:
         self.idle_poll_s = idle_poll_s(
             options.idle_wait, len(self.directory.same_host), self._cores
         )
+        self.alone_yields = alone_yields(len(self.directory.same_host), self._cores)
         self.local_copies = LocalCopies(
             helper_threads(options.host_copy_threads, len(self.directory.same_host), self._cores),
             self.transport.wake,
