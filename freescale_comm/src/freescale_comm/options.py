@@ -138,7 +138,9 @@ class FreescaleOptions:
             Open MPI's ``mpi_yield_when_idle`` does when oversubscribed), else the same for up
             to ``engine.POLL_S`` (100 µs, about a wake-up's cost) only: where every rank has a
             core, polling for longer takes cores and the GIL from the work a process does
-            beside its collectives, such as a training step's background threads.
+            beside its collectives, such as a training step's background threads. Where ranks
+            outnumber cores, a thread also sleeps once 16 yields in a row found no other
+            thread ready on its core (``engine.yield_core``).
             ``FREESCALE_IDLE_WAIT``.
         host_copy_threads: helper threads that copy a CPU collective's own pieces (its local
             copies) of 2 MiB and more in all, split between them, while the thread that
