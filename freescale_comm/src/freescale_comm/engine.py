@@ -76,7 +76,7 @@ _ALONE_YIELD_S = 5e-6
 # many times in a row sleeps instead of polling on (``yield_core``): polling alone on a core, it
 # keeps the scheduler from moving a rank that waits for a core onto it (an idle core pulls a
 # waiting thread over; a busy one does not). With 4 ranks on 2 cores one rank was seen polling
-# through whole AllToAlls of 1-8 MiB, its CPU time per call equal to the call's, which then
+# through whole AllToAlls of 1-16 MiB, its CPU time per call near the call's, which then
 # took 1.3-1.5x as long (``benchmarks/results/comm_cpu/alone_yields/``).
 ALONE_YIELDS = 16
 _yields = threading.local()

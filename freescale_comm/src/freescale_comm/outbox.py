@@ -8,7 +8,9 @@ for every peer) are written once — and publishes ``posted = seq``. A peer read
 there, in place, as soon as it sees that counter, and says it is done with every box up to
 ``seq`` by its own ``consumed`` counter; a box is written again (collective ``seq + 2``) only
 once every peer has consumed ``seq``. One copy in, one copy out and two counters per
-collective, instead of a ring message per peer in each direction.
+collective, instead of a ring message per peer in each direction. Where a header names pieces
+that its peer reads from the sender's memory (``named_reads``), the peer consumes it only once
+they are read, which is how the sender learns it (``reads_done``).
 
 A rank that has to wait for its peers' ``consumed`` raises a flag in its control block, so that
 the peers send it a wake-up byte (``shm.Channel.wake_peer``) only then; ``posted`` wakes every
