@@ -223,6 +223,7 @@ class Collective:
         # this rank's pieces, and whether the reads were named (judged good: from then on a
         # failure keeps the peers' outboxes, whose release would say their pieces were read).
         self._named: set[int] = set()
+        self._named_from: dict[int, list[Transfer]] = {}  # the receives read, per peer
         self._named_receives: list[tuple[int, Any, int, np.ndarray]] = []
         self._reading: named_reads.PendingReads | None = None
         self._readers: list[int] = []
@@ -524,7 +525,9 @@ class Collective:
         for peer, sent in layout.sends:
             carried = self._named if peer in readers else self._folded
             carried.update(id(transfers[i]) for i in sent)
-        self._named.update(id(transfers[i]) for _, received in layout.reads for i in received)
+        self._named_from = {p: [transfers[i] for i in received] for p, received in layout.reads}
+        self._named.update(id(t) for received in self._named_from.values() for t in received)
+        self._readers = layout.readers
         self._headers = headers
         self._outbox_from = dict.fromkeys(waiting, False)
 
@@ -566,8 +569,12 @@ class Collective:
         own = self._own_header()
         sends = self._foldable(send=True)
         named = self._named_reads(send=True)
-        self._named = {id(t) for pieces in named.values() for t in pieces}
-        self._named.update(id(t) for pieces in self._named_reads(False).values() for t in pieces)
+        self._named_from, self._readers = self._named_reads(send=False), list(named)
+        offered = [t for pieces in named.values() for t in pieces]
+        self._named = {id(t) for t in offered}
+        self._named.update(id(t) for pieces in self._named_from.values() for t in pieces)
+        if offered:
+            g.offer_to_readers([t.buffer for t in offered], self._tag(g.rank, 0, True))
         # CUDA: a peer's header is received into page-locked memory only if its data will be
         # copied H2D from there (the receives this rank's sizes fold).
         pinned_from = set(self._foldable(send=False)) if self.on_cuda else set()
@@ -608,9 +615,8 @@ class Collective:
             elif not every_peer:
                 pass  # a peer IPC does not reach, without validation: no header
             elif dst in named:
-                pieces = [t.buffer for t in named[dst]]
-                g.offer_to_readers(pieces, self._tag(dst, 0, True))
-                self._send_header(dst, [own, named_reads.addresses(pieces)])
+                addresses = named_reads.addresses([t.buffer for t in named[dst]])
+                self._send_header(dst, [own, addresses])
             elif dst not in sends:
                 self._send_header(dst, [own])
             else:
@@ -1009,7 +1015,7 @@ class Collective:
         collective failed)."""
         g = self.group
         self._reads_named = True  # the peers judged alike and read this rank's pieces now
-        for peer, transfers in self._named_reads(send=False).items():
+        for peer, transfers in self._named_from.items():
             found = named_reads.decode(self._headers[peer], size, len(transfers))
             if found is None:
                 self._headers = []
@@ -1020,7 +1026,6 @@ class Collective:
                 (peer, channel, remote, t.buffer)
                 for remote, t in zip(found, transfers, strict=True)
             ]
-        self._readers = list(self._named_reads(send=True))
         if not self._named_receives:  # nothing to read here: the peers' outboxes are done with
             self._release_outboxes()
         return True
