@@ -1,9 +1,10 @@
 """Where the host time of a small freescale collective goes, step by step (2 or more local ranks).
 
-Back-to-back ``all_to_all_single`` calls of 4 bytes per peer (CPU or CUDA tensors; with
-``--vary-splits``, splits that change on every call, so that no plan is cached) with the
-backend's own steps wrapped: per call, the wall time spent inside each step (inclusive of the
-steps it calls, so the rows overlap) and how often it ran, for every rank. ``--gap-us`` sleeps
+Back-to-back ``all_to_all_single`` calls of 4 bytes per peer (or ``--bytes-per-peer``; CPU or
+CUDA tensors; with ``--vary-splits``, splits that change on every call, so that no plan is
+cached) with the backend's own steps wrapped: per call, the wall time spent inside each step
+(inclusive of the steps it calls, so the rows overlap; summed over threads where helper or
+reader threads run one) and how often it ran, for every rank. ``--gap-us`` sleeps
 after each call (the time per call then includes the sleep, the steps' times do not), so that
 the background threads finish the last collective before the next call starts. ``--blocks``
 times the calls in that many blocks and reports each block's time per call beside the whole
@@ -14,7 +15,7 @@ comparison (``comm_host_profile.py`` compares with Gloo, ``multi_gpu_vs_nccl.py`
 wrapper adds about a microsecond per call.
 
     python benchmarks/comm_host_breakdown.py [--device cuda] [--ranks 2] [--calls 300]
-        [--gap-us 0] [--no-steps] [--blocks 1] [--profile 0] [--vary-splits]
+        [--bytes-per-peer 4] [--gap-us 0] [--no-steps] [--blocks 1] [--profile 0] [--vary-splits]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import statistics
 import time
 from typing import Any
 
-from freescale_comm._freescale_args import Parser, int_at_least
+from freescale_comm._freescale_args import Parser, byte_size, int_at_least
 from freescale_comm._local_ranks import GroupSpec, run_ranks_or_exit
 
 # (module, owner in it or "" for the module itself, function): the steps that are timed.
@@ -66,6 +67,15 @@ STEPS = (
     ("stream_ops", "StreamOps", "run"),
     ("cuda", "CudaSupport", "copy"),
     ("collective", "Collective", "_read_descriptors"),
+    # CPU pieces above the rings' limit: the reads at named addresses and the own-piece copies,
+    # on the progressing thread or the reader and helper threads (their time adds up per
+    # thread), and the progressing thread's sleeps in the epoll.
+    ("named_reads", "", "_run"),
+    ("named_reads", "PendingReads", "__init__"),
+    ("local_copies", "", "host_copies"),
+    ("local_copies", "LocalCopies", "start"),
+    ("shm", "", "read_process"),
+    ("transport", "Transport", "wait_event"),
 )
 
 
@@ -156,13 +166,13 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _calls(args: argparse.Namespace, rank: int, n: int) -> list[tuple[Any, ...]]:
-    """The (output, input[, output splits, input splits]) of each call: 4 bytes per peer, or
+    """The (output, input[, output splits, input splits]) of each call: ``--bytes-per-peer``, or
     with ``--vary-splits`` one call per warm-up and timed call, its splits (0-64 floats per
     pair) drawn from a generator seeded alike on every rank, so that the ranks agree."""
     import torch
 
     if not args.vary_splits:
-        inp = torch.ones(n, device=args.device)
+        inp = torch.ones(n * args.bytes_per_peer // 4, device=args.device)
         return [(torch.empty_like(inp), inp)]
     rng = random.Random(0)
     calls = []
@@ -200,6 +210,12 @@ def main() -> None:
     )
     parser.add_argument("--calls", type=int_at_least(1), default=300, help="calls timed")
     parser.add_argument(
+        "--bytes-per-peer",
+        type=byte_size,
+        default=4,
+        help="bytes each rank sends each peer (floats; a multiple of 4, K/M suffixes)",
+    )
+    parser.add_argument(
         "--gap-us",
         type=int_at_least(0),
         default=0,
@@ -234,6 +250,8 @@ def main() -> None:
     )
     parser.add_argument("--json", help="write the figures here (default: print only)")
     args = parser.parse_args()
+    if args.bytes_per_peer % 4:
+        parser.error("--bytes-per-peer must be a multiple of 4 (float32 elements)")
 
     spec = GroupSpec(
         args.ranks, "freescale", setup="freescale_comm:register", threads=None, device=args.device

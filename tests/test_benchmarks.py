@@ -77,6 +77,8 @@ def _run(script: str, *argv: str, timeout: float) -> subprocess.CompletedProcess
             "--out",
         ),
         ("comm_host_profile.py", ["--calls", "20", "--blocks", "1", "--profile"], "--json"),
+        # Pieces above the rings' limit: the reads and the own copies are timed too.
+        ("comm_host_breakdown.py", ["--calls", "20", "--bytes-per-peer", "1M"], "--json"),
         ("host_copy_bandwidth.py", ["--read-mib", "1", "--copy-mib", "1"], "--json"),
         ("host_probe_repeat.py", ["--ranks", "2", "--repeats", "2"], "--json"),
         ("embed_gpu.py", ["--device", "cpu", "--backend", "gloo", "--quick"], "--out"),
@@ -117,6 +119,28 @@ def test_cpu_benchmark_runs_on_tiny_sizes(tmp_path, script, argv, written):
             # as that path's median (a wrong clock once reported 1-2 ms of a 13 ms probe).
             timed = PROBE_ROUNDS / 2 * (probe["rings_ms"] + probe["reads_ms"])
             assert probe["probe_ms"] >= timed > 0, probe
+
+
+@pytest.mark.timeout(60)
+def test_bench_variants_reads_the_rounds_of_each_variant(tmp_path):
+    folder = _ROOT / "benchmarks" / "results" / "comm_cpu" / "many_core_knobs"
+    target = tmp_path / "rows.json"
+    done = _run(
+        "bench_variants.py",
+        str(folder),
+        "--variants",
+        "knob_default,knob_one_thread",
+        "--json",
+        str(target),
+        timeout=50,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(target.read_text())["rows"]
+    # Two rounds of each variant per cell (knob_one_thread1 is round 1 of knob_one_thread).
+    assert {r["variant"] for r in rows} == {"knob_default", "knob_one_thread"}, rows
+    assert all(len(r["paired_ratios"]) == 2 for r in rows), rows
+    done = _run("bench_variants.py", str(folder), "--variants", "nothing", timeout=50)
+    assert done.returncode == 2 and "no runs of ['nothing']" in done.stderr
 
 
 @pytest.mark.timeout(60)

@@ -62,7 +62,7 @@ from freescale_comm.errors import (
     FreescaleValidationError,
 )
 from freescale_comm.futures import CollectiveFuture
-from freescale_comm.local_copies import host_copies
+from freescale_comm.local_copies import INLINE_READ_BYTES, host_copies
 from freescale_comm.transport import make_tag
 from freescale_comm.validation import (
     NEEDS_TABLE,
@@ -401,7 +401,8 @@ class Collective:
         size = Signature.size(g.size)
         sends = self._foldable(send=True)
         read_sends, reads = self._named_reads(send=True), self._named_reads(send=False)
-        if (read_sends or reads) and g.local_copies.threads >= 2:
+        read_bytes = sum(len(t.buffer) for received in reads.values() for t in received)
+        if read_bytes > INLINE_READ_BYTES and g.local_copies.threads >= 2:
             return None  # reads on reader threads: the general path waits for them
         received: dict[int, list[tuple[int, int, int]]] = {}
         for peer, transfer, lo, hi in self._folded_receives(size):

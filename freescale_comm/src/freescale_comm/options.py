@@ -147,10 +147,11 @@ class FreescaleOptions:
             progresses it moves its messages (``local_copies``), and as many reader threads,
             which read the messages of several peers from their memory at once (``shm``). 1:
             that thread copies them itself once the messages are posted, and reads one message
-            after another. 0 (``auto``): the cores this process may use
-            per rank of the group on this host, at most 8, and 1 where that is below 2 (a host
-            with a core or less per rank copies fastest on one thread). At most 64; a rank's
-            own choice. ``FREESCALE_HOST_COPY_THREADS``.
+            after another (as a synchronous collective that reads at most
+            ``local_copies.INLINE_READ_BYTES`` in all does either way). 0 (``auto``): the cores
+            this process may use per rank of the group on this host, at most 8, and 1 where
+            that is below 2 (a host with a core or less per rank copies fastest on one thread).
+            At most 64; a rank's own choice. ``FREESCALE_HOST_COPY_THREADS``.
         heartbeat_s: interval of the liveness heartbeat each process writes to the store.
             ``FREESCALE_HEARTBEAT_S``.
         dead_after_s: a peer whose heartbeat is older than this is reported dead and fails the
