@@ -375,8 +375,8 @@ class Collective:
     def _express_layout(self) -> _ExpressLayout | None:
         """The express layout of this call (kept with its template, if it has one), or None: a
         peer not reached by outbox, a message too large to fold and not read at a named
-        address (or read where the rank has reader threads), or an own piece large enough for
-        the helper threads."""
+        address, reads of more than ``INLINE_READ_BYTES`` in all where the rank has reader
+        threads, or an own piece large enough for the helper threads."""
         template = self.plan.template
         if template is None:  # splits that change from call to call: made for this call
             return self._make_express_layout()
