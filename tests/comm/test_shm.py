@@ -550,7 +550,12 @@ def test_info_says_which_path_each_pair_takes(capsys):
     poll_us = 2000 if usable_cores() < 2 else 100
     waits = f"polls for {poll_us} us, yielding its core, then sleeps"
     assert f"  rank 0, waiting for its peers: {waits} (idle_wait=auto; 2 ranks on this host" in out
-    copies = f"on {helpers} helper and {helpers} reader threads" if helpers > 1 else "itself"
+    copies = (
+        f"on {helpers} helper and {helpers} reader threads (a synchronous call that reads at "
+        "most 4 MiB in all: in its call)"
+        if helpers > 1
+        else "itself"
+    )
     assert f"copies its own pieces and reads peers' memory {copies} (host_copy_threads=0)" in out
 
 

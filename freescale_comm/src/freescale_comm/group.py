@@ -33,7 +33,7 @@ from freescale_comm.errors import FreescaleError, FreescalePeerError, FreescaleV
 from freescale_comm.futures import CallbackRunner
 from freescale_comm.huge_pages import huge_pages
 from freescale_comm.liveness import Liveness, own_connection, process_identity
-from freescale_comm.local_copies import LocalCopies, helper_threads
+from freescale_comm.local_copies import INLINE_READ_BYTES, LocalCopies, helper_threads
 from freescale_comm.options import EVERY_SIZE, READ_ABOVE_BYTES, FreescaleOptions
 from freescale_comm.transport import MAX_GROUP_SIZE, SEQ_BITS, SUB_BITS, Transport, make_tag
 from freescale_comm.validation import Signature
@@ -650,7 +650,12 @@ class GroupContext:
             )
             + f"(idle_wait={options.idle_wait}; {len(self.directory.same_host)} ranks on this "
             f"host, {self._cores} cores); copies its own pieces and reads peers' memory "
-            + (f"on {threads} helper and {threads} reader threads" if threads > 1 else "itself")
+            + (
+                f"on {threads} helper and {threads} reader threads (a synchronous call that "
+                f"reads at most {INLINE_READ_BYTES >> 20} MiB in all: in its call)"
+                if threads > 1
+                else "itself"
+            )
             + f" (host_copy_threads={options.host_copy_threads})"
         )
         for peer in range(self.size):
