@@ -77,6 +77,11 @@ def _run(script: str, *argv: str, timeout: float) -> subprocess.CompletedProcess
             "--out",
         ),
         ("comm_host_profile.py", ["--calls", "20", "--blocks", "1", "--profile"], "--json"),
+        (
+            "comm_first_calls.py",
+            ["--ranks", "2", "--size", "64K", "--calls", "2", "--blocks", "2", "--gap", "other"],
+            "--json",
+        ),
         # Pieces above the rings' limit: the reads and the own copies are timed too.
         ("comm_host_breakdown.py", ["--calls", "20", "--bytes-per-peer", "1M"], "--json"),
         ("host_copy_bandwidth.py", ["--read-mib", "1", "--copy-mib", "1"], "--json"),
