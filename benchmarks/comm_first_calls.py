@@ -7,24 +7,32 @@ back to back), ``sleep`` (``--gap-ms`` asleep after the barrier) or ``other`` (t
 backend's block, as ``freescale comm bench`` alternates them). Per backend and position in the
 block: the median over blocks of the slowest rank's time of that call, and the block's mean,
 which is what a bench block of that many calls reports. Outputs are reused from call to call,
-as in the bench.
+as in the bench. ``--bare`` adds the copies alone as a third backend (``BARE``), to tell the
+machine's own slow start from the backends'.
 
     python benchmarks/comm_first_calls.py [--ranks 4] [--size 32M] [--calls 7] [--blocks 8]
-        [--gap none|sleep|other] [--gap-ms 90] [--json FILE]
+        [--gap none|sleep|other] [--gap-ms 90] [--bare] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from freescale_comm._freescale_args import Parser, byte_size, int_at_least
 from freescale_comm._local_ranks import GroupSpec, run_ranks_or_exit
 
 BACKENDS = ("freescale", "gloo")
+# Without a backend: each rank reads its piece from every peer's input (``process_vm_readv``, as
+# freescale's reads) and copies its own, then a 4-byte freescale AllToAll (its outboxes: tens of
+# microseconds) ends the call; the floor of freescale's path, and whether the machine itself
+# starts slowly.
+BARE = "bare"
 WARMUP_CALLS = 5
 
 
@@ -34,16 +42,22 @@ def _rank(args: argparse.Namespace) -> dict[str, list[list[float]]]:
     import torch.distributed as dist
 
     gloo = dist.new_group(backend="gloo")
-    groups = {"freescale": None, "gloo": gloo}
+    names = (*BACKENDS, BARE) if args.bare else BACKENDS
     inp = torch.rand(args.size // 4)
-    outputs = {name: torch.empty_like(inp) for name in BACKENDS}
-    for name in BACKENDS:
+    outputs = {name: torch.empty_like(inp) for name in names}
+    calls = {
+        name: functools.partial(dist.all_to_all_single, outputs[name], inp, group=group)
+        for name, group in (("freescale", None), ("gloo", gloo))
+    }
+    if args.bare:
+        calls[BARE] = _bare_call(inp, outputs[BARE], gloo)
+    for name in names:
         for _ in range(WARMUP_CALLS):
-            dist.all_to_all_single(outputs[name], inp, group=groups[name])
-    times: dict[str, list[list[float]]] = {name: [] for name in BACKENDS}
-    order = [name for block in range(args.blocks) for name in BACKENDS[:: 1 - 2 * (block % 2)]]
-    if args.gap != "other":  # each backend's blocks together, so that none follows the other
-        order = sorted(order, key=BACKENDS.index)
+            calls[name]()
+    times: dict[str, list[list[float]]] = {name: [] for name in names}
+    order = [name for block in range(args.blocks) for name in names[:: 1 - 2 * (block % 2)]]
+    if args.gap != "other":  # each backend's blocks together, so that none follows another
+        order = sorted(order, key=names.index)
     for name in order:
         dist.barrier(group=gloo)
         if args.gap == "sleep":
@@ -51,17 +65,54 @@ def _rank(args: argparse.Namespace) -> dict[str, list[list[float]]]:
         block = []
         for _ in range(args.calls):
             start = time.perf_counter()
-            dist.all_to_all_single(outputs[name], inp, group=groups[name])
+            calls[name]()
             block.append(time.perf_counter() - start)
         times[name].append(block)
     return times
+
+
+def _bare_call(inp: Any, out: Any, gloo: Any) -> Callable[[], None]:
+    """The ``bare`` call: every peer's piece read from its input, the own piece copied, then a
+    4-byte AllToAll on the freescale world, so that no rank starts the next call before every
+    peer has read its input."""
+    import os
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from freescale_comm.shm import read_process
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    found: list[Any] = [None] * n
+    dist.all_gather_object(found, (os.getpid(), inp.data_ptr()), group=gloo)
+    piece = inp.numel() * inp.element_size() // n
+    mine, theirs = inp.numpy().view(np.uint8), out.numpy().view(np.uint8)
+    local = out.data_ptr()
+    ends = torch.zeros(n), torch.zeros(n)
+
+    def call() -> None:
+        for peer in range(n):
+            if peer == rank:
+                np.copyto(
+                    theirs[rank * piece : (rank + 1) * piece],
+                    mine[rank * piece : (rank + 1) * piece],
+                )
+                continue
+            pid, address = found[peer]
+            failed = read_process(pid, local + peer * piece, address + rank * piece, piece)
+            if failed is not None:
+                raise RuntimeError(f"reading rank {peer}'s piece failed: {failed}")
+        dist.all_to_all_single(*ends)
+
+    return call
 
 
 def summary(ranks: list[dict[str, list[list[float]]]], calls: int) -> dict[str, Any]:
     """Per backend, the median over blocks of the slowest rank's time of each call position
     (ms) and the block mean; the ratio of freescale's block mean to Gloo's."""
     found: dict[str, Any] = {}
-    for name in BACKENDS:
+    for name in ranks[0]:
         blocks = len(ranks[0][name])
         per_call = [
             statistics.median(
@@ -85,6 +136,12 @@ def main() -> None:
     parser.add_argument("--blocks", type=int_at_least(1), default=8, help="blocks per backend")
     parser.add_argument("--gap", choices=("none", "sleep", "other"), default="other")
     parser.add_argument("--gap-ms", type=int_at_least(0), default=90)
+    parser.add_argument(
+        "--bare",
+        action="store_true",
+        help="also time the copies alone: each peer's piece read from its memory, the own "
+        "piece copied, then a 4-byte freescale AllToAll",
+    )
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     if args.size % (4 * args.ranks):
@@ -96,7 +153,7 @@ def main() -> None:
     found = summary(ranks, args.calls)
     gap = f"{args.gap} {args.gap_ms} ms" if args.gap == "sleep" else args.gap
     print(f"AllToAll of {args.size} B, {args.ranks} ranks, gap before each block: {gap}")
-    for name in BACKENDS:
+    for name in ranks[0]:
         row = found[name]
         calls = " ".join(f"{t:.2f}" for t in row["per_call_ms"])
         print(f"  {name:9s} per call {calls} ms; block mean {row['block_mean_ms']:.2f} ms")
