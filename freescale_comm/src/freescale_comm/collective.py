@@ -468,10 +468,9 @@ class Collective:
             if not missing:
                 break
             waiting = missing
-            now = time.monotonic()
             if not until:
-                until = now + self.idle_poll_s
-            if now >= until or g.broken or g.launch_waiting or not yield_core(self.alone_yields):
+                until = time.monotonic() + self.idle_poll_s
+            if not self._polls_on(until):
                 self._leave_express(layout, None, headers, waiting)
                 return
         if self._verdict(headers, layout.header_bytes) is not None:
@@ -536,18 +535,24 @@ class Collective:
         """Polls, for up to the group's poll window, until the peers that read this rank's
         pieces have read them; False if they have not by then (or the group broke, or another
         thread waits to start a collective)."""
-        g = self.group
-        boxes, seq, readers = g.outboxes, self._outbox_seq, self._readers
+        boxes, seq, readers = self.group.outboxes, self._outbox_seq, self._readers
         until = time.monotonic() + self.idle_poll_s
         while not boxes.reads_done(seq, readers):
-            if (
-                time.monotonic() >= until
-                or g.broken
-                or g.launch_waiting
-                or not yield_core(self.alone_yields)
-            ):
+            if not self._polls_on(until):
                 return False
         return True
+
+    def _polls_on(self, until: float) -> bool:
+        """Whether an express collective waiting for its peers polls again (after yielding its
+        core): not past ``until``, the group neither broken nor wanted by another thread, and
+        its yields still find other threads on the core (``yield_core``)."""
+        g = self.group
+        return (
+            time.monotonic() < until
+            and not g.broken
+            and not g.launch_waiting
+            and yield_core(self.alone_yields)
+        )
 
     def _leave_express_in_data(self, failed: named_reads.PendingReads | None) -> None:
         """Leaves an express collective to the general path in its data phase: its own pieces

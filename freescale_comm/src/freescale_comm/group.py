@@ -542,9 +542,7 @@ class GroupContext:
             nbytes = self._header_room if sub == 0 else len(buffer)
             if nbytes <= self.ring_max_bytes:
                 return self._hub.post(link, buffer, tag, send)
-            # Larger: read by the receiver from the sender's memory where that direction
-            # allows it (both sides know: ``shm.open_links``), else UCX.
-            if sub != 0 and (link.host.reads_out if send else link.host.reads_in):
+            if sub != 0 and self._read_by_receiver(link, nbytes, send):
                 if send:
                     self.offer_to_readers([buffer], tag)
                 return self._hub.post(link, buffer, tag, send, by_read=True)
@@ -560,8 +558,15 @@ class GroupContext:
             link is not None
             and self.options.validate
             and self.reaches_by_outbox(peer)
-            and nbytes > self.ring_max_bytes
-            and (link.host.reads_out if send else link.host.reads_in)
+            and self._read_by_receiver(link, nbytes, send)
+        )
+
+    def _read_by_receiver(self, link: Any, nbytes: int, send: bool) -> bool:
+        """Whether a host message of ``nbytes`` on ``link`` is read by its receiver from the
+        sender's memory: larger than the rings take, in a direction the kernel allows (both
+        sides know: ``shm.open_links``); else (above the rings' limit) it takes UCX."""
+        return nbytes > self.ring_max_bytes and (
+            link.host.reads_out if send else link.host.reads_in
         )
 
     def offer_to_readers(self, buffers: Iterable[np.ndarray], tag: int) -> None:
