@@ -22,6 +22,8 @@ from tests.cli_refusals import assert_refused
         (["--min-bytes", "inf"], "argument --min-bytes: 'inf' is not a size"),
         (["--max-bytes", "1e400"], "argument --max-bytes: '1e400' is not a size"),
         (["--blocks", "0"], "argument --blocks: must be at least 1"),
+        (["--min-calls", "0"], "argument --min-calls: must be at least 1"),
+        (["--min-calls", "501"], "--min-calls (501) exceeds 500"),
         (["--threads", "-1"], "argument --threads: must be at least 0"),
     ],
 )

@@ -10,7 +10,10 @@ are checked against Gloo's on CPU copies of the same data. Method, per size (as 
 1. warm-up calls of both backends (connections, caches, pages), then a correctness check of
    freescale's result against Gloo's;
 2. calls per block from a second timed warm-up pass of the slower backend, so that a block lasts
-   about ``target_s`` (the same count for both backends, agreed across ranks);
+   about ``target_s``, and at least ``min_calls`` (the same count for both backends, agreed
+   across ranks): after the other backend's block the first two or three large calls of either
+   backend take a few ms longer (caches refilled), which in a block of a few calls weighs on
+   the faster backend's ratio;
 3. ``blocks`` measurement blocks per backend, backends alternating (ABBA order, so that none
    always runs first after another), a barrier only between blocks: each rank times its own
    block of back-to-back calls, per call (on CUDA until the device is done with the block);
@@ -53,6 +56,8 @@ class BenchConfig:
             size the blocks).
         blocks: timed blocks per backend and size (the median is reported).
         target_s: time one block aims at (sets the calls per block).
+        min_calls: calls per block at the least, however long they take (nccl-tests' default
+            iteration count), so that a block's slow first calls weigh little.
         max_calls: bound on the calls per block.
         env: FREESCALE_* / UCX_* variables for the ranks.
         device: ``"cpu"`` or ``"cuda"`` tensors.
@@ -75,6 +80,7 @@ class BenchConfig:
     warmup: int = 5
     blocks: int = 10
     target_s: float = 0.05
+    min_calls: int = 20
     max_calls: int = 500
     env: dict[str, str] = field(default_factory=dict)
     device: str = "cpu"
@@ -88,6 +94,8 @@ class BenchConfig:
             raise ValueError("need 0 < min_bytes <= max_bytes and factor >= 2")
         if self.blocks < 1 or self.warmup < 1 or self.target_s <= 0:
             raise ValueError("blocks and warmup must be >= 1 and target_s > 0")
+        if not 1 <= self.min_calls <= self.max_calls:
+            raise ValueError(f"need 1 <= min_calls <= max_calls, got {self.min_calls}")
 
     def sizes(self) -> list[int]:
         """The sweep, ``min_bytes`` to ``max_bytes`` by ``factor``, each size rounded down to
@@ -238,7 +246,8 @@ def _measure(
         done()
         warm.append((time.perf_counter() - start) / config.warmup)
     per_call = _max_over_ranks([max(warm)], gloo)[0]
-    count = max(1, min(config.max_calls, int(config.target_s / max(per_call, 1e-7))))
+    aimed = int(config.target_s / max(per_call, 1e-7))
+    count = max(config.min_calls, min(config.max_calls, aimed))
     mine: dict[str, list[float]] = {name: [] for name in names}
     for block in range(config.blocks):
         for name in names if block % 2 == 0 else names[::-1]:

@@ -91,6 +91,12 @@ def _parser() -> Parser:
         help="seconds one block of calls aims at (sets the calls per block)",
     )
     bench.add_argument(
+        "--min-calls",
+        type=int_at_least(1),
+        default=20,
+        help="calls per block at the least, however long they take (at most 500)",
+    )
+    bench.add_argument(
         "--threads",
         type=int_at_least(0),
         default=0,
@@ -133,6 +139,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             info["paths"] = local_paths(args.ranks, args.hosts)
         print(json.dumps(info, indent=2) if args.json else format_info(info))
         return 0
+    from freescale_comm.bench import BenchConfig, format_table, run_bench, write_report
+
+    if args.min_calls > BenchConfig.max_calls:
+        args.parser.error(f"--min-calls ({args.min_calls}) exceeds {BenchConfig.max_calls}")
     if args.min_bytes > args.max_bytes:
         args.parser.error(f"--min-bytes ({args.min_bytes}) exceeds --max-bytes ({args.max_bytes})")
     from freescale_comm.cpu import usable_cores
@@ -149,8 +159,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         args.parser.error(f"--out {args.out}: cannot make the folder ({err.strerror})")
-    from freescale_comm.bench import BenchConfig, format_table, run_bench, write_report
-
     reports = []
     for world_size in args.world_sizes:
         config = BenchConfig(
@@ -162,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             warmup=args.warmup,
             blocks=args.blocks,
             target_s=args.target_s,
+            min_calls=args.min_calls,
             device=args.device,
             threads=args.threads,
             huge_pages=args.huge_pages,
