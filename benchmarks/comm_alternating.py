@@ -13,7 +13,9 @@ options (``--variant a --variant b``) measure the noise of the method itself: th
 identical groups. Unlike the bench it leaves torch's thread settings alone unless ``--threads``
 is given (a training process runs with torch's default, one intra-op thread per core).
 ``--in-flight N`` issues the calls of a block N at a time, asynchronously, each into an output
-of its own, then waits for the N (as a pipeline with collectives in flight does).
+of its own, then waits for the N (as a pipeline with collectives in flight does);
+``--async-op`` issues every call asynchronously, the last one too, and waits for it (as a
+caller that starts a collective and waits for it later does).
 ``--ops send_recv``: every rank sends its input to the next rank and receives the previous
 one's (point-to-point, which a freescale group runs on its Gloo backend).
 ``--work-mib M`` puts CPU work before each call (or batch), as a training step computes between
@@ -26,7 +28,7 @@ for tensors of 2 MiB and more, as ``freescale comm bench --huge-pages`` does (th
 the variable).
 
     python benchmarks/comm_alternating.py [--ranks 2] [--threads N] [--device cpu|cuda]
-        [--hosts N] [--sizes 8,4096,16M] [--in-flight 1] [--work-mib 0] [--calls 200]
+        [--hosts N] [--sizes 8,4096,16M] [--in-flight 1] [--async-op] [--work-mib 0] [--calls 200]
         [--target-s 0.05]
         [--variant NAME[:FIELD=VALUE,...]]...   (default: one variant "freescale", defaults)
 """
@@ -93,6 +95,7 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
     if args.hosts:
         del os.environ[HOST_ENV]
     cuda = args.device == "cuda"
+    asynchronous = args.async_op
     if not cuda:  # CUDA tensors: the variants against each other (Gloo has no CUDA AllToAll)
         groups["gloo"] = None  # the world group
     names = list(groups)
@@ -123,7 +126,9 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
                 inp = torch.rand(elements, device=args.device)
 
                 def call(g: Any, k: int = 0, inp: torch.Tensor = inp, outs: list = outs) -> Any:
-                    return dist.all_to_all_single(outs[k], inp, group=g, async_op=k > 0)
+                    return dist.all_to_all_single(
+                        outs[k], inp, group=g, async_op=k > 0 or asynchronous
+                    )
             elif op == "send_recv":
                 inp = torch.rand(elements, device=args.device)
 
@@ -135,18 +140,18 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
                 inp = torch.rand(elements // n, device=args.device)
 
                 def call(g: Any, k: int = 0, inp: torch.Tensor = inp, outs: list = outs) -> Any:
-                    return gather(outs[k], inp, group=g, async_op=k > 0)
+                    return gather(outs[k], inp, group=g, async_op=k > 0 or asynchronous)
 
             def batch(name: str, call: Any = call) -> None:
-                """The work, if any, then ``--in-flight`` calls: the first N - 1 asynchronous,
-                then every wait (none for the ``work`` row)."""
+                """The work, if any, then ``--in-flight`` calls: the first N - 1 asynchronous
+                (every one with ``--async-op``), then every wait (none for the ``work`` row)."""
                 if work_from is not None:
                     work_to.copy_(work_from)
                 if name == "work":
                     return
                 g = groups[name]
                 works = [call(g, k) for k in range(args.in_flight - 1, -1, -1)]
-                for work in works[:-1]:
+                for work in works if asynchronous else works[:-1]:
                     work.wait()
 
             warm = []  # each group's time per call over the last 3 of its 5 warm-up batches
@@ -244,6 +249,9 @@ def main() -> None:
         "--in-flight", type=int, default=1, help="calls issued asynchronously before the waits"
     )
     parser.add_argument(
+        "--async-op", action="store_true", help="every call asynchronous, the last one too"
+    )
+    parser.add_argument(
         "--work-mib",
         type=int,
         default=0,
@@ -260,7 +268,7 @@ def main() -> None:
     args.ops = args.ops.split(",")
     if not set(args.ops) <= {"all_to_all", "all_gather", "send_recv"}:
         parser.error("--ops: all_to_all, all_gather, send_recv")
-    if "send_recv" in args.ops and (args.in_flight > 1 or args.device == "cuda"):
+    if "send_recv" in args.ops and (args.in_flight > 1 or args.async_op or args.device == "cuda"):
         parser.error("--ops send_recv: CPU tensors, one call in flight")
     args.variant = args.variant or [("freescale", FreescaleOptions())]
     if len({name for name, _ in args.variant}) != len(args.variant):

@@ -2218,11 +2218,11 @@ def a_failed_start_beside_a_chained_callback() -> dict[str, Any]:
     start = collective.Collective.start
     failed: list[str] = []
 
-    def failing_start(self: Any, express: bool = False) -> None:
+    def failing_start(self: Any, express: bool = False, caller_waits: bool = True) -> None:
         if threading.current_thread().name == "failing":
             time.sleep(1.0)
             raise RuntimeError("CUDA driver call failed (simulated)")
-        start(self, express)
+        start(self, express, caller_waits)
 
     def failing() -> None:
         try:
@@ -2944,6 +2944,45 @@ def express_calls(rounds: int) -> dict[str, Any]:
     checked("even", torch.float32, rounds + 3)
     checked("even", torch.float32, rounds + 4)
     return {"first": first, "last": ours._ctx.express_runs, "errors": errors}
+
+
+def asynchronous_calls(rounds: int) -> dict[str, Any]:
+    """Asynchronous AllToAlls, each result compared with Gloo's: small ones (uneven every other
+    round) that rank 0 calls 50 ms after its peers, so that their headers are in and its call
+    runs to its end there; then larger ones, whose reads of the peers' memory exceed
+    ``INLINE_READ_BYTES``, that rank 1 calls 50 ms late, so that the others' calls go to the
+    engine thread and their waits take them back. Returns this rank's express count and
+    taken-back count before and after each part."""
+    from freescale_comm.local_copies import INLINE_READ_BYTES
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ours, gloo = freescale_group(30, shm_max_bytes=1 << 19), gloo_group()
+    ctx = ours._ctx
+    large = INLINE_READ_BYTES // 4 // (n - 1) + 1024  # float32 elements per peer
+
+    def alltoall(per_peer: int, salt: int, uneven: bool, group: Any, **kw: Any) -> Any:
+        send = [per_peer + (j if uneven else 0) for j in range(n)]
+        recv = [per_peer + (rank if uneven else 0)] * n
+        values = make_tensor((sum(send),), torch.float32, _tensor_seed(salt, 2, rank))
+        out = torch.empty(sum(recv))
+        work = dist.all_to_all_single(out, values, recv, send, group=group, **kw)
+        return out if work is None else (work, out)
+
+    def part(per_peer: int, late: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        express, taken = ctx.express_runs, ctx.engine.taken_back
+        for salt in range(rounds):
+            uneven = salt % 2 == 1
+            if rank == late:
+                time.sleep(0.05)
+            work, got = alltoall(per_peer, salt, uneven, ours, async_op=True)
+            work.wait()
+            _same(got, alltoall(per_peer, salt, uneven, gloo), f"{per_peer} per peer #{salt}")
+        return (express, ctx.express_runs), (taken, ctx.engine.taken_back)
+
+    small = part(3, late=0)
+    larger = part(large, late=1)
+    dist.destroy_process_group(ours)
+    return {"small": small, "larger": larger}
 
 
 def completed_once_the_future_is(calls: int) -> list[bool]:

@@ -54,7 +54,7 @@ import torch
 
 from freescale_comm import named_reads
 from freescale_comm.algorithms import Plan, Transfer
-from freescale_comm.engine import yield_core
+from freescale_comm.engine import POLL_S, yield_core
 from freescale_comm.errors import (
     FreescaleError,
     FreescalePeerError,
@@ -119,6 +119,7 @@ class _ExpressLayout:
     reads: list[tuple[int, list[int]]]  # (peer, the receives read from its memory)
     sources: list[int]  # the peers whose headers are read, in the order the general path reads
     header_bytes: int  # the signature's part of each header
+    read_bytes: int  # the bytes of ``reads``
 
 
 _EXPRESS_KEY = "express"  # ``Template.derived`` key of the layout (None: the plan has none)
@@ -337,13 +338,18 @@ class Collective:
         return f"freescale {self.name} #{self.seq} (group {g.group_id}, rank {g.rank} of {g.size})"
 
     # ----------------------------------------------------------------- start (caller thread)
-    def start(self, express: bool = False) -> None:
+    def start(self, express: bool = False, caller_waits: bool = True) -> None:
         """Posts the first messages; raises at once only when the group is already broken.
 
-        With ``express`` (the caller waits at once and no other collective of the group is in
-        flight) a small CPU collective whose messages all fit in the outboxes is run to its end
-        here when the peers' headers arrive within the group's poll window (``_express``);
-        otherwise it is left in flight, in the state the general path would have left it.
+        With ``express`` (no other collective of the group is in flight) a small CPU collective
+        whose messages all fit in the outboxes is run to its end here when the peers' headers
+        arrive within the group's poll window (``_express``); otherwise it is left in flight,
+        in the state the general path would have left it. An asynchronous call (not
+        ``caller_waits``) runs there only where its reads of peers' memory add up to
+        ``INLINE_READ_BYTES`` or less, and polls for its peers for at most ``POLL_S``: handed
+        to the engine thread instead, a small one took 2-4x as long (two hand-offs between
+        threads), and its caller is kept from its work about as long as by a small synchronous
+        call.
         """
         g = self.group
         if g.broken:
@@ -361,8 +367,9 @@ class Collective:
             raise FreescaleValidationError(f"{self.label}: {self.plan.signature.error}")
         if validate and express and not self.on_cuda and g.outboxes is not None:
             layout = self._express_layout()
-            if layout is not None:
-                self._express(layout)
+            if layout is not None and (caller_waits or layout.read_bytes <= INLINE_READ_BYTES):
+                poll_s = self.idle_poll_s if caller_waits else min(self.idle_poll_s, POLL_S)
+                self._express(layout, poll_s)
                 return
         if validate or (self.plan.ipc and g.size > 1):  # IPC: the headers carry descriptors
             self._post_headers()
@@ -421,12 +428,13 @@ class Collective:
             reads=[(p, [index[id(t)] for t in reads[p]]) for p in sources if p in reads],
             sources=sources,
             header_bytes=size,
+            read_bytes=read_bytes,
         )
 
-    def _express(self, layout: _ExpressLayout) -> None:
+    def _express(self, layout: _ExpressLayout, poll_s: float) -> None:
         """Runs a collective of ``layout`` on the calling thread: writes the headers (with
         every piece folded in, or the address of a piece its peer reads), polls the peers'
-        outboxes for up to the group's poll window, and, if their headers came and form a
+        outboxes for up to ``poll_s``, and, if their headers came and form a
         consistent table (one judged so before for this template, or judged here), copies the
         pieces out, reads the pieces named, and finishes once the peers have read its own
         within the window too. A box not yet writable, a late peer, a table with a problem, an
@@ -469,7 +477,7 @@ class Collective:
                 break
             waiting = missing
             if not until:
-                until = time.monotonic() + self.idle_poll_s
+                until = time.monotonic() + poll_s
             if not self._polls_on(until):
                 self._leave_express(layout, None, headers, waiting)
                 return

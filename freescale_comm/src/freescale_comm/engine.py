@@ -26,7 +26,11 @@ the thread that sleeps in the epoll is the one that returns the result. That
 saves two thread hand-offs per collective (caller to engine, engine back to caller), each a
 scheduler wake-up that costs tens of microseconds on an idle machine and up to a time slice on a
 loaded one. A claimed collective that its caller does not drive within ``_CLAIM_GRACE_S``, or
-that outlives a shorter ``wait(timeout)``, is taken over by the engine thread.
+that outlives a shorter ``wait(timeout)``, is taken over by the engine thread. An asynchronous
+CPU collective goes to the engine thread at its call, and its caller's ``wait`` *takes it back*
+(``take_back``) where the engine thread has it alone and is between two steps: the caller then
+drives it to its end as if it had claimed it, instead of sleeping until the engine thread wakes
+it.
 """
 
 from __future__ import annotations
@@ -181,6 +185,10 @@ class Engine:
         self._claimed: Op | None = None
         self._claimed_at = 0.0
         self._driving = False
+        # The engine thread is stepping its ops (from taking them to dropping the finished
+        # ones): no caller may take one back meanwhile.
+        self._stepping = False
+        self.taken_back = 0  # ops a caller's wait took back (``take_back``)
         self._watches: list[Watch] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD, daemon=True)
@@ -238,14 +246,35 @@ class Engine:
             self._claimed, self._claimed_at, self._driving = op, time.monotonic(), False
             return True
 
+    def take_back(self, op: Op) -> bool:
+        """Claims ``op`` for a caller about to wait for it, as ``claim`` would have at its call,
+        where the engine thread has it alone in flight and is not stepping it now; the engine
+        thread, which may sleep in the epoll for it, is woken to go back to its condition.
+        Returns False where ``op`` stays with the engine thread (or is claimed already)."""
+        with self._cond:
+            if (
+                self._stepping
+                or len(self._ops) != 1
+                or self._ops[0] is not op
+                or self._claimed is not None
+                or self._stopping
+            ):
+                return False
+            self._ops = []
+            self._claimed, self._claimed_at, self._driving = op, time.monotonic(), False
+            self.taken_back += 1
+        self._transport.wake()
+        return True
+
     def drive(self, op: Op, until: float, enough: Callable[[], bool] | None = None) -> None:
         """Progresses a claimed ``op`` on the calling thread until it finishes or ``until``.
 
-        Returns at once if ``op`` is not (or no longer) claimed; an op still unfinished at
+        Returns at once if ``op`` is not (or no longer) claimed, or another thread drives it
+        (two threads waiting for one asynchronous collective); an op still unfinished at
         ``until``, or once ``enough()`` holds, is handed to the engine thread.
         """
         with self._cond:
-            if self._claimed is not op:
+            if self._claimed is not op or self._driving:
                 return
             self._driving = True
 
@@ -367,6 +396,7 @@ class Engine:
                 if self._stopping and not self._ops:
                     return
                 ops = list(self._ops)
+                self._stepping = bool(ops)
             now = time.monotonic()
             self._tick(now)
             if not ops:
@@ -379,6 +409,7 @@ class Engine:
                 self._check_health([op for op in ops if not op.finished])
             with self._cond:
                 self._ops = [op for op in self._ops if not op.finished]
+                self._stepping = False
             if progressed:
                 idle_since = now
             else:

@@ -936,7 +936,9 @@ class GroupContext:
                 one until its last copies are queued (its ``wait`` blocks until then anyway),
                 which saves the hand-offs between threads that dominate a small collective.
                 A CUDA caller must have the collective's device current (UCX's CUDA
-                transports use the progressing thread's context).
+                transports use the progressing thread's context). Otherwise only a small CPU
+                one may run to its end here (``Collective.start``), and its ``wait`` may take
+                it back from the engine thread (``Engine.take_back``).
         """
         # Numbered, started and listed in flight as one step: a thread that took the number
         # before another and started after it would send behind that later collective's early
@@ -968,10 +970,10 @@ class GroupContext:
                     alone = alone and earlier.finished
                 op.seq = self._last_seq = self.next_seq()
                 try:
-                    # Alone in flight, a collective its caller waits for may run to its end here
+                    # Alone in flight, a collective may run to its end here
                     # (``Collective.start``): no earlier one can still need its place in the
                     # outboxes or rings, and none can start meanwhile (this lock).
-                    op.start(express=caller_waits and alone)
+                    op.start(express=alone, caller_waits=caller_waits)
                 except BaseException as err:  # an interrupt too: the number is taken all the same
                     failure: BaseException | None = err
                 else:

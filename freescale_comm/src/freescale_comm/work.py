@@ -28,9 +28,10 @@ class FreescaleWork(dist.Work):
     ``timedelta(0)`` (which c10d uses to mean "no timeout").
 
     CPU tensors: ``wait`` returns once the data is in the outputs. A collective its caller
-    claimed (``Engine.claim``) is progressed by ``wait`` on the calling thread; any other use of
-    the handle first gives it to the engine thread, so that a future or a completion poll never
-    waits on a caller that is not driving.
+    claimed (``Engine.claim``), or that ``wait`` takes back from the engine thread
+    (``Engine.take_back``: an asynchronous one the engine has alone), is progressed by ``wait``
+    on the calling thread; any other use of the handle first gives it to the engine thread, so
+    that a future or a completion poll never waits on a caller that is not driving.
 
     CUDA tensors: the collective is ordered after the work queued on the caller's current
     stream at call time, and ``wait`` makes the caller's current stream wait for it on the GPU.
@@ -104,7 +105,9 @@ class FreescaleWork(dist.Work):
         op.finish_promptly()
         limit, short = self._bound(timeout)
         until = time.monotonic() + limit
-        op.group.engine.drive(op, until)
+        engine = op.group.engine
+        engine.take_back(op)  # an asynchronous call's: driven here if the engine has it alone
+        engine.drive(op, until)
         self._block(op.event, limit, short, until)
         return True
 
