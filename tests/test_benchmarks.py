@@ -69,6 +69,11 @@ def _run(script: str, *argv: str, timeout: float) -> subprocess.CompletedProcess
         # One rank: no peer, its own pieces only (the row of how host bytes travel says so).
         ("comm_alternating.py", ["--ranks", "1", "--sizes", "8,2M", "--calls", "3"], "--json"),
         (
+            "comm_alternating.py",
+            ["--ranks", "2", "--sizes", "8,1M", "--calls", "3", "--blocks", "1", "--async-op"],
+            "--json",
+        ),
+        (
             "comm_host_paths.py",
             [
                 *("--ranks", "2", "--blocks", "1", "--min-bytes", "4096"),
