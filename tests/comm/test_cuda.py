@@ -222,6 +222,17 @@ def test_killed_peer_on_ipc_releases_the_gpu():
     assert "survivor 0 raised after" in report and "GPU drained after" in report, report
 
 
+def test_asynchronous_ipc_calls_are_driven_by_their_wait(fs_group):
+    # They were left to the engine thread, whose hand-overs cost the caller wake-ups; a wait
+    # that finds the call alone with the engine thread now drives it until it is sealed.
+    reports = fs_group.run(ipc_ranks.ipc_asynchronous_calls_taken_back, 3, timeout_s=120)
+    for rank, report in enumerate(reports):
+        assert report["correct"], report
+        before, after = report["taken_back"]
+        if rank != 1:  # rank 1 comes late: the others' calls wait for it on the engine thread
+            assert after > before, (rank, report)
+
+
 def test_ipc_collectives_end_without_a_watcher_thread_unless_awaited(fs_group):
     for report in fs_group.run(ipc_ranks.ipc_end_event_cases, timeout_s=120):
         # A watcher thread woken per synchronous call took the GIL from the caller's next one.

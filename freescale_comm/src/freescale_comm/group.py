@@ -1000,9 +1000,15 @@ class GroupContext:
             raise failure
         if op.finished:
             return
-        may_drive = caller_waits and (not op.on_cuda or _current_device() == op.plan.cuda_index)
-        if not (may_drive and self.engine.claim(op)):
+        if not (caller_waits and self.drivable_here(op) and self.engine.claim(op)):
             self.engine.submit(op)
+
+    @staticmethod
+    def drivable_here(op: Collective) -> bool:
+        """Whether the calling thread may progress ``op``: a CUDA one only with its device
+        current (UCX's CUDA transports and the IPC path's driver calls use the progressing
+        thread's context)."""
+        return not op.on_cuda or _current_device() == op.plan.cuda_index
 
     def _count_launch_waiting(self, change: int) -> None:
         """Counts a thread in ``launch`` that waits for its lock (``launch_waiting``)."""

@@ -35,7 +35,8 @@ class FreescaleWork(dist.Work):
 
     CUDA tensors: the collective is ordered after the work queued on the caller's current
     stream at call time, and ``wait`` makes the caller's current stream wait for it on the GPU.
-    ``wait`` first blocks the CPU until the collective is sealed: on the IPC path once every
+    ``wait`` first blocks the CPU until the collective is sealed (driving it there where it is
+    claimed or taken back, and the caller has its device current): on the IPC path once every
     peer's header is in (the GPU orders the rest, ``ipc``); on the other paths once the last
     message has arrived (on the staging rings: until its last H2D copy is queued), because the
     last copies and the event that ends them exist only then (see ``cuda``'s module docstring
@@ -115,9 +116,13 @@ class FreescaleWork(dist.Work):
         op = self._op
         limit, short = self._bound(timeout)
         until = time.monotonic() + limit
-        # A claimed collective is driven here until its last copies are queued; the engine
-        # thread waits for them (and frees the buffers) while the caller goes on.
-        op.group.engine.drive(op, until, op.sealed.is_set)
+        # A claimed collective (or an asynchronous one taken back) is driven here until its last
+        # copies are queued; the engine thread waits for them (and frees the buffers) while the
+        # caller goes on.
+        engine = op.group.engine
+        if op.group.drivable_here(op):
+            engine.take_back(op)
+        engine.drive(op, until, op.sealed.is_set)
         self._block(op.sealed, limit, short, until)
         self._wait_on_stream()
         return True
