@@ -27,10 +27,11 @@ saves two thread hand-offs per collective (caller to engine, engine back to call
 scheduler wake-up that costs tens of microseconds on an idle machine and up to a time slice on a
 loaded one. A claimed collective that its caller does not drive within ``_CLAIM_GRACE_S``, or
 that outlives a shorter ``wait(timeout)``, is taken over by the engine thread. An asynchronous
-CPU collective goes to the engine thread at its call, and its caller's ``wait`` *takes it back*
-(``take_back``) where the engine thread has it alone and is between two steps: the caller then
-drives it to its end as if it had claimed it, instead of sleeping until the engine thread wakes
-it.
+collective that did not run to its end in its call (``Collective.start``) goes to the engine
+thread, and its caller's ``wait`` *takes it back* (``take_back``) where the engine thread has it
+alone and is between two steps (a CUDA one: where the caller has its device current): the
+caller then drives it as if it had claimed it, instead of sleeping until the engine thread
+wakes it.
 """
 
 from __future__ import annotations
