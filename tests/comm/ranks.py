@@ -1973,6 +1973,7 @@ def an_internal_error_on_one_rank() -> str:
     raise at once (the group is aborted) rather than after the group's 60 s timeout. Returns
     the seconds and the error this rank saw."""
     from freescale_comm import collective
+    from freescale_comm.local_copies import INLINE_READ_BYTES
 
     rank, n = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(backend="freescale", timeout=timedelta(seconds=60))
@@ -1983,10 +1984,13 @@ def an_internal_error_on_one_rank() -> str:
 
     if rank == 0:
         collective.Collective._start_data = broken
-    per_peer = 1 << 20  # 4 MiB: moved in the data phase (not folded, not sent early)
+    # Moved in the data phase (not folded, not sent early), and more than an asynchronous call
+    # reads in its call.
+    per_peer = INLINE_READ_BYTES // 4 + 1024
     try:
-        # Asynchronous: a synchronous call whose pieces are all read at named addresses runs
-        # in its call (``Collective._express``), which has no ``_start_data``.
+        # Asynchronous, with reads above ``INLINE_READ_BYTES``: a call whose pieces are all read
+        # at named addresses runs in its call (``Collective._express``) otherwise, which has no
+        # ``_start_data``.
         message = _error_after(
             lambda: dist.all_to_all_single(
                 torch.empty(n * per_peer), torch.ones(n * per_peer), group=group, async_op=True
