@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.comm.ranks import _same, cuda_group, make_tensor
+from tests.comm.ranks import _same, cuda_group, make_tensor, threads_advancing
 
 
 def ipc_mailbox_cases(seed: int, lag_cycles: int = 0) -> dict[str, Any]:
@@ -299,29 +299,29 @@ def ipc_end_event_cases() -> dict[str, Any]:
     return report
 
 
-def ipc_asynchronous_calls_taken_back(rounds: int) -> dict[str, Any]:
+def ipc_asynchronous_calls_driven_by_their_wait(rounds: int) -> dict[str, Any]:
     """Asynchronous IPC AllToAlls that rank 1 calls 50 ms late, each waited for at once and
-    compared with the expected values: the others' calls go to the engine thread, and their
-    waits take them back (``Engine.take_back``). Returns this rank's taken-back count before
-    and after, and whether every result was right."""
+    compared with the expected values. Returns per call whether the calling thread advanced it
+    (its ``wait`` drove it until sealed), and whether every result was right."""
+    import threading
     import time
 
     rank, n = dist.get_rank(), dist.get_world_size()
     dev, group = cuda_group(cuda_path="ipc")
-    engine = group._ctx.engine
     sent = torch.arange(2 * n, dtype=torch.float32, device=dev) + 100 * rank
     received = torch.empty_like(sent)
     want = torch.tensor([100 * j + 2 * rank + k for j in range(n) for k in range(2)], device=dev)
     dist.all_to_all_single(received, sent, group=group)  # maps the peers' mailboxes
     torch.cuda.synchronize()
-    before, correct = engine.taken_back, True
+    caller, driven_here, correct = threading.current_thread().name, [], True
     for _ in range(rounds):
         received.zero_()
         if rank == 1:
             time.sleep(0.05)
-        dist.all_to_all_single(received, sent, group=group, async_op=True).wait()
+        with threads_advancing() as names:
+            dist.all_to_all_single(received, sent, group=group, async_op=True).wait()
+        driven_here.append(caller in names)
         correct = correct and torch.equal(received, want)
-    after = engine.taken_back
     torch.cuda.synchronize()
     dist.destroy_process_group(group)
-    return {"taken_back": (before, after), "correct": correct}
+    return {"driven_here": driven_here, "correct": correct}

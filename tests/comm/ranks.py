@@ -2950,13 +2950,30 @@ def express_calls(rounds: int) -> dict[str, Any]:
     return {"first": first, "last": ours._ctx.express_runs, "errors": errors}
 
 
+@contextlib.contextmanager
+def threads_advancing() -> Iterator[list[str]]:
+    """The names of the threads that advance a collective meanwhile (``Collective.advance``),
+    one per advance."""
+    from freescale_comm import collective
+
+    names: list[str] = []
+    original = collective.Collective.advance
+
+    def advance(op: Any) -> bool:
+        names.append(threading.current_thread().name)
+        return original(op)
+
+    with mock.patch.object(collective.Collective, "advance", advance):
+        yield names
+
+
 def asynchronous_calls(rounds: int) -> dict[str, Any]:
     """Asynchronous AllToAlls, each result compared with Gloo's: small ones (uneven every other
     round) that rank 0 calls 50 ms after its peers, so that their headers are in and its call
     runs to its end there; then larger ones, whose reads of the peers' memory exceed
-    ``INLINE_READ_BYTES``, that rank 1 calls 50 ms late, so that the others' calls go to the
-    engine thread and their waits take them back. Returns this rank's express count and
-    taken-back count before and after each part."""
+    ``INLINE_READ_BYTES``, that rank 1 calls 50 ms late, so that the others' calls wait for it.
+    Returns this rank's express count before and after each part, and per larger call whether
+    the calling thread advanced it (its ``wait`` drove it)."""
     from freescale_comm.local_copies import INLINE_READ_BYTES
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -2972,16 +2989,19 @@ def asynchronous_calls(rounds: int) -> dict[str, Any]:
         work = dist.all_to_all_single(out, values, recv, send, group=group, **kw)
         return out if work is None else (work, out)
 
-    def part(per_peer: int, late: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        express, taken = ctx.express_runs, ctx.engine.taken_back
+    def part(per_peer: int, late: int) -> tuple[tuple[int, int], list[bool]]:
+        express, driven_here = ctx.express_runs, []
+        caller = threading.current_thread().name
         for salt in range(rounds):
             uneven = salt % 2 == 1
             if rank == late:
                 time.sleep(0.05)
-            work, got = alltoall(per_peer, salt, uneven, ours, async_op=True)
-            work.wait()
+            with threads_advancing() as names:
+                work, got = alltoall(per_peer, salt, uneven, ours, async_op=True)
+                work.wait()
+            driven_here.append(caller in names)
             _same(got, alltoall(per_peer, salt, uneven, gloo), f"{per_peer} per peer #{salt}")
-        return (express, ctx.express_runs), (taken, ctx.engine.taken_back)
+        return (express, ctx.express_runs), driven_here
 
     small = part(3, late=0)
     larger = part(large, late=1)

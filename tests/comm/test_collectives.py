@@ -85,18 +85,18 @@ def test_a_destroy_lets_the_collectives_in_flight_finish(fs_group):
     assert fs_group.run(run, 3, timeout_s=120) == [3] * n
 
 
-def test_asynchronous_calls_run_in_their_call_or_are_taken_back_by_their_wait(fs_group):
+def test_asynchronous_calls_run_in_their_call_or_are_driven_by_their_wait(fs_group):
     # Handed to the engine thread, an asynchronous call and its wait took 2-4x a synchronous
     # call's time (two hand-offs between threads). A small one whose peers' headers are in runs
-    # to its end in its call; a larger one the engine thread has alone is driven by its wait.
+    # to its end in its call; a larger one's wait takes it back from the engine thread.
     seen = fs_group.run(ranks.asynchronous_calls, 3, timeout_s=120)
     (express_before, express_after), _ = seen[0]["small"]
     assert express_after - express_before == 3, seen[0]
     for rank, result in enumerate(seen):
-        (express_before, express_after), (taken_before, taken_after) = result["larger"]
+        (express_before, express_after), driven_here = result["larger"]
         assert express_after == express_before, result  # its reads exceed the inline limit
-        if rank != 1:  # rank 1 comes late: the others' calls wait for it on the engine thread
-            assert taken_after > taken_before, (rank, result)
+        if rank != 1:  # rank 1 comes late: the others' waits wait for it
+            assert any(driven_here), (rank, result)
 
 
 def test_a_barrier_in_a_future_callback_does_not_wait_for_later_collectives(fs_group):

@@ -189,7 +189,6 @@ class Engine:
         # The engine thread is stepping its ops (from taking them to dropping the finished
         # ones): no caller may take one back meanwhile.
         self._stepping = False
-        self.taken_back = 0  # ops a caller's wait took back (``take_back``)
         self._watches: list[Watch] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD, daemon=True)
@@ -263,7 +262,6 @@ class Engine:
                 return False
             self._ops = []
             self._claimed, self._claimed_at, self._driving = op, time.monotonic(), False
-            self.taken_back += 1
         self._transport.wake()
         return True
 
