@@ -6,11 +6,7 @@
 # root with .whl/ and out/ab_old carried. Results are packed after every run.
 set -u
 source benchmarks/device_env.sh
-new_path=$PYTHONPATH
-old_path=$PWD/out/ab_old/freescale_comm/src:$rest
-R=$OUT/r; mkdir -p "$R"
 lscpu | head -16 > "$R/machine.txt"
-save() { tar -czf "$OUT/results.tgz" -C "$R" .; }
 for i in 1 2; do
   for ranks in 4 2; do
     for v in old_async new_async new_sync; do

@@ -4,9 +4,7 @@
 # carried. Results are packed after every run.
 set -u
 source benchmarks/device_env.sh
-R=$OUT/r; mkdir -p "$R"
 lscpu | head -16 > "$R/machine.txt"
-save() { tar -czf "$OUT/results.tgz" -C "$R" .; }
 for ranks in 2 4; do
   timeout 120 python3 benchmarks/comm_alternating.py --ranks "$ranks" \
     --sizes 8,64,512,4K,1M,4M,16M --json "$R/alternating_${ranks}ranks.json" \
