@@ -310,7 +310,8 @@ def ipc_asynchronous_calls_driven_by_their_wait(rounds: int) -> dict[str, Any]:
     dev, group = cuda_group(cuda_path="ipc")
     sent = torch.arange(2 * n, dtype=torch.float32, device=dev) + 100 * rank
     received = torch.empty_like(sent)
-    want = torch.tensor([100 * j + 2 * rank + k for j in range(n) for k in range(2)], device=dev)
+    values = [100 * j + 2 * rank + k for j in range(n) for k in range(2)]
+    want = torch.tensor(values, dtype=torch.float32, device=dev)
     dist.all_to_all_single(received, sent, group=group)  # maps the peers' mailboxes
     torch.cuda.synchronize()
     caller, driven_here, correct = threading.current_thread().name, [], True

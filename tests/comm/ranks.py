@@ -2969,9 +2969,9 @@ def threads_advancing() -> Iterator[list[str]]:
 
 def asynchronous_calls(rounds: int) -> dict[str, Any]:
     """Asynchronous AllToAlls, each result compared with Gloo's: small ones (uneven every other
-    round) that rank 0 calls 50 ms after its peers, so that their headers are in and its call
+    round) that rank 0 calls 0.2 s after its peers, so that their headers are in and its call
     runs to its end there; then larger ones, whose reads of the peers' memory exceed
-    ``INLINE_READ_BYTES``, that rank 1 calls 50 ms late, so that the others' calls wait for it.
+    ``INLINE_READ_BYTES``, that rank 1 calls 0.2 s late, so that the others' calls wait for it.
     Returns this rank's express count before and after each part, and per larger call whether
     the calling thread advanced it (its ``wait`` drove it)."""
     from freescale_comm.local_copies import INLINE_READ_BYTES
@@ -2995,7 +2995,7 @@ def asynchronous_calls(rounds: int) -> dict[str, Any]:
         for salt in range(rounds):
             uneven = salt % 2 == 1
             if rank == late:
-                time.sleep(0.05)
+                time.sleep(0.2)
             with threads_advancing() as names:
                 work, got = alltoall(per_peer, salt, uneven, ours, async_op=True)
                 work.wait()

@@ -551,7 +551,7 @@ def test_info_says_which_path_each_pair_takes(capsys):
     waits = f"polls for {poll_us} us, yielding its core, then sleeps"
     assert f"  rank 0, waiting for its peers: {waits} (idle_wait=auto; 2 ranks on this host" in out
     copies = (
-        f"on {helpers} helper and {helpers} reader threads (a synchronous call that reads at "
+        f"on {helpers} helper and {helpers} reader threads (a call alone in flight that reads at "
         "most 4 MiB in all: in its call)"
         if helpers > 1
         else "itself"

@@ -18,7 +18,14 @@ import torch
 
 from freescale_comm import FreescaleOptions
 from freescale_comm.cpu import cgroup_cpu_quota, usable_cores
-from freescale_comm.engine import ALONE_YIELDS, POLL_S, YIELD_S, alone_yields, idle_poll_s
+from freescale_comm.engine import (
+    ALONE_YIELDS,
+    POLL_S,
+    YIELD_S,
+    Engine,
+    alone_yields,
+    idle_poll_s,
+)
 from freescale_comm.errors import FreescaleError
 from freescale_comm.local_copies import LocalCopies, helper_threads, split, start_reads
 from freescale_comm.transport import MAX_SUB, make_tag
@@ -1028,3 +1035,88 @@ def test_gated_pulls_queue_each_peer_once_the_cpu_sees_its_flag(monkeypatch):
         if path._poller is not None:
             path._poller.close()
             assert not path._poller._thread.is_alive()
+
+
+class _QuietTransport:
+    """What the engine asks of a transport, with nothing to move (pure engine logic)."""
+
+    def wake(self) -> None:
+        pass
+
+    def progress(self) -> None:
+        pass
+
+    def wait_event(self, ms: int) -> None:
+        time.sleep(ms / 1000)
+
+
+class _Healthy:
+    def health_error(self, waited_s: float) -> None:
+        return None
+
+    def departure_error(self, seq: int) -> None:
+        return None
+
+
+class _CountedOp:
+    """An op that never moves by itself; records the threads that advance it."""
+
+    def __init__(self) -> None:
+        self.group, self.seq, self.started = _Healthy(), 1, time.monotonic()
+        self.deadline = self.started + 60
+        self.finished, self.needs_engine, self.queued_behind = False, True, False
+        self.uses_transport, self.idle_poll_s, self.alone_yields = False, 0.0, ALONE_YIELDS
+        self.advanced_by: list[int] = []
+
+    def advance(self) -> bool:
+        self.advanced_by.append(threading.get_ident())
+        return False
+
+    def expire(self) -> None:
+        self.finished = True
+
+    def fail(self, reason: str, kind: str) -> None:
+        self.finished = True
+
+
+@pytest.fixture
+def engine() -> Any:
+    engine = Engine(_QuietTransport(), None)
+    yield engine
+    with engine._cond:
+        engine._stopping = True
+        engine._cond.notify()
+    engine._thread.join(5)
+
+
+def test_a_wait_takes_back_an_op_the_engine_has_alone_and_hands_it_back(engine):
+    op = _CountedOp()
+    engine.submit(op)
+    deadline = time.monotonic() + 5
+    while not engine.take_back(op):  # refused while the engine thread steps it
+        assert time.monotonic() < deadline
+    taken_at = len(op.advanced_by)
+    engine.drive(op, time.monotonic() + 0.05)
+    mine = op.advanced_by[taken_at:]
+    assert mine and set(mine) == {threading.get_ident()}  # the engine thread left it alone
+    deadline = time.monotonic() + 5  # handed back unfinished: the engine steps it again
+    while engine._thread.ident not in op.advanced_by[taken_at + len(mine) :]:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert not engine.take_back(_CountedOp())  # one it does not have
+    op.finished = True
+
+
+def test_a_handle_polled_beside_a_driving_wait_leaves_the_drive_alone(engine):
+    op = _CountedOp()
+    assert engine.claim(op)
+    driving = threading.Thread(target=engine.drive, args=(op, time.monotonic() + 0.3))
+    driving.start()
+    while not op.advanced_by:
+        time.sleep(0.001)
+    engine.hand_over(op)  # ``is_completed`` from another thread
+    engine.drive(op, time.monotonic() + 0.3)  # a second wait: returns at once
+    time.sleep(0.05)
+    assert set(op.advanced_by) == {driving.ident}  # only the first wait drives it, still
+    op.finished = True
+    driving.join(5)

@@ -32,9 +32,10 @@ starts it):
    future completed) once that event has: at once where somebody waits for it (a watcher
    thread), else when a poll finds it (``poll_final``).
 
-A small CPU collective whose every piece rides in the outboxes' headers, alone in flight and
-waited for at once, may run the whole machine in its call (``_express``): headers written and
-read, the table judged (compared as bytes with one judged good before, for a cached shape), the
+A small CPU collective whose every piece rides in the outboxes' headers (or is read at the
+address a header names), alone in flight, may run the whole machine in its call (``_express``;
+an asynchronous one only with reads of ``INLINE_READ_BYTES`` or less): headers written and read,
+the table judged (compared as bytes with one judged good before, for a cached shape), the
 pieces copied out; whatever it cannot finish that way it leaves in the state of phase 1.
 
 A failure at any point cancels the outstanding requests (dropping a ucxx request cancels it) but
@@ -177,6 +178,7 @@ class Collective:
         self.plan = plan
         self.seq = 0  # numbered by ``GroupContext.launch``, in the order collectives start
         self.started = time.monotonic()
+        self.launched_by = threading.get_ident()  # made by the calling thread
         # The call's own timeout, or the group's at the start: one set later
         # (``follow_timeout``) bounds the collectives started after it.
         self.timeout_s = timeout_s or group.current_timeout_s()
@@ -507,7 +509,7 @@ class Collective:
         boxes.release(seq)
         self._outbox_released = True
         host_copies(plan.local_copies)
-        if layout.readers and not self._poll_readers():
+        if layout.readers and not self._poll_readers(poll_s):
             self._leave_express_in_data(None)
             return
         g.express_runs += 1  # under the group's launch lock
@@ -539,12 +541,12 @@ class Collective:
         self._headers = headers
         self._outbox_from = dict.fromkeys(waiting, False)
 
-    def _poll_readers(self) -> bool:
-        """Polls, for up to the group's poll window, until the peers that read this rank's
-        pieces have read them; False if they have not by then (or the group broke, or another
-        thread waits to start a collective)."""
+    def _poll_readers(self, poll_s: float) -> bool:
+        """Polls, for up to ``poll_s``, until the peers that read this rank's pieces have read
+        them; False if they have not by then (or the group broke, or another thread waits to
+        start a collective)."""
         boxes, seq, readers = self.group.outboxes, self._outbox_seq, self._readers
-        until = time.monotonic() + self.idle_poll_s
+        until = time.monotonic() + poll_s
         while not boxes.reads_done(seq, readers):
             if not self._polls_on(until):
                 return False

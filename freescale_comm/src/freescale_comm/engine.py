@@ -60,7 +60,7 @@ _EPOLL_MS = 1
 # request: the verdict is what the liveness thread's last poll found).
 _HEALTH_PERIOD_S = 0.05
 # A claimed collective nobody drives for this long goes to the engine thread (a safety net: the
-# claim is made only for calls whose caller waits at once).
+# claim is made only for calls whose caller waits at once, or by a wait that takes it back).
 _CLAIM_GRACE_S = 0.05
 # How long a thread that yields its core when idle (``idle_wait="yield"``, and ``auto`` where
 # ranks outnumber cores) keeps polling without progress before it sleeps in the epoll: long
@@ -186,6 +186,7 @@ class Engine:
         self._claimed: Op | None = None
         self._claimed_at = 0.0
         self._driving = False
+        self._driver: int | None = None  # the thread that drives the claimed op
         # The engine thread is stepping its ops (from taking them to dropping the finished
         # ones): no caller may take one back meanwhile.
         self._stepping = False
@@ -275,7 +276,7 @@ class Engine:
         with self._cond:
             if self._claimed is not op or self._driving:
                 return
-            self._driving = True
+            self._driving, self._driver = True, threading.get_ident()
 
         def done() -> bool:
             return op.finished or (enough is not None and enough())
@@ -299,9 +300,12 @@ class Engine:
             self.hand_over(op)
 
     def hand_over(self, op: Op) -> None:
-        """Ends a claim on ``op`` (no-op if it holds none); the engine finishes what is left."""
+        """Ends a claim on ``op`` (no-op if it holds none, or if another thread drives it: a
+        poll of the handle beside a ``wait``); the engine finishes what is left."""
         with self._cond:
             if self._claimed is not op:
+                return
+            if self._driving and self._driver != threading.get_ident():
                 return
             self._claimed, self._driving = None, False
             if op.finished or not op.needs_engine:
@@ -399,6 +403,7 @@ class Engine:
             now = time.monotonic()
             self._tick(now)
             if not ops:
+                waited_for = []  # an op that comes back (a wait took it back) starts a new wait
                 continue
             if ops != waited_for:  # a new op: a wait that starts now
                 waited_for, idle_since = ops, now

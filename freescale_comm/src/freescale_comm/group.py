@@ -656,7 +656,7 @@ class GroupContext:
             + f"(idle_wait={options.idle_wait}; {len(self.directory.same_host)} ranks on this "
             f"host, {self._cores} cores); copies its own pieces and reads peers' memory "
             + (
-                f"on {threads} helper and {threads} reader threads (a synchronous call that "
+                f"on {threads} helper and {threads} reader threads (a call alone in flight that "
                 f"reads at most {INLINE_READ_BYTES >> 20} MiB in all: in its call)"
                 if threads > 1
                 else "itself"
@@ -973,7 +973,10 @@ class GroupContext:
                     # Alone in flight, a collective may run to its end here
                     # (``Collective.start``): no earlier one can still need its place in the
                     # outboxes or rings, and none can start meanwhile (this lock).
-                    op.start(express=alone, caller_waits=caller_waits)
+                    # Not an asynchronous one on the engine thread (a callback chained there),
+                    # which would hold up every group's progress while it polls and reads.
+                    express = alone and (caller_waits or not self.engine.is_engine_thread())
+                    op.start(express=express, caller_waits=caller_waits)
                 except BaseException as err:  # an interrupt too: the number is taken all the same
                     failure: BaseException | None = err
                 else:

@@ -6,7 +6,8 @@ Where a piece for that peer is one its receiver reads from the sender's memory
 (``GroupContext.reads_named``: above the rings' limit, in a direction the kernel allows), the
 header carries the piece's address after the signature. A receiver that has judged the headers
 consistent reads its peers' pieces at once (``shm.read_process``; on its reader threads where
-it has them, unless a synchronous call reads ``local_copies.INLINE_READ_BYTES`` or less in all)
+it has them, unless a call alone in flight reads ``local_copies.INLINE_READ_BYTES`` or less in
+all)
 and releases their outboxes of the collective only once they are read, so a
 reader's ``consumed`` counter reaching the collective tells the sender its pieces are read;
 the sender's collective completes once every reader's has (``Outboxes.reads_done``). That is

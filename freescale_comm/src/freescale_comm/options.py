@@ -147,7 +147,7 @@ class FreescaleOptions:
             progresses it moves its messages (``local_copies``), and as many reader threads,
             which read the messages of several peers from their memory at once (``shm``). 1:
             that thread copies them itself once the messages are posted, and reads one message
-            after another (as a synchronous collective that reads at most
+            after another (as a collective alone in flight that reads at most
             ``local_copies.INLINE_READ_BYTES`` in all does either way). 0 (``auto``): the cores
             this process may use per rank of the group on this host, at most 8, and 1 where
             that is below 2 (a host with a core or less per rank copies fastest on one thread).

@@ -106,9 +106,8 @@ class FreescaleWork(dist.Work):
         op.finish_promptly()
         limit, short = self._bound(timeout)
         until = time.monotonic() + limit
-        engine = op.group.engine
-        engine.take_back(op)  # an asynchronous call's: driven here if the engine has it alone
-        engine.drive(op, until)
+        self._take_back()
+        op.group.engine.drive(op, until)
         self._block(op.event, limit, short, until)
         return True
 
@@ -119,13 +118,22 @@ class FreescaleWork(dist.Work):
         # A claimed collective (or an asynchronous one taken back) is driven here until its last
         # copies are queued; the engine thread waits for them (and frees the buffers) while the
         # caller goes on.
-        engine = op.group.engine
-        if op.group.drivable_here(op):
-            engine.take_back(op)
-        engine.drive(op, until, op.sealed.is_set)
+        self._take_back()
+        op.group.engine.drive(op, until, op.sealed.is_set)
         self._block(op.sealed, limit, short, until)
         self._wait_on_stream()
         return True
+
+    def _take_back(self) -> None:
+        """Lets this wait drive an asynchronous collective that the engine thread has alone
+        (``Engine.take_back``); a CUDA one only on the thread that launched it, whose current
+        device and CUDA context it has (UCX's CUDA transports use the driving thread's)."""
+        op = self._op
+        if op.on_cuda and (
+            op.launched_by != threading.get_ident() or not op.group.drivable_here(op)
+        ):
+            return
+        op.group.engine.take_back(op)
 
     def _wait_on_stream(self) -> None:
         from freescale_comm.cuda import current_stream  # CPU-only processes never import it
