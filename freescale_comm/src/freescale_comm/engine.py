@@ -29,7 +29,7 @@ loaded one. A claimed collective that its caller does not drive within ``_CLAIM_
 that outlives a shorter ``wait(timeout)``, is taken over by the engine thread. An asynchronous
 collective that did not run to its end in its call (``Collective.start``) goes to the engine
 thread, and its caller's ``wait`` *takes it back* (``take_back``) where the engine thread has it
-alone and is between two steps (a CUDA one: where the caller has its device current): the
+alone and is between two steps (a CUDA one: on the thread that launched it): the
 caller then drives it as if it had claimed it, instead of sleeping until the engine thread
 wakes it.
 """
