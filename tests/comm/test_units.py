@@ -1084,9 +1084,13 @@ def engine() -> Any:
     engine = Engine(_QuietTransport(), None)
     yield engine
     with engine._cond:
+        for op in [*engine._ops, engine._claimed]:  # a failed test's: the thread ends without
+            if op is not None:
+                op.finished = True
         engine._stopping = True
         engine._cond.notify()
     engine._thread.join(5)
+    assert not engine._thread.is_alive()
 
 
 def test_a_wait_takes_back_an_op_the_engine_has_alone_and_hands_it_back(engine):
@@ -1110,13 +1114,16 @@ def test_a_wait_takes_back_an_op_the_engine_has_alone_and_hands_it_back(engine):
 def test_a_handle_polled_beside_a_driving_wait_leaves_the_drive_alone(engine):
     op = _CountedOp()
     assert engine.claim(op)
-    driving = threading.Thread(target=engine.drive, args=(op, time.monotonic() + 0.3))
+    driving = threading.Thread(target=engine.drive, args=(op, time.monotonic() + 10))
     driving.start()
+    deadline = time.monotonic() + 5
     while not op.advanced_by:
+        assert time.monotonic() < deadline
         time.sleep(0.001)
     engine.hand_over(op)  # ``is_completed`` from another thread
-    engine.drive(op, time.monotonic() + 0.3)  # a second wait: returns at once
+    engine.drive(op, time.monotonic() + 10)  # a second wait: returns at once
     time.sleep(0.05)
     assert set(op.advanced_by) == {driving.ident}  # only the first wait drives it, still
-    op.finished = True
+    op.finished = True  # ends the first wait's drive
     driving.join(5)
+    assert not driving.is_alive()
