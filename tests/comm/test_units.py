@@ -1084,7 +1084,7 @@ def engine() -> Any:
     engine = Engine(_QuietTransport(), None)
     yield engine
     with engine._cond:
-        for op in [*engine._ops, engine._claimed]:  # a failed test's: the thread ends without
+        for op in [*engine._ops, engine._claimed]:  # left by a failed test: let the thread stop
             if op is not None:
                 op.finished = True
         engine._stopping = True
