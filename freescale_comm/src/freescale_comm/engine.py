@@ -185,8 +185,7 @@ class Engine:
         self._ops: list[Op] = []
         self._claimed: Op | None = None
         self._claimed_at = 0.0
-        self._driving = False
-        self._driver: int | None = None  # the thread that drives the claimed op
+        self._driver: int | None = None  # the thread that drives the claimed op, if one does
         # The engine thread is stepping its ops (from taking them to dropping the finished
         # ones): no caller may take one back meanwhile.
         self._stepping = False
@@ -244,7 +243,7 @@ class Engine:
         with self._cond:
             if self._ops or self._claimed is not None or self._stopping:
                 return False
-            self._claimed, self._claimed_at, self._driving = op, time.monotonic(), False
+            self._claimed, self._claimed_at, self._driver = op, time.monotonic(), None
             return True
 
     def take_back(self, op: Op) -> bool:
@@ -262,7 +261,7 @@ class Engine:
             ):
                 return False
             self._ops = []
-            self._claimed, self._claimed_at, self._driving = op, time.monotonic(), False
+            self._claimed, self._claimed_at, self._driver = op, time.monotonic(), None
         self._transport.wake()
         return True
 
@@ -274,9 +273,9 @@ class Engine:
         ``until``, or once ``enough()`` holds, is handed to the engine thread.
         """
         with self._cond:
-            if self._claimed is not op or self._driving:
+            if self._claimed is not op or self._driver is not None:
                 return
-            self._driving, self._driver = True, threading.get_ident()
+            self._driver = threading.get_ident()
 
         def done() -> bool:
             return op.finished or (enough is not None and enough())
@@ -305,9 +304,9 @@ class Engine:
         with self._cond:
             if self._claimed is not op:
                 return
-            if self._driving and self._driver != threading.get_ident():
+            if self._driver not in (None, threading.get_ident()):
                 return
-            self._claimed, self._driving = None, False
+            self._claimed, self._driver = None, None
             if op.finished or not op.needs_engine:
                 return
             self._ops.append(op)
@@ -368,7 +367,7 @@ class Engine:
         while not self._ops and not self._stopping:
             now = time.monotonic()
             wake = min((w.next_due for w in self._watches), default=now + 1.0)
-            if self._claimed is not None and not self._driving:
+            if self._claimed is not None and self._driver is None:
                 if now >= self._claimed_at + _CLAIM_GRACE_S:
                     self._ops.append(self._claimed)
                     self._claimed = None

@@ -35,12 +35,12 @@ import numpy as np
 # (``benchmarks/results/comm_cpu/many_core_host/copy_thresholds/``).
 MIN_BYTES = 2 << 20
 PART_BYTES = 2 << 20
-# A synchronous collective whose reads of its peers' pieces add up to at most this many bytes,
-# and whose own pieces stay on its thread, reads them one after another in its call (the
-# express path) also where the rank has reader threads: on the 16-vCPU host handing a read of 1
-# MiB to a reader thread and waking for its end cost more than the read (a 4-rank AllToAll of
-# 4 MiB, three 1 MiB reads: 0.61-0.67x Gloo's time read in the call against 0.70-0.73x on
-# reader threads, ``benchmarks/results/comm_cpu/inline_reads/``).
+# A collective alone in flight whose reads of its peers' pieces add up to at most this many
+# bytes, and whose own pieces stay on its thread, reads them one after another in its call (the
+# express path) also where the rank has reader threads (an asynchronous one: only then): on the
+# 16-vCPU host handing a read of 1 MiB to a reader thread and waking for its end cost more than
+# the read (a 4-rank AllToAll of 4 MiB, three 1 MiB reads: 0.61-0.67x Gloo's time read in the
+# call against 0.70-0.73x on reader threads, ``benchmarks/results/comm_cpu/inline_reads/``).
 INLINE_READ_BYTES = 4 << 20
 # The most helpers ``auto`` gives one rank (8 reached 25–31 GB/s on the GPU machine).
 AUTO_MAX_THREADS = 8

@@ -6,11 +6,7 @@
 # freescale_balance/src | tar -x -C out/ab_old`). Results are packed after every run.
 set -u
 source benchmarks/device_env.sh
-new_path=$PYTHONPATH
-old_path=$PWD/out/ab_old/freescale_comm/src:$rest
-R=$OUT/r; mkdir -p "$R"
 lscpu | head -16 > "$R/machine.txt"
-save() { tar -czf "$OUT/results.tgz" -C "$R" .; }
 for i in 1 2 3; do
   for v in old new; do
     if [ "$v" = old ]; then export PYTHONPATH=$old_path; else export PYTHONPATH=$new_path; fi

@@ -10,11 +10,7 @@
 # Results are packed after every run, so a call cut short keeps what it measured.
 set -u
 source benchmarks/device_env.sh
-new_path=$PYTHONPATH
-old_path=$PWD/out/ab_old/freescale_comm/src:$rest
-R=$OUT/r; mkdir -p "$R"
 lscpu | head -16 > "$R/machine.txt"
-save() { tar -czf "$OUT/results.tgz" -C "$R" .; }
 bench() {  # name, then FREESCALE_* assignments
   local name=$1; shift
   env "$@" timeout 80 python3 -c 'import sys; from freescale_comm.cli import main; sys.exit(main(sys.argv[1:]))' \

@@ -7,9 +7,6 @@
 set -u
 source benchmarks/device_env.sh
 fs() { python3 -c 'import sys; from freescale_comm.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
-new_path=$PYTHONPATH
-old_path=$PWD/out/ab_old/freescale_comm/src:$rest
-R=$OUT/r; mkdir -p "$R"
 lscpu | head -16 > "$R/machine.txt"
 for i in 1 2; do
   for v in old new; do
