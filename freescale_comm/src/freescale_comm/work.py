@@ -193,6 +193,17 @@ def aborted_error(
     )
 
 
+def gloo_error(inner: dist.Work) -> BaseException | None:
+    """The error of Gloo's completed ``inner`` (None: it succeeded), taken from its ``wait``:
+    torch 2.11's ``Work.exception()`` raises a pybind11 ``TypeError`` instead of returning an
+    error it holds (a C++ ``exception_ptr`` it cannot convert)."""
+    try:
+        inner.wait()
+    except Exception as err:  # Gloo's error, rethrown
+        return err
+    return None
+
+
 class GlooHandle(dist.Work):
     """A handle over Gloo's (``inner``) of ``what`` the group ran there, whose ``wait`` its
     subclasses bound; the rest is Gloo's."""
@@ -226,7 +237,7 @@ class GlooHandle(dist.Work):
         return self._inner.is_success()
 
     def exception(self) -> Any:
-        return self._inner.exception()
+        return gloo_error(self._inner) if self._inner.is_completed() else None
 
     def result(self) -> list[torch.Tensor]:
         self.wait()
@@ -281,7 +292,7 @@ class DelegatedWork(GlooHandle):
         the group is not aborted. Where Gloo failed it, waits as ``wait`` does for an abort on
         its way, whose error is the one to name."""
         if self._inner.is_completed():
-            error = self._inner.exception()
+            error = gloo_error(self._inner)
             if error is None:
                 return None
             return self._aborted(after_gloo_failed=True) or error
