@@ -101,8 +101,7 @@ class FreescaleOptions:
             the rings from 4 MiB, split over threads from 64 MiB by 3x); else 512 KiB or every
             size, whichever the host's ranks measure faster at set-up (``host_probe``: with
             4 KiB pages the rings won on one 2-core machine, the reads on another). The same on
-            every rank of a host.
-            ``FREESCALE_SHM_MAX_BYTES``.
+            every rank. ``FREESCALE_SHM_MAX_BYTES``.
         host_reads: under ``auto``, a larger message is read by its receiver straight from
             the sender's memory (``process_vm_readv``: one copy, as UCX's cross-memory attach,
             but a sender that died fails the collective instead of aborting the reader), where
