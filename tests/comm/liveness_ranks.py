@@ -456,6 +456,49 @@ def leave_a_group_and_live_on(leaver: int, hosts: int, in_flight: bool) -> dict[
     return {"error": error, "seconds": seconds}
 
 
+def leave_a_group_with_gloo_calls_pending(
+    leaver: int, hosts: int, in_flight: bool, via_future: bool = False
+) -> dict[str, object]:
+    """As ``leave_a_group_and_live_on``, with collectives the group runs on Gloo: every rank
+    starts an AllReduce (Gloo's collective #1 of the group) and the leaver waits for it before
+    it destroys the group; the others wait for theirs only after the departure is sure, and
+    then have a second one in flight (``in_flight``: started before the destroy; waited for
+    through its future with ``via_future``, as DDP's backward does) or call one. Returns the
+    rank's first sum and its error message from the second AllReduce with the seconds it
+    took from the moment the departure was sure (the leaver: the sum alone)."""
+    from freescale_comm.options import HOST_ENV
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    os.environ[HOST_ENV] = f"leave-host-{rank * hosts // n}"
+    options = FreescaleOptions(heartbeat_s=0.2, dead_after_s=1.0)
+    group = dist.new_group(backend="freescale", timeout=timedelta(seconds=60), pg_options=options)
+    del os.environ[HOST_ENV]
+    first = torch.full((4,), float(rank + 1))
+    first_work = dist.all_reduce(first, group=group, async_op=True)
+    if rank == leaver:
+        first_work.wait()
+        dist.barrier()
+        dist.destroy_process_group(group)
+        dist.barrier()  # destroyed
+        dist.barrier()  # every other rank has its error
+        return {"sum": first.tolist()}
+    second = torch.ones(4)
+    work = dist.all_reduce(second, group=group, async_op=True) if in_flight else None
+    dist.barrier()
+    dist.barrier()  # the leaver has destroyed the group
+    time.sleep(0.5)  # its departure is read meanwhile (polls every 0.1 s)
+    first_work.wait()  # the leaver ran it: it completes
+    start = time.monotonic()
+    if work is None:
+        error = _error_of(lambda: dist.all_reduce(second, group=group))
+    else:
+        error = _error_of(work.get_future().wait if via_future else work.wait)
+    seconds = time.monotonic() - start
+    dist.barrier()
+    dist.destroy_process_group(group)
+    return {"sum": first.tolist(), "error": error, "seconds": seconds}
+
+
 def store_host_leaves_first() -> dict[str, object]:
     """Rank 0 hosts the job's store; in a freescale group's last AllToAll it has only small
     pieces, while rank 1 sends rank 2 64 MiB. Rank 0 destroys the group and exits as soon as

@@ -21,6 +21,7 @@ import pytest
 import torch.distributed as dist
 
 from freescale_comm import directory, liveness
+from freescale_comm.liveness import Departure
 from tests.comm import liveness_ranks
 from tests.comm.conftest import FAST_FAILURE_ENV, SETUP
 from tests.harness import GroupSpec, LocalGroup, RankFailure, run_ranks
@@ -313,13 +314,13 @@ def test_ranks_that_left_are_not_watched_and_the_next_live_rank_is(store):
     # dies: the ranks before them (0 and 4) must watch past them.
     ranks = _group(store, 5, "left1")
     _tick_for(ranks, 0.3)
-    for rank, finished in ((1, 7), (2, 7)):
+    for rank, gloo_calls in ((1, 2), (2, 3)):
         ranks[rank].start()
-        ranks[rank].stop(finished=finished)
+        ranks[rank].stop(Departure(finished=7, gloo_calls=gloo_calls))
     _tick_for(ranks, 1.0, skip={1, 2})  # longer than dead_after_s (0.4 s)
     for rank in (0, 3, 4):
         assert ranks[rank].error() is None, (rank, ranks[rank].error())
-        assert ranks[rank].departed == {1: 7, 2: 7}
+        assert ranks[rank].departed == {1: (7, 2), 2: (7, 3)}
     assert ranks[0].watched == [3, 4] and ranks[4].watched == [0, 3]
     _tick_for(ranks, 1.2, skip={1, 2, 3})
     for rank in (0, 4):
@@ -354,9 +355,9 @@ def test_a_departure_is_recorded_after_store_failures(store):
     assert ranks[1].store_error is not None
     flaky.failures["add"] = 1  # the tick's beat took the first
     ranks[1].start()
-    ranks[1].stop(finished=5)
+    ranks[1].stop(Departure(finished=5, gloo_calls=0))
     _tick_for([ranks[0]], 0.3)
-    assert ranks[0].departed == {1: 5}
+    assert ranks[0].departed == {1: (5, 0)}
 
 
 def test_the_exit_of_a_peer_that_left_is_no_failure(store):
@@ -368,11 +369,11 @@ def test_the_exit_of_a_peer_that_left_is_no_failure(store):
         live[0].watch_processes({1: f"{child.pid}/{namespace}/{started}"})
         live[0].tick(time.monotonic())
         live[1].start()
-        live[1].stop(finished=3)
+        live[1].stop(Departure(finished=3, gloo_calls=1))
         child.kill()
         child.wait()
         live[0].check_processes()
-        assert live[0].error() is None and told == [] and live[0].departed == {1: 3}
+        assert live[0].error() is None and told == [] and live[0].departed == {1: (3, 1)}
     finally:
         child.kill()
         child.wait()
@@ -621,6 +622,35 @@ def test_a_collective_a_peer_left_before_raises_instead_of_waiting_for_the_timeo
         assert "aborted" not in error, error  # every rank learns of it: no abort needed
         # Within a poll (0.1 s) and a health check; at once for a call made after it.
         assert seconds < (1.5 if in_flight else 0.5), (rank, seconds, error)
+
+
+@pytest.mark.parametrize(
+    ("hosts", "in_flight", "via_future"),
+    [(1, True, False), (1, False, False), (2, True, False), (1, True, True)],
+)
+def test_a_collective_on_gloo_a_peer_left_before_raises_instead_of_waiting_for_the_timeout(
+    local_groups, hosts, in_flight, via_future
+):
+    # Before, such an AllReduce waited for the group timeout (60 s), or for the leaver's exit
+    # where Gloo then raised "Connection closed by peer"; the one the leaver ran completes.
+    group = local_groups.get(3, setup=SETUP, init_timeout_s=60)
+    results = group.run(
+        liveness_ranks.leave_a_group_with_gloo_calls_pending,
+        1,
+        hosts,
+        in_flight,
+        via_future,
+        timeout_s=40,
+    )
+    assert results[1] == {"sum": [6.0] * 4}
+    for rank in (0, 2):
+        error, seconds = results[rank]["error"], results[rank]["seconds"]
+        assert results[rank]["sum"] == [6.0] * 4, results[rank]
+        assert "allreduce on Gloo: a peer destroyed the process group" in error, error
+        assert "(rank 1 after 1 on Gloo), so its collective #2 on Gloo" in error, error
+        assert "aborted" not in error, error
+        # Within a step of the wait (0.1 s); at once for a call made after it.
+        assert seconds < (0.5 if in_flight else 0.1), (rank, seconds, error)
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ _LENGTH = struct.Struct("<I")
 # What ranks exchange after set-up (headers, outboxes, the rings' control blocks, IPC flags):
 # raised whenever it changes, so that a group whose ranks run versions that cannot talk to
 # each other fails its set-up on every rank (``setup_agreement``) instead of hanging.
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 
 
 def setup_agreement(shared_options: str, invalid_options: str | None = None) -> str:

@@ -32,7 +32,7 @@ from freescale_comm.engine import Engine, alone_yields, idle_poll_s
 from freescale_comm.errors import FreescaleError, FreescalePeerError, FreescaleValidationError
 from freescale_comm.futures import CallbackRunner
 from freescale_comm.huge_pages import huge_pages
-from freescale_comm.liveness import Liveness, own_connection, process_identity
+from freescale_comm.liveness import Departure, Liveness, own_connection, process_identity
 from freescale_comm.local_copies import INLINE_READ_BYTES, LocalCopies, helper_threads
 from freescale_comm.options import EVERY_SIZE, READ_ABOVE_BYTES, FreescaleOptions
 from freescale_comm.transport import MAX_GROUP_SIZE, SEQ_BITS, SUB_BITS, Transport, make_tag
@@ -148,6 +148,13 @@ class GroupContext:
         # (``work.DelegatedWork``), by a key of their own.
         self._abort_hooks: dict[int, Callable[[], None]] = {}
         self._abort_hook_keys = itertools.count()
+        # Called on a thread of their own each time a peer's departure is read: the futures
+        # of Gloo's collectives not done yet, which a peer that left may never run.
+        self._departure_hooks: dict[int, Callable[[], None]] = {}
+        # The collectives run on the group's Gloo backend (``gloo_call``), numbered as Gloo
+        # pairs them: in the order they reach it, under the lock.
+        self._gloo_calls = 0
+        self._gloo_call_lock = threading.Lock()
         self._launch_lock = threading.Lock()  # ``launch``
         self._launches_waiting = 0  # threads in ``launch`` waiting for its lock
         self._cuda: dict[int, CudaSupport] = {}
@@ -254,6 +261,7 @@ class GroupContext:
         self._setup_host_paths()
         if self.outboxes is not None:  # the peers of this host mark their departure there
             self.liveness.local_departures = self.outboxes.departures
+        self.liveness.on_departure = self._departure_read
 
     def _check_agreement(self, mine: str, invalid_options: str | None) -> None:
         """Fails set-up on every rank where some rank's options that every rank must share, or
@@ -1112,11 +1120,72 @@ class GroupContext:
         departed = self.liveness.departed
         if not departed:
             return None
-        left = [(peer, done) for peer, done in sorted(departed.items()) if done < seq]
+        left = [
+            (peer, record.finished)
+            for peer, record in sorted(departed.items())
+            if record.finished < seq
+        ]
         if not left:
             return None
         who = ", ".join(f"rank {peer} after collective #{done}" for peer, done in left)
         return f"a peer destroyed the process group ({who}), so collective #{seq} cannot complete"
+
+    def gloo_call(self, call: Callable[[], dist.Work], what: str) -> tuple[int, dist.Work]:
+        """Runs ``call`` (``what``, a collective on the group's Gloo backend) and returns its
+        number among them on this rank (from 1), with its handle; raises
+        ``FreescalePeerError`` instead where a peer is known to have destroyed the group
+        without running it (Gloo would wait for it until its timeout, and so would the
+        group's destroy). Where two threads call at once, the numbers follow the order in
+        which Gloo took their calls, which is how it pairs them across ranks."""
+        with self._gloo_call_lock:
+            number = self._gloo_calls + 1
+            departed = self.gloo_departure_error(number)
+            if departed is not None:
+                raise FreescalePeerError(f"rank {self.rank}: {what} on Gloo: {departed}")
+            self._gloo_calls = number
+            return number, call()
+
+    def gloo_departure_error(self, call: int) -> str | None:
+        """Why the ``call``-th collective on the group's Gloo backend cannot finish because a
+        peer destroyed the group without running it (``Liveness.departed``, as of the last
+        poll), or None."""
+        departed = self.liveness.departed
+        if not departed:
+            return None
+        left = [
+            (peer, record.gloo_calls)
+            for peer, record in sorted(departed.items())
+            if record.gloo_calls < call
+        ]
+        if not left:
+            return None
+        who = ", ".join(f"rank {peer} after {count} on Gloo" for peer, count in left)
+        return (
+            f"a peer destroyed the process group ({who}), so its collective #{call} on Gloo "
+            "cannot complete"
+        )
+
+    def on_departure(self, hook: Callable[[], None]) -> Callable[[], None]:
+        """Calls ``hook`` (on a thread of its own) each time a peer's departure is read from
+        now on; returns what forgets it."""
+        with self._inflight_lock:
+            key = next(self._abort_hook_keys)
+            self._departure_hooks[key] = hook
+        return lambda: self._departure_hooks.pop(key, None)
+
+    def _departure_read(self) -> None:
+        """``Liveness.on_departure``: runs the departure hooks off the liveness thread (they
+        complete futures, whose callbacks may wait for anything)."""
+        with self._inflight_lock:
+            hooks = list(self._departure_hooks.values())
+        if not hooks:
+            return
+
+        def run() -> None:
+            for hook in hooks:
+                hook()
+
+        threading.Thread(target=run, name="freescale-comm-departure", daemon=True).start()
 
     @property
     def broken(self) -> str | None:
@@ -1188,10 +1257,9 @@ class GroupContext:
             if not op.finished:
                 left_after = min(left_after, op.seq - 1)
             op.fail("the process group was shut down", "internal")
-        if self.broken is not None:
-            left_after = None
-        elif self.outboxes is not None:
-            self.outboxes.mark_left(left_after)
+        leaving = None if self.broken is not None else Departure(left_after, self._gloo_calls)
+        if leaving is not None and self.outboxes is not None:
+            self.outboxes.mark_left(leaving)
         with self._inflight_lock:
             self._inflight = []
         # The callbacks still to run, as Gloo's destroy waits for them; a collective they
@@ -1209,7 +1277,7 @@ class GroupContext:
         self._timeout_source = None
         self._gloo_polls.clear()  # Gloo's works (and their tensors), some never to complete
         if self.liveness is not None:
-            self.liveness.stop(finished=left_after)
+            self.liveness.stop(leaving)
         self.engine.release()
         for link in self._links:
             if link is not None:

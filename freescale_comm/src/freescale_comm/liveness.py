@@ -11,12 +11,13 @@ learns of the death within one more period. The store serves N ``add`` per ``hea
 N ``multi_get`` of ``2 + WATCHED`` keys per ``poll_s``.
 
 A rank that destroys the group appends to the left key how many of its collectives it
-finished (numbered in call order, the same on every rank), then counts its departure
-(``stop``); the peers of its host also find that number in its outbox (``local_departures``),
-without the store, whose host it may be. A peer that sees the count change reads the left key
-once (``departed``): it stops watching the ranks that left, so their silence and their
-processes' exits are no failure, and the group fails any collective one of them never
-finished at once (as Gloo's peer sees the closed connection) instead of at the group timeout.
+finished (numbered in call order, the same on every rank) and how many it ran on the group's
+Gloo backend, then counts its departure (``stop``); the peers of its host also find those
+numbers in its outbox (``local_departures``), without the store, whose host it may be. A peer
+that sees the count change reads the left key once (``departed``): it stops watching the ranks
+that left, so their silence and their processes' exits are no failure, and the group fails
+any collective one of them never finished, or never ran on Gloo, at once (as Gloo's peer sees
+the closed connection) instead of at the group timeout.
 
 Peers on this host are also watched by their process (``watch_processes``): a poll that finds
 one gone (exited, or a zombie; its pid reused by another process counts as gone) reports it
@@ -53,13 +54,14 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 logger = logging.getLogger(__name__)
 
 ABORT_KEY = "abort"
-# Ranks that destroyed the group and the number of collectives each had finished by then, as
-# "rank:count;" records appended one per rank (``stop``), and how many records there are.
+# Ranks that destroyed the group and what each had done by then (``Departure``), as
+# "rank:finished:gloo_calls;" records appended one per rank (``stop``), and how many records
+# there are.
 LEFT_KEY = "left"
 LEFT_COUNT_KEY = "left_count"
 WATCHED = 2
@@ -68,9 +70,20 @@ WATCHED = 2
 _GAP_PERIODS = 4
 # Longest wait between retries of a store that keeps failing.
 _MAX_RETRY_S = 30.0
+
+
 # How long a group's shutdown waits for its liveness thread (one blocked in a store request
 # is left behind: a daemon, it ends with the request or the process).
 _STOP_WAIT_S = 1.0
+
+
+class Departure(NamedTuple):
+    """What a rank that destroyed the group had done by then: the group's own collectives it
+    finished and the collectives it ran on the group's Gloo backend (each numbered in call
+    order, the same on every rank)."""
+
+    finished: int
+    gloo_calls: int
 
 
 def poll_period(dead_after_s: float) -> float:
@@ -146,13 +159,15 @@ class Liveness:
         now = time.monotonic()
         # Per watched rank: the last counter value seen and when it was first seen.
         self._seen: dict[int, tuple[bytes, float]] = {p: (b"", now) for p in self.watched}
-        # Ranks that destroyed the group -> how many collectives each had finished (the left
-        # key as last read); replaced whole, read by other threads.
-        self.departed: dict[int, int] = {}
+        # Ranks that destroyed the group -> what each had done (the left key as last read);
+        # replaced whole, read by other threads.
+        self.departed: dict[int, Departure] = {}
         self._left_count = b"0"  # the count of departures as last read
         # The departures of this host's peers as their outboxes tell them (set by the group).
-        self.local_departures: Callable[[], dict[int, int]] | None = None
-        self._leaving: int | None = None  # this rank's own record, written as it stops
+        self.local_departures: Callable[[], dict[int, Departure]] | None = None
+        # Called on this thread once ``departed`` has grown (set by the group).
+        self.on_departure: Callable[[], None] | None = None
+        self._leaving: Departure | None = None  # this rank's own record, written as it stops
         self._last_poll = now
         self._next_beat = now
         self._next_poll = now + self.poll_s
@@ -213,7 +228,9 @@ class Liveness:
             # Where the store fails, the peers on other hosts take this rank's silence for a
             # death; those of this host read its outbox.
             with contextlib.suppress(Exception):
-                self.store.append(LEFT_KEY, f"{self.rank}:{self._leaving};".encode())
+                finished, gloo_calls = self._leaving
+                record = f"{self.rank}:{finished}:{gloo_calls};"
+                self.store.append(LEFT_KEY, record.encode())
                 self._count_departure()
 
     def _count_departure(self) -> None:
@@ -230,13 +247,13 @@ class Liveness:
                     raise
                 time.sleep(0.05)
 
-    def stop(self, finished: int | None = None) -> None:
+    def stop(self, leaving: Departure | None = None) -> None:
         """Ends the thread (its group is closed) and drops ``on_failure``; an abort asked for
-        is written first, or else, given ``finished`` (this rank destroys a group that was not
-        aborted), this rank's departure with the number of collectives it finished (module
-        docstring). A thread blocked in a store request is left behind after
-        ``_STOP_WAIT_S``: it ends with the request."""
-        self._leaving = finished
+        is written first, or else, given ``leaving`` (this rank destroys a group that was not
+        aborted), this rank's departure record (module docstring). A thread blocked in a store
+        request is left behind after ``_STOP_WAIT_S``: it ends with the request."""
+        self._leaving = leaving
+        self.on_departure = None
         self._on_failure = None
         self._stopping = True
         self._wake.set()
@@ -383,11 +400,11 @@ class Liveness:
             )
             self.abort(f"rank {self.rank}: {self.dead}")
 
-    def _note_departures(self, left: dict[int, int]) -> None:
-        """Takes up ranks that left (rank -> collectives finished): they are no longer watched,
-        and the next live successors are watched in their place (a run of dead ranks must
-        still follow a live watcher)."""
-        if all(self.departed.get(rank) == finished for rank, finished in left.items()):
+    def _note_departures(self, left: dict[int, Departure]) -> None:
+        """Takes up ranks that left: they are no longer watched, and the next live successors
+        are watched in their place (a run of dead ranks must still follow a live watcher);
+        then ``on_departure``."""
+        if all(self.departed.get(rank) == record for rank, record in left.items()):
             return
         departed = {**self.departed, **left}
         self.departed = departed  # whole: other threads read it
@@ -397,6 +414,9 @@ class Liveness:
         now = time.monotonic()
         self._seen = {p: self._seen.get(p, (b"", now)) for p in self.watched}
         self._keys = [ABORT_KEY, LEFT_COUNT_KEY] + [beat_key(p) for p in self.watched]
+        on_departure = self.on_departure
+        if on_departure is not None:
+            on_departure()
 
     def _runs_on_this_host(self, peer: int) -> bool:
         """Whether ``peer`` is a process of this host that runs (not stopped): its silence is a
@@ -478,13 +498,14 @@ class Liveness:
         return listed + (f" ({'; '.join(notes)})" if notes else "")
 
 
-def _parse_departures(record: bytes) -> dict[int, int]:
-    """The left key's records ("rank:finished;" each) as rank -> collectives finished."""
+def _parse_departures(record: bytes) -> dict[int, Departure]:
+    """The left key's records ("rank:finished:gloo_calls;" each) by rank."""
     left = {}
     for entry in bytes(record).decode(errors="replace").split(";"):
-        rank, _, finished = entry.partition(":")
-        if rank.isdigit() and finished.isdigit():
-            left[int(rank)] = int(finished)
+        fields = entry.split(":")
+        if len(fields) == 3 and all(field.isdigit() for field in fields):
+            rank, finished, gloo_calls = (int(field) for field in fields)
+            left[rank] = Departure(finished, gloo_calls)
     return left
 
 

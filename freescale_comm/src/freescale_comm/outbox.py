@@ -31,14 +31,15 @@ import numpy as np
 
 from freescale_comm import shm
 from freescale_comm.errors import FreescaleError
+from freescale_comm.liveness import Departure
 
 # u64 words, one cache line apart: posted, consumed, "wake me when you consume" (raised while
 # a write waits for a box), "left the group having finished N collectives" as N + 1
-# (``mark_left``), and "wake me when you consume" for good (raised once a collective waited for
+# (``mark_left``), "wake me when you consume" for good (raised once a collective waited for
 # its peers' reads of its pieces, ``reads_done``: several threads may wait for them at once, so
-# none lowers it).
+# none lowers it), and the collectives the leaver ran on Gloo (written before the left word).
 _CTRL_BYTES = 4096
-_POSTED, _CONSUMED, _WANTS_CONSUMED, _LEFT, _WANTS_READS_DONE = 0, 8, 16, 24, 32
+_POSTED, _CONSUMED, _WANTS_CONSUMED, _LEFT, _WANTS_READS_DONE, _LEFT_GLOO = 0, 8, 16, 24, 32, 40
 _ALIGN = 64
 
 
@@ -248,20 +249,20 @@ class Outboxes:
             if wants(segment):
                 self._links[peer].host.wake_peer(fenced=True)
 
-    def mark_left(self, finished: int) -> None:
-        """Tells this host's peers that this rank destroys the group having finished its
-        first ``finished`` collectives (``departures``): they read it from their own mapping,
-        also once this process has exited and without the store (whose host may be this one)."""
-        self._own.ctrl[_LEFT] = finished + 1
+    def mark_left(self, leaving: Departure) -> None:
+        """Tells this host's peers that this rank destroys the group, and what it had done
+        (``departures``): they read it from their own mapping, also once this process has
+        exited and without the store (whose host may be this one)."""
+        self._own.ctrl[_LEFT_GLOO] = leaving.gloo_calls
+        self._own.ctrl[_LEFT] = leaving.finished + 1  # after the other word (TSO keeps it so)
 
-    def departures(self) -> dict[int, int]:
-        """The peers of this host that left the group (``mark_left``): rank -> collectives
-        finished."""
+    def departures(self) -> dict[int, Departure]:
+        """The peers of this host that left the group (``mark_left``), by rank."""
         left = {}
         for peer, segment in self._peers.items():
             ctrl = segment.ctrl  # None once closed
             if ctrl is not None and ctrl[_LEFT]:
-                left[peer] = int(ctrl[_LEFT]) - 1
+                left[peer] = Departure(int(ctrl[_LEFT]) - 1, int(ctrl[_LEFT_GLOO]))
         return left
 
     def close(self) -> None:

@@ -455,14 +455,15 @@ class ProcessGroupFreescale(dist.ProcessGroup):
     ) -> Any:
         """``call(*args, **kwargs)``; where it runs on Gloo, raises at once in an aborted group
         and hands back a handle whose waits end once the group is aborted (Gloo's last until
-        its timeout where a peer stopped). NCCL's handles are NCCL's: its own watchdog bounds
-        them."""
+        its timeout where a peer stopped) or a peer destroyed the group without running it.
+        NCCL's handles are NCCL's: its own watchdog bounds them."""
         if not on_gloo:
             return call(*args, **kwargs)
         error = aborted_error(self._ctx, name, before_call=True)
         if error is not None:
             raise error
-        return DelegatedWork(call(*args, **kwargs), self._ctx, name)
+        number, work = self._ctx.gloo_call(lambda: call(*args, **kwargs), name)
+        return DelegatedWork(work, self._ctx, name, number)
 
     # ----------------------------------------------------------------- lifecycle
     def shutdown(self) -> None:

@@ -249,7 +249,9 @@ class GlooHandle(dist.Work):
 
 class DelegatedWork(GlooHandle):
     """The handle of a collective the group ran on its Gloo backend, whose waits also end once
-    the group is aborted (a peer found dead or stopped by the liveness thread, ``abort()``).
+    the group is aborted (a peer found dead or stopped by the liveness thread, ``abort()``) or
+    a peer destroyed the group without running this collective (``GroupContext.gloo_call``
+    numbers them).
 
     Gloo's own wait for a peer that stopped, or that died while its neighbours in Gloo's ring
     still wait for one another, lasts until the group's timeout; here it raises a
@@ -268,13 +270,26 @@ class DelegatedWork(GlooHandle):
         inner: Gloo's handle.
         group: the group's context (whose ``broken`` says why it was aborted).
         what: what the collective was (``all_reduce``, ...), for the error.
+        number: its number among the group's collectives on Gloo (``GroupContext.gloo_call``).
     """
 
-    def __init__(self, inner: dist.Work, group: GroupContext, what: str) -> None:
+    def __init__(self, inner: dist.Work, group: GroupContext, what: str, number: int) -> None:
         super().__init__(inner, group, what)
+        self._number = number
         self._future: torch.futures.Future | None = None
         self._future_lock = threading.Lock()
         self._polled = False
+
+    def _aborted(self, after_gloo_failed: bool = False) -> FreescalePeerError | None:
+        """The abort's error, or else that of a peer's departure that leaves this collective
+        unfinished for good; None while neither happened."""
+        error = super()._aborted(after_gloo_failed)
+        if error is not None:
+            return error
+        departed = self._group.gloo_departure_error(self._number)
+        if departed is None:
+            return None
+        return FreescalePeerError(f"rank {self._group.rank}: {self._what} on Gloo: {departed}")
 
     def is_completed(self) -> bool:
         if self._inner.is_completed() or self._aborted() is not None:
@@ -340,17 +355,26 @@ class DelegatedWork(GlooHandle):
     def get_future(self) -> torch.futures.Future:
         with self._future_lock:
             if self._future is None:
-                # Done once Gloo's is or the group is aborted; what its ``then`` returns or
-                # raises is what C++ waiters (DDP's reducer) see: an exception set on a Python
-                # future is a value to them, which DDP's reducer crashes on.
+                # Done once Gloo's is, the group is aborted or a peer left without running
+                # it; what its ``then`` returns or raises is what C++ waiters (DDP's reducer)
+                # see: an exception set on a Python future is a value to them, which DDP's
+                # reducer crashes on.
                 trigger: torch.futures.Future = torch.futures.Future()
                 self._future = trigger.then(self._outcome)
-                forget = self._group.on_abort(lambda: _set_once(trigger))
+                forget_abort = self._group.on_abort(lambda: _set_once(trigger))
+
+                def departure_read() -> None:
+                    if self._aborted() is not None:
+                        _set_once(trigger)
+
+                forget_departure = self._group.on_departure(departure_read)
+                departure_read()  # one read before the hook was in
                 # A waiter on the future may never wait on the handle.
                 key = self._group.gloo_wait_began(self._waiting_since())
 
                 def done(_: torch.futures.Future) -> None:
-                    forget()
+                    forget_abort()
+                    forget_departure()
                     self._group.gloo_wait_ended(key)
                     _set_once(trigger)
 
@@ -358,7 +382,7 @@ class DelegatedWork(GlooHandle):
             return self._future
 
     def _outcome(self, _trigger: torch.futures.Future) -> Any:
-        """The future's value: Gloo's, or its error, or the abort's."""
+        """The future's value: Gloo's, or its error, or the abort's (or departure's)."""
         gloo = self._inner.get_future()  # done before the handle says it is completed
         if gloo.done():
             try:
