@@ -417,6 +417,14 @@ def exit_right_after_a_timeout() -> str:
     return "no error"
 
 
+def exit_right_after_a_timeout_taking_the_store() -> str:
+    """``exit_right_after_a_timeout`` where rank 0 hosts the job's store, which leaves with it
+    before rank 1's liveness may have read the abort key there."""
+    rank, _launcher, _server, job = _job_store_on_rank_0("exit_store_port", 30)
+    dist.init_process_group("gloo", store=job, rank=rank, world_size=2)
+    return exit_right_after_a_timeout()
+
+
 def leave_a_group_and_live_on(leaver: int, hosts: int, in_flight: bool) -> dict[str, object]:
     """The leaver destroys a freescale subgroup (its ranks on ``hosts`` pretend hosts) after
     three AllToAlls and lives on, silent in it for longer than ``dead_after_s``; each other rank

@@ -757,6 +757,23 @@ def test_the_store_host_leaving_first_fails_no_collective_it_finished():
         assert "a peer destroyed the process group (rank 0 after collective #2)" in error, error
 
 
+def test_an_abort_is_named_where_the_store_left_with_the_rank_that_wrote_it():
+    # Rank 0 hosts the store and exits right after its collective timed out: rank 1 found its
+    # process gone before its poll read the abort key, and named the exit ("rank 0: its
+    # process on this host has exited"). Rank 0's outbox now says why it aborted.
+    spec = GroupSpec(2, None, setup=SETUP, init_timeout_s=30)
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(
+            spec,
+            liveness_ranks.exit_right_after_a_timeout_taking_the_store,
+            timeout_s=60,
+            stop_on_error=False,
+        )
+    error = failure.value.results[1]
+    assert "the group was aborted" in error and "did not finish within 3 s" in error, error
+    assert "has exited" not in error, error
+
+
 def test_an_abort_reaches_the_store_before_its_raise_returns():
     # The abort key is written by the liveness thread: a rank that exited right after its
     # collective raised left the key unwritten, and its peer's later call paired with the

@@ -261,6 +261,7 @@ class GroupContext:
         self._setup_host_paths()
         if self.outboxes is not None:  # the peers of this host mark their departure there
             self.liveness.local_departures = self.outboxes.departures
+            self.liveness.local_aborts = self.outboxes.aborts
         self.liveness.on_departure = self._departure_read
 
     def _check_agreement(self, mine: str, invalid_options: str | None) -> None:
@@ -1216,6 +1217,8 @@ class GroupContext:
         hooks: list[Callable[[], None]] = []
         if self._broken is None:
             self._broken = reason
+            if self.outboxes is not None:  # for the peers of this host, without the store
+                self.outboxes.mark_aborted(reason)
             # Written by the liveness thread, waited for a moment (a process that exits
             # right after the error must still tell its peers); its host may be stopped.
             self.liveness.request_abort(reason, _ABORT_WRITE_WAIT_S)

@@ -165,6 +165,8 @@ class Liveness:
         self._left_count = b"0"  # the count of departures as last read
         # The departures of this host's peers as their outboxes tell them (set by the group).
         self.local_departures: Callable[[], dict[int, Departure]] | None = None
+        # The abort reasons this host's peers wrote in their outboxes (set by the group).
+        self.local_aborts: Callable[[], dict[int, str]] | None = None
         # Called on this thread once ``departed`` has grown (set by the group).
         self.on_departure: Callable[[], None] | None = None
         self._leaving: Departure | None = None  # this rank's own record, written as it stops
@@ -347,9 +349,10 @@ class Liveness:
 
     def check_processes(self) -> None:
         """Reports a same-host peer whose process is gone, unless it left the group first (its
-        outbox says so, or else the left key, read only then); the abort key is written now,
-        or once the store answers."""
-        if self.dead is not None:
+        outbox says so, or else the left key, read only then) or aborted the group first
+        (its outbox says why, which is then the failure); the abort key is written now, or
+        once the store answers. Nothing is news once the group is aborted."""
+        if self.dead is not None or self.aborted is not None:
             return
         gone = gone_processes(self._processes)
         if gone:
@@ -362,6 +365,14 @@ class Liveness:
                 with contextlib.suppress(Exception):  # a store that fails: the exit counts
                     self._note_departures(_parse_departures(self.store.get(LEFT_KEY)))
             gone = [p for p in gone if p not in self.departed]
+        if gone and self.local_aborts is not None:
+            # One that aborted the group first: its reason is the failure (the abort key may
+            # have left with the store it hosted).
+            told = self.local_aborts()
+            reason = next((told[p] for p in gone if p in told), None)
+            if reason is not None:
+                self.aborted = reason
+                return
         if gone:
             pids = ", ".join(str(self._processes[p][0]) for p in gone)
             self.dead = f"{self.describe(gone)}: its process on this host (pid {pids}) has exited"

@@ -37,9 +37,13 @@ from freescale_comm.liveness import Departure
 # a write waits for a box), "left the group having finished N collectives" as N + 1
 # (``mark_left``), "wake me when you consume" for good (raised once a collective waited for
 # its peers' reads of its pieces, ``reads_done``: several threads may wait for them at once, so
-# none lowers it), and the collectives the leaver ran on Gloo (written before the left word).
+# none lowers it), the collectives the leaver ran on Gloo (written before the left word), and
+# "aborted the group" as the length of the reason + 1, its UTF-8 bytes from ``_REASON_AT``
+# (``mark_aborted``).
 _CTRL_BYTES = 4096
 _POSTED, _CONSUMED, _WANTS_CONSUMED, _LEFT, _WANTS_READS_DONE, _LEFT_GLOO = 0, 8, 16, 24, 32, 40
+_ABORTED = 48
+_REASON_AT = 1024
 _ALIGN = 64
 
 
@@ -255,6 +259,26 @@ class Outboxes:
         exited and without the store (whose host may be this one)."""
         self._own.ctrl[_LEFT_GLOO] = leaving.gloo_calls
         self._own.ctrl[_LEFT] = leaving.finished + 1  # after the other word (TSO keeps it so)
+
+    def mark_aborted(self, reason: str) -> None:
+        """Tells this host's peers that this rank aborted the group and why (``aborts``): a
+        peer that finds this process gone before the abort key reaches it (the store may have
+        left with this process) names this reason, not the exit."""
+        if self._own.ctrl[_ABORTED]:
+            return  # the first reason stays
+        data = reason.encode()[: _CTRL_BYTES - _REASON_AT]
+        self._own.base[_REASON_AT : _REASON_AT + len(data)] = np.frombuffer(data, np.uint8)
+        self._own.ctrl[_ABORTED] = len(data) + 1  # after the bytes (TSO keeps the order)
+
+    def aborts(self) -> dict[int, str]:
+        """The peers of this host that aborted the group (``mark_aborted``): rank -> reason."""
+        told = {}
+        for peer, segment in self._peers.items():
+            ctrl, base = segment.ctrl, segment.base  # None once closed
+            if ctrl is not None and base is not None and ctrl[_ABORTED]:
+                data = bytes(base[_REASON_AT : _REASON_AT + int(ctrl[_ABORTED]) - 1])
+                told[peer] = data.decode(errors="replace")
+        return told
 
     def departures(self) -> dict[int, Departure]:
         """The peers of this host that left the group (``mark_left``), by rank."""
