@@ -1251,9 +1251,10 @@ class GroupContext:
             self._closed = True
         if wait_for_callbacks and self.broken is None and not self.engine.is_engine_thread():
             self.await_inflight()  # as Gloo's destroy
-        # The peers of a group that lives on learn that this rank left and how many of its
-        # collectives it finished first (``departure_error``): those it fails now not among
-        # them. An aborted group's peers know enough.
+        # The peers of a group that lives on learn that this rank left, how many of its
+        # collectives it finished first (``departure_error``: those it fails now not among
+        # them) and how many it ran on Gloo (``gloo_departure_error``). An aborted group's
+        # peers know enough.
         left_after = self._last_seq
         for op in self.inflight():
             op.poll_final(awaited_too=True)  # done on the GPU, not yet polled: a success

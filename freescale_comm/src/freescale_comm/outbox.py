@@ -264,11 +264,12 @@ class Outboxes:
         """Tells this host's peers that this rank aborted the group and why (``aborts``): a
         peer that finds this process gone before the abort key reaches it (the store may have
         left with this process) names this reason, not the exit."""
-        if self._own.ctrl[_ABORTED]:
-            return  # the first reason stays
+        ctrl, base = self._own.ctrl, self._own.base  # None once closed
+        if ctrl is None or base is None or ctrl[_ABORTED]:
+            return  # closed, or the first reason stays
         data = reason.encode()[: _CTRL_BYTES - _REASON_AT]
-        self._own.base[_REASON_AT : _REASON_AT + len(data)] = np.frombuffer(data, np.uint8)
-        self._own.ctrl[_ABORTED] = len(data) + 1  # after the bytes (TSO keeps the order)
+        base[_REASON_AT : _REASON_AT + len(data)] = np.frombuffer(data, np.uint8)
+        ctrl[_ABORTED] = len(data) + 1  # after the bytes (TSO keeps the order)
 
     def aborts(self) -> dict[int, str]:
         """The peers of this host that aborted the group (``mark_aborted``): rank -> reason."""
