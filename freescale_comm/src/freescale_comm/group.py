@@ -1118,18 +1118,21 @@ class GroupContext:
     def departure_error(self, seq: int) -> str | None:
         """Why collective ``seq`` cannot finish because a peer destroyed the group before
         finishing it (``Liveness.departed``, as of the last poll), or None."""
-        departed = self.liveness.departed
-        if not departed:
-            return None
-        left = [
-            (peer, record.finished)
-            for peer, record in sorted(departed.items())
-            if record.finished < seq
-        ]
+        left = self._left_before(seq, lambda record: record.finished)
         if not left:
             return None
         who = ", ".join(f"rank {peer} after collective #{done}" for peer, done in left)
         return f"a peer destroyed the process group ({who}), so collective #{seq} cannot complete"
+
+    def _left_before(self, number: int, count: Callable[[Departure], int]) -> list[tuple[int, int]]:
+        """(rank, its ``count``) of each peer that destroyed the group with ``count`` below
+        ``number`` (``Liveness.departed``, as of the last poll), in rank order."""
+        departed = self.liveness.departed
+        return [
+            (peer, count(record))
+            for peer, record in sorted(departed.items())
+            if count(record) < number
+        ]
 
     def gloo_call(self, call: Callable[[], dist.Work], what: str) -> tuple[int, dist.Work]:
         """Runs ``call`` (``what``, a collective on the group's Gloo backend) and returns its
@@ -1150,14 +1153,7 @@ class GroupContext:
         """Why the ``call``-th collective on the group's Gloo backend cannot finish because a
         peer destroyed the group without running it (``Liveness.departed``, as of the last
         poll), or None."""
-        departed = self.liveness.departed
-        if not departed:
-            return None
-        left = [
-            (peer, record.gloo_calls)
-            for peer, record in sorted(departed.items())
-            if record.gloo_calls < call
-        ]
+        left = self._left_before(call, lambda record: record.gloo_calls)
         if not left:
             return None
         who = ", ".join(f"rank {peer} after {count} on Gloo" for peer, count in left)
