@@ -360,6 +360,28 @@ def test_a_departure_is_recorded_after_store_failures(store):
     assert ranks[0].departed == {1: (5, 0)}
 
 
+def test_an_abort_told_by_an_outbox_reaches_the_ranks_of_other_hosts(store):
+    # Ranks 0-2 share a host, 3-4 do not. Rank 2 aborted (its outbox says why) and exited
+    # without the abort key in the store: ranks 0 and 1 name its reason, and must write the
+    # key, since only they watch its process.
+    child, namespace, started = _sleeping_child()
+    reason = "rank 2: collective #5 did not finish within 3 s"
+    try:
+        ranks = _group(store, 5, "told")
+        for rank in (0, 1):
+            ranks[rank].watch_processes({2: f"{child.pid}/{namespace}/{started}"})
+            ranks[rank].local_aborts = lambda: {2: reason}
+        _tick_for(ranks, 0.3)
+        child.kill()
+        child.wait()
+        _tick_for(ranks, 1.0, skip={2})
+        for rank in (0, 1, 3, 4):
+            assert ranks[rank].error() == f"the group was aborted by {reason}", rank
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_the_exit_of_a_peer_that_left_is_no_failure(store):
     # It wrote its record and exited before this rank's next poll read it.
     child, namespace, started = _sleeping_child()

@@ -155,6 +155,7 @@ class GroupContext:
         # pairs them: in the order they reach it, under the lock.
         self._gloo_calls = 0
         self._gloo_call_lock = threading.Lock()
+        self._gloo_calls_ended = False  # the count is this rank's departure record (``close``)
         self._launch_lock = threading.Lock()  # ``launch``
         self._launches_waiting = 0  # threads in ``launch`` waiting for its lock
         self._cuda: dict[int, CudaSupport] = {}
@@ -1142,12 +1143,15 @@ class GroupContext:
         group's destroy). Where two threads call at once, the numbers follow the order in
         which Gloo took their calls, which is how it pairs them across ranks."""
         with self._gloo_call_lock:
+            if self._gloo_calls_ended:
+                raise FreescaleError(f"rank {self.rank}: {what}: the process group was shut down")
             number = self._gloo_calls + 1
             departed = self.gloo_departure_error(number)
             if departed is not None:
                 raise FreescalePeerError(f"rank {self.rank}: {what} on Gloo: {departed}")
+            work = call()  # a call Gloo refuses (its own argument checks) takes no number
             self._gloo_calls = number
-            return number, call()
+            return number, work
 
     def gloo_departure_error(self, call: int) -> str | None:
         """Why the ``call``-th collective on the group's Gloo backend cannot finish because a
@@ -1257,18 +1261,23 @@ class GroupContext:
             if not op.finished:
                 left_after = min(left_after, op.seq - 1)
             op.fail("the process group was shut down", "internal")
-        leaving = None if self.broken is not None else Departure(left_after, self._gloo_calls)
-        if leaving is not None and self.outboxes is not None:
-            self.outboxes.mark_left(leaving)
         with self._inflight_lock:
             self._inflight = []
-        # The callbacks still to run, as Gloo's destroy waits for them; a collective they
-        # start raises now (``launch``), so only the user's own code can outlast the timeout.
+        # The callbacks still to run, as Gloo's destroy waits for them; a collective of the
+        # group's own they start raises now (``launch``), one on Gloo runs (and is counted in
+        # the departure record), so only the user's own code can outlast the timeout.
         patient = wait_for_callbacks and not self.engine.is_engine_thread()
         if not self.callbacks.close(timeout_s=self.timeout_s if patient else 1.0):
             logger.warning(
                 "freescale: a callback of group %s still runs; its thread is left", self.group_id
             )
+        with self._gloo_call_lock:  # no collective on Gloo after the record's count
+            self._gloo_calls_ended = True
+            gloo_calls = self._gloo_calls
+        leaving = None if self.broken is not None else Departure(left_after, gloo_calls)
+        if leaving is not None and self.outboxes is not None:
+            self.outboxes.mark_left(leaving)
+        self._departure_hooks.clear()
         self.engine.unwatch(self._sealed)
         # Both refer back to this context: without them it is freed with its last reference,
         # not at the next garbage collection. The timeout's source holds the group's Gloo,

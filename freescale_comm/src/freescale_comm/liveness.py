@@ -372,6 +372,10 @@ class Liveness:
             reason = next((told[p] for p in gone if p in told), None)
             if reason is not None:
                 self.aborted = reason
+                # Written here too: the peers on other hosts may not have read it (its own
+                # write may have failed), and only this host's ranks watch its process.
+                with contextlib.suppress(Exception):  # kept for the next tick (``abort``)
+                    self.abort(reason)
                 return
         if gone:
             pids = ", ".join(str(self._processes[p][0]) for p in gone)
