@@ -507,6 +507,45 @@ def leave_a_group_with_gloo_calls_pending(
     return {"sum": first.tolist(), "error": error, "seconds": seconds}
 
 
+def time_out_on_gloo() -> str:
+    """Rank 1 calls an AllReduce of a freescale subgroup (group timeout 2 s) that the others
+    never call; they call one later. Returns each rank's error as "type: text"."""
+    rank = dist.get_rank()
+    options = FreescaleOptions(heartbeat_s=0.2, dead_after_s=1.0)
+    group = dist.new_group(backend="freescale", timeout=timedelta(seconds=2), pg_options=options)
+    dist.barrier(group=group)
+    if rank != 1:
+        time.sleep(4.5)  # rank 1's AllReduce has timed out
+    try:
+        dist.all_reduce(torch.ones(4), group=group)
+        error = "no error"
+    except RuntimeError as err:
+        error = f"{type(err).__name__}: {err}"
+    dist.barrier()
+    dist.destroy_process_group(group)
+    return error
+
+
+def leave_with_a_gloo_call_unwaited_and_exit() -> dict[str, object]:
+    """Rank 1 starts an AllReduce on a freescale subgroup (run on its Gloo backend), never
+    waits for it, destroys the group and exits at once (``os._exit``); the others call theirs
+    only after its destroy began. Its destroy must let that AllReduce finish first (as it
+    does the group's own collectives): returns the sum on the others."""
+    rank = dist.get_rank()
+    options = FreescaleOptions(heartbeat_s=0.2, dead_after_s=1.0)
+    group = dist.new_group(backend="freescale", timeout=timedelta(seconds=30), pg_options=options)
+    summed = torch.full((4,), float(rank + 1))
+    if rank == 1:
+        dist.all_reduce(summed, group=group, async_op=True)
+        dist.barrier()
+        dist.destroy_process_group(group)
+        os._exit(0)
+    dist.barrier()
+    time.sleep(0.5)  # the leaver's destroy has begun
+    dist.all_reduce(summed, group=group)
+    return {"sum": summed.tolist()}
+
+
 def store_host_leaves_first() -> dict[str, object]:
     """Rank 0 hosts the job's store; in a freescale group's last AllToAll it has only small
     pieces, while rank 1 sends rank 2 64 MiB. Rank 0 destroys the group and exits as soon as

@@ -779,6 +779,32 @@ def test_the_store_host_leaving_first_fails_no_collective_it_finished():
         assert "a peer destroyed the process group (rank 0 after collective #2)" in error, error
 
 
+def test_a_destroy_lets_an_unwaited_collective_on_gloo_finish():
+    # Before, the leaver's destroy returned at once and its exit dropped the AllReduce: the
+    # others raised Gloo's "Connection closed by peer", counted as run by its departure.
+    group = LocalGroup(3, backend="gloo", setup=SETUP, init_timeout_s=30)
+    try:
+        group.start()
+        with pytest.raises(RankFailure) as failure:
+            group.run(liveness_ranks.leave_with_a_gloo_call_unwaited_and_exit, timeout_s=60)
+    finally:
+        group.close()
+    results = failure.value.results
+    assert results[0] == results[2] == {"sum": [6.0] * 4}, results
+
+
+def test_a_collective_timing_out_on_gloo_fails_the_group_with_its_reason(local_groups):
+    # Before, the rank raised Gloo's own RuntimeError and its peers named its exit (one
+    # host) or Gloo's "Connection closed by peer" (two hosts), or nothing until their own
+    # Gloo timeout.
+    group = local_groups.get(3, setup=SETUP, init_timeout_s=60)
+    results = group.run(liveness_ranks.time_out_on_gloo, timeout_s=40)
+    assert results[1].startswith("FreescaleTimeoutError: rank 1: allreduce on Gloo failed:")
+    for rank in (0, 2):
+        assert "the group was aborted" in results[rank], results[rank]
+        assert "rank 1: allreduce on Gloo failed" in results[rank], results[rank]
+
+
 def test_an_abort_is_named_where_the_store_left_with_the_rank_that_wrote_it():
     # Rank 0 hosts the store and exits right after its collective timed out: rank 1 found its
     # process gone before its poll read the abort key, and named the exit ("rank 0: its

@@ -55,6 +55,8 @@ _EARLY_BYTES = 1 << 20
 # How long an abort waits for its key to be in the store (a healthy store takes milliseconds):
 # bounded, since the store's host may be the stopped process.
 _ABORT_WRITE_WAIT_S = 1.0
+# How many handles of collectives on Gloo a group keeps before it drops the completed ones.
+_GLOO_PRUNE_AT = 64
 
 
 def root_store(store: dist.Store) -> dist.Store:
@@ -156,6 +158,9 @@ class GroupContext:
         self._gloo_calls = 0
         self._gloo_call_lock = threading.Lock()
         self._gloo_calls_ended = False  # the count is this rank's departure record (``close``)
+        # The handles of collectives on Gloo that may still run (``track_gloo``): a destroy
+        # lets them finish, as the group's own, before its departure record counts them.
+        self._gloo_inflight: list[Any] = []
         self._launch_lock = threading.Lock()  # ``launch``
         self._launches_waiting = 0  # threads in ``launch`` waiting for its lock
         self._cuda: dict[int, CudaSupport] = {}
@@ -1153,6 +1158,29 @@ class GroupContext:
             self._gloo_calls = number
             return number, work
 
+    def track_gloo(self, work: Any) -> None:
+        """Keeps the handle of a collective on Gloo (``work.DelegatedWork``) until it is done,
+        for ``close`` to wait for."""
+        with self._gloo_call_lock:
+            if len(self._gloo_inflight) >= _GLOO_PRUNE_AT:
+                self._gloo_inflight = [w for w in self._gloo_inflight if not w.is_completed()]
+            self._gloo_inflight.append(work)
+
+    def _await_gloo_inflight(self) -> None:
+        """Lets the collectives on Gloo that this rank started and nobody waited for finish
+        (each ends at the latest once the group is aborted or a peer left without running
+        it), within the group timeout in all: a peer that calls one after this rank's
+        destroy began still gets its data, and the departure record counts only what ran."""
+        with self._gloo_call_lock:
+            pending, self._gloo_inflight = self._gloo_inflight, []
+        until = time.monotonic() + self.timeout_s
+        for work in pending:
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            with contextlib.suppress(Exception):  # its error is its waiter's, if any
+                work.wait(timedelta(seconds=left))
+
     def gloo_departure_error(self, call: int) -> str | None:
         """Why the ``call``-th collective on the group's Gloo backend cannot finish because a
         peer destroyed the group without running it (``Liveness.departed``, as of the last
@@ -1197,13 +1225,16 @@ class GroupContext:
 
     def broken_after_gloo_failed(self) -> str | None:
         """``broken``, once Gloo failed a call of this group: waiting up to two liveness polls
-        for an abort on its way, since where a peer aborted the group (``point_to_point``),
-        Gloo's connections to it close before this rank's next poll reads why."""
+        for an abort on its way, or until a peer's departure is read, since where a peer
+        aborted the group (``point_to_point``) or left it and exited, Gloo's connections to it
+        close before this rank's next poll reads why."""
         if self.broken is None and self.liveness is not None:
             arrived = threading.Event()
-            forget = self.on_abort(arrived.set)
+            forget_abort = self.on_abort(arrived.set)
+            forget_departure = self.on_departure(arrived.set)
             arrived.wait(2 * self.liveness.poll_s)
-            forget()
+            forget_abort()
+            forget_departure()
         return self.broken
 
     def describe_peers(self, peers: list[int]) -> str:
@@ -1240,17 +1271,19 @@ class GroupContext:
 
         Args:
             wait_for_callbacks: let the collectives in flight finish (each within its
-                timeout) and wait up to the group timeout for the callbacks still running, as
-                Gloo's destroy does; else (an abort, which must return promptly) fail them at
-                once and give the callbacks 1 s. The engine thread, which serves every group,
-                never waits longer than that.
+                timeout; those on Gloo nobody waited for, within the group timeout in all)
+                and wait up to the group timeout for the callbacks still running; else (an
+                abort, which must return promptly) fail them at once and give the callbacks
+                1 s. The engine thread, which serves every group, never waits longer than
+                that.
         """
         with self._launch_lock:  # no collective starts after this (``launch``)
             if self._closed:
                 return
             self._closed = True
         if wait_for_callbacks and self.broken is None and not self.engine.is_engine_thread():
-            self.await_inflight()  # as Gloo's destroy
+            self.await_inflight()
+            self._await_gloo_inflight()
         # The peers of a group that lives on learn that this rank left, how many of its
         # collectives it finished first (``departure_error``: those it fails now not among
         # them) and how many it ran on Gloo (``gloo_departure_error``). An aborted group's

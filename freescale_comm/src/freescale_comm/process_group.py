@@ -463,12 +463,14 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         if error is not None:
             raise error
         number, work = self._ctx.gloo_call(lambda: call(*args, **kwargs), name)
-        return DelegatedWork(work, self._ctx, name, number)
+        handle = DelegatedWork(work, self._ctx, name, number)
+        self._ctx.track_gloo(handle)
+        return handle
 
     # ----------------------------------------------------------------- lifecycle
     def shutdown(self) -> None:
-        """Lets the collectives in flight finish (each within its timeout, as Gloo's destroy
-        does), then releases the UCX worker and threads."""
+        """Lets the collectives in flight finish (``GroupContext.close``), then releases the
+        UCX worker and threads."""
         self._gloo_breaker.close()
         self._ctx.close()
         for delegate in self._delegates:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from freescale_comm.collective import WAIT_SLACK_S, Collective
-from freescale_comm.errors import FreescalePeerError, FreescaleTimeoutError
+from freescale_comm.errors import FreescaleError, FreescalePeerError, FreescaleTimeoutError
 
 if TYPE_CHECKING:
     from freescale_comm.group import GroupContext
@@ -282,14 +282,27 @@ class DelegatedWork(GlooHandle):
 
     def _aborted(self, after_gloo_failed: bool = False) -> FreescalePeerError | None:
         """The abort's error, or else that of a peer's departure that leaves this collective
-        unfinished for good; None while neither happened."""
-        error = super()._aborted(after_gloo_failed)
-        if error is not None:
+        unfinished for good; None while neither happened. ``after_gloo_failed``: Gloo failed
+        it, and either may be on its way (``GroupContext.broken_after_gloo_failed``)."""
+        error = super()._aborted() or self._left_behind()
+        if error is not None or not after_gloo_failed:
             return error
+        return super()._aborted(after_gloo_failed=True) or self._left_behind()
+
+    def _left_behind(self) -> FreescalePeerError | None:
         departed = self._group.gloo_departure_error(self._number)
         if departed is None:
             return None
         return FreescalePeerError(f"rank {self._group.rank}: {self._what} on Gloo: {departed}")
+
+    def _failed_on_gloo(self, err: BaseException) -> FreescaleError:
+        """The error of a collective Gloo failed for no abort or departure of the group's (its
+        own timeout, a peer gone that liveness has not judged yet): Gloo's backend is unusable
+        after it, so the group is aborted with that reason, which every peer then raises."""
+        reason = f"rank {self._group.rank}: {self._what} on Gloo failed: {err}"
+        self._group.abort(reason)
+        timed_out = "timed out" in str(err).lower()
+        return (FreescaleTimeoutError if timed_out else FreescalePeerError)(reason)
 
     def is_completed(self) -> bool:
         if self._inner.is_completed() or self._aborted() is not None:
@@ -310,7 +323,7 @@ class DelegatedWork(GlooHandle):
             error = gloo_error(self._inner)
             if error is None:
                 return None
-            return self._aborted(after_gloo_failed=True) or error
+            return self._aborted(after_gloo_failed=True) or self._failed_on_gloo(error)
         return self._ended_by_abort() if self._aborted() is not None else None
 
     def wait(self, timeout: timedelta | None = None) -> bool:
@@ -345,9 +358,7 @@ class DelegatedWork(GlooHandle):
                         # Where an abort failed Gloo's pairs (``point_to_point``), its error
                         # says why; Gloo's would not.
                         error = self._aborted(after_gloo_failed=True)
-                        if error is None:
-                            raise
-                        raise error from failed
+                        raise (error or self._failed_on_gloo(failed)) from failed
                 error = self._aborted()
                 if error is not None:
                     raise error from err
@@ -389,9 +400,7 @@ class DelegatedWork(GlooHandle):
                 return gloo.value()
             except RuntimeError as err:
                 error = self._aborted(after_gloo_failed=True)  # the abort failed its pairs?
-                if error is None:
-                    raise
-                raise error from err
+                raise (error or self._failed_on_gloo(err)) from err
         raise self._ended_by_abort()
 
 
