@@ -779,17 +779,25 @@ def test_the_store_host_leaving_first_fails_no_collective_it_finished():
         assert "a peer destroyed the process group (rank 0 after collective #2)" in error, error
 
 
-def test_a_destroy_lets_an_unwaited_collective_on_gloo_finish():
-    # Before, the leaver's destroy returned at once and its exit dropped the AllReduce: the
-    # others raised Gloo's "Connection closed by peer", counted as run by its departure.
-    group = LocalGroup(3, backend="gloo", setup=SETUP, init_timeout_s=30)
+def _run_where_a_rank_exits(world_size: int, backend: str, function) -> dict:
+    """Runs ``function`` on fresh ranks of a world group on ``backend``, one of which exits
+    (``os._exit``); returns the others' results."""
+    group = LocalGroup(world_size, backend=backend, setup=SETUP, init_timeout_s=30)
     try:
         group.start()
         with pytest.raises(RankFailure) as failure:
-            group.run(liveness_ranks.leave_with_a_gloo_call_unwaited_and_exit, timeout_s=60)
+            group.run(function, timeout_s=60)
     finally:
         group.close()
-    results = failure.value.results
+    return failure.value.results
+
+
+def test_a_destroy_lets_an_unwaited_collective_on_gloo_finish():
+    # Before, the leaver's destroy returned at once and its exit dropped the AllReduce: the
+    # others raised Gloo's "Connection closed by peer", counted as run by its departure.
+    results = _run_where_a_rank_exits(
+        3, "gloo", liveness_ranks.leave_with_a_gloo_call_unwaited_and_exit
+    )
     assert results[0] == results[2] == {"sum": [6.0] * 4}, results
 
 
@@ -826,12 +834,5 @@ def test_an_abort_reaches_the_store_before_its_raise_returns():
     # The abort key is written by the liveness thread: a rank that exited right after its
     # collective raised left the key unwritten, and its peer's later call paired with the
     # dead rank's data still in the ring and returned no error.
-    group = LocalGroup(2, backend="freescale", setup=SETUP, init_timeout_s=30)
-    try:
-        group.start()
-        with pytest.raises(RankFailure) as failure:
-            group.run(liveness_ranks.exit_right_after_a_timeout, timeout_s=60)
-    finally:
-        group.close()
-    error = failure.value.results[1]
+    error = _run_where_a_rank_exits(2, "freescale", liveness_ranks.exit_right_after_a_timeout)[1]
     assert "the group was aborted" in error and "did not finish within 3 s" in error, error
