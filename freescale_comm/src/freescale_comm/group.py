@@ -55,8 +55,6 @@ _EARLY_BYTES = 1 << 20
 # How long an abort waits for its key to be in the store (a healthy store takes milliseconds):
 # bounded, since the store's host may be the stopped process.
 _ABORT_WRITE_WAIT_S = 1.0
-# How many handles of collectives on Gloo a group keeps before it drops the completed ones.
-_GLOO_PRUNE_AT = 64
 
 
 def root_store(store: dist.Store) -> dist.Store:
@@ -160,7 +158,7 @@ class GroupContext:
         self._gloo_calls_ended = False  # the count is this rank's departure record (``close``)
         # The handles of collectives on Gloo that may still run (``track_gloo``): a destroy
         # lets them finish, as the group's own, before its departure record counts them.
-        self._gloo_inflight: list[Any] = []
+        self._gloo_inflight: list[tuple[dist.Work, Any]] = []
         self._launch_lock = threading.Lock()  # ``launch``
         self._launches_waiting = 0  # threads in ``launch`` waiting for its lock
         self._cuda: dict[int, CudaSupport] = {}
@@ -1158,13 +1156,15 @@ class GroupContext:
             self._gloo_calls = number
             return number, work
 
-    def track_gloo(self, work: Any) -> None:
-        """Keeps the handle of a collective on Gloo (``work.DelegatedWork``) until it is done,
-        for ``close`` to wait for."""
+    def track_gloo(self, inner: dist.Work, handle: Any) -> None:
+        """Keeps the handle of a collective on Gloo (``work.DelegatedWork`` over Gloo's
+        ``inner``) for ``close`` to wait for, until Gloo's is completed: each call drops those
+        completed (they hold their tensors)."""
         with self._gloo_call_lock:
-            if len(self._gloo_inflight) >= _GLOO_PRUNE_AT:
-                self._gloo_inflight = [w for w in self._gloo_inflight if not w.is_completed()]
-            self._gloo_inflight.append(work)
+            self._gloo_inflight = [
+                (work, kept) for work, kept in self._gloo_inflight if not work.is_completed()
+            ]
+            self._gloo_inflight.append((inner, handle))
 
     def _await_gloo_inflight(self) -> None:
         """Lets the collectives on Gloo that this rank started and nobody waited for finish
@@ -1174,12 +1174,12 @@ class GroupContext:
         with self._gloo_call_lock:
             pending, self._gloo_inflight = self._gloo_inflight, []
         until = time.monotonic() + self.timeout_s
-        for work in pending:
+        for _, handle in pending:
             left = until - time.monotonic()
             if left <= 0:
                 return
             with contextlib.suppress(Exception):  # its error is its waiter's, if any
-                work.wait(timedelta(seconds=left))
+                handle.wait(timedelta(seconds=left))
 
     def gloo_departure_error(self, call: int) -> str | None:
         """Why the ``call``-th collective on the group's Gloo backend cannot finish because a

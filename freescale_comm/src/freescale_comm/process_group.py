@@ -464,7 +464,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             raise error
         number, work = self._ctx.gloo_call(lambda: call(*args, **kwargs), name)
         handle = DelegatedWork(work, self._ctx, name, number)
-        self._ctx.track_gloo(handle)
+        self._ctx.track_gloo(work, handle)
         return handle
 
     # ----------------------------------------------------------------- lifecycle
