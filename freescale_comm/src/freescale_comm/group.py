@@ -156,7 +156,7 @@ class GroupContext:
         self._gloo_calls = 0
         self._gloo_call_lock = threading.Lock()
         self._gloo_calls_ended = False  # the count is this rank's departure record (``close``)
-        # The handles of collectives on Gloo that may still run (``track_gloo``): a destroy
+        # The handles of collectives on Gloo that may still run (``gloo_call``): a destroy
         # lets them finish, as the group's own, before its departure record counts them.
         self._gloo_inflight: list[tuple[dist.Work, Any]] = []
         self._launch_lock = threading.Lock()  # ``launch``
@@ -1138,9 +1138,13 @@ class GroupContext:
             if count(record) < number
         ]
 
-    def gloo_call(self, call: Callable[[], dist.Work], what: str) -> tuple[int, dist.Work]:
-        """Runs ``call`` (``what``, a collective on the group's Gloo backend) and returns its
-        number among them on this rank (from 1), with its handle; raises
+    def gloo_call(
+        self, call: Callable[[], dist.Work], what: str, wrap: Callable[[dist.Work, int], Any]
+    ) -> Any:
+        """Runs ``call`` (``what``, a collective on the group's Gloo backend) and returns
+        ``wrap(Gloo's handle, its number among them on this rank from 1)``
+        (``work.DelegatedWork``), kept for ``close`` to wait for until Gloo's is completed
+        (each call drops those completed: they hold their tensors); raises
         ``FreescalePeerError`` instead where a peer is known to have destroyed the group
         without running it (Gloo would wait for it until its timeout, and so would the
         group's destroy). Where two threads call at once, the numbers follow the order in
@@ -1154,17 +1158,12 @@ class GroupContext:
                 raise FreescalePeerError(f"rank {self.rank}: {what} on Gloo: {departed}")
             work = call()  # a call Gloo refuses (its own argument checks) takes no number
             self._gloo_calls = number
-            return number, work
-
-    def track_gloo(self, inner: dist.Work, handle: Any) -> None:
-        """Keeps the handle of a collective on Gloo (``work.DelegatedWork`` over Gloo's
-        ``inner``) for ``close`` to wait for, until Gloo's is completed: each call drops those
-        completed (they hold their tensors)."""
-        with self._gloo_call_lock:
+            handle = wrap(work, number)
             self._gloo_inflight = [
-                (work, kept) for work, kept in self._gloo_inflight if not work.is_completed()
+                (inner, kept) for inner, kept in self._gloo_inflight if not inner.is_completed()
             ]
-            self._gloo_inflight.append((inner, handle))
+            self._gloo_inflight.append((work, handle))
+            return handle
 
     def _await_gloo_inflight(self) -> None:
         """Lets the collectives on Gloo that this rank started and nobody waited for finish

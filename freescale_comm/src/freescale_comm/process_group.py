@@ -462,10 +462,11 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         error = aborted_error(self._ctx, name, before_call=True)
         if error is not None:
             raise error
-        number, work = self._ctx.gloo_call(lambda: call(*args, **kwargs), name)
-        handle = DelegatedWork(work, self._ctx, name, number)
-        self._ctx.track_gloo(work, handle)
-        return handle
+        return self._ctx.gloo_call(
+            lambda: call(*args, **kwargs),
+            name,
+            lambda work, number: DelegatedWork(work, self._ctx, name, number),
+        )
 
     # ----------------------------------------------------------------- lifecycle
     def shutdown(self) -> None:

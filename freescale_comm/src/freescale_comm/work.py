@@ -295,10 +295,14 @@ class DelegatedWork(GlooHandle):
             return None
         return FreescalePeerError(f"rank {self._group.rank}: {self._what} on Gloo: {departed}")
 
-    def _failed_on_gloo(self, err: BaseException) -> FreescaleError:
-        """The error of a collective Gloo failed for no abort or departure of the group's (its
-        own timeout, a peer gone that liveness has not judged yet): Gloo's backend is unusable
-        after it, so the group is aborted with that reason, which every peer then raises."""
+    def _gloo_failure(self, err: BaseException) -> FreescaleError:
+        """The error of a collective Gloo failed with ``err``: the abort's or departure's that
+        caused it (``_aborted``), else Gloo's own (its timeout, a peer gone that liveness has
+        not judged yet): Gloo's backend is unusable after it, so the group is aborted with that
+        reason, which every peer then raises."""
+        error = self._aborted(after_gloo_failed=True)
+        if error is not None:
+            return error
         reason = f"rank {self._group.rank}: {self._what} on Gloo failed: {err}"
         self._group.abort(reason)
         timed_out = "timed out" in str(err).lower()
@@ -323,7 +327,7 @@ class DelegatedWork(GlooHandle):
             error = gloo_error(self._inner)
             if error is None:
                 return None
-            return self._aborted(after_gloo_failed=True) or self._failed_on_gloo(error)
+            return self._gloo_failure(error)
         return self._ended_by_abort() if self._aborted() is not None else None
 
     def wait(self, timeout: timedelta | None = None) -> bool:
@@ -357,8 +361,7 @@ class DelegatedWork(GlooHandle):
                     except RuntimeError as failed:
                         # Where an abort failed Gloo's pairs (``point_to_point``), its error
                         # says why; Gloo's would not.
-                        error = self._aborted(after_gloo_failed=True)
-                        raise (error or self._failed_on_gloo(failed)) from failed
+                        raise self._gloo_failure(failed) from failed
                 error = self._aborted()
                 if error is not None:
                     raise error from err
@@ -399,8 +402,7 @@ class DelegatedWork(GlooHandle):
             try:
                 return gloo.value()
             except RuntimeError as err:
-                error = self._aborted(after_gloo_failed=True)  # the abort failed its pairs?
-                raise (error or self._failed_on_gloo(err)) from err
+                raise self._gloo_failure(err) from err  # the abort failed its pairs?
         raise self._ended_by_abort()
 
 
