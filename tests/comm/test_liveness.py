@@ -642,8 +642,9 @@ def test_a_collective_a_peer_left_before_raises_instead_of_waiting_for_the_timeo
         assert "a peer destroyed the process group (rank 1 after collective #3)" in error, error
         assert "collective #4 cannot complete" in error and "died" not in error, error
         assert "aborted" not in error, error  # every rank learns of it: no abort needed
-        # Within a poll (0.1 s) and a health check; at once for a call made after it.
-        assert seconds < (1.5 if in_flight else 0.5), (rank, seconds, error)
+        # Within a poll (0.1 s) and a health check; at once for a call made after it (the
+        # bound leaves room for a loaded machine: without the departure record it is 60 s).
+        assert seconds < (1.5 if in_flight else 1.0), (rank, seconds, error)
 
 
 @pytest.mark.parametrize(
