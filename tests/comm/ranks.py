@@ -1431,9 +1431,10 @@ def new_user_mistakes() -> list[str]:
         lambda: dist.all_to_all_single(
             torch.empty(n), torch.ones(n), [1] * n, [n + 1, -1] + [0] * (n - 2)
         ),
-        # Float split sizes (Gloo refuses them too), on rank 0 only.
+        # Float split sizes (Gloo refuses them too), on rank 0 only, equal to the ints of a
+        # shape the plan cache has seen (whose template took them, before).
         lambda: dist.all_to_all_single(
-            torch.empty(n), torch.ones(n), [1] * n, [1.5 if rank == 0 else 1] * n
+            torch.empty(n), torch.ones(n), [1] * n, [1.0 if rank == 0 else 1] * n
         ),
         # A lazily negated view as the output, whose bytes would have to be written negated,
         # on rank 0 only; the shape is one the plan cache has seen (the checks must not be
@@ -1468,6 +1469,7 @@ def new_user_mistakes() -> list[str]:
     ]
     for _ in range(2):  # the plan cache keeps a shape seen twice
         dist.all_to_all_single(torch.empty(n), torch.ones(n))
+        dist.all_to_all_single(torch.empty(n), torch.ones(n), [1] * n, [1] * n)
     for call in calls:
         start = time.monotonic()
         try:
@@ -1485,6 +1487,41 @@ def new_user_mistakes() -> list[str]:
     dist.all_to_all_single(leaf.t(), torch.full((n, 2), float(rank)))
     _same(leaf.detach(), torch.arange(n, dtype=torch.float32).expand(2, n), "a leaf's view")
     return messages
+
+
+def calls_gloo_refuses() -> list[tuple[float, str, str]]:
+    """Calls that the group runs on Gloo and Gloo refuses (an op or dtype its collective does
+    not take, a non-contiguous send), and sends and receives naming a rank outside the group
+    (on which Gloo's crash the process). Returns (seconds, error type, message) per call; the
+    group's own and delegated collectives must work afterwards."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    calls = [
+        lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND),
+        lambda: dist.all_reduce(torch.ones(2, dtype=torch.uint16)),
+        lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG),
+        lambda: dist.broadcast(torch.ones(2, dtype=torch.uint16), src=0),
+        lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BOR, async_op=True).wait(),
+        lambda: dist.send(torch.ones(3, 2).t(), (rank + 1) % n),
+        lambda: dist.send(torch.ones(2), n + 3),
+        lambda: dist.recv(torch.empty(2), n),
+        lambda: dist.isend(torch.ones(2), -1),
+    ]
+    errors = []
+    for call in calls:
+        start = time.monotonic()
+        try:
+            call()
+        except Exception as err:  # what the user sees, whatever its type
+            errors.append((time.monotonic() - start, type(err).__name__, str(err)))
+            continue
+        raise AssertionError("a call Gloo refuses was accepted")
+    out = torch.empty(n)
+    dist.all_to_all_single(out, torch.full((n,), float(rank)))
+    _same(out, torch.arange(n, dtype=torch.float32), "the group's own AllToAll after them")
+    total = torch.full((2,), float(rank))
+    dist.all_reduce(total)
+    _same(total, torch.full((2,), float(n * (n - 1) // 2)), "an AllReduce on Gloo after them")
+    return errors
 
 
 def all_gather_coalesced_like_gloo() -> int:

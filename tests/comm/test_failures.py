@@ -42,7 +42,7 @@ def test_new_user_mistakes_fail_on_every_rank_at_once(fs_group):
             assert "rank 0: " in m and "got a tensor on meta" in m, m
         assert "rank 0: all_gather mixes devices meta and cpu" in messages[2]
         assert "contain a negative size" in messages[3] and "add up" not in messages[3]
-        assert "rank 0: all_to_all_single input split sizes [1.5" in messages[4], messages[4]
+        assert "rank 0: all_to_all_single input split sizes [1.0" in messages[4], messages[4]
         assert "are not all integers" in messages[4]
         assert (
             "rank 0: all_to_all_single got a negative or conjugate view as an output" in messages[5]
@@ -56,6 +56,25 @@ def test_new_user_mistakes_fail_on_every_rank_at_once(fs_group):
         )
         assert "rank 0: all_to_all_single got a Tensor whose elements are not in" in messages[10]
         assert "rank 0: all_gather_into_tensor" in messages[11], messages[11]
+
+
+def test_calls_gloo_refuses_raise_its_error_at_once_and_leave_the_group_usable(fs_group):
+    # Before, each raised after two liveness polls (1 s) and aborted the group on every rank
+    # ("allreduce on Gloo failed: ..."); a send to a rank past the group's crashed the process.
+    for errors in fs_group.run(ranks.calls_gloo_refuses, timeout_s=60):
+        assert len(errors) == 9, errors
+        assert all(seconds < 0.5 for seconds, _, _ in errors), errors
+        refused = [(kind, message) for _, kind, message in errors]
+        assert refused[0] == ("RuntimeError", "Cannot use ReduceOp.BAND with non-integral dtype")
+        assert refused[1] == refused[3] == ("RuntimeError", "Invalid scalar type")
+        assert refused[2][0] == "RuntimeError" and "can't be cast" in refused[2][1]
+        assert refused[4] == ("RuntimeError", "Cannot use ReduceOp.BOR with non-integral dtype")
+        assert refused[5][0] == "RuntimeError" and "contiguous" in refused[5][1], refused[5]
+        n = fs_group.spec.world_size
+        assert refused[6][0] == refused[7][0] == "ValueError", refused[6:]
+        assert refused[6][1].endswith(f"send to rank {n + 3}: the group's ranks are 0 to {n - 1}")
+        assert refused[7][1].endswith(f"recv from rank {n}: the group's ranks are 0 to {n - 1}")
+        assert refused[8][0] == "ValueError" and "rank -1" in refused[8][1], refused[8]
 
 
 def test_a_rank_without_ucx_fails_every_ranks_set_up_at_once():

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from freescale_comm.work import GlooHandle
+from freescale_comm.work import GlooHandle, gloo_transport_failed
 
 if TYPE_CHECKING:
     from freescale_comm.group import GroupContext
@@ -95,7 +95,7 @@ class PointToPointWork(GlooHandle):
         try:
             return self._inner.wait() if timeout is None else self._inner.wait(timeout)
         except RuntimeError as err:
-            error = self._aborted(after_gloo_failed=True)
+            error = self._aborted(after_gloo_failed=gloo_transport_failed(err))
             if error is None:
                 raise
             raise error from err

@@ -36,7 +36,7 @@ from freescale_comm.errors import FreescaleError
 from freescale_comm.group import GroupContext
 from freescale_comm.options import FreescaleOptions
 from freescale_comm.point_to_point import AnySourceReceiveWork, GlooBreaker, PointToPointWork
-from freescale_comm.work import DelegatedWork, FreescaleWork, aborted_error
+from freescale_comm.work import DelegatedWork, FreescaleWork, aborted_error, gloo_transport_failed
 
 BACKEND_NAME = "freescale"
 
@@ -296,9 +296,11 @@ class ProcessGroupFreescale(dist.ProcessGroup):
             by_input = [[output_lists[p][k] for p in range(size)] for k in range(count)]
         else:
             by_input = [list(row) for row in output_lists]
+            lengths = sorted({len(row) for row in output_lists})
             problem = (
                 f"needs one output list per rank ({size}) of one tensor per input ({count}), "
-                f"got lists of {[len(row) for row in output_lists]}"
+                f"got {len(output_lists)} list(s) of {' or '.join(map(str, lengths[:4]))}"
+                f"{' or more' if len(lengths) > 4 else ''} tensor(s)"
             )
         plan = algorithms.all_gather(
             "all_gather_coalesced",
@@ -540,12 +542,20 @@ def _point_to_point(name: str) -> Any:
     Gloo (CPU tensors), its handle's wait ends once the group is aborted. Posted before
     anything else: on a host whose cores are busy, microseconds more before a receive is posted
     made Gloo's round trips 30-50% slower."""
+    peered = name != "recv_anysource"
 
     def method(self: ProcessGroupFreescale, *args: Any, **kwargs: Any) -> Any:
+        if peered:  # c10d checks a subgroup's ranks, not the world's; Gloo crashes on them
+            peer = args[1] if len(args) > 1 else kwargs.get("dstRank", kwargs.get("srcRank"))
+            if not 0 <= peer < self.size():
+                raise ValueError(
+                    f"rank {self.rank()}: {name} {'to' if name == 'send' else 'from'} rank "
+                    f"{peer}: the group's ranks are 0 to {self.size() - 1}"
+                )
         try:
             work = getattr(self._plain, name)(*args, **kwargs)
         except RuntimeError as err:  # Gloo's pairs, failed by an abort (``point_to_point``)
-            error = aborted_error(self._ctx, name, after_gloo_failed=True)
+            error = aborted_error(self._ctx, name, after_gloo_failed=gloo_transport_failed(err))
             if error is None:
                 raise
             raise error from err

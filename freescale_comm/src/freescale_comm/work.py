@@ -19,6 +19,11 @@ if TYPE_CHECKING:
 
 # How often a wait for a Gloo collective looks whether the group was aborted meanwhile.
 _ABORT_CHECK_S = 0.1
+# What Gloo's errors of its connections say (its transport's source file, which its I/O
+# errors name; its timeout; the pairs it closed after one): errors a peer or an abort can
+# explain. Gloo's other errors refuse the call's arguments (a dtype or an op its collective
+# does not take), on every rank that made the call, and leave its connections usable.
+_GLOO_TRANSPORT_MARKS = ("gloo/transport/", "pair closure", "Connection", "Timed out")
 
 
 class FreescaleWork(dist.Work):
@@ -193,6 +198,14 @@ def aborted_error(
     )
 
 
+def gloo_transport_failed(err: BaseException) -> bool:
+    """Whether Gloo's ``err`` is a failure of its connections (a peer gone, its timeout, the
+    group's abort), rather than its refusal of the call's arguments, which it raises alike
+    on a Gloo group and leaves the group usable after."""
+    text = str(err)
+    return any(mark in text for mark in _GLOO_TRANSPORT_MARKS)
+
+
 def gloo_error(inner: dist.Work) -> BaseException | None:
     """The error of Gloo's completed ``inner`` (None: it succeeded), taken from its ``wait``:
     torch 2.11's ``Work.exception()`` raises a pybind11 ``TypeError`` instead of returning an
@@ -295,11 +308,14 @@ class DelegatedWork(GlooHandle):
             return None
         return FreescalePeerError(f"rank {self._group.rank}: {self._what} on Gloo: {departed}")
 
-    def _gloo_failure(self, err: BaseException) -> FreescaleError:
-        """The error of a collective Gloo failed with ``err``: the abort's or departure's that
-        caused it (``_aborted``), else Gloo's own (its timeout, a peer gone that liveness has
-        not judged yet): Gloo's backend is unusable after it, so the group is aborted with that
-        reason, which every peer then raises."""
+    def _gloo_failure(self, err: BaseException) -> FreescaleError | None:
+        """The error of a collective Gloo failed with ``err``: None where Gloo refused its
+        arguments (``err`` is the error to raise, as on a Gloo group, which stays usable);
+        else the abort's or departure's that caused it (``_aborted``), else Gloo's own (its
+        timeout, a peer gone that liveness has not judged yet): Gloo's backend is unusable
+        after it, so the group is aborted with that reason, which every peer then raises."""
+        if not gloo_transport_failed(err):
+            return None
         error = self._aborted(after_gloo_failed=True)
         if error is not None:
             return error
@@ -327,7 +343,7 @@ class DelegatedWork(GlooHandle):
             error = gloo_error(self._inner)
             if error is None:
                 return None
-            return self._gloo_failure(error)
+            return self._gloo_failure(error) or error
         return self._ended_by_abort() if self._aborted() is not None else None
 
     def wait(self, timeout: timedelta | None = None) -> bool:
@@ -361,7 +377,10 @@ class DelegatedWork(GlooHandle):
                     except RuntimeError as failed:
                         # Where an abort failed Gloo's pairs (``point_to_point``), its error
                         # says why; Gloo's would not.
-                        raise self._gloo_failure(failed) from failed
+                        error = self._gloo_failure(failed)
+                        if error is None:
+                            raise
+                        raise error from failed
                 error = self._aborted()
                 if error is not None:
                     raise error from err
@@ -402,7 +421,10 @@ class DelegatedWork(GlooHandle):
             try:
                 return gloo.value()
             except RuntimeError as err:
-                raise self._gloo_failure(err) from err  # the abort failed its pairs?
+                error = self._gloo_failure(err)  # the abort failed its pairs?
+                if error is None:
+                    raise
+                raise error from err
         raise self._ended_by_abort()
 
 
