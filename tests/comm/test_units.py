@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from freescale_comm import FreescaleOptions
+from freescale_comm.algorithms import _may_overlap
 from freescale_comm.cpu import cgroup_cpu_quota, usable_cores
 from freescale_comm.engine import (
     ALONE_YIELDS,
@@ -39,6 +40,29 @@ from freescale_comm.validation import (
     verdict,
     with_own_error,
 )
+
+
+def test_overlap_of_inputs_and_outputs_matches_every_pair():
+    storage = torch.zeros(64)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+
+        def views(count: int) -> list[torch.Tensor]:
+            starts = rng.integers(0, 60, count)
+            return [storage[s : s + int(rng.integers(0, 64 - s))] for s in starts]
+
+        inputs, outputs = views(int(rng.integers(0, 6))), views(int(rng.integers(0, 6)))
+        pairwise = any(
+            a.nbytes
+            and b.nbytes
+            and a.data_ptr() < b.data_ptr() + b.nbytes
+            and b.data_ptr() < a.data_ptr() + a.nbytes
+            for a in inputs
+            for b in outputs
+        )
+        assert _may_overlap(inputs, outputs) == pairwise, (inputs, outputs)
+    # A strided tensor is sent from (or received into) a copy: it overlaps nothing here.
+    assert not _may_overlap([storage[::2]], [storage[:8]])
 
 
 def test_options_from_env_and_explicit_values(monkeypatch):

@@ -547,12 +547,30 @@ def _pieces(data: Bytes, sizes: Sequence[int]) -> list[Bytes]:
     return pieces
 
 
-def _may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous tensors' bytes overlap (cheap: what ``_clashing`` then checks
-    piece by piece); a strided tensor is sent from, or received into, a copy."""
-    if not (a.is_contiguous() and b.is_contiguous()) or not (a.nbytes and b.nbytes):
-        return False
-    return a.data_ptr() < b.data_ptr() + b.nbytes and b.data_ptr() < a.data_ptr() + a.nbytes
+def _may_overlap(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> bool:
+    """Whether the bytes of a contiguous tensor of ``inputs`` overlap those of one of
+    ``outputs`` (cheap: what ``_clashing`` then checks piece by piece; a strided tensor is sent
+    from, or received into, a copy). Sorted, not pairwise: a coalesced call may pass thousands.
+    """
+
+    def spans(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+        return sorted(
+            (t.data_ptr(), t.data_ptr() + t.nbytes)
+            for t in tensors
+            if t.nbytes and t.is_contiguous()
+        )
+
+    a, b = spans(inputs), spans(outputs)
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i][0] < b[j][1] and b[j][0] < a[i][1]:
+            return True
+        # The span that ends first overlaps no later one of the other list (they start later).
+        if a[i][1] <= b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return False
 
 
 def _clashing(
@@ -656,7 +674,7 @@ def _build_all_to_all_single(
         return plan
     send = _pieces(b.source(input), send_bytes)
     recv = _pieces(b.target(output), recv_bytes)
-    if _may_overlap(input, output) and _clashing(send, recv, {(rank, rank)}):  # in place
+    if _may_overlap([input], [output]) and _clashing(send, recv, {(rank, rank)}):  # in place
         send = _pieces(b.private_source(input), send_bytes)
     _exchange(plan, rank, send, recv, sub=1)
     plan.copy_back = b.copy_back
@@ -800,7 +818,7 @@ def _gather(
     targets_per_input = [targets_of(k) for k in range(len(inputs))]
     every_target = [t for slots in targets_per_input for t in slots]
     own = {(k, k * n + rank) for k in range(len(inputs))}
-    overlaps = any(_may_overlap(tensor, output) for tensor in inputs for output in result)
+    overlaps = _may_overlap(inputs, result)
     for k in _clashing(sources, every_target, own) if overlaps else ():
         sources[k] = b.private_source(inputs[k])
     for k, (source, targets) in enumerate(zip(sources, targets_per_input, strict=True)):
@@ -859,7 +877,13 @@ def all_to_all_single(
 ) -> Plan:
     """Plan of ``all_to_all_single``: rows of dim 0 split by peer (empty splits: even)."""
     tensors = (input, output)
-    extra = (tuple(output_split_sizes), tuple(input_split_sizes))
+    try:  # as ints: 1.0 == 1 in a key, and a float split is refused (by the builder)
+        extra = (
+            tuple(map(operator.index, output_split_sizes)),
+            tuple(map(operator.index, input_split_sizes)),
+        )
+    except TypeError:
+        extra, cache = None, None
     return _planned(
         cache,
         op,

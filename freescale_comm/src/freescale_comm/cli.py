@@ -40,7 +40,8 @@ def _parser() -> Parser:
         "--hosts",
         type=int_at_least(0),
         default=0,
-        help="with --ranks: make the ranks look as if on this many hosts (FREESCALE_HOST_ID)",
+        help="with --ranks: make the ranks look as if on this many hosts (FREESCALE_HOST_ID; "
+        "0: on this host, as they are)",
     )
     what = "AllGather / AllToAll: freescale vs Gloo (CPU) or NCCL (CUDA)"
     bench = commands.add_parser("bench", help=what, description=what)
@@ -76,7 +77,10 @@ def _parser() -> Parser:
         help="comma-separated collectives to measure",
     )
     bench.add_argument(
-        "--warmup", type=int_at_least(1), default=5, help="untimed calls per backend and size"
+        "--warmup",
+        type=int_at_least(1),
+        default=5,
+        help="untimed calls per backend and size (the first one's result is checked)",
     )
     bench.add_argument(
         "--blocks",
