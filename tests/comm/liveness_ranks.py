@@ -65,7 +65,7 @@ def _loop_until_error(group: dist.ProcessGroup | None, what: str, op: str = "all
         model = _ddp_model(group)
 
         def step() -> None:
-            model(x.view(n, 64)).sum().backward()
+            _ddp_step(model, x.view(n, 64), group)
 
     elif op in ("send_recv", "recv_any"):
         rank = dist.get_rank(group)
@@ -108,6 +108,16 @@ def _loop_until_error(group: dist.ProcessGroup | None, what: str, op: str = "all
     except Exception as err:
         raise RuntimeError(f"{what} raised after {time.monotonic() - start:.1f} s: {err}") from err
     return time.monotonic() - start
+
+
+def _ddp_step(model: torch.nn.Module, x: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """One step of ``model``, whose backward waits on its AllReduce's future: Gloo's, which
+    fails with Gloo's error once the group is aborted; the error raised names the cause as
+    the group's next call does."""
+    try:
+        model(x).sum().backward()
+    except RuntimeError as err:
+        raise RuntimeError(f"{err} [next: {_error_of(lambda: dist.barrier(group))}]") from err
 
 
 def _ddp_model(group: dist.ProcessGroup | None) -> torch.nn.Module:
@@ -361,7 +371,7 @@ def store_host_stopped(
 
     def call() -> None:
         if model is not None:  # its backward waits on its allreduce's future
-            model(x.view(2, 64)).sum().backward()
+            _ddp_step(model, x.view(2, 64), group)
         elif op == "all_reduce":
             dist.all_reduce(x, group=group)
         elif op == "all_reduce_sliced":  # waited for in slices, as a caller that polls does
@@ -499,8 +509,10 @@ def leave_a_group_with_gloo_calls_pending(
     start = time.monotonic()
     if work is None:
         error = _error_of(lambda: dist.all_reduce(second, group=group))
+    elif via_future:  # Gloo's future, which fails with Gloo's error; the handle names why
+        error = f"{_error_of(work.get_future().wait)} [handle: {_error_of(work.wait)}]"
     else:
-        error = _error_of(work.get_future().wait if via_future else work.wait)
+        error = _error_of(work.wait)
     seconds = time.monotonic() - start
     dist.barrier()
     dist.destroy_process_group(group)

@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import random
+import signal
 import threading
 import time
 import weakref
@@ -699,6 +700,29 @@ def _gather_mean_hook(group, bucket):
         return gathered.view(n, -1).sum(0) * (scale / n)
 
     return first.get_future().then(gather_scaled)
+
+
+def ctrl_c_while_ddp_waits() -> str:
+    """Rank 0 runs a DDP backward and, while its reducer waits (in C++) for the AllReduce that
+    rank 1 starts only 0.6 s later, gets a SIGINT, as from Ctrl-C. Returns the type of what
+    rank 0's step raised (rank 1: "none"); both steps complete."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(torch.nn.Linear(8, 1))
+    dist.barrier()
+    if rank != 0:
+        time.sleep(0.6)
+        ddp(torch.ones(2, 8)).sum().backward()
+        return "none"
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        ddp(torch.ones(2, 8)).sum().backward()
+        time.sleep(1.0)  # where a SIGINT still pending is raised, if none was
+    except BaseException as err:  # what the user's handler would see
+        return type(err).__name__
+    return "none"
 
 
 def ddp_train(backend: str, steps: int, hook: str | None = None) -> list[float]:

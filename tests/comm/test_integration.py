@@ -148,6 +148,14 @@ def test_ddp_matches_gloo(fs_group, steps):
     assert all(r == ours[0] for r in ours)
 
 
+def test_ctrl_c_while_ddp_waits_raises_keyboard_interrupt(fs_group):
+    # DDP's reducer took the value of the Python future chained to Gloo's with Python code on
+    # the waiting thread, where the interrupt landed: it raised "RuntimeError: Cannot extract
+    # tensors from value: KeyboardInterrupt", and a handler that saves a checkpoint missed it.
+    results = fs_group.run(ranks.ctrl_c_while_ddp_waits, timeout_s=60)
+    assert results[0] == "KeyboardInterrupt" and set(results[1:]) == {"none"}, results
+
+
 def test_ddp_with_a_comm_hook_whose_callback_waits_for_a_collective_matches_gloo(fs_group):
     # (torch's PowerSGD hook, which does the same, all-reduces: Gloo's collectives, not ours.)
     ours = fs_group.run(ranks.ddp_train, "freescale", 5, "gather_mean", timeout_s=60)

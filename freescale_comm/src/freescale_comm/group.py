@@ -1193,6 +1193,18 @@ class GroupContext:
             "cannot complete"
         )
 
+    def gloo_doomed(self) -> str | None:
+        """Why a collective on Gloo that this rank started and Gloo has not completed never
+        will (a peer destroyed the group without running it: ``gloo_departure_error``), or
+        None."""
+        with self._gloo_call_lock:
+            pending = [handle for inner, handle in self._gloo_inflight if not inner.is_completed()]
+        for handle in pending:
+            departed = self.gloo_departure_error(handle.number)
+            if departed is not None:
+                return departed
+        return None
+
     def on_departure(self, hook: Callable[[], None]) -> Callable[[], None]:
         """Calls ``hook`` (on a thread of its own) each time a peer's departure is read from
         now on; returns what forgets it."""
@@ -1247,6 +1259,9 @@ class GroupContext:
         hooks: list[Callable[[], None]] = []
         if self._broken is None:
             self._broken = reason
+            # Also where no call of the group names it: Gloo's futures (DDP's) fail with
+            # Gloo's error once the abort fails its connections.
+            logger.error("freescale: rank %d: the group is aborted by %s", self.rank, reason)
             if self.outboxes is not None:  # for the peers of this host, without the store
                 self.outboxes.mark_aborted(reason)
             # Written by the liveness thread, waited for a moment (a process that exits

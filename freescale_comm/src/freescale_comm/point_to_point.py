@@ -16,6 +16,7 @@ thread or the abort, whichever comes first.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from freescale_comm.work import GlooHandle, gloo_transport_failed
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from freescale_comm.group import GroupContext
@@ -39,8 +42,9 @@ _BREAK_JOIN_S = 0.5
 
 
 class GlooBreaker:
-    """Fails every pending send and recv of a group's Gloo backend once the group is aborted:
-    it is unusable after the abort anyway, and a wait on Gloo's handle ends no other way.
+    """Fails every pending send, recv and collective of a group's Gloo backend once the group
+    is aborted, or once a peer left it without running a collective in flight there: it is
+    unusable after either anyway, and a wait on Gloo's handle or future ends no other way.
 
     Args:
         plain: the group's plain twin, whose CPU send / recv run on its Gloo backend.
@@ -51,11 +55,23 @@ class GlooBreaker:
     def __init__(self, plain: dist.ProcessGroup, contexts: int, group: GroupContext) -> None:
         self._plain = plain
         self._contexts = contexts
-        self._forget = group.on_abort(self._break_soon)
+        self._group = group
+        self._forget_abort = group.on_abort(self._break_soon)
+        self._forget_departure = group.on_departure(self._break_if_doomed)
 
     def close(self) -> None:
-        """Forgets the abort hook, which refers back to the group."""
-        self._forget()
+        """Forgets the abort and departure hooks, which refer back to the group."""
+        self._forget_abort()
+        self._forget_departure()
+
+    def _break_if_doomed(self) -> None:
+        """A departure read: where a collective on Gloo in flight can never complete, fails
+        Gloo's connections as an abort does, so that Gloo's future of it (DDP's) fails, where
+        it would wait until Gloo's timeout. The group runs no later one (``gloo_call``)."""
+        doomed = self._group.gloo_doomed()
+        if doomed is not None:
+            logger.error("freescale: rank %d: %s", self._group.rank, doomed)
+            self._break_soon()
 
     def _break_soon(self) -> None:
         """Breaks on a thread of its own, waited for at most ``_BREAK_JOIN_S``: the abort's

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from datetime import timedelta
@@ -268,11 +267,11 @@ class DelegatedWork(GlooHandle):
 
     Gloo's own wait for a peer that stopped, or that died while its neighbours in Gloo's ring
     still wait for one another, lasts until the group's timeout; here it raises a
-    ``FreescalePeerError`` naming the abort's reason within ``_ABORT_CHECK_S`` of it, and the
-    future (``get_future``; DDP's backward waits on it) a ``RuntimeError`` naming that error.
-    The future costs two Python callbacks per collective. The collective itself is not
-    cancelled: Gloo has no way to; the group is unusable after an abort anyway. Not for Gloo's
-    send and recv, whose wait with a limit fails the transfer when the limit runs out.
+    ``FreescalePeerError`` naming the abort's reason within ``_ABORT_CHECK_S`` of it; Gloo's
+    future (``get_future``; DDP's backward waits on it) fails then too, with Gloo's error,
+    since the abort fails Gloo's connections. The collective itself is not cancelled: Gloo has
+    no way to; the group is unusable after an abort anyway. Not for Gloo's send and recv,
+    whose wait with a limit fails the transfer when the limit runs out.
 
     It is completed where Gloo's is or once the group is aborted (``exception`` then names
     what ``wait`` raises), so a caller that polls it instead of waiting sees an abort too; while
@@ -288,9 +287,9 @@ class DelegatedWork(GlooHandle):
 
     def __init__(self, inner: dist.Work, group: GroupContext, what: str, number: int) -> None:
         super().__init__(inner, group, what)
-        self._number = number
-        self._future: torch.futures.Future | None = None
+        self.number = number
         self._future_lock = threading.Lock()
+        self._future_watched = False
         self._polled = False
 
     def _aborted(self, after_gloo_failed: bool = False) -> FreescalePeerError | None:
@@ -303,7 +302,7 @@ class DelegatedWork(GlooHandle):
         return super()._aborted(after_gloo_failed=True) or self._left_behind()
 
     def _left_behind(self) -> FreescalePeerError | None:
-        departed = self._group.gloo_departure_error(self._number)
+        departed = self._group.gloo_departure_error(self.number)
         if departed is None:
             return None
         return FreescalePeerError(f"rank {self._group.rank}: {self._what} on Gloo: {departed}")
@@ -386,49 +385,30 @@ class DelegatedWork(GlooHandle):
                     raise error from err
 
     def get_future(self) -> torch.futures.Future:
+        """Gloo's own future. It completes, with Gloo's error, once the group is aborted or a
+        peer left without running this collective too: their connections are failed then
+        (``point_to_point.GlooBreaker``), and this handle's ``wait`` / ``exception`` name
+        the cause. Not a Python future chained to Gloo's: a C++ waiter (DDP's reducer) takes
+        such a future's value with Python code on its own thread, where a Ctrl-C became a
+        ``RuntimeError`` instead of a ``KeyboardInterrupt``."""
+        future = self._inner.get_future()
         with self._future_lock:
-            if self._future is None:
-                # Done once Gloo's is, the group is aborted or a peer left without running
-                # it; what its ``then`` returns or raises is what C++ waiters (DDP's reducer)
-                # see: an exception set on a Python future is a value to them, which DDP's
-                # reducer crashes on.
-                trigger: torch.futures.Future = torch.futures.Future()
-                self._future = trigger.then(self._outcome)
-                forget_abort = self._group.on_abort(lambda: _set_once(trigger))
-
-                def departure_read() -> None:
-                    if self._aborted() is not None:
-                        _set_once(trigger)
-
-                forget_departure = self._group.on_departure(departure_read)
-                departure_read()  # one read before the hook was in
-                # A waiter on the future may never wait on the handle.
+            if not self._future_watched:
+                self._future_watched = True
+                # A waiter on the future may never wait on the handle (DDP's reducer).
                 key = self._group.gloo_wait_began(self._waiting_since())
+                future.add_done_callback(lambda done: self._future_done(done, key))
+        return future
 
-                def done(_: torch.futures.Future) -> None:
-                    forget_abort()
-                    forget_departure()
-                    self._group.gloo_wait_ended(key)
-                    _set_once(trigger)
-
-                self._inner.get_future().add_done_callback(done)
-            return self._future
-
-    def _outcome(self, _trigger: torch.futures.Future) -> Any:
-        """The future's value: Gloo's, or its error, or the abort's (or departure's)."""
-        gloo = self._inner.get_future()  # done before the handle says it is completed
-        if gloo.done():
-            try:
-                return gloo.value()
-            except RuntimeError as err:
-                error = self._gloo_failure(err)  # the abort failed its pairs?
-                if error is None:
-                    raise
-                raise error from err
-        raise self._ended_by_abort()
-
-
-def _set_once(future: torch.futures.Future) -> None:
-    """Completes ``future`` unless it is done (two threads may race to)."""
-    with contextlib.suppress(RuntimeError):  # "already completed"
-        future.set_result(None)
+    def _future_done(self, future: torch.futures.Future, key: int) -> None:
+        """Gloo's future is done (on the thread that completed it): the wait is over, and a
+        failure of Gloo's connections is taken up as ``wait`` takes it up (an abort on its
+        way named, or the group aborted with Gloo's error), on a thread of its own."""
+        self._group.gloo_wait_ended(key)
+        try:
+            future.value()
+        except RuntimeError as err:
+            if gloo_transport_failed(err):
+                threading.Thread(
+                    target=self._gloo_failure, args=(err,), name="freescale-comm-gloo-failed"
+                ).start()
