@@ -410,5 +410,8 @@ class DelegatedWork(GlooHandle):
         except RuntimeError as err:
             if gloo_transport_failed(err):
                 threading.Thread(
-                    target=self._gloo_failure, args=(err,), name="freescale-comm-gloo-failed"
+                    target=self._gloo_failure,
+                    args=(err,),
+                    name="freescale-comm-gloo-failed",
+                    daemon=True,  # a process on its way out need not wait for the abort
                 ).start()
