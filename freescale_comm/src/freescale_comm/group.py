@@ -148,8 +148,9 @@ class GroupContext:
         # (``work.DelegatedWork``), by a key of their own.
         self._abort_hooks: dict[int, Callable[[], None]] = {}
         self._abort_hook_keys = itertools.count()
-        # Called on a thread of their own each time a peer's departure is read: the futures
-        # of Gloo's collectives not done yet, which a peer that left may never run.
+        # Called on a thread of their own each time a peer's departure is read: the breaking
+        # of Gloo's connections where a collective in flight there can never complete
+        # (``point_to_point.GlooBreaker``), and waits for a failed Gloo call's cause.
         self._departure_hooks: dict[int, Callable[[], None]] = {}
         # The collectives run on the group's Gloo backend (``gloo_call``), numbered as Gloo
         # pairs them: in the order they reach it, under the lock.
@@ -1214,8 +1215,8 @@ class GroupContext:
         return lambda: self._departure_hooks.pop(key, None)
 
     def _departure_read(self) -> None:
-        """``Liveness.on_departure``: runs the departure hooks off the liveness thread (they
-        complete futures, whose callbacks may wait for anything)."""
+        """``Liveness.on_departure``: runs the departure hooks off the liveness thread (a
+        breaking of Gloo's connections waits for it, up to half a second: ``GlooBreaker``)."""
         with self._inflight_lock:
             hooks = list(self._departure_hooks.values())
         if not hooks:

@@ -70,8 +70,6 @@ WATCHED = 2
 _GAP_PERIODS = 4
 # Longest wait between retries of a store that keeps failing.
 _MAX_RETRY_S = 30.0
-
-
 # How long a group's shutdown waits for its liveness thread (one blocked in a store request
 # is left behind: a daemon, it ends with the request or the process).
 _STOP_WAIT_S = 1.0

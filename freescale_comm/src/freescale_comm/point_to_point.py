@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from freescale_comm.work import GlooHandle, gloo_transport_failed
+from freescale_comm.work import GlooHandle
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class PointToPointWork(GlooHandle):
         try:
             return self._inner.wait() if timeout is None else self._inner.wait(timeout)
         except RuntimeError as err:
-            error = self._aborted(after_gloo_failed=gloo_transport_failed(err))
+            error = self._aborted(err)
             if error is None:
                 raise
             raise error from err

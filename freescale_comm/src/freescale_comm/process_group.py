@@ -36,7 +36,7 @@ from freescale_comm.errors import FreescaleError
 from freescale_comm.group import GroupContext
 from freescale_comm.options import FreescaleOptions
 from freescale_comm.point_to_point import AnySourceReceiveWork, GlooBreaker, PointToPointWork
-from freescale_comm.work import DelegatedWork, FreescaleWork, aborted_error, gloo_transport_failed
+from freescale_comm.work import DelegatedWork, FreescaleWork, aborted_error
 
 BACKEND_NAME = "freescale"
 
@@ -547,15 +547,16 @@ def _point_to_point(name: str) -> Any:
     def method(self: ProcessGroupFreescale, *args: Any, **kwargs: Any) -> Any:
         if peered:  # c10d checks a subgroup's ranks, not the world's; Gloo crashes on them
             peer = args[1] if len(args) > 1 else kwargs.get("dstRank", kwargs.get("srcRank"))
-            if not 0 <= peer < self.size():
+            size = self._ctx.size
+            if not 0 <= peer < size:
                 raise ValueError(
-                    f"rank {self.rank()}: {name} {'to' if name == 'send' else 'from'} rank "
-                    f"{peer}: the group's ranks are 0 to {self.size() - 1}"
+                    f"rank {self._ctx.rank}: {name} {'to' if name == 'send' else 'from'} rank "
+                    f"{peer}: the group's ranks are 0 to {size - 1}"
                 )
         try:
             work = getattr(self._plain, name)(*args, **kwargs)
         except RuntimeError as err:  # Gloo's pairs, failed by an abort (``point_to_point``)
-            error = aborted_error(self._ctx, name, after_gloo_failed=gloo_transport_failed(err))
+            error = aborted_error(self._ctx, name, err)
             if error is None:
                 raise
             raise error from err

@@ -182,13 +182,20 @@ class FreescaleWork(dist.Work):
 
 
 def aborted_error(
-    group: GroupContext, what: str, after_gloo_failed: bool = False, before_call: bool = False
+    group: GroupContext,
+    what: str,
+    failed: BaseException | None = None,
+    before_call: bool = False,
 ) -> FreescalePeerError | None:
     """The error of ``what`` (``send``, ``all_reduce``, ...) that the group runs on Gloo, where
-    the group is aborted, or None; ``after_gloo_failed``: Gloo failed it, which an abort on
-    its way may explain (``GroupContext.broken_after_gloo_failed``); ``before_call``: the
-    abort came before the call, which is refused."""
-    reason = group.broken_after_gloo_failed() if after_gloo_failed else group.broken
+    the group is aborted, or None; ``failed``: Gloo's error of it, which an abort on its way
+    may explain where it is a failure of Gloo's connections (``gloo_transport_failed``;
+    ``GroupContext.broken_after_gloo_failed``); ``before_call``: the abort came before the
+    call, which is refused."""
+    if failed is not None and gloo_transport_failed(failed):
+        reason = group.broken_after_gloo_failed()
+    else:
+        reason = group.broken
     if reason is None:
         return None
     when = "earlier " if before_call else ""
@@ -227,8 +234,8 @@ class GlooHandle(dist.Work):
         self._what = what
         self._first_wait: float | None = None
 
-    def _aborted(self, after_gloo_failed: bool = False) -> FreescalePeerError | None:
-        return aborted_error(self._group, self._what, after_gloo_failed)
+    def _aborted(self, failed: BaseException | None = None) -> FreescalePeerError | None:
+        return aborted_error(self._group, self._what, failed)
 
     def _ended_by_abort(self) -> FreescalePeerError:
         """The error of a wait that the group's abort ended."""
@@ -292,14 +299,14 @@ class DelegatedWork(GlooHandle):
         self._future_watched = False
         self._polled = False
 
-    def _aborted(self, after_gloo_failed: bool = False) -> FreescalePeerError | None:
+    def _aborted(self, failed: BaseException | None = None) -> FreescalePeerError | None:
         """The abort's error, or else that of a peer's departure that leaves this collective
-        unfinished for good; None while neither happened. ``after_gloo_failed``: Gloo failed
-        it, and either may be on its way (``GroupContext.broken_after_gloo_failed``)."""
+        unfinished for good; None while neither happened. ``failed``: Gloo's error of it,
+        whose cause may be on its way (``aborted_error``)."""
         error = super()._aborted() or self._left_behind()
-        if error is not None or not after_gloo_failed:
-            return error
-        return super()._aborted(after_gloo_failed=True) or self._left_behind()
+        if error is None and failed is not None:
+            error = super()._aborted(failed) or self._left_behind()
+        return error
 
     def _left_behind(self) -> FreescalePeerError | None:
         departed = self._group.gloo_departure_error(self.number)
@@ -315,7 +322,7 @@ class DelegatedWork(GlooHandle):
         after it, so the group is aborted with that reason, which every peer then raises."""
         if not gloo_transport_failed(err):
             return None
-        error = self._aborted(after_gloo_failed=True)
+        error = self._aborted(err)
         if error is not None:
             return error
         reason = f"rank {self._group.rank}: {self._what} on Gloo failed: {err}"
@@ -402,16 +409,15 @@ class DelegatedWork(GlooHandle):
 
     def _future_done(self, future: torch.futures.Future, key: int) -> None:
         """Gloo's future is done (on the thread that completed it): the wait is over, and a
-        failure of Gloo's connections is taken up as ``wait`` takes it up (an abort on its
-        way named, or the group aborted with Gloo's error), on a thread of its own."""
+        failure is taken up as ``wait`` takes it up (``_gloo_failure``: an abort on its way
+        named, or the group aborted with Gloo's error), on a thread of its own."""
         self._group.gloo_wait_ended(key)
         try:
             future.value()
         except RuntimeError as err:
-            if gloo_transport_failed(err):
-                threading.Thread(
-                    target=self._gloo_failure,
-                    args=(err,),
-                    name="freescale-comm-gloo-failed",
-                    daemon=True,  # a process on its way out need not wait for the abort
-                ).start()
+            threading.Thread(
+                target=self._gloo_failure,
+                args=(err,),
+                name="freescale-comm-gloo-failed",
+                daemon=True,  # a process on its way out need not wait for the abort
+            ).start()
