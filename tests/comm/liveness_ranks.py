@@ -197,7 +197,9 @@ def dead_peer_in_one_of_two_groups(victim: int, rounds: int) -> dict[str, object
     if rank == victim:
         os._exit(9)
     if mine is second:
-        return {"error": _error_of(lambda: _loop_until_error(second, f"rank {rank}"))}
+        error = _error_of(lambda: _loop_until_error(second, f"rank {rank}"))
+        on_gloo = _error_of(lambda: dist.all_reduce(torch.ones(1), group=second))
+        return {"error": error, "on_gloo": on_gloo}
     # The first group outlives dead_after_s of the victim's silence (3 s), and keeps working.
     start = time.monotonic()
     for done in range(rounds):

@@ -616,8 +616,12 @@ def test_a_dead_peer_breaks_only_the_groups_it_is_in():
     for rank in (0, 1):
         assert results[rank]["rounds"] == 600 and results[rank]["seconds"] >= 6.0
     error = results[2]["error"]
-    # Group rank 1 of the second group is global rank 3, on this host: its exit is seen.
+    # Group rank 1 of the second group is global rank 3, on this host: its exit is seen, and
+    # the error says which world ranks the group's are.
     assert "rank 1: its process on this host" in error and "has exited" in error, error
+    assert "rank 0 of 2, world ranks 2-3)" in error, error
+    on_gloo = results[2]["on_gloo"]
+    assert on_gloo.startswith("rank 0 of group ") and " (world ranks 2-3): " in on_gloo, on_gloo
 
 
 def test_reinitialisation_from_the_same_store():

@@ -42,6 +42,22 @@ from freescale_comm.validation import (
 )
 
 
+@pytest.mark.parametrize(
+    ("ranks", "spans"),
+    [
+        ([2, 3], "2-3"),
+        ([5], "5"),
+        ([0, 2, 4], "0, 2, 4"),
+        ([3, 4, 5, 9, 1, 2], "3-5, 9, 1-2"),
+        (list(range(0, 40, 2)), "0, 2, 4, 6, 8, 10, 12, 14, ..."),
+    ],
+)
+def test_world_ranks_are_named_by_runs(ranks, spans):
+    from freescale_comm.group import rank_spans
+
+    assert rank_spans(ranks) == spans
+
+
 def test_overlap_of_inputs_and_outputs_matches_every_pair():
     storage = torch.zeros(64)
     rng = np.random.default_rng(0)

@@ -336,8 +336,7 @@ class Collective:
 
     @property
     def label(self) -> str:
-        g = self.group
-        return f"freescale {self.name} #{self.seq} (group {g.group_id}, rank {g.rank} of {g.size})"
+        return f"freescale {self.name} #{self.seq} ({self.group.where})"
 
     # ----------------------------------------------------------------- start (caller thread)
     def start(self, express: bool = False, caller_waits: bool = True) -> None:

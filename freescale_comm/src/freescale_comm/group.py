@@ -19,7 +19,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -108,6 +108,9 @@ class GroupContext:
         size: ranks in the group.
         timeout: bound on every collective of the group.
         options: how data moves.
+        invalid_options: why this rank's options were refused, if they were.
+        world_ranks: the world rank of each of the group's ranks (c10d's
+            ``global_ranks_in_group``; empty for the world group), which errors name (``who``).
     """
 
     def __init__(
@@ -119,12 +122,14 @@ class GroupContext:
         timeout: timedelta,
         options: FreescaleOptions,
         invalid_options: str | None = None,
+        world_ranks: Sequence[int] = (),
     ) -> None:
         if size > MAX_GROUP_SIZE:
             raise FreescaleError(f"groups of more than {MAX_GROUP_SIZE} ranks are not supported")
         self.store = store
         self.rank = rank
         self.size = size
+        self.world_ranks = tuple(world_ranks)
         self.timeout_s = timeout.total_seconds()
         self.options = options
         # Every header receive has this much room (see ``collective``): bounded per collective,
@@ -976,8 +981,7 @@ class GroupContext:
                 self._refuse_if_closed(op)  # ``close`` sets it under this lock
                 departed = self.departure_error(self._last_seq + 1)
                 if departed is not None:  # no number taken, no abort: every peer knows as well
-                    where = f"group {self.group_id}, rank {self.rank} of {self.size}"
-                    raise FreescalePeerError(f"freescale {op.name} ({where}): {departed}")
+                    raise FreescalePeerError(f"freescale {op.name} ({self.where}): {departed}")
                 alone = True
                 for earlier in self.inflight():
                     earlier.poll_final()  # the CUDA ones whose end event completed since
@@ -1044,8 +1048,7 @@ class GroupContext:
         progressed, and the shut-down would wait for it until the group timeout."""
         if self._closed:
             raise FreescaleError(
-                f"freescale {op.name} (group {self.group_id}, rank {self.rank}): the process "
-                "group was shut down"
+                f"freescale {op.name} ({self.where}): the process group was shut down"
             )
 
     def refuse_wait_on_engine_thread(self, what: Callable[[], str]) -> None:
@@ -1152,11 +1155,11 @@ class GroupContext:
         which Gloo took their calls, which is how it pairs them across ranks."""
         with self._gloo_call_lock:
             if self._gloo_calls_ended:
-                raise FreescaleError(f"rank {self.rank}: {what}: the process group was shut down")
+                raise FreescaleError(f"{self.who}: {what}: the process group was shut down")
             number = self._gloo_calls + 1
             departed = self.gloo_departure_error(number)
             if departed is not None:
-                raise FreescalePeerError(f"rank {self.rank}: {what} on Gloo: {departed}")
+                raise FreescalePeerError(f"{self.who}: {what} on Gloo: {departed}")
             work = call()  # a call Gloo refuses (its own argument checks) takes no number
             self._gloo_calls = number
             handle = wrap(work, number)
@@ -1229,6 +1232,31 @@ class GroupContext:
         threading.Thread(target=run, name="freescale-comm-departure", daemon=True).start()
 
     @property
+    def who(self) -> str:
+        """This rank as the errors raised to the caller name it: ``rank R``, and in a group
+        whose ranks are not the world's, ``rank R of group G (world ranks ...)``, which also
+        tells which processes the group ranks in the rest of the message are."""
+        spans = self.world_rank_spans
+        if not spans:
+            return f"rank {self.rank}"
+        return f"rank {self.rank} of group {getattr(self, 'group_id', '?')} (world ranks {spans})"
+
+    @property
+    def where(self) -> str:
+        """The group and this rank, as the labels of its collectives name them."""
+        spans = self.world_rank_spans
+        world = f", world ranks {spans}" if spans else ""
+        return f"group {self.group_id}, rank {self.rank} of {self.size}{world}"
+
+    @property
+    def world_rank_spans(self) -> str:
+        """The group's world ranks in group-rank order (``2-3, 6``), or "" where they are the
+        group's own ranks."""
+        if not self.world_ranks or self.world_ranks == tuple(range(self.size)):
+            return ""
+        return rank_spans(self.world_ranks)
+
+    @property
     def broken(self) -> str | None:
         """Why the group is unusable (its first abort), or None: later collectives raise."""
         if self._broken is not None or self.liveness is None:  # (a set-up that failed early)
@@ -1262,7 +1290,7 @@ class GroupContext:
             self._broken = reason
             # Also where no call of the group names it: Gloo's futures (DDP's) fail with
             # Gloo's error once the abort fails its connections.
-            logger.error("freescale: rank %d: the group is aborted by %s", self.rank, reason)
+            logger.error("freescale: %s: the group is aborted by %s", self.who, reason)
             if self.outboxes is not None:  # for the peers of this host, without the store
                 self.outboxes.mark_aborted(reason)
             # Written by the liveness thread, waited for a moment (a process that exits
@@ -1383,3 +1411,16 @@ def _cuda_device() -> int | None:
     if not torch.cuda.is_available():
         return None
     return torch.cuda.current_device()
+
+
+def rank_spans(ranks: Sequence[int], most: int = 8) -> str:
+    """``ranks`` in order, runs of consecutive ranks as ``first-last`` (``[2, 3, 4, 9]``:
+    ``2-4, 9``), the first ``most`` runs and an ellipsis where there are more."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    shown = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:most]]
+    return ", ".join(shown + ["..."] * (len(runs) > most))

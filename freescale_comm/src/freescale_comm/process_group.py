@@ -104,6 +104,8 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         options: how data moves (``FreescaleOptions``).
         invalid_options: why this rank's options were refused, if they were (``options`` are
             then the defaults): the set-up fails on every rank, naming this one.
+        world_ranks: the world rank of each of the group's ranks (empty for the world group),
+            which its errors name.
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         timeout: timedelta,
         options: FreescaleOptions,
         invalid_options: str | None = None,
+        world_ranks: Sequence[int] = (),
     ) -> None:
         super().__init__(rank, size)
         self.options = options
@@ -145,7 +148,9 @@ class ProcessGroupFreescale(dist.ProcessGroup):
                 group._register_backend(device, kind, backend)
             group._set_default_backend(default)
         try:
-            self._ctx = GroupContext(store, keys, rank, size, timeout, options, invalid_options)
+            self._ctx = GroupContext(
+                store, keys, rank, size, timeout, options, invalid_options, world_ranks
+            )
         except BaseException:
             for delegate in self._delegates:  # their threads would outlive the failed set-up
                 delegate.shutdown()
@@ -550,7 +555,7 @@ def _point_to_point(name: str) -> Any:
             size = self._ctx.size
             if not 0 <= peer < size:
                 raise ValueError(
-                    f"rank {self._ctx.rank}: {name} {'to' if name == 'send' else 'from'} rank "
+                    f"{self._ctx.who}: {name} {'to' if name == 'send' else 'from'} rank "
                     f"{peer}: the group's ranks are 0 to {size - 1}"
                 )
         try:
@@ -587,7 +592,7 @@ def create_process_group(backend_options: Any, pg_options: Any) -> ProcessGroupF
 
     Args:
         backend_options: c10d's ``_DistributedBackendOptions`` (store, group rank and size,
-            timeout).
+            timeout, the group's world ranks).
         pg_options: the ``pg_options`` given to ``init_process_group`` / ``new_group``: None or a
             ``FreescaleOptions``.
     """
@@ -612,4 +617,5 @@ def create_process_group(backend_options: Any, pg_options: Any) -> ProcessGroupF
         backend_options.timeout,
         options,
         invalid,
+        getattr(backend_options, "global_ranks_in_group", ()),
     )

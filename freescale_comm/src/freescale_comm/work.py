@@ -200,7 +200,7 @@ def aborted_error(
         return None
     when = "earlier " if before_call else ""
     return FreescalePeerError(
-        f"rank {group.rank}: {what} on Gloo: the group was aborted {when}by {reason}"
+        f"{group.who}: {what} on Gloo: the group was aborted {when}by {reason}"
     )
 
 
@@ -240,7 +240,7 @@ class GlooHandle(dist.Work):
     def _ended_by_abort(self) -> FreescalePeerError:
         """The error of a wait that the group's abort ended."""
         return self._aborted() or FreescalePeerError(
-            f"rank {self._group.rank}: {self._what} on Gloo: the group was aborted"
+            f"{self._group.who}: {self._what} on Gloo: the group was aborted"
         )
 
     def _waiting_since(self) -> float:
@@ -312,7 +312,7 @@ class DelegatedWork(GlooHandle):
         departed = self._group.gloo_departure_error(self.number)
         if departed is None:
             return None
-        return FreescalePeerError(f"rank {self._group.rank}: {self._what} on Gloo: {departed}")
+        return FreescalePeerError(f"{self._group.who}: {self._what} on Gloo: {departed}")
 
     def _gloo_failure(self, err: BaseException) -> FreescaleError | None:
         """The error of a collective Gloo failed with ``err``: None where Gloo refused its
@@ -325,10 +325,11 @@ class DelegatedWork(GlooHandle):
         error = self._aborted(err)
         if error is not None:
             return error
-        reason = f"rank {self._group.rank}: {self._what} on Gloo failed: {err}"
-        self._group.abort(reason)
+        failure = f"{self._what} on Gloo failed: {err}"
+        self._group.abort(f"rank {self._group.rank}: {failure}")
         timed_out = "timed out" in str(err).lower()
-        return (FreescaleTimeoutError if timed_out else FreescalePeerError)(reason)
+        error_type = FreescaleTimeoutError if timed_out else FreescalePeerError
+        return error_type(f"{self._group.who}: {failure}")
 
     def is_completed(self) -> bool:
         if self._inner.is_completed() or self._aborted() is not None:
@@ -369,7 +370,7 @@ class DelegatedWork(GlooHandle):
                 step = min(step, until - time.monotonic())
                 if step <= 0:  # (Gloo would take a wait of 0 for one without a limit)
                     raise FreescaleTimeoutError(
-                        f"rank {self._group.rank}: {self._what} on Gloo: not finished within "
+                        f"{self._group.who}: {self._what} on Gloo: not finished within "
                         f"the {limit:g} s wait"
                     )
             try:  # at least 1 ms: a timedelta that rounds to 0 would wait without a limit
