@@ -51,6 +51,7 @@ import contextlib
 import logging
 import math
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -73,6 +74,8 @@ _MAX_RETRY_S = 30.0
 # How long a group's shutdown waits for its liveness thread (one blocked in a store request
 # is left behind: a daemon, it ends with the request or the process).
 _STOP_WAIT_S = 1.0
+# Bound on a connection to the store's server before a retry (``Liveness._check_store_server``).
+_SERVER_CHECK_S = 1.0
 
 
 class Departure(NamedTuple):
@@ -177,6 +180,7 @@ class Liveness:
         self._store_down_since: float | None = None  # since the first of those failures
         self._store_failed_at = 0.0  # ... and the last one
         self._store_failures = 0  # store requests failed in a row
+        self._store_server = _server_address(store)  # asked before a retry (``tick``)
         # Same-host peers: rank -> (pid, start time), checked in /proc every poll period, on a
         # schedule of its own: no store request, so also while the store is down.
         self._processes: dict[int, tuple[int, int]] = {}
@@ -290,6 +294,8 @@ class Liveness:
             self._next_check = now + self.poll_s
             self.check_processes()
         try:
+            if self._store_failures:
+                self._check_store_server()
             if self._unwritten_abort is not None:
                 self.abort(self._unwritten_abort)
             asked = False
@@ -336,6 +342,14 @@ class Liveness:
                 handler(reason)
             except Exception:  # the liveness thread must live on
                 logger.exception("freescale: handling a failed peer raised")
+
+    def _check_store_server(self) -> None:
+        """Raises where the store's server refuses a connection: torch logs each failed
+        request with a C++ stack trace, and a store whose host is gone fails every one, so a
+        retry first asks the server's port, which logs nothing."""
+        if self._store_server is not None:
+            with socket.create_connection(self._store_server, timeout=_SERVER_CHECK_S):
+                pass
 
     def watch_processes(self, identities: dict[int, str]) -> None:
         """Also watches the processes of these peers of this host (rank -> the identity each
@@ -591,3 +605,12 @@ def _gone(pid: int, started: int) -> bool:
         return process_start_time(pid) != started
     except OSError:
         return False  # unreadable now: heartbeats decide
+
+
+def _server_address(store: Any) -> tuple[str, int] | None:
+    """The host and port of the TCP server under ``store``'s prefixes, or None (another kind
+    of store)."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    return (host, port) if isinstance(host, str) and isinstance(port, int) else None
