@@ -197,7 +197,9 @@ def test_a_set_up_whose_store_fails_first_raises_the_stores_error():
     server = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)
     )
-    keys = dist.PrefixStore("early", _client(server))
+    # A client's connection attempts last its timeout (the liveness's own connection is one).
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=3))
+    keys = dist.PrefixStore("early", client)
     del server
     with pytest.raises(RuntimeError) as raised:
         GroupContext(keys, keys, 0, 2, timedelta(seconds=5), FreescaleOptions())
