@@ -203,10 +203,15 @@ class NewGroup:
     def __init__(self, client: Any, tally: Tally, rank: int, size: int, config: Config) -> None:
         self.rank = rank
         root = Counted(client, tally)
-        # The incarnation counter (one ``add``) on the real prefix store, then the group's keys.
-        tally.add(1, 1, 32)
+        # The incarnation's exchange on the real prefix store, counted as it runs without a
+        # stale request: rank 0 waits for every request, reads them, answers each and waits
+        # for the confirmations; any other rank asks, waits for, reads and confirms its answer.
+        if rank == 0:
+            tally.add(4, 3 * (size - 1) + 1, (size - 1) * 3 * 48)
+        else:
+            tally.add(4, 4, 4 * 48)
         group_store = dist.PrefixStore(f"bench/new/{size}", client)
-        group_keys = directory.incarnation_keys(group_store, size)
+        group_keys = directory.incarnation_keys(group_store, rank, size, timedelta(seconds=600))
         keys = Counted(group_keys, tally)
         directory.start(keys, root, rank, FreescaleOptions().shared())
         # As the backend: liveness and the address lookups on a connection of the group's own.

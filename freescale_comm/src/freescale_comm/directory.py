@@ -11,25 +11,31 @@ per rank (9 for a block's first rank) whatever N, and the store reads O(N) keys 
 (every rank reading every rank's address and host at creation would be 2·N² key reads, N²·280
 bytes: 290 MB at 1,024 ranks).
 
-The keys live under an incarnation prefix: ``init_process_group`` after ``destroy`` gives the new
-group the same c10d prefix, and its ranks must not read the addresses, group id or abort key of
-the group before it. Every rank adds 1 to a counter of groups of its size under that prefix, so
-the ranks of the k-th such group (each earlier one fully set up, hence counted N times) all
-compute k.
+The keys live under an incarnation prefix: ``init_process_group`` after ``destroy``, and every
+restart of torchrun's workers, give the new group the same c10d prefix in the same store, and its
+ranks must not read the addresses, group id or abort key of a group before it. Rank 0 draws the
+incarnation at random and hands it to each rank that asks with a nonce of its own
+(``incarnation_keys``): an answer to another nonce is not this rank's, and a request rank 0 read
+before a rank made its own is answered again until every rank has confirmed. A counter of
+joins (the scheme before) desynchronised for good once one rank of an attempt died before
+joining.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import secrets
 import struct
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from freescale_comm import liveness
+from freescale_comm.errors import FreescaleError
 
 _LENGTH = struct.Struct("<I")
 # What ranks exchange after set-up (headers, outboxes, the rings' control blocks, IPC flags):
@@ -97,10 +103,64 @@ def unpack(blob: bytes) -> list[bytes]:
     return fields
 
 
-def incarnation_keys(store: Any, size: int) -> Any:
-    """The group's own keys: ``store`` under the prefix of this incarnation (module docstring)."""
-    incarnation = (store.add(f"freescale/incarnations/{size}", 1) - 1) // size
-    return dist.PrefixStore(f"freescale/{size}.{incarnation}", store)
+def incarnation_keys(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+    """The group's own keys: ``store`` under the prefix of this incarnation, which rank 0 draws
+    and every rank learns within ``timeout`` (module docstring); raises ``FreescaleError``
+    naming the ranks that never asked, or rank 0 where it never answered."""
+    if size == 1:
+        return dist.PrefixStore(f"freescale/{size}.{secrets.token_hex(8)}", store)
+    asks = [f"freescale/incarnation/{size}/ask/{r}" for r in range(1, size)]
+    if rank != 0:
+        nonce = secrets.token_hex(8)
+        store.set(asks[rank - 1], nonce)
+        answer = f"freescale/incarnation/{size}/answer/{rank}/{nonce}"
+        try:
+            store.wait([answer], timeout)
+        except Exception as err:  # torch's DistStoreError: its own timeout text
+            raise FreescaleError(
+                f"rank {rank}: no answer from rank 0 within {timeout.total_seconds():g} s: it "
+                f"did not create the group, or another rank did not join"
+            ) from err
+        incarnation = bytes(store.get(answer)).decode()
+        keys = dist.PrefixStore(f"freescale/{size}.{incarnation}", store)
+        if keys.add("confirmed", 1) == size - 1:
+            keys.set("all_confirmed", "1")
+        return keys
+    incarnation = secrets.token_hex(8)
+    keys = dist.PrefixStore(f"freescale/{size}.{incarnation}", store)
+    try:
+        store.wait(asks, timeout)
+    except Exception as err:  # torch's DistStoreError: its own timeout text
+        missing = [r for r, key in enumerate(asks, 1) if not store.check([key])]
+        raise FreescaleError(
+            f"rank 0: rank(s) {missing} did not join the group within {timeout.total_seconds():g} s"
+        ) from err
+    deadline = time.monotonic() + timeout.total_seconds()
+    answered: list[bytes | None] = [None] * len(asks)
+    pause_s = 0.001
+    while True:
+        # A request may be a dead attempt's, read before this attempt's rank made its own:
+        # each round answers those that changed since the last, until all are confirmed.
+        # Polled: a store wait that times out makes torch reconnect (a name lookup).
+        nonces = [bytes(n) for n in store.multi_get(asks)]
+        fresh = [(r, n) for r, n in enumerate(nonces, 1) if n != answered[r - 1]]
+        if fresh:
+            store.multi_set(
+                [f"freescale/incarnation/{size}/answer/{r}/{n.decode()}" for r, n in fresh],
+                [incarnation] * len(fresh),
+            )
+            for r, nonce in fresh:
+                answered[r - 1] = nonce
+        time.sleep(pause_s)
+        if keys.check(["all_confirmed"]):
+            return keys
+        if time.monotonic() >= deadline:
+            confirmed = int(keys.add("confirmed", 0))
+            raise FreescaleError(
+                f"rank 0: {size - 1 - confirmed} rank(s) did not join the group within "
+                f"{timeout.total_seconds():g} s"
+            )
+        pause_s = min(0.1, pause_s * 2)
 
 
 def start(keys: Any, root: Any, rank: int, agreement: str) -> None:

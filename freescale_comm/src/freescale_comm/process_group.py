@@ -123,8 +123,9 @@ class ProcessGroupFreescale(dist.ProcessGroup):
         self.timeout = timeout
         backend_type = dist.ProcessGroup.BackendType
         # This incarnation's keys, the delegates' too: a group made again under the same c10d
-        # prefix (init_process_group after destroy) must not read the previous one's addresses.
-        keys = directory.incarnation_keys(store, size)
+        # prefix (init_process_group after destroy, torchrun's restarts) must not read the
+        # previous one's addresses.
+        keys = directory.incarnation_keys(store, rank, size, timeout)
         gloo = dist.ProcessGroupGloo(dist.PrefixStore("freescale/gloo", keys), rank, size, timeout)
         backends: list[tuple[torch.device, Any, Any]] = [
             (torch.device("cpu"), backend_type.GLOO, gloo)
