@@ -3157,3 +3157,42 @@ def reads_at_named_addresses(threads: int) -> dict[str, Any]:
         "reads": (before[1], after[1]),
         "express": (express_before, express_after),
     }
+
+
+def fsdp_trains_as_on_gloo(steps: int) -> dict[str, Any]:
+    """FSDP (FULL_SHARD, CPU) trains a small MLP ``steps`` steps on the freescale world group
+    and on a Gloo group from the same start; FSDP frees each AllGather's output by resizing its
+    storage to 0, so the storages of a first (uncached) AllGather and AllToAll must stay
+    resizable. Returns both runs' losses and the storages' resizability."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    n = dist.get_world_size()
+    inp, out = torch.ones(n * 3), torch.empty(n * n * 3)
+    dist.all_gather_into_tensor(out, inp)
+    sent, received = torch.ones(n * 5), torch.empty(n * 5)
+    dist.all_to_all_single(received, sent)
+    resizable = [t.untyped_storage().resizable() for t in (inp, out, sent, received)]
+    gloo = dist.new_group(backend="gloo")
+    losses = {}
+    for name, group in (("freescale", None), ("gloo", gloo)):
+        torch.manual_seed(0)
+        mlp = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        model = FullyShardedDataParallel(
+            mlp,
+            process_group=group,
+            device_id=torch.device("cpu"),
+            sharding_strategy=ShardingStrategy.FULL_SHARD,
+            use_orig_params=True,
+        )
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        data = torch.Generator().manual_seed(100 + dist.get_rank())
+        losses[name] = []
+        for _ in range(steps):
+            x, y = torch.randn(8, 16, generator=data), torch.randn(8, 4, generator=data)
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[name].append(loss.item())
+    dist.destroy_process_group(gloo)
+    return {"resizable": resizable, **losses}

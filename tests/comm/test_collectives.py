@@ -115,3 +115,11 @@ def test_small_calls_run_to_their_end_in_their_call(fs_group):
     errors = [r["errors"] for r in seen]
     assert all(len(e) == 1 for e in errors) and len({e[0] for e in errors}) == 1, errors
     assert len(seen) == n
+
+
+def test_fsdp_trains_as_on_gloo(fs_group):
+    # FSDP's first backward raised "Trying to resize storage that is not resizable": the
+    # AllGather's output had been shared with numpy, which torch marks as never resizable.
+    for result in fs_group.run(ranks.fsdp_trains_as_on_gloo, 4, timeout_s=120):
+        assert result["resizable"] == [True] * 4, result
+        assert result["freescale"] == result["gloo"], result

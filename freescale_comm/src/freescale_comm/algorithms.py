@@ -353,7 +353,25 @@ def flat_bytes(tensor: torch.Tensor) -> Bytes:
     # Not ``reshape(-1)``: a one-element tensor is contiguous whatever its stride, which
     # reshape keeps, and a view as bytes needs stride 1.
     flat = tensor.as_strided((tensor.numel(),), (1,)).view(torch.uint8)
-    return flat if flat.is_cuda else flat.numpy()
+    # Not ``flat.numpy()``: torch marks a storage shared with numpy as never resizable again,
+    # and FSDP frees its AllGather's output by resizing the storage to 0.
+    return flat if flat.is_cuda else np.asarray(_HeldBytes(flat))
+
+
+class _HeldBytes:
+    """A 1-D uint8 tensor's bytes as numpy takes them (``__array_interface__``); the array's
+    base, so the tensor lives as long as the array."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.tensor = flat
+        self.__array_interface__ = {
+            "data": (flat.data_ptr(), False),
+            "shape": (flat.numel(),),
+            "typestr": "|u1",
+            "version": 3,
+        }
 
 
 def address(buffer: Bytes) -> int:
