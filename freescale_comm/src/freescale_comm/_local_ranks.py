@@ -180,6 +180,9 @@ def _rank_main(
 ) -> None:
     global _RANK, _STORE_PORT
     _RANK, _STORE_PORT = rank, port
+    # A rank that crashes (SIGSEGV in a native library) prints every thread's Python stack on
+    # stderr, which the caller captures: its report alone says only "exited with code -11".
+    faulthandler.enable(all_threads=True)
     # A forked rank inherits the fork server's environment, of when the server started: take the
     # launching process's of when this rank started instead, as a spawned rank has it.
     os.environ.clear()
