@@ -6,8 +6,9 @@ block of about sqrt(N) ranks gathers its block's entries into one key. Once ever
 (one ``wait``), a rank reads the group id and its host's list (one ``multi_get``): that is all
 set-up needs (the shared-memory rings are between ranks of one host). A peer's address is read
 only when this rank first talks to it over UCX, a block at a time, so a rank reads what its
-collectives need: two blocks for a ring, all of them for an AllToAll. Set-up makes 6 requests
-per rank (9 for a block's first rank) whatever N, and the store reads O(N) keys and bytes in all
+collectives need: two blocks for a ring, all of them for an AllToAll. Set-up makes 9 requests
+per rank (12 for a block's first rank; 4 of them learn the incarnation, below) whatever N, and
+rank 0 polls for the incarnation's confirmations, and the store reads O(N) keys and bytes in all
 (every rank reading every rank's address and host at creation would be 2·N² key reads, N²·280
 bytes: 290 MB at 1,024 ranks).
 
@@ -128,6 +129,7 @@ def incarnation_keys(store: Any, rank: int, size: int, timeout: timedelta) -> An
         return keys
     incarnation = secrets.token_hex(8)
     keys = dist.PrefixStore(f"freescale/{size}.{incarnation}", store)
+    deadline = time.monotonic() + timeout.total_seconds()
     try:
         store.wait(asks, timeout)
     except Exception as err:  # torch's DistStoreError: its own timeout text
@@ -135,7 +137,6 @@ def incarnation_keys(store: Any, rank: int, size: int, timeout: timedelta) -> An
         raise FreescaleError(
             f"rank 0: rank(s) {missing} did not join the group within {timeout.total_seconds():g} s"
         ) from err
-    deadline = time.monotonic() + timeout.total_seconds()
     answered: list[bytes | None] = [None] * len(asks)
     pause_s = 0.001
     while True:
