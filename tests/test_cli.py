@@ -17,6 +17,22 @@ def test_missing_component_names_its_package(monkeypatch, capsys):
     assert "unknown command 'nonsense'" in capsys.readouterr().err
 
 
+def test_an_interrupted_command_says_so_in_one_line(monkeypatch, capsys):
+    # Ctrl-C printed a traceback through the local ranks' launcher.
+    class Interrupted:
+        name = "comm"
+
+        def load(self):
+            def run(argv):
+                raise KeyboardInterrupt
+
+            return run
+
+    monkeypatch.setattr(_freescale_cli, "entry_points", lambda group: [Interrupted()])
+    assert _freescale_cli.main(["comm", "bench"]) == 130
+    assert capsys.readouterr().err == "freescale comm: interrupted\n"
+
+
 def test_balance_simulate_runs_from_the_installed_command(tmp_path):
     result = subprocess.run(
         [

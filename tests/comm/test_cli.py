@@ -13,6 +13,9 @@ from tests.cli_refusals import assert_refused
     ("argv", "message"),
     [
         (["--ops", "foo"], "argument --ops: unknown foo; choose from all_gather,all_to_all"),
+        # Both measured the same collective twice before.
+        (["--ops", "all_gather,,all_to_all"], "argument --ops: an empty name in"),
+        (["--ops", "all_gather,all_gather"], "argument --ops: all_gather named more than once"),
         (["--min-bytes", "5X"], "argument --min-bytes: '5X' is not a size"),
         (["--max-bytes", "2G"], "argument --max-bytes: '2G' must be from 1 byte to 1G"),
         (["--min-bytes", "1M", "--max-bytes", "4K"], "--min-bytes (1048576) exceeds --max-bytes"),
@@ -53,6 +56,10 @@ def test_bench_refuses_an_out_it_cannot_make_and_cuda_without_a_device(capsys, t
     taken.write_text("")
     message = f"--out {taken}: cannot make the folder"
     assert_refused(cli.main, ["bench", "--out", str(taken)], message, capsys)
+    # A folder that exists but takes no file (also for root): refused before the sweep, which
+    # ran to its end and then failed to write its report.
+    message = "--out /proc/self: cannot write there"
+    assert_refused(cli.main, ["bench", "--out", "/proc/self"], message, capsys)
     if not torch.cuda.is_available():
         message = "--device cuda: this machine has no CUDA device torch can use"
         assert_refused(

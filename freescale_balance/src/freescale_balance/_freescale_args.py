@@ -124,17 +124,22 @@ def byte_size_list() -> Callable[[str], tuple[int, ...]]:
 
 
 def name_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
-    """A comma-separated subset of ``choices``, at least one."""
+    """A comma-separated subset of ``choices``, at least one, each named once."""
 
     def parse(text: str) -> tuple[str, ...]:
-        names = tuple(part.strip() for part in text.split(",") if part.strip())
+        names = tuple(part.strip() for part in text.split(","))
+        if not any(names):
+            raise argparse.ArgumentTypeError(f"needs at least one of {','.join(choices)}")
+        if not all(names):
+            raise argparse.ArgumentTypeError(f"an empty name in {text!r}")
         unknown = [name for name in names if name not in choices]
         if unknown:
             raise argparse.ArgumentTypeError(
                 f"unknown {', '.join(unknown)}; choose from {','.join(choices)}"
             )
-        if not names:
-            raise argparse.ArgumentTypeError(f"needs at least one of {','.join(choices)}")
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise argparse.ArgumentTypeError(f"{', '.join(twice)} named more than once")
         return names
 
     return parse

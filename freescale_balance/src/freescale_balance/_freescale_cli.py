@@ -59,7 +59,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     name, rest = args[0], args[1:]
     if name in commands:
-        return int(commands[name].load()(rest) or 0)
+        try:
+            return int(commands[name].load()(rest) or 0)
+        except KeyboardInterrupt:  # Ctrl-C: the command has cleaned up; no traceback
+            print(f"freescale {name}: interrupted", file=sys.stderr)
+            return 130
     if name in COMPONENTS:
         print(
             f"freescale {name}: this command comes with the {COMPONENTS[name][0]} package, which "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -163,6 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         args.parser.error(f"--out {args.out}: cannot make the folder ({err.strerror})")
+    try:  # a folder that exists may still refuse files (permissions, /proc, /sys)
+        tempfile.TemporaryFile(dir=args.out).close()
+    except OSError as err:
+        args.parser.error(f"--out {args.out}: cannot write there ({err.strerror})")
     reports = []
     for world_size in args.world_sizes:
         config = BenchConfig(
