@@ -7,8 +7,8 @@ block of about sqrt(N) ranks gathers its block's entries into one key. Once ever
 set-up needs (the shared-memory rings are between ranks of one host). A peer's address is read
 only when this rank first talks to it over UCX, a block at a time, so a rank reads what its
 collectives need: two blocks for a ring, all of them for an AllToAll. Set-up makes 9 requests
-per rank (12 for a block's first rank; 4 of them learn the incarnation, below) whatever N, and
-rank 0 polls for the incarnation's confirmations, and the store reads O(N) keys and bytes in all
+per rank (12 for a block's first rank; 4 of them learn the incarnation, below) whatever N, rank
+0 also polling for the incarnation's confirmations, and the store reads O(N) keys and bytes in all
 (every rank reading every rank's address and host at creation would be 2·N² key reads, N²·280
 bytes: 290 MB at 1,024 ranks).
 
