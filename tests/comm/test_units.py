@@ -283,14 +283,37 @@ def test_local_copies_run_on_helpers_from_2_mib_and_wake_the_progressing_thread(
     assert LocalCopies(threads=1, wake=lambda: None).start([(dst, src)]) is None
 
 
+class _Clock:
+    """The ``time`` module with a ``perf_counter`` that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
 def test_a_poller_sleeps_once_its_yields_keep_finding_no_other_thread_where_ranks_outnumber_cores():
     from freescale_comm import engine
 
     assert alone_yields(host_ranks=4, cores=2) == ALONE_YIELDS
     assert alone_yields(host_ranks=2, cores=2) == 0  # a core per rank: polling alone is the plan
+    # A yield that returns at once, and one another thread's turn delays, on a clock of the
+    # test's own: on the real clock a busy CI machine delayed an "alone" yield now and then.
+    clock = _Clock()
+
+    def shared() -> None:
+        clock.now += 1e-3
+
     results = {}
-    for name, yields in (("alone", lambda: None), ("shared", lambda: time.sleep(1e-4))):
-        with mock.patch.object(engine.os, "sched_yield", yields):
+    for name, yields in (("alone", lambda: None), ("shared", shared)):
+        with (
+            mock.patch.object(engine.os, "sched_yield", yields),
+            mock.patch.object(engine, "time", clock),
+        ):
             results[name] = [engine.yield_core(ALONE_YIELDS) for _ in range(2 * ALONE_YIELDS)]
             results[name + " no limit"] = all(engine.yield_core(0) for _ in range(ALONE_YIELDS))
     # Alone: told to sleep at the limit, then counted again from zero.
