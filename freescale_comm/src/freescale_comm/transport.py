@@ -160,7 +160,10 @@ class Transport:
         with self._ep_lock:
             endpoints, self._endpoints = list(self._endpoints.values()), {}
         for endpoint in endpoints:
-            # One attempt, no period: a peer that is gone must not hold the shutdown.
+            # ucxx bounds a close by ``period`` and ``max_attempts`` only on a worker with its
+            # own progress thread, which this one has not: it progresses the worker until UCX
+            # completes the close. Once (a CI run) that took longer than 37 s while the peer
+            # across a pretend host idled in a Gloo barrier, its engine not progressing UCX.
             endpoint.close_blocking(period=0, max_attempts=1)
         del endpoints
         self._epoll.close()
