@@ -32,7 +32,13 @@ from freescale_comm.engine import Engine, alone_yields, idle_poll_s
 from freescale_comm.errors import FreescaleError, FreescalePeerError, FreescaleValidationError
 from freescale_comm.futures import CallbackRunner
 from freescale_comm.huge_pages import huge_pages
-from freescale_comm.liveness import Departure, Liveness, own_connection, process_identity
+from freescale_comm.liveness import (
+    Departure,
+    Liveness,
+    own_connection,
+    process_identity,
+    root_store,
+)
 from freescale_comm.local_copies import INLINE_READ_BYTES, LocalCopies, helper_threads
 from freescale_comm.options import EVERY_SIZE, READ_ABOVE_BYTES, FreescaleOptions
 from freescale_comm.transport import MAX_GROUP_SIZE, SEQ_BITS, SUB_BITS, Transport, make_tag
@@ -55,13 +61,6 @@ _EARLY_BYTES = 1 << 20
 # How long an abort waits for its key to be in the store (a healthy store takes milliseconds):
 # bounded, since the store's host may be the stopped process.
 _ABORT_WRITE_WAIT_S = 1.0
-
-
-def root_store(store: dist.Store) -> dist.Store:
-    """The store under every ``PrefixStore`` layer: the one all groups of the job share."""
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store
 
 
 class _SealedDeadlines:
@@ -129,7 +128,10 @@ class GroupContext:
         self.store = store
         self.rank = rank
         self.size = size
-        self.world_ranks = tuple(world_ranks)
+        # The group's world ranks in group-rank order (``2-3, 6``), or "" where they are its
+        # own ranks: named by its errors (``who``, ``where``).
+        ranks = tuple(world_ranks)
+        self.world_rank_spans = "" if ranks in ((), tuple(range(size))) else rank_spans(ranks)
         self.timeout_s = timeout.total_seconds()
         self.options = options
         # Every header receive has this much room (see ``collective``): bounded per collective,
@@ -1247,14 +1249,6 @@ class GroupContext:
         spans = self.world_rank_spans
         world = f", world ranks {spans}" if spans else ""
         return f"group {self.group_id}, rank {self.rank} of {self.size}{world}"
-
-    @property
-    def world_rank_spans(self) -> str:
-        """The group's world ranks in group-rank order (``2-3, 6``), or "" where they are the
-        group's own ranks."""
-        if not self.world_ranks or self.world_ranks == tuple(range(self.size)):
-            return ""
-        return rank_spans(self.world_ranks)
 
     @property
     def broken(self) -> str | None:

@@ -57,6 +57,8 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import torch.distributed as dist
+
 logger = logging.getLogger(__name__)
 
 ABORT_KEY = "abort"
@@ -607,10 +609,16 @@ def _gone(pid: int, started: int) -> bool:
         return False  # unreadable now: heartbeats decide
 
 
+def root_store(store: Any) -> Any:
+    """The store under every ``PrefixStore`` layer: the one all groups of the job share."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
 def _server_address(store: Any) -> tuple[str, int] | None:
     """The host and port of the TCP server under ``store``'s prefixes, or None (another kind
     of store)."""
-    while hasattr(store, "underlying_store"):
-        store = store.underlying_store
-    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    root = root_store(store)
+    host, port = getattr(root, "host", None), getattr(root, "port", None)
     return (host, port) if isinstance(host, str) and isinstance(port, int) else None

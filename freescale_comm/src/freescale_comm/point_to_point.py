@@ -70,7 +70,7 @@ class GlooBreaker:
         it would wait until Gloo's timeout. The group runs no later one (``gloo_call``)."""
         doomed = self._group.gloo_doomed()
         if doomed is not None:
-            logger.error("freescale: rank %d: %s", self._group.rank, doomed)
+            logger.error("freescale: %s: %s", self._group.who, doomed)
             self._break_soon()
 
     def _break_soon(self) -> None:
