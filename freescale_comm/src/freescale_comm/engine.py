@@ -13,9 +13,10 @@ peer's message that comes within that window is seen without a wake-up), unless 
 helper or reader threads have work (``local_copies.helpers_busy``): they need the GIL, which a
 polling thread takes back before they get it, so it sleeps at once. Where ranks outnumber
 cores it also sleeps once its yields keep finding no other thread ready on its core
-(``yield_core``). While no collective is
-in flight it sleeps on a condition. In flight or not, it runs each group's periodic watches when
-due (the deadlines of collectives left to their CUDA end event, ``group``). A collective's
+(``yield_core``). While no collective is in flight it sleeps on a condition, and progresses the
+worker once at each wake (``_IDLE_WAKE_S`` apart at most): a peer's endpoint close may wait for
+this worker's acknowledgement. In flight or not, it runs each group's periodic watches when due
+(the deadlines of collectives left to their CUDA end event, ``group``). A collective's
 health check only reads what the group's liveness thread last found (``liveness``): no store
 request is made here.
 
@@ -62,6 +63,8 @@ _HEALTH_PERIOD_S = 0.05
 # A claimed collective nobody drives for this long goes to the engine thread (a safety net: the
 # claim is made only for calls whose caller waits at once, or by a wait that takes it back).
 _CLAIM_GRACE_S = 0.05
+# The longest sleep of an idle engine: each wake progresses the worker once (``_run``).
+_IDLE_WAKE_S = 0.25
 # How long a thread that yields its core when idle (``idle_wait="yield"``, and ``auto`` where
 # ranks outnumber cores) keeps polling without progress before it sleeps in the epoll: long
 # enough for the peers of a collective in flight to answer (and to take their turn where ranks
@@ -362,19 +365,20 @@ class Engine:
         self._transport.wait_event(_EPOLL_MS)
 
     def _idle_wait(self) -> None:
-        """Sleeps on the condition (lock held) until an op, a liveness tick, a stop or an
-        undriven claim."""
-        while not self._ops and not self._stopping:
-            now = time.monotonic()
-            wake = min((w.next_due for w in self._watches), default=now + 1.0)
-            if self._claimed is not None and self._driver is None:
-                if now >= self._claimed_at + _CLAIM_GRACE_S:
-                    self._ops.append(self._claimed)
-                    self._claimed = None
-                    return
-                wake = min(wake, self._claimed_at + _CLAIM_GRACE_S)
-            if wake <= now:
+        """Sleeps on the condition (lock held) until an op, a liveness tick, a stop, an
+        undriven claim or ``_IDLE_WAKE_S``."""
+        if self._ops or self._stopping:
+            return
+        now = time.monotonic()
+        wake = min((w.next_due for w in self._watches), default=now + _IDLE_WAKE_S)
+        wake = min(wake, now + _IDLE_WAKE_S)
+        if self._claimed is not None and self._driver is None:
+            if now >= self._claimed_at + _CLAIM_GRACE_S:
+                self._ops.append(self._claimed)
+                self._claimed = None
                 return
+            wake = min(wake, self._claimed_at + _CLAIM_GRACE_S)
+        if wake > now:
             self._cond.wait(wake - now)
 
     def _run(self) -> None:
@@ -399,10 +403,15 @@ class Engine:
                     return
                 ops = list(self._ops)
                 self._stepping = bool(ops)
+                undriven = self._claimed is None
             now = time.monotonic()
             self._tick(now)
             if not ops:
                 waited_for = []  # an op that comes back (a wait took it back) starts a new wait
+                if undriven:
+                    # A peer's endpoint close (or a send of a finished collective) may wait
+                    # for this worker's acknowledgement, which it sends only when progressed.
+                    self._transport.progress()
                 continue
             if ops != waited_for:  # a new op: a wait that starts now
                 waited_for, idle_since = ops, now

@@ -13,19 +13,27 @@ does at its own import through the ``torch.backends`` entry point) stays cheap.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import threading
+import time
 from typing import Any
 
 from freescale_comm.errors import FreescaleError
 from freescale_comm.options import HOST_ENV
+
+logger = logging.getLogger(__name__)
 
 # Tag layout (64 bits): group id | sequence number | source group rank | chunk.
 GROUP_BITS, SEQ_BITS, SRC_BITS, SUB_BITS = 16, 20, 12, 16
 MAX_GROUP_SIZE = 1 << SRC_BITS
 MAX_SUB = (1 << SUB_BITS) - 1
 _FULL_MASK = (1 << 64) - 1
+# How long a release waits for its endpoints to close. A close flushes what the endpoint still
+# sends, which may need the peer's acknowledgement; a live peer's engine progresses UCX every
+# quarter of a second even while idle (``engine``), a dead or stopped one never does.
+CLOSE_S = 3.0
 
 _UCXX_MISSING = (
     "the freescale backend needs ucxx (UCX for Python), which is not installed. Install it with "
@@ -159,12 +167,14 @@ class Transport:
             Transport._instance = None
         with self._ep_lock:
             endpoints, self._endpoints = list(self._endpoints.values()), {}
-        for endpoint in endpoints:
-            # ucxx bounds a close by ``period`` and ``max_attempts`` only on a worker with its
-            # own progress thread, which this one has not: it progresses the worker until UCX
-            # completes the close. Once (a CI run) that took longer than 37 s while the peer
-            # across a pretend host idled in a Gloo barrier, its engine not progressing UCX.
-            endpoint.close_blocking(period=0, max_attempts=1)
+        unclosed = self._close(endpoints)
+        if unclosed:
+            logger.warning(
+                "freescale: %d UCX endpoint(s) did not close within %.0f s (a peer that does not "
+                "progress UCX: dead, stopped or stuck); they are dropped",
+                unclosed,
+                CLOSE_S,
+            )
         del endpoints
         self._epoll.close()
         with self._wake_lock:  # a late wake (a helper thread's, a CUDA watcher's) finds it gone
@@ -172,6 +182,22 @@ class Transport:
             self._wake_fd = -1
         self.worker = None
         self.context = None
+
+    def _close(self, endpoints: list[Any]) -> int:
+        """Closes ``endpoints``, progressing the worker for at most ``CLOSE_S``; returns how
+        many did not close in time.
+
+        ucxx's ``close_blocking`` bounds a close only on a worker with a progress thread of its
+        own, which this one has not: it would wait for the peer for ever.
+        """
+        requests = [endpoint.close() for endpoint in endpoints]
+        deadline = time.monotonic() + CLOSE_S
+        while True:
+            requests = [request for request in requests if not request.completed]
+            if not requests or time.monotonic() >= deadline:
+                return len(requests)
+            self.worker.progress()
+            time.sleep(0.001)
 
     def endpoint(self, address: bytes) -> Any:
         """The endpoint to the worker at ``address``, created on first use and then cached.
