@@ -42,14 +42,18 @@ print("rounds", rounds)
 """
 
 
-def test_cancelling_while_another_thread_progresses_does_not_deadlock():
+def _run_child(script: str) -> subprocess.CompletedProcess[str]:
+    """Runs ``script`` in a Python process of its own (the transport is one per process); it
+    must exit with status 0 within a minute."""
     child = subprocess.run(
-        [sys.executable, "-c", _CANCEL_WHILE_PROGRESSING],
-        capture_output=True,
-        text=True,
-        timeout=60,
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
     )
     assert child.returncode == 0, child.stderr
+    return child
+
+
+def test_cancelling_while_another_thread_progresses_does_not_deadlock():
+    child = _run_child(_CANCEL_WHILE_PROGRESSING)
     rounds = int(child.stdout.split()[-1])
     assert rounds >= 1000, f"only {rounds} rounds: too few to have raced the progress thread"
 
@@ -92,13 +96,7 @@ print("released after", time.monotonic() - start)
 def test_a_release_beside_a_peer_that_never_progresses_ends_within_its_bound():
     from freescale_comm.transport import CLOSE_S
 
-    child = subprocess.run(
-        [sys.executable, "-c", _RELEASE_BESIDE_A_SILENT_PEER],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert child.returncode == 0, child.stderr
+    child = _run_child(_RELEASE_BESIDE_A_SILENT_PEER)
     seconds = float(child.stdout.split()[-1])
     assert CLOSE_S <= seconds < CLOSE_S + 2.0, seconds
     assert "1 UCX endpoint(s) did not close within 3 s" in child.stderr, child.stderr
@@ -136,13 +134,7 @@ transport.release()
 
 
 def test_an_idle_engine_progresses_ucx_for_its_peers():
-    child = subprocess.run(
-        [sys.executable, "-c", _PEER_OF_AN_IDLE_ENGINE],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert child.returncode == 0, child.stderr
+    child = _run_child(_PEER_OF_AN_IDLE_ENGINE)
     send_done, receive_done, smallest, seconds = child.stdout.split()
     assert (send_done, receive_done, smallest) == ("True", "True", "1"), child.stdout
     assert float(seconds) < 2.0, seconds  # two wakes of the idle engine (0.25 s apart) do it
