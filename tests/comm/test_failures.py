@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -417,3 +421,63 @@ def test_a_timeout_set_on_the_group_later_bounds_its_own_collectives(local_group
     assert rank0["raised"] == "ok", rank0
     assert rank0["lowered"].startswith("FreescaleTimeoutError after"), rank0
     assert float(rank0["lowered"].split()[2]) < 4, rank0
+
+
+_EXIT_AFTER_A_PEER_DIED = """
+import os, signal, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("freescale")
+rank, size = dist.get_rank(), dist.get_world_size()
+out, sent = torch.empty(1024 * size), torch.arange(1024.0 * size)
+for _ in range(20):
+    dist.all_to_all_single(out, sent)
+dist.barrier()
+if rank == 1:
+    time.sleep(0.3)  # its peers are in their AllToAlls by then
+    os.kill(os.getpid(), signal.SIGKILL)
+try:
+    while True:
+        dist.all_to_all_single(out, sent)
+except Exception as error:
+    print(f"rank {rank} raised {type(error).__name__}", flush=True)
+    sys.exit(3)  # the process exits with the error, its group never destroyed
+"""
+
+
+def test_a_survivor_that_exits_right_after_a_peer_died_exits_with_its_own_status(tmp_path):
+    # The abort's error was raised while a thread still broke Gloo's connections inside
+    # Gloo's wait; the interpreter ended that thread as it took the GIL back, through
+    # pybind11's noexcept GIL guard: std::terminate, SIGABRT in 20 of 21 runs of 3 ranks.
+    script = tmp_path / "rank.py"
+    script.write_text(_EXIT_AFTER_A_PEER_DIED)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    size = 3
+    env = {**os.environ, **FAST_FAILURE_ENV, "WORLD_SIZE": str(size)}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in range(size)
+    ]
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=60)[0])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    codes = [process.returncode for process in processes]
+    assert codes == [3, -signal.SIGKILL, 3], (codes, outputs)
+    for rank in (0, 2):
+        assert f"rank {rank} raised FreescalePeerError" in outputs[rank], outputs[rank]
+        assert "terminate called" not in outputs[rank], outputs[rank]

@@ -15,9 +15,11 @@ thread or the abort, whichever comes first.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +41,28 @@ _BREAK_WAIT = timedelta(milliseconds=1)
 # (``TORCH_GLOO_LAZY_INIT``), a receive from a stopped peer never connected to waits for its
 # connection until Gloo's timeout, on the breaker's thread alone.
 _BREAK_JOIN_S = 0.5
+
+# The breakers running now. A thread still inside Gloo's wait when the interpreter finalizes is
+# ended as it takes the GIL back (``pthread_exit``), through the noexcept destructor of
+# pybind11's GIL guard: ``std::terminate``, so a process that exits right after the abort's
+# error died of SIGABRT (2 of 3 ranks in most runs) instead of exiting with its status. At exit
+# the breakers start no further probe and are waited for (``_settle_breakers``).
+_breakers: set[threading.Thread] = set()
+_breakers_lock = threading.Lock()
+_exiting = False
+
+
+def _settle_breakers() -> None:
+    global _exiting
+    with _breakers_lock:
+        _exiting = True
+        running = list(_breakers)
+    deadline = time.monotonic() + _BREAK_JOIN_S
+    for breaker in running:
+        breaker.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_settle_breakers)
 
 
 class GlooBreaker:
@@ -77,21 +101,33 @@ class GlooBreaker:
         """Breaks on a thread of its own, waited for at most ``_BREAK_JOIN_S``: the abort's
         later hooks and the liveness thread must not wait for a connection."""
         breaker = threading.Thread(target=self._break, name="freescale-comm-break", daemon=True)
-        breaker.start()
+        with _breakers_lock:  # held until started: ``_settle_breakers`` joins only those
+            if _exiting:
+                return
+            _breakers.add(breaker)
+            breaker.start()
         breaker.join(_BREAK_JOIN_S)
 
     def _break(self) -> None:
         rank, size = self._plain.rank(), self._plain.size()
-        for context in range(self._contexts):
-            # A receive from a peer whose connection is closed (one that failed its own pairs
-            # first) fails at once, without the timeout that fails the others: each peer in
-            # turn. Once one timed out, every later receive of that context fails at once.
-            for step in range(1, size):
-                with contextlib.suppress(RuntimeError):
-                    probe = self._plain.recv(
-                        [torch.empty(1)], (rank + step) % size, _BREAK_TAG - context
-                    )
-                    probe.wait(_BREAK_WAIT)
+        try:
+            for context in range(self._contexts):
+                # A receive from a peer whose connection is closed (one that failed its own
+                # pairs first) fails at once, without the timeout that fails the others: each
+                # peer in turn. Once one timed out, every later receive of that context fails
+                # at once.
+                for step in range(1, size):
+                    if _exiting:
+                        return
+                    self._probe(context, (rank + step) % size)
+        finally:
+            with _breakers_lock:
+                _breakers.discard(threading.current_thread())
+
+    def _probe(self, context: int, peer: int) -> None:
+        with contextlib.suppress(RuntimeError):
+            probe = self._plain.recv([torch.empty(1)], peer, _BREAK_TAG - context)
+            probe.wait(_BREAK_WAIT)
 
 
 class PointToPointWork(GlooHandle):
