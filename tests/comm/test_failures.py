@@ -426,6 +426,7 @@ def test_a_timeout_set_on_the_group_later_bounds_its_own_collectives(local_group
 _EXIT_AFTER_A_PEER_DIED = """
 import os, signal, sys, time
 import torch, torch.distributed as dist
+import freescale_comm  # noqa: F401  (where it is on the path, not installed: no entry point)
 dist.init_process_group("freescale")
 rank, size = dist.get_rank(), dist.get_world_size()
 out, sent = torch.empty(1024 * size), torch.arange(1024.0 * size)
