@@ -16,11 +16,24 @@ Example::
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from freescale_comm._local_ranks import GroupSpec, LocalGroup, RankFailure, run_ranks
 
-__all__ = ["GroupSpec", "LocalGroup", "LocalGroups", "RankFailure", "run_ranks"]
+__all__ = [
+    "GroupSpec",
+    "LocalGroup",
+    "LocalGroups",
+    "RankFailure",
+    "free_port",
+    "run_ranks",
+    "run_sessions",
+]
 
 
 class LocalGroups:
@@ -61,3 +74,41 @@ def reads_allowed() -> bool:
             return int(f.read()) <= 1
     except (OSError, ValueError):
         return True
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a launcher's store)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_sessions(
+    commands: Sequence[tuple[Sequence[str], Mapping[str, str] | None]], timeout_s: float
+) -> list[tuple[int, str]]:
+    """Runs each (command, environment) in a process session of its own, all at once; returns
+    each one's exit status and merged stdout and stderr, waited for within ``timeout_s`` each.
+    The sessions still running then are killed (torchrun's workers, a rank's children)."""
+    processes = [
+        subprocess.Popen(
+            list(command),
+            env=None if env is None else dict(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for command, env in commands
+    ]
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=timeout_s)[0])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    return [
+        (process.returncode, output) for process, output in zip(processes, outputs, strict=True)
+    ]

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
-import subprocess
 import sys
 import time
 
@@ -14,7 +12,15 @@ import pytest
 
 from tests.comm import ranks
 from tests.comm.conftest import FAST_FAILURE_ENV, SETUP
-from tests.harness import GroupSpec, LocalGroup, RankFailure, reads_allowed, run_ranks
+from tests.harness import (
+    GroupSpec,
+    LocalGroup,
+    RankFailure,
+    free_port,
+    reads_allowed,
+    run_ranks,
+    run_sessions,
+)
 from tests.xdist_groups import GLOO_GROUPS
 
 
@@ -451,33 +457,14 @@ def test_a_survivor_that_exits_right_after_a_peer_died_exits_with_its_own_status
     # pybind11's noexcept GIL guard: std::terminate, SIGABRT in 20 of 21 runs of 3 ranks.
     script = tmp_path / "rank.py"
     script.write_text(_EXIT_AFTER_A_PEER_DIED)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     size = 3
     env = {**os.environ, **FAST_FAILURE_ENV, "WORLD_SIZE": str(size)}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    processes = [
-        subprocess.Popen(
-            [sys.executable, str(script)],
-            env={**env, "RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for rank in range(size)
-    ]
-    outputs = []
-    try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=60)[0])
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-    codes = [process.returncode for process in processes]
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    finished = run_sessions(
+        [([sys.executable, str(script)], {**env, "RANK": str(rank)}) for rank in range(size)],
+        timeout_s=60,
+    )
+    codes, outputs = [status for status, _ in finished], [output for _, output in finished]
     assert codes == [3, -signal.SIGKILL, 3], (codes, outputs)
     for rank in (0, 2):
         assert f"rank {rank} raised FreescalePeerError" in outputs[rank], outputs[rank]

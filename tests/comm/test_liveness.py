@@ -8,11 +8,8 @@ worth of them on threads; the multi-process tests use real ranks over UCX. The s
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +24,7 @@ from freescale_comm import directory, liveness
 from freescale_comm.liveness import Departure
 from tests.comm import liveness_ranks
 from tests.comm.conftest import FAST_FAILURE_ENV, SETUP
-from tests.harness import GroupSpec, LocalGroup, RankFailure, run_ranks
+from tests.harness import GroupSpec, LocalGroup, RankFailure, free_port, run_ranks, run_sessions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -705,25 +702,13 @@ def test_torchrun_restarts_workers_after_one_died_before_joining(tmp_path, dies)
     # one rank of an attempt never joined), where plain Gloo's restart worked.
     script = tmp_path / "worker.py"
     script.write_text(_RESTARTED_WORKER)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--max-restarts", "1", "--master-addr", "127.0.0.1", f"--master-port={port}",
+        "--max-restarts", "1", "--master-addr", "127.0.0.1", f"--master-port={free_port()}",
         str(script), str(dies),
     ]  # fmt: skip
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    assert process.returncode == 0, output[-4000:]
+    ((status, output),) = run_sessions([(command, None)], timeout_s=120)
+    assert status == 0, output[-4000:]
     for rank in (0, 1):
         assert f"attempt 1 rank {rank}: [2.0, 2.0] [0.0, 1.0]" in output, output[-4000:]
 

@@ -370,8 +370,7 @@ class Engine:
         if self._ops or self._stopping:
             return
         now = time.monotonic()
-        wake = min((w.next_due for w in self._watches), default=now + _IDLE_WAKE_S)
-        wake = min(wake, now + _IDLE_WAKE_S)
+        wake = min([now + _IDLE_WAKE_S, *(w.next_due for w in self._watches)])
         if self._claimed is not None and self._driver is None:
             if now >= self._claimed_at + _CLAIM_GRACE_S:
                 self._ops.append(self._claimed)
